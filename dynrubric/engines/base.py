@@ -1,0 +1,91 @@
+"""The one interface everything that talks to a language model goes through.
+
+Policy sampling, rubric generation, verification and serving all use `Engine`. Prompts are plain
+text with the chat template already applied (`Engine.render_chat`), so the same prompt string means
+the same tokens on every implementation.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    n: int = 1  # completions per request
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    logprobs: bool = False  # return the logprob of each sampled token
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: Literal["stop", "length"]
+    logprobs: tuple[float, ...] | None = None  # one per token in token_ids, when asked for
+
+
+class Engine(abc.ABC):
+    """A language model behind `generate`, `score_next_token` and `load_weights`."""
+
+    #: which weights the engine serves: a registry version id, or the model's name before any reload
+    policy_version: str
+
+    @property
+    @abc.abstractmethod
+    def tokenizer(self) -> Any:
+        """The model's Hugging Face tokenizer (chat template, token budgets)."""
+
+    def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def candidate_token_ids(self, candidates: Sequence[str]) -> dict[str, int]:
+        """The first token of each candidate string (" Yes" -> its id)."""
+        out: dict[str, int] = {}
+        for c in candidates:
+            ids = self.tokenizer.encode(c, add_special_tokens=False)
+            if not ids:
+                raise ValueError(f"candidate {c!r} encodes to no tokens")
+            out[c] = ids[0]
+        return out
+
+    @abc.abstractmethod
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Completion]]:
+        """One list of `params.n` completions per request, in request order."""
+
+    @abc.abstractmethod
+    def score_next_token(self, prompts: Sequence[str], candidates: Sequence[str]) -> list[dict[str, float]]:
+        """For each prompt, the log-probability of each candidate as the very next token.
+
+        One batched call. Prompts that share a prefix have it computed once where the engine can.
+        Each candidate is scored by its first token (`candidate_token_ids`).
+        """
+
+    @abc.abstractmethod
+    def load_weights(self, path: Path, version: str) -> None:
+        """Swap in the weights saved (HF safetensors) under `path`, now serving `version`."""
+
+    def close(self) -> None:  # noqa: B027 - engines without resources need nothing
+        """Release processes, sessions and memory."""
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

