@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 
 from dynrubric.errors import DynrubricError
+from dynrubric.monitor import app as monitor_app
 
 app = typer.Typer(
     name="dynrubric",
@@ -25,6 +26,7 @@ models_app = typer.Typer(help="The local model cache.", no_args_is_help=True)
 config_app = typer.Typer(help="The validated configuration.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 app.add_typer(config_app, name="config")
+app.add_typer(monitor_app, name="monitor")
 
 console = Console()
 err_console = Console(stderr=True)
