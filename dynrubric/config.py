@@ -118,8 +118,8 @@ class GateConfig(Section):
 class MonitoringConfig(Section):
     """`dynrubric monitor up`: a local Prometheus on loopback scraping the local services.
 
-    Every config section with `host` and `port` (or `metrics_port`) is scraped as job
-    `dynrubric-<section>`; `targets` adds more jobs (job name -> ["host:port", ...])."""
+    The local services are scraped at the ports their sections name (dynrubric/monitor.py,
+    LOCAL_SERVICES); `targets` adds more jobs (job name -> ["host:port", ...])."""
 
     prometheus_host: str = Field(default="127.0.0.1", description="listen address of the local Prometheus")
     prometheus_port: int = Field(

@@ -1,9 +1,8 @@
 """`dynrubric monitor`: a local Prometheus (Debian's binary) on loopback, scraping the local services
 with the project's recording and alerting rules from `monitoring/rules/`.
 
-The scrape config is rendered from the settings, never hand-written: every config section that has a
-`host` and a `port` (or `metrics_port`) is a job `dynrubric-<section>` (`reward_server` ->
-`dynrubric-reward-server`, the job names the rules and dashboards expect), plus `monitoring.targets`.
+The scrape config is rendered from the settings, never hand-written: each local service whose port
+the config names (LOCAL_SERVICES) is a job, plus any extra jobs in `monitoring.targets`.
 """
 
 from __future__ import annotations
@@ -42,16 +41,28 @@ def rule_files(monitoring_dir: Path = MONITORING_DIR) -> list[Path]:
     return files
 
 
+# job -> (config section, port field). Fields a section does not have (yet) are skipped, so a service
+# is scraped as soon as its config names a port. Job names match the k8s Services and the rules.
+LOCAL_SERVICES = {
+    "dynrubric-reward-server": ("reward_server", "port"),
+    "dynrubric-router": ("serving", "port"),
+    "dynrubric-fleet": ("serving", "fleet_port"),
+    "dynrubric-rollout": ("rollout", "port"),
+    "dynrubric-ingest": ("ingest", "metrics_port"),
+    "dynrubric-trainer": ("train", "metrics_port"),
+}
+
+
 def local_targets(settings) -> dict[str, list[str]]:
     """Scrape jobs of the local services: job name -> ["host:port", ...]."""
     jobs: dict[str, list[str]] = {}
-    for name in type(settings).model_fields:
-        section = getattr(settings, name)
-        host = getattr(section, "host", None)
-        port = getattr(section, "metrics_port", None) or getattr(section, "port", None)
-        if name == "monitoring" or not isinstance(host, str) or not isinstance(port, int) or port == 0:
+    for job, (section_name, field) in LOCAL_SERVICES.items():
+        section = getattr(settings, section_name, None)
+        port = getattr(section, field, None)
+        if not isinstance(port, int) or isinstance(port, bool) or port == 0:
             continue
-        jobs[f"dynrubric-{name.replace('_', '-')}"] = [f"{host}:{port}"]
+        host = getattr(section, "host", None) or getattr(getattr(settings, "serving", None), "host", None)
+        jobs[job] = [f"{host if isinstance(host, str) else '127.0.0.1'}:{port}"]
     for job, addresses in settings.monitoring.targets.items():
         jobs.setdefault(job, [])
         jobs[job] += [a for a in addresses if a not in jobs[job]]

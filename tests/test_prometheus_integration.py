@@ -209,3 +209,14 @@ def test_monitor_up_without_prometheus_says_how_to_install(tmp_path):
     assert proc.returncode == 2
     assert "Prometheus is not installed" in out and "apt-get install prometheus" in out
     assert not (tmp_path / "monitoring").exists()
+
+
+def test_local_targets_follow_the_config():
+    from dynrubric.config import load_settings
+    from dynrubric.monitor import local_targets
+
+    settings = load_settings(environ={"DYNRUBRIC_REWARD_SERVER__PORT": "8111",
+                                      "DYNRUBRIC_MONITORING__TARGETS": '{"extra": ["10.1.2.3:9"]}'})
+    jobs = local_targets(settings)
+    assert jobs["dynrubric-reward-server"] == ["127.0.0.1:8111"]
+    assert jobs["extra"] == ["10.1.2.3:9"]
