@@ -61,7 +61,9 @@ def local_targets(settings) -> dict[str, list[str]]:
         port = getattr(section, field, None)
         if not isinstance(port, int) or isinstance(port, bool) or port == 0:
             continue
-        host = getattr(section, "host", None) or getattr(getattr(settings, "serving", None), "host", None)
+        host = (getattr(section, "metrics_host", None) if field == "metrics_port" else None) or getattr(
+            section, "host", None
+        ) or getattr(getattr(settings, "serving", None), "host", None)
         jobs[job] = [f"{host if isinstance(host, str) else '127.0.0.1'}:{port}"]
     for job, addresses in settings.monitoring.targets.items():
         jobs.setdefault(job, [])
