@@ -248,3 +248,21 @@ def test_dashboard_configmap_is_provisionable():
     assert cm["metadata"]["labels"] == {"grafana_dashboard": "1"}
     (name, text), = cm["data"].items()
     assert json.loads(text) == json.loads((ROOT / "monitoring" / "dashboards" / name).read_text())
+
+
+def test_scraped_job_names_match_the_target_down_alert():
+    """Prometheus-operator names a ServiceMonitor's job after the Service (or its jobLabel label); every
+    scraped job must match DynrubricTargetDown's `job=~"dynrubric-.*"`."""
+    from tests.monitoring_support import alerting_rules
+
+    pattern = re.search(r'job=~"([^"]+)"', alerting_rules()["DynrubricTargetDown"]["expr"]).group(1)
+    objs = rendered("prod")
+    services = [o for o in objs if o["kind"] == "Service"]
+    jobs = set()
+    for sm in (o for o in objs if o["kind"] == "ServiceMonitor"):
+        for s in services:
+            labels = s["metadata"].get("labels", {})
+            if validate._selects(sm["spec"]["selector"], labels):
+                jobs.add(labels.get(sm["spec"].get("jobLabel", ""), s["metadata"]["name"]))
+    assert {"dynrubric-router", "dynrubric-reward-server", "dynrubric-ingest", "dynrubric-rollout", "dynrubric-vllm"} == jobs
+    assert all(re.fullmatch(pattern, j) for j in jobs)
