@@ -220,3 +220,14 @@ def test_local_targets_follow_the_config():
     jobs = local_targets(settings)
     assert jobs["dynrubric-reward-server"] == ["127.0.0.1:8111"]
     assert jobs["extra"] == ["10.1.2.3:9"]
+
+
+def test_start_prometheus_refuses_a_busy_port(tmp_path):
+    from dynrubric.errors import DynrubricError
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(DynrubricError, match=f"127.0.0.1:{port} is already in use"):
+            start_prometheus(render_config({}, RULES, 5, 15), tmp_path, "127.0.0.1", port)
