@@ -93,6 +93,10 @@ class KafkaConfig(Section):
     ssl_certfile: Path | None = None
     ssl_keyfile: Path | None = None
     client_id: str = "dynrubric"
+    topic_prefix: str = Field(
+        default="", pattern=r"^[A-Za-z0-9._-]*$",
+        description="prepended to the topic names (dynrubric.query-log, ...): environments sharing a cluster",
+    )
     topic_partitions: int = Field(default=3, ge=1, description="partitions of topics created at start-up")
     topic_replication_factor: int = Field(default=1, ge=1)
     topic_retention_ms: int = Field(default=7 * 24 * 3600 * 1000, ge=-1, description="-1 = keep forever")
