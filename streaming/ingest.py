@@ -104,6 +104,7 @@ class Ingestor:
         self.filter = PromptFilter(cfg)
         self.summary = IngestSummary()
         self.assigned = threading.Event()
+        self.consuming = threading.Event()
         self._todo: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
         self._batch: Batch | None = None  # being filled by the consumer thread
@@ -117,7 +118,9 @@ class Ingestor:
         from kafka.errors import NoBrokersAvailable
 
         ensure_topics(self.kafka)
-        self.writer = StoreWriter(self.store_dir, dedupe_capacity=self.cfg.dedupe_capacity)
+        self.writer = StoreWriter(
+            self.store_dir, dedupe_capacity=self.cfg.dedupe_capacity, lock_wait_s=self.cfg.store_lock_wait_s
+        )
         if self.writer.removed_orphans:
             log.warning("removed %d unregistered shard files left by a crash", self.writer.removed_orphans)
         try:
@@ -135,6 +138,7 @@ class Ingestor:
             self.writer.close()
             raise unreachable(self.kafka, e) from None
         self.consumer.subscribe(list(self.model_of_topic), listener=_Rebalance(self))
+        self.consuming.set()
         writer_thread = threading.Thread(target=self._write_loop, name="ingest-writer", daemon=True)
         writer_thread.start()
         try:
@@ -342,7 +346,14 @@ def serve(
     registry = CollectorRegistry()
     ingestor = Ingestor(kafka, cfg, store_dir, registry)
     stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def on_signal(signum, _frame):
+        if ingestor.consuming.is_set():
+            stop.set()  # finish the open batch, commit, leave the group
+        else:
+            raise SystemExit(128 + signum)  # still waiting for the store lock or the broker: nothing to finish
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     metrics = MetricsServer(registry, cfg.metrics_host, cfg.metrics_port, ready=ingestor.assigned.is_set)
     announce(
         f"ingest: {kafka.bootstrap_servers} group {cfg.group_id} -> {store_dir}; "

@@ -133,19 +133,25 @@ class CommitResult:
 class StoreWriter:
     """Appends batches to the store exactly once (see the module docstring). One per store."""
 
-    def __init__(self, root: Path, *, dedupe_capacity: int = 5_000_000):
+    def __init__(self, root: Path, *, dedupe_capacity: int = 5_000_000, lock_wait_s: float = 0.0):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.dedupe_capacity = dedupe_capacity
         self._lock_fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise DynrubricError(
-                f"replay store {self.root} is in use by another writer",
-                "run one ingest per store dir (stop the other, or set ingest.store_dir)",
-            ) from None
+        deadline = time.monotonic() + lock_wait_s
+        while True:
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(self._lock_fd)
+                    raise DynrubricError(
+                        f"replay store {self.root} is in use by another writer",
+                        "run one ingest per store dir (stop the other, or set ingest.store_dir), or let this "
+                        "one wait as a standby (ingest.store_lock_wait_s)",
+                    ) from None
+                time.sleep(0.05)
         self.db = _connect(self.root)
         self.removed_orphans = self._remove_orphans()
 
