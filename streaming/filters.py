@@ -18,18 +18,19 @@ from streaming.events import ChatMessage, QueryLogEvent
 Scrubber = Callable[[str], str]
 
 EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}")
-# international or local numbers with at least 7 digits, allowing spaces, dots, dashes and brackets
-PHONE = re.compile(r"(?<![\w+])(?:\+\d{1,3}[\s.-]?)?(?:\(\d{1,4}\)[\s.-]?)?\d{2,4}(?:[\s.-]?\d{2,4}){2,4}(?![\w])")
+# a candidate phone number: digits with optional + prefix, spaces, dots, dashes, brackets (linear-time scan);
+# _phone_or_keep then decides by its digits
+PHONE = re.compile(r"(?<![\w+])[+(]?\d[\d\s().-]{5,}\d(?!\w)")
+ISO_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
 
 def scrub_pii(text: str) -> str:
     """Replace email addresses with <email> and phone numbers with <phone>."""
     if "@" in text:
         text = EMAIL.sub("<email>", text)
+    if sum(map(text.count, "0123456789")) < 7:  # str.count is C-fast; the regex scan is not
+        return text
     return PHONE.sub(_phone_or_keep, text)
-
-
-ISO_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
 
 def _phone_or_keep(m: re.Match) -> str:
@@ -63,7 +64,7 @@ class PromptFilter:
 
     def __init__(self, cfg: IngestConfig):
         self.max_chars = cfg.max_prompt_chars
-        self.deny = re.compile("|".join(f"(?:{p})" for p in cfg.deny_patterns)) if cfg.deny_patterns else None
+        self.deny = [re.compile(p) for p in cfg.deny_patterns]  # separately: each may carry its own flags
 
     def reason(self, event: QueryLogEvent) -> str | None:
         prompt = "\n".join(m.content for m in event.messages if m.role != "assistant")
@@ -71,12 +72,16 @@ class PromptFilter:
             return "empty_prompt"
         if len(prompt) > self.max_chars:
             return "too_long"
-        if self.deny is not None and self.deny.search(prompt):
+        if any(p.search(prompt) for p in self.deny):
             return "denied"
         return None
 
 
 def scrubbed(event: QueryLogEvent, scrub: Scrubber) -> QueryLogEvent:
-    """The event with the scrubber applied to every message and the response."""
-    messages = [ChatMessage(role=m.role, content=scrub(m.content)) for m in event.messages]
-    return event.model_copy(update={"messages": messages, "response": scrub(event.response)})
+    """The event with the scrubber applied to every message and the response (the same object if clean)."""
+    contents = [scrub(m.content) for m in event.messages]
+    response = scrub(event.response)
+    if response == event.response and all(c == m.content for c, m in zip(contents, event.messages, strict=True)):
+        return event
+    messages = [ChatMessage(role=m.role, content=c) for m, c in zip(event.messages, contents, strict=True)]
+    return event.model_copy(update={"messages": messages, "response": response})

@@ -28,6 +28,7 @@ from streaming.kafka import Topics, connection_kwargs, ensure_topics, unreachabl
 from streaming.store import QUERY_LOG, CommitResult, Stored, StoreWriter
 
 log = logging.getLogger(__name__)
+QUIET_S = 0.1  # a poll this long that returns nothing closes a batch that is at least a quarter full
 
 
 class IngestMetrics:
@@ -79,6 +80,17 @@ class IngestSummary:
     duplicates: int = 0
     filtered: int = 0
     batches: int = 0
+    prepare_seconds: float = 0.0  # consumer thread: validate, filter, scrub, dead-letter
+    store_seconds: float = 0.0  # writer thread: dedupe, Parquet, fsync, index commit
+    first_record_at: float | None = None  # time.monotonic() of the first record read
+    last_commit_at: float | None = None  # time.monotonic() of the last offset commit
+
+    @property
+    def busy_seconds(self) -> float:
+        """From the first record read to the last commit: the pipeline's time, without the group join."""
+        if self.first_record_at is None or self.last_commit_at is None:
+            return 0.0
+        return self.last_commit_at - self.first_record_at
 
 
 class Ingestor:
@@ -157,20 +169,28 @@ class Ingestor:
         last_record = time.monotonic()
         while not stop.is_set():
             self._finish_done(block=False)
-            self._apply_backpressure()
+            if self._apply_backpressure():
+                self._finish_done(block=True)  # paused: wait for the writer rather than poll for nothing
+                continue
             batch = self._batch
             room = self.cfg.batch_max_records - (batch.size if batch else 0)
             timeout = wait_s if batch is None else max(0.0, batch.started + wait_s - time.monotonic())
+            if batch is not None and batch.size >= self.cfg.batch_max_records // 4:
+                timeout = min(timeout, QUIET_S)  # a well-filled batch closes as soon as the stream goes quiet
             polled = self.consumer.poll(timeout_ms=int(timeout * 1000), max_records=room)
             now = time.monotonic()
             if polled:
                 last_record = now
+                if self.summary.first_record_at is None:
+                    self.summary.first_record_at = now
                 self._batch = self._batch or Batch(started=now)
                 self._prepare(self._batch, polled)
+                self.summary.prepare_seconds += time.monotonic() - now
             elif not self.assigned.is_set() or self._in_flight:
                 last_record = now
             batch = self._batch
-            if batch and (batch.size >= self.cfg.batch_max_records or now - batch.started >= wait_s):
+            quiet = not polled and batch is not None and batch.size >= self.cfg.batch_max_records // 4
+            if batch and (quiet or batch.size >= self.cfg.batch_max_records or now - batch.started >= wait_s):
                 self._submit()
             if until_idle_s is not None and self._batch is None and now - last_record >= until_idle_s:
                 break
@@ -226,7 +246,8 @@ class Ingestor:
         self._todo.put(self._batch)
         self._batch = None
 
-    def _apply_backpressure(self) -> None:
+    def _apply_backpressure(self) -> bool:
+        """Pause all partitions while the writer lags; True while paused."""
         lagging = self._in_flight > self.cfg.max_pending_batches
         assignment = self.consumer.assignment()
         if lagging and not self._paused and assignment:
@@ -236,6 +257,7 @@ class Ingestor:
         elif not lagging and self._paused:
             self.consumer.resume(*self.consumer.paused())
             self._paused = False
+        return self._paused
 
     def _finish_done(self, block: bool) -> None:
         """Commit the offsets of every batch the writer has made durable (in order)."""
@@ -262,6 +284,7 @@ class Ingestor:
             except Exception as e:  # a rebalance took the partitions: the new owner re-reads, the index dedupes
                 log.warning("offset commit failed (%s); records will be redelivered and deduplicated", e)
             self._account(batch, outcome)
+            self.summary.last_commit_at = time.monotonic()
 
     def _account(self, batch: Batch, result: CommitResult) -> None:
         for kind, n in result.written.items():
@@ -283,7 +306,10 @@ class Ingestor:
             if batch is None:
                 return
             try:
-                self._done.put((batch, self.writer.commit(batch.records)))
+                started = time.monotonic()
+                result = self.writer.commit(batch.records)
+                self.summary.store_seconds += time.monotonic() - started
+                self._done.put((batch, result))
             except BaseException as e:
                 self._done.put((batch, e))
                 return

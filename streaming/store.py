@@ -79,8 +79,8 @@ CREATE TABLE IF NOT EXISTS shards (
     shard_id INTEGER PRIMARY KEY AUTOINCREMENT,  -- the watermark readers page by
     kind TEXT NOT NULL, path TEXT NOT NULL UNIQUE, date TEXT NOT NULL, policy_version TEXT,
     rows INTEGER NOT NULL, min_ts REAL NOT NULL, max_ts REAL NOT NULL, created_at REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS seen (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL UNIQUE, shard_id INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS seen (  -- seq grows: eviction deletes the oldest, never the newest
+    seq INTEGER PRIMARY KEY, key TEXT NOT NULL UNIQUE, shard_id INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS prompt_shards (
     prompt_key TEXT NOT NULL, shard_id INTEGER NOT NULL, PRIMARY KEY (prompt_key, shard_id)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS feedback_shards (
@@ -90,8 +90,8 @@ CREATE TABLE IF NOT EXISTS feedback_shards (
 
 def prompt_key(messages: Iterable[dict[str, str]]) -> str:
     """Identity of a chat prompt: the same messages give the same key across requests and versions."""
-    canon = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(canon.encode()).hexdigest()[:32]
+    canon = "\x1e".join(m["role"] + "\x1f" + m["content"] for m in messages)  # separators never in roles
+    return hashlib.blake2b(canon.encode(), digest_size=16).hexdigest()
 
 
 def dedupe_key(event: QueryLogEvent | FeedbackEvent) -> str:
@@ -204,11 +204,18 @@ class StoreWriter:
                 shard_id = cur.lastrowid
                 result.shard_ids.append(shard_id)
                 result.written[kind] = result.written.get(kind, 0) + len(items)
-                self.db.executemany("INSERT INTO seen (key, shard_id) VALUES (?, ?)", ((k, shard_id) for k, _ in items))
+                # one statement per table (json_each), not one per row: every SQLite step releases and
+                # re-takes the GIL, which the busy consumer thread makes slow
+                self.db.execute(
+                    "INSERT INTO seen (key, shard_id) SELECT value, ? FROM json_each(?)",
+                    (shard_id, json.dumps([k for k, _ in items])),
+                )
                 lookup = "prompt_shards" if kind == QUERY_LOG else "feedback_shards"
                 column = "prompt_key" if kind == QUERY_LOG else "request_id"
                 values = {row[column] for _, row in items}
-                self.db.executemany(f"INSERT INTO {lookup} VALUES (?, ?)", ((v, shard_id) for v in values))
+                self.db.execute(
+                    f"INSERT INTO {lookup} SELECT value, ? FROM json_each(?)", (shard_id, json.dumps(sorted(values)))
+                )
             self.db.execute(
                 "DELETE FROM seen WHERE seq <= (SELECT MAX(seq) FROM seen) - ?", (self.dedupe_capacity,)
             )
@@ -219,12 +226,8 @@ class StoreWriter:
         return result
 
     def _known(self, keys: list[str]) -> set[str]:
-        known: set[str] = set()
-        for i in range(0, len(keys), 500):
-            chunk = keys[i : i + 500]
-            marks = ",".join("?" * len(chunk))
-            known.update(row[0] for row in self.db.execute(f"SELECT key FROM seen WHERE key IN ({marks})", chunk))
-        return known
+        rows = self.db.execute("SELECT key FROM seen WHERE key IN (SELECT value FROM json_each(?))", (json.dumps(keys),))
+        return {row[0] for row in rows}
 
     def _write_shard(self, kind: str, date: str, version: str | None, rows: list[dict]) -> str:
         if kind == QUERY_LOG:
@@ -248,7 +251,7 @@ class StoreWriter:
 
 def _query_row(r: Stored) -> dict:
     e: QueryLogEvent = r.event
-    messages = [m.model_dump() for m in e.messages]
+    messages = [{"role": m.role, "content": m.content} for m in e.messages]
     users = [m["content"] for m in messages if m["role"] == "user"]
     return {
         "request_id": e.request_id, "ts": e.ts, "user_key": e.user_key, "session_id": e.session_id,

@@ -6,7 +6,7 @@ import pytest
 
 from dynrubric.errors import DynrubricError
 from streaming.events import FeedbackEvent
-from streaming.store import FEEDBACK, ReplayStore, Stored, StoreWriter
+from streaming.store import FEEDBACK, ReplayStore, Stored, StoreWriter, _query_row
 from tests.test_streaming_producer import query_event
 
 
@@ -45,8 +45,6 @@ def test_unregistered_shards_are_removed_and_never_read(tmp_path):
     w = StoreWriter(tmp_path)
     w.commit([q("a")])
     # what a crash between the shard rename and the index commit leaves behind
-    from streaming.store import _query_row
-
     w._write_shard("query_log", "2026-11-29", "v1", [_query_row(q("ghost"))])
     w.close()
     assert len(list(tmp_path.rglob("*.parquet"))) == 2
