@@ -36,10 +36,11 @@ SESSION_MS = 6000
 
 
 def make_event(i: int) -> bytes:
-    """A realistic query log: a system prompt, a question of ~200 chars, a response of ~600 chars."""
+    """A realistic query log: a system prompt, a question of ~200 chars, a response of ~600 chars;
+    90% from the stable version, 10% from a canary (two policy versions, two shards per batch)."""
     return QueryLogEvent(
         request_id=f"bench-{i}", ts=1795000000.0 + i, user_key=f"u{i % 97}", session_id=f"s{i % 31}",
-        variant="stable" if i % 10 else "canary", policy_version=f"v{i % 3}", model="smollm2-135m",
+        variant="stable" if i % 10 else "canary", policy_version="v1" if i % 10 else "v2", model="smollm2-135m",
         messages=[
             {"role": "system", "content": "You are a helpful assistant. Answer briefly and accurately."},
             {"role": "user", "content": f"Question {i}: " + "explain how tides depend on the moon and the sun, " * 4},

@@ -137,7 +137,9 @@ class IngestConfig(Section):
     pii_scrubber: str | None = Field(
         default=None, description="'module:function' taking and returning a string; replaces the default scrubber"
     )
-    batch_max_records: int = Field(default=500, ge=1, description="records per batch (one shard per date/version)")
+    batch_max_records: int = Field(
+        default=2000, ge=1, description="records per batch; a batch writes one shard per date and policy_version"
+    )
     batch_max_wait_ms: int = Field(default=1000, ge=1, description="a batch closes after this long")
     max_pending_batches: int = Field(
         default=2, ge=1, description="batches waiting for the writer before partitions are paused"

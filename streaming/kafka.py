@@ -50,8 +50,9 @@ def connection_kwargs(kafka: KafkaConfig) -> dict[str, Any]:
 
 
 def unreachable(kafka: KafkaConfig, error: Exception) -> DynrubricError:
+    why = type(error).__name__ + (f": {error}" if str(error) not in ("", type(error).__name__) else "")
     return DynrubricError(
-        f"no Kafka broker answers at {kafka.bootstrap_servers} ({type(error).__name__}: {error})",
+        f"no Kafka broker answers at {kafka.bootstrap_servers} ({why})",
         "start the embedded one with `dynrubric broker start`, or set kafka.bootstrap_servers "
         "(env DYNRUBRIC_KAFKA__BOOTSTRAP_SERVERS)",
     )

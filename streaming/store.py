@@ -240,10 +240,13 @@ class StoreWriter:
         directory.mkdir(parents=True, exist_ok=True)
         name = f"part-{uuid.uuid4().hex}.parquet"
         tmp = directory / f".{name}.tmp"
-        with open(tmp, "wb") as f:
-            pq.write_table(table, f, compression="zstd")
-            f.flush()
-            os.fsync(f.fileno())
+        # a path, not a Python file object: Arrow then writes natively instead of calling back into Python
+        pq.write_table(table, str(tmp), compression="zstd")
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.rename(tmp, directory / name)
         fsync_dir(directory)
         return (rel / name).as_posix()
