@@ -81,10 +81,13 @@ def raw_rate(kafka: KafkaConfig, n: int) -> tuple[float, float]:
 def pipeline_rate(kafka: KafkaConfig, n: int, store: Path) -> tuple[float, float, str]:
     cfg = IngestConfig(group_id=f"bench-pipe-{uuid.uuid4().hex[:6]}", session_timeout_ms=SESSION_MS,
                        batch_max_records=BATCH)
-    summary = Ingestor(kafka, cfg, store, CollectorRegistry()).run(threading.Event(), until_idle_s=2.0)
+    registry = CollectorRegistry()
+    summary = Ingestor(kafka, cfg, store, registry).run(threading.Event(), until_idle_s=2.0)
+    pauses = registry.get_sample_value("dynrubric_ingest_backpressure_pauses_total")
     if summary.written != n:
         raise SystemExit(f"pipeline wrote {summary.written} of {n} events")
-    detail = f"prepare {summary.prepare_seconds:.2f}s, store {summary.store_seconds:.2f}s, {summary.batches} batches"
+    detail = (f"prepare {summary.prepare_seconds:.2f}s, store {summary.store_seconds:.2f}s, "
+              f"{summary.batches} batches, {pauses:.0f} backpressure pauses")
     return n / summary.busy_seconds, summary.busy_seconds, detail
 
 

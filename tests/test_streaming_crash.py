@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import sqlite3
 import subprocess
 import sys
