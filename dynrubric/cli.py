@@ -134,6 +134,14 @@ def generate(
             console.print(completion.text, markup=False, highlight=False)
 
 
+# ---------------------------------------------------------------- streaming tier
+from streaming.commands import broker_app, ingest, traffic_app  # noqa: E402
+
+app.add_typer(broker_app, name="broker")
+app.add_typer(traffic_app, name="traffic")
+app.command("ingest")(ingest)
+
+
 def main() -> None:
     import click
 
