@@ -114,6 +114,16 @@ def doctor(ctx: typer.Context) -> None:
         raise typer.Exit(1)
 
 
+def _register_tiers() -> None:
+    from dynrubric.train.commands import registry_app, train_app
+
+    app.add_typer(train_app, name="train")
+    app.add_typer(registry_app, name="registry")
+
+
+_register_tiers()
+
+
 def main() -> None:
     import click
 

@@ -98,7 +98,19 @@ class TrainConfig(Section):
 
 
 class RegistryConfig(Section):
-    pass
+    """Where checkpoints are recorded (dynrubric/registry.py)."""
+
+    path: Path | None = Field(
+        default=None, description="SQLite file; default <paths.state_dir>/registry/registry.sqlite"
+    )
+    url: SecretStr | None = Field(
+        default=None, description="postgresql://user:pass@host/db instead of SQLite (needs psycopg)"
+    )
+    storage_dir: Path | None = Field(
+        default=None,
+        description="where checkpoint weights are stored; default checkpoints/ beside the SQLite file "
+        "(required with url)",
+    )
 
 
 # ---------------------------------------------------------------- serving/
