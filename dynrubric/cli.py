@@ -119,6 +119,9 @@ def _register_tiers() -> None:
 
     app.add_typer(train_app, name="train")
     app.add_typer(registry_app, name="registry")
+    from serving.commands import register as register_serving
+
+    register_serving(app)
 
 
 _register_tiers()

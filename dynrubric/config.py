@@ -126,6 +126,8 @@ class FleetEngineConfig(Section):
 class ServingConfig(Section):
     host: str = "127.0.0.1"
     port: int = Field(default=8200, ge=0, le=65535, description="router port")
+    router_url: str | None = Field(default=None, description="how the controller reaches the router; default http://host:port")
+    fleet_port: int = Field(default=8300, ge=0, le=65535, description="port of the fleet's /healthz and /metrics")
     token: SecretStr | None = Field(default=None, description="bearer token for control endpoints")
     engines: list[FleetEngineConfig] = Field(
         default_factory=lambda: [
@@ -137,10 +139,10 @@ class ServingConfig(Section):
     request_timeout_s: float = Field(default=120.0, gt=0, description="router -> engine timeout")
     health_interval_s: float = Field(default=5.0, gt=0, description="fleet health-check period")
     max_restarts: int = Field(default=5, ge=0, description="restarts of a dying engine before giving up")
-    log_buffer: int = Field(default=10000, ge=1, description="events held in memory for Kafka; more are dropped")
 
 
 class RolloutConfig(Section):
+    port: int = Field(default=8210, ge=0, le=65535, description="controller's /gate, /healthz and /metrics")
     steps: list[float] = Field(
         default=[0.01, 0.05, 0.25, 0.5], min_length=1, description="canary traffic share of each step, then promotion"
     )
