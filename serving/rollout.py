@@ -261,9 +261,9 @@ class Controller:
         self.m_step.set(step)
         self.m_step_started.set(at)
 
-    def gate(self, r: Rollout) -> GateResult:
+    def gate(self, r: Rollout, router_state: dict[str, Any] | None = None) -> GateResult:
         """Evaluate the gate on everything logged so far (thread-safe: the HTTP endpoint calls it too)."""
-        counters = self.router.state()["counters"].get(r.id, {})
+        counters = (router_state or self.router.state())["counters"].get(r.id, {})
         with self._online_lock:  # one Kafka consumer, two callers
             self.online.poll()
             arms = {v: self.online.arm_stats(v, r.started_at, r.step_started_at, counters.get(v, {}).get("errors", 0))
@@ -271,7 +271,12 @@ class Controller:
         return evaluate(arms["stable"], arms["canary"], r.steps[r.step], self.gate_cfg)
 
     def _stepping(self, r: Rollout) -> Rollout:
-        result = self.gate(r)
+        router_state = self.router.state()
+        down = [x["name"] for x in router_state["replicas"] if x["variant"] == "canary" and not x["healthy"]]
+        if down and not any(x["variant"] == "canary" and x["healthy"] for x in router_state["replicas"]):
+            return self.store.update(r.id, status="rolling_back",
+                                     reason=f"no canary engine answers at step {r.step} (down: {', '.join(down)})")
+        result = self.gate(r, router_state)
         self.m_verdicts.labels(result.verdict.value).inc()
         self.log(f"{r.id} step {r.step} ({r.steps[r.step]:.0%}): {result.verdict.value}: {result.reason}")
         gate = result.model_dump(mode="json")
@@ -282,7 +287,11 @@ class Controller:
             if r.step + 1 == len(r.steps):
                 return self.store.update(r.id, status="promoting", last_gate=gate)
             now = time.time()
-            self.router.traffic(r.steps[r.step + 1], r.id)
+            try:
+                self.router.traffic(r.steps[r.step + 1], r.id)
+            except DynrubricError as e:  # e.g. the canary died between the gate and the step
+                return self.store.update(r.id, status="rolling_back", last_gate=gate,
+                                         reason=f"could not move to step {r.step + 1}: {e.problem}")
             self._enter_step(r.step + 1, now)
             return self.store.update(r.id, step=r.step + 1, step_started_at=now, last_gate=gate)
         if time.time() - r.step_started_at > self.cfg.max_step_s:

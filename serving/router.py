@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
@@ -441,6 +442,8 @@ class Router:
         @app.post("/control/variants/{variant}/weights")
         async def weights(variant: Literal["stable", "canary"], body: WeightsBody, request: Request) -> dict[str, Any]:
             require_token(request, self.token)
+            if not Path(body.path).is_dir():  # a vLLM engine whose reload fails stops serving: check first
+                raise HTTPException(400, f"weights path {body.path} is not a directory on the router's machine")
             async with self._control:
                 failed = await self.load_variant(variant, Weights(body.version, body.path), body.best_effort)
             return self.snapshot() | {"failed": failed}

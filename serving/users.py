@@ -9,6 +9,7 @@ only a share of responses, and asks to regenerate a failed answer with probabili
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import threading
@@ -16,9 +17,12 @@ from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
+
+from dynrubric.errors import DynrubricError
 
 
 @dataclass(frozen=True)
@@ -39,11 +43,23 @@ class Prompt:
         return all(w.lower() in text for w in self.must_include)
 
 
-def load_prompts(path: Any = None) -> list[Prompt]:
-    """The prompts of the shipped prompt file that carry a checkable field."""
-    from streaming.prompts import load_prompt_file
-
-    return [p for p in load_prompt_file(path) if p.answer is not None or p.must_include]
+def load_prompts(path: Path) -> list[Prompt]:
+    """The prompts of a JSONL prompt file that carry a checkable field (`answer` or `must_include`)."""
+    prompts = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            p = Prompt(id=str(d["id"]), kind=str(d.get("kind", "")), text=str(d["prompt"]),
+                       answer=None if d.get("answer") is None else str(d["answer"]),
+                       must_include=tuple(d.get("must_include") or ()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise DynrubricError(f"{path} line {n} is not a prompt record: {e}",
+                                 "each line: {\"id\", \"kind\", \"prompt\", \"answer\" or \"must_include\"}") from None
+        if p.answer is not None or p.must_include:
+            prompts.append(p)
+    return prompts
 
 
 @dataclass
