@@ -16,6 +16,7 @@ engine that comes back after a restart.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -194,8 +195,12 @@ class Router:
         return resp
 
     async def _forward(self, variant: str, path: str, body: dict[str, Any], stream: bool
-                       ) -> tuple[str, Replica, httpx.Response]:
-        """First answer from: a replica of `variant`, another one, then (for canary) stable."""
+                       ) -> tuple[str, Replica, str, httpx.Response]:
+        """First answer from: a replica of `variant`, another one, then (for canary) stable.
+
+        Returns the variant and replica that answered and the policy version the replica had when
+        the request was sent (a weight reload may finish while it runs).
+        """
         tried: set[str] = set()
         failures: list[str] = []
         plan = [variant, variant] + (["stable", "stable"] if variant == "canary" else [])
@@ -208,8 +213,9 @@ class Router:
                 continue
             tried.add(replica.name)
             replica.inflight += 1
+            version = replica.policy_version
             try:
-                return v, replica, await self._post(replica, path, body, stream)
+                return v, replica, version, await self._post(replica, path, body, stream)
             except EngineFailure as e:
                 failures.append(str(e))
             finally:
@@ -220,7 +226,7 @@ class Router:
         self.m_requests.labels(final, "502").inc()
         raise HTTPException(502, f"no engine of variant {variant} could answer: {'; '.join(failures) or 'none healthy'}")
 
-    def _event(self, *, request_id: str, user_hash: str, session_id: str | None, variant: str, replica: Replica,
+    def _event(self, *, request_id: str, user_hash: str, session_id: str | None, variant: str, policy_version: str,
                body: dict[str, Any], response: str, finish_reason: str | None, latency_s: float,
                prompt_tokens: int, completion_tokens: int) -> Any:
         from streaming.events import QueryLogEvent
@@ -231,7 +237,7 @@ class Router:
             messages = [{"role": "user", "content": _text(body.get("prompt"))}]
         return QueryLogEvent(
             request_id=request_id, ts=time.time(), user_key=user_hash, session_id=session_id,
-            variant=variant, policy_version=replica.policy_version, model=str(body.get("model") or self.served_model),
+            variant=variant, policy_version=policy_version, model=str(body.get("model") or self.served_model),
             messages=messages, response=response, finish_reason=finish_reason or "stop",
             sampling={"temperature": float(body.get("temperature", 1.0)), "top_p": float(body.get("top_p", 1.0)),
                       "max_tokens": int(body.get("max_tokens") or 16)},
@@ -271,11 +277,10 @@ class Router:
         upstream = dict(body, model=self.served_model)
         if stream:
             upstream["stream_options"] = {"include_usage": True}
-        served, replica, resp = await self._forward(variant, path, upstream, stream)
-        headers = {REQUEST_ID_HEADER: request_id, "x-dynrubric-variant": served,
-                   "x-dynrubric-policy-version": replica.policy_version}
+        served, replica, version, resp = await self._forward(variant, path, upstream, stream)
+        headers = {REQUEST_ID_HEADER: request_id, "x-dynrubric-variant": served, "x-dynrubric-policy-version": version}
         meta = dict(request_id=request_id, user_hash=user_hash, session_id=session_id, variant=served,
-                    replica=replica, body=body)
+                    policy_version=version, body=body)
         if resp.status_code != 200:  # 4xx: the client's mistake, passed through
             self.m_requests.labels(served, str(resp.status_code)).inc()
             return Response(resp.content, status_code=resp.status_code, headers=headers,
@@ -393,18 +398,18 @@ class Router:
     def _build(self) -> FastAPI:
         app = make_app("dynrubric router", self.metrics, ready=lambda: bool(self.state.serving("stable")))
 
-        @app.on_event("startup")
-        async def startup() -> None:
+        @contextlib.asynccontextmanager
+        async def lifespan(_: FastAPI) -> AsyncIterator[None]:
             self._client = httpx.AsyncClient(timeout=self.timeout_s)
             self._health_task = asyncio.create_task(self._health_loop())
-
-        @app.on_event("shutdown")
-        async def shutdown() -> None:
-            if self._health_task is not None:
+            try:
+                yield
+            finally:
                 self._health_task.cancel()
-            if self._client is not None:
                 await self._client.aclose()
-            await asyncio.to_thread(self.producer.flush)
+                await asyncio.to_thread(self.producer.flush)
+
+        app.router.lifespan_context = lifespan
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Response:

@@ -17,7 +17,7 @@ from pydantic import SecretStr
 
 from dynrubric.config import GateConfig, KafkaConfig, RolloutConfig
 from dynrubric.registry import Registry
-from serving.fleet import EngineSpec, Fleet
+from serving.fleet import EngineSpec, Fleet, spread_cores
 from serving.online import OnlineMetrics
 from serving.rollout import Controller, RolloutStore, RouterClient
 from serving.router import Replica, Router, RouterState, Weights
@@ -119,8 +119,8 @@ def start_stack(tmp: Path, bootstrap: str, base_model: Path, kind: str, health_i
     registry = Registry(tmp / "registry" / "registry.sqlite")
     v0 = registry.register(base_model, None, 0, {}, version="v0")
     registry.promote("v0")
-    specs = [EngineSpec(f"{kind}-stable", "stable", kind, free_port(), v0.path, "v0"),
-             EngineSpec(f"{kind}-canary", "canary", kind, free_port(), v0.path, "v0")]
+    specs = [EngineSpec(f"{kind}-{variant}", variant, kind, free_port(), v0.path, "v0", cpus=spread_cores(i))
+             for i, variant in enumerate(("stable", "canary"))]
     fleet = Fleet(specs, tmp / "fleet", CollectorRegistry(), health_interval_s=health_interval_s,
                   max_restarts=max_restarts)
     try:

@@ -43,7 +43,7 @@ def stack(kafka_broker, smollm_dir, tmp_path_factory):
 
 def users(stack, seed):
     return SimulatedUsers(stack.router_url, prompt_objects(), n_users=40, noise=0.05, rated_share=1.0,
-                          regenerate_p=1.0, max_tokens=32, seed=seed)
+                          regenerate_p=1.0, max_tokens=16, seed=seed)
 
 
 def test_healthy_canary_is_promoted_then_damaged_one_rolled_back(stack, smollm_dir, tmp_path):
