@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 
 from dynrubric.errors import DynrubricError
+from dynrubric.monitor import app as monitor_app
 
 app = typer.Typer(
     name="dynrubric",
@@ -25,6 +26,7 @@ models_app = typer.Typer(help="The local model cache.", no_args_is_help=True)
 config_app = typer.Typer(help="The validated configuration.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 app.add_typer(config_app, name="config")
+app.add_typer(monitor_app, name="monitor")
 
 console = Console()
 err_console = Console(stderr=True)
@@ -112,6 +114,24 @@ def doctor(ctx: typer.Context) -> None:
     console.print(table)
     if not all(r.ok for r in results):
         raise typer.Exit(1)
+
+
+@app.command()
+def generate(
+    ctx: typer.Context,
+    prompt: Annotated[str, typer.Argument(help="a user message")],
+    max_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    n: Annotated[int, typer.Option(help="completions")] = 1,
+) -> None:
+    """Answer one prompt with the configured policy engine (a quick end-to-end check of an engine)."""
+    from dynrubric.engines import GenerationRequest, SamplingParams, build_engine
+
+    with build_engine(settings_of(ctx), "policy") as engine:
+        rendered = engine.render_chat([{"role": "user", "content": prompt}])
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, n=n)
+        for completion in engine.generate([GenerationRequest(rendered, params)])[0]:
+            console.print(completion.text, markup=False, highlight=False)
 
 
 def _register_tiers() -> None:

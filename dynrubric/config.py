@@ -229,7 +229,19 @@ class GateConfig(Section):
 
 # ---------------------------------------------------------------- monitoring/
 class MonitoringConfig(Section):
-    pass
+    """`dynrubric monitor up`: a local Prometheus on loopback scraping the local services.
+
+    The local services are scraped at the ports their sections name (dynrubric/monitor.py,
+    LOCAL_SERVICES); `targets` adds more jobs (job name -> ["host:port", ...])."""
+
+    prometheus_host: str = Field(default="127.0.0.1", description="listen address of the local Prometheus")
+    prometheus_port: int = Field(
+        default=9095, ge=1, le=65535, description="not 9090: Debian's prometheus service may hold it"
+    )
+    scrape_interval_s: int = Field(default=5, ge=1, le=300)
+    evaluation_interval_s: int = Field(default=15, ge=1, le=300)
+    retention: str = Field(default="2d", pattern=r"^\d+[smhdwy]$", description="local TSDB retention")
+    targets: dict[str, list[str]] = Field(default_factory=dict, description="extra scrape jobs")
 
 
 class Settings(BaseSettings):

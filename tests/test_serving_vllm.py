@@ -26,14 +26,6 @@ GATE = GateConfig(min_requests_per_arm=10, min_rated_per_arm=10, positive_rate_m
 
 
 @pytest.fixture(scope="module")
-def smollm_dir():
-    from dynrubric import modelcache
-    from dynrubric.config import load_settings
-
-    return modelcache.resolve(load_settings().paths.resolved_home(), "smollm2-135m")
-
-
-@pytest.fixture(scope="module")
 def stack(kafka_broker, smollm_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serving-vllm")
     s = start_stack(tmp, kafka_broker, smollm_dir, "vllm", health_interval_s=2.0)
