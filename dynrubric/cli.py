@@ -147,6 +147,14 @@ def _register_tiers() -> None:
 _register_tiers()
 
 
+# ---------------------------------------------------------------- streaming tier
+from streaming.commands import broker_app, ingest, traffic_app  # noqa: E402
+
+app.add_typer(broker_app, name="broker")
+app.add_typer(traffic_app, name="traffic")
+app.command("ingest")(ingest)
+
+
 def main() -> None:
     import click
 

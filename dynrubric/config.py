@@ -93,6 +93,10 @@ class KafkaConfig(Section):
     ssl_certfile: Path | None = None
     ssl_keyfile: Path | None = None
     client_id: str = "dynrubric"
+    topic_prefix: str = Field(
+        default="", pattern=r"^[A-Za-z0-9._-]*$",
+        description="prepended to the topic names (dynrubric.query-log, ...): environments sharing a cluster",
+    )
     topic_partitions: int = Field(default=3, ge=1, description="partitions of topics created at start-up")
     topic_replication_factor: int = Field(default=1, ge=1)
     topic_retention_ms: int = Field(default=7 * 24 * 3600 * 1000, ge=-1, description="-1 = keep forever")
@@ -139,6 +143,10 @@ class IngestConfig(Section):
         default=2, ge=1, description="batches waiting for the writer before partitions are paused"
     )
     dedupe_capacity: int = Field(default=5_000_000, ge=1, description="request ids remembered (oldest forgotten)")
+    store_lock_wait_s: float = Field(
+        default=0.0, ge=0,
+        description="wait this long for another ingest to release the store (a standby); 0 = fail at once",
+    )
     session_timeout_ms: int = Field(default=10_000, ge=1000)
     metrics_host: str = "127.0.0.1"
     metrics_port: int = Field(default=9108, ge=0, le=65535, description="/healthz /metrics; 0 = a free port")

@@ -92,10 +92,6 @@ class FeedbackEvent(_Versioned):
 
 
 Event = QueryLogEvent | FeedbackEvent
-MODEL_OF_TOPIC: dict[str, type[QueryLogEvent] | type[FeedbackEvent]] = {
-    QUERY_LOG_TOPIC: QueryLogEvent,
-    FEEDBACK_TOPIC: FeedbackEvent,
-}
 SCHEMA_FILE_OF_MODEL = {QueryLogEvent: "query-log.v1.json", FeedbackEvent: "feedback.v1.json"}
 
 
@@ -106,7 +102,7 @@ def load_schema(model: type[QueryLogEvent] | type[FeedbackEvent]) -> dict[str, A
 
 
 # ---------------------------------------------------------------- malformed records
-DeadLetterReason = Literal["bad_json", "schema", "schema_version", "oversize", "unknown_topic"]
+DeadLetterReason = Literal["bad_json", "schema", "schema_version", "oversize"]
 
 
 class MalformedEvent(ValueError):
@@ -118,11 +114,8 @@ class MalformedEvent(ValueError):
         super().__init__(f"{reason}: {detail}")
 
 
-def parse_event(topic: str, raw: bytes | None, max_bytes: int) -> Event:
-    """Validate one record's bytes as the event type of `topic`; raise MalformedEvent saying why not."""
-    model = MODEL_OF_TOPIC.get(topic)
-    if model is None:
-        raise MalformedEvent("unknown_topic", f"no event schema for topic {topic!r}")
+def parse_event(model: type[QueryLogEvent] | type[FeedbackEvent], raw: bytes | None, max_bytes: int) -> Event:
+    """Validate one record's bytes as a `model` event; raise MalformedEvent saying why not."""
     if raw is None:
         raise MalformedEvent("bad_json", "record has no value (tombstone)")
     if len(raw) > max_bytes:

@@ -6,10 +6,29 @@ Kafka cluster is all it takes to move off the embedded broker.
 
 from __future__ import annotations
 
+from dataclasses import astuple, dataclass
 from typing import Any
 
 from dynrubric.config import KafkaConfig
 from dynrubric.errors import DynrubricError
+from streaming.events import DEAD_LETTER_TOPIC, FEEDBACK_TOPIC, QUERY_LOG_TOPIC
+
+
+@dataclass(frozen=True)
+class Topics:
+    """The three topic names as configured (`kafka.topic_prefix` + the standard names)."""
+
+    query_log: str
+    feedback: str
+    dead_letter: str
+
+    @classmethod
+    def of(cls, kafka: KafkaConfig) -> Topics:
+        p = kafka.topic_prefix
+        return cls(p + QUERY_LOG_TOPIC, p + FEEDBACK_TOPIC, p + DEAD_LETTER_TOPIC)
+
+    def all(self) -> tuple[str, ...]:
+        return astuple(self)
 
 
 def connection_kwargs(kafka: KafkaConfig) -> dict[str, Any]:
@@ -38,8 +57,8 @@ def unreachable(kafka: KafkaConfig, error: Exception) -> DynrubricError:
     )
 
 
-def ensure_topics(kafka: KafkaConfig, names: tuple[str, ...] | list[str]) -> None:
-    """Create the topics that do not exist yet (partitions and retention from config); existing ones stay."""
+def ensure_topics(kafka: KafkaConfig, names: tuple[str, ...] | list[str] | None = None) -> None:
+    """Create the topics (default: the three of `Topics.of(kafka)`) that do not exist yet; existing ones stay."""
     from kafka import KafkaAdminClient
     from kafka.admin import NewTopic
     from kafka.errors import NoBrokersAvailable, TopicAlreadyExistsError
@@ -48,6 +67,7 @@ def ensure_topics(kafka: KafkaConfig, names: tuple[str, ...] | list[str]) -> Non
         admin = KafkaAdminClient(**connection_kwargs(kafka))
     except NoBrokersAvailable as e:
         raise unreachable(kafka, e) from None
+    names = Topics.of(kafka).all() if names is None else names
     try:
         # create and tolerate "already exists" (a racing creator too); list_topics is avoided because
         # kafka-python 2.3 cannot parse the authorized-operations bits Tansu returns with it

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter
 
 from dynrubric.config import KafkaConfig
-from streaming.events import FEEDBACK_TOPIC, QUERY_LOG_TOPIC, TOPICS, FeedbackEvent, QueryLogEvent
-from streaming.kafka import connection_kwargs, ensure_topics, unreachable
+from streaming.events import FeedbackEvent, QueryLogEvent
+from streaming.kafka import Topics, connection_kwargs, ensure_topics, unreachable
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,9 @@ class EventProducer:
         from kafka.errors import NoBrokersAvailable
 
         self.kafka = kafka
+        self.topics = Topics.of(kafka)
         if create_topics:
-            ensure_topics(kafka, TOPICS)
+            ensure_topics(kafka)
         try:
             self._producer = KafkaProducer(
                 **connection_kwargs(kafka),
@@ -82,11 +83,11 @@ class EventProducer:
     # ------------------------------------------------------------ API
     def send_query_log(self, event: QueryLogEvent) -> bool:
         """Queue one query-log event; False (and counted) when the local buffer is full."""
-        return self.send_raw(QUERY_LOG_TOPIC, event.request_id.encode(), event.to_bytes())
+        return self.send_raw(self.topics.query_log, event.request_id.encode(), event.to_bytes())
 
     def send_feedback(self, event: FeedbackEvent) -> bool:
         """Queue one feedback event; False (and counted) when the local buffer is full."""
-        return self.send_raw(FEEDBACK_TOPIC, event.request_id.encode(), event.to_bytes())
+        return self.send_raw(self.topics.feedback, event.request_id.encode(), event.to_bytes())
 
     def send_raw(
         self, topic: str, key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]] | None = None

@@ -10,7 +10,6 @@ import pytest
 from pydantic import ValidationError
 
 from streaming.events import (
-    FEEDBACK_TOPIC,
     QUERY_LOG_TOPIC,
     DeadLetter,
     FeedbackEvent,
@@ -120,16 +119,16 @@ def test_round_trip_is_valid_against_the_schema():
 )
 def test_parse_event_names_the_reason(raw, reason):
     with pytest.raises(MalformedEvent) as e:
-        parse_event(QUERY_LOG_TOPIC, raw, max_bytes=4096)
+        parse_event(QueryLogEvent, raw, max_bytes=4096)
     assert e.value.reason == reason
     assert e.value.detail
 
 
 def test_parse_event_by_topic():
-    assert isinstance(parse_event(QUERY_LOG_TOPIC, json.dumps(QUERY).encode(), 10_000), QueryLogEvent)
-    assert isinstance(parse_event(FEEDBACK_TOPIC, json.dumps(FEEDBACK).encode(), 10_000), FeedbackEvent)
+    assert isinstance(parse_event(QueryLogEvent, json.dumps(QUERY).encode(), 10_000), QueryLogEvent)
+    assert isinstance(parse_event(FeedbackEvent, json.dumps(FEEDBACK).encode(), 10_000), FeedbackEvent)
     with pytest.raises(MalformedEvent, match="schema"):
-        parse_event(FEEDBACK_TOPIC, json.dumps(QUERY).encode(), 10_000)
+        parse_event(FeedbackEvent, json.dumps(QUERY).encode(), 10_000)
 
 
 def test_dead_letter_headers_round_trip():
