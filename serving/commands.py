@@ -214,13 +214,13 @@ def users_run(
     users: Annotated[int, typer.Option(help="distinct simulated users")] = 50,
     concurrency: Annotated[int, typer.Option()] = 2,
     seed: Annotated[int, typer.Option()] = 0,
-    prompts: Annotated[Path, typer.Option(help="JSONL prompt file with checkable fields")] = Path("prompts.jsonl"),
+    prompts: Annotated[Path | None, typer.Option(help="prompt file (default: the shipped one)")] = None,
 ) -> None:
-    """Send prompts through the router and give feedback from a checkable signal plus noise."""
-    from serving.users import SimulatedUsers, load_prompts
+    """Send prompts from the shipped prompt file through the router; feedback from a checkable signal plus noise."""
+    from serving.users import SimulatedUsers, load_checkable
 
     settings = settings_of(ctx)
-    sim = SimulatedUsers(_router_url(settings), load_prompts(prompts), n_users=users, seed=seed)
+    sim = SimulatedUsers(_router_url(settings), load_checkable(prompts), n_users=users, seed=seed)
     summary = sim.run(requests, concurrency=concurrency)
     summary.pop("outcomes")
     console.print(json.dumps(summary, indent=2))

@@ -1,17 +1,16 @@
 """Simulated users: prompts from the shipped prompt file through the router, feedback from a checkable signal.
 
 Each user has a fixed key (so the router's sticky assignment applies) and sends prompts drawn from
-the shipped prompt file. The response is checked against the prompt's checkable field (the answer
-of an arithmetic question, a word a constrained answer must contain); the user then gives a thumbs
+the shipped prompt file (`dynrubric/data/prompts.jsonl`). The response is checked against the
+prompt's checkable signal (`streaming.prompts.check`: the answer of an arithmetic question, a
+constraint such as one word or a required word); the user then gives a thumbs
 up when the check passes and a thumbs down when it fails, flipped with probability `noise`, rates
 only a share of responses, and asks to regenerate a failed answer with probability `regenerate_p`.
 """
 
 from __future__ import annotations
 
-import json
 import random
-import re
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -22,44 +21,12 @@ from typing import Any
 
 import httpx
 
-from dynrubric.errors import DynrubricError
+from streaming.prompts import PromptItem, check, load_prompts
 
 
-@dataclass(frozen=True)
-class Prompt:
-    id: str
-    kind: str
-    text: str
-    answer: str | None = None  # arithmetic: the number the response must state
-    must_include: tuple[str, ...] = ()  # constraint: words the response must contain
-
-    def check(self, response: str) -> bool:
-        """The checkable signal: is this response right, as far as a program can tell?"""
-        text = response.lower()
-        if self.answer is not None:
-            numbers = re.findall(r"-?\d+(?:\.\d+)?", text.replace(",", ""))
-            if self.answer.lower() not in numbers:
-                return False
-        return all(w.lower() in text for w in self.must_include)
-
-
-def load_prompts(path: Path) -> list[Prompt]:
-    """The prompts of a JSONL prompt file that carry a checkable field (`answer` or `must_include`)."""
-    prompts = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-            p = Prompt(id=str(d["id"]), kind=str(d.get("kind", "")), text=str(d["prompt"]),
-                       answer=None if d.get("answer") is None else str(d["answer"]),
-                       must_include=tuple(d.get("must_include") or ()))
-        except (ValueError, KeyError, TypeError) as e:
-            raise DynrubricError(f"{path} line {n} is not a prompt record: {e}",
-                                 "each line: {\"id\", \"kind\", \"prompt\", \"answer\" or \"must_include\"}") from None
-        if p.answer is not None or p.must_include:
-            prompts.append(p)
-    return prompts
+def load_checkable(path: Path | None = None) -> list[PromptItem]:
+    """The prompts of the shipped prompt file (or `path`) that carry a checkable signal."""
+    return [p for p in load_prompts(path) if p.kind != "open"]
 
 
 @dataclass
@@ -73,11 +40,13 @@ class Outcome:
 
 
 class SimulatedUsers:
-    def __init__(self, router_url: str, prompts: Sequence[Prompt], *, n_users: int = 50, noise: float = 0.1,
+    def __init__(self, router_url: str, prompts: Sequence[PromptItem], *, n_users: int = 50, noise: float = 0.1,
                  rated_share: float = 0.9, regenerate_p: float = 0.5, max_tokens: int = 48, seed: int = 0,
                  timeout_s: float = 300.0):
         if not prompts:
             raise ValueError("simulated users need at least one checkable prompt")
+        if any(p.kind == "open" for p in prompts):
+            raise ValueError("open prompts have no checkable signal; use load_checkable()")
         self.router_url = router_url.rstrip("/")
         self.prompts = list(prompts)
         self.users = [f"sim-user-{seed}-{i}" for i in range(n_users)]
@@ -89,7 +58,7 @@ class SimulatedUsers:
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
 
-    def _draw(self) -> tuple[str, Prompt, float, float, float]:
+    def _draw(self) -> tuple[str, PromptItem, float, float, float]:
         with self._lock:  # one seeded stream of choices, whatever the thread interleaving
             r = self._rng
             return r.choice(self.users), r.choice(self.prompts), r.random(), r.random(), r.random()
@@ -97,13 +66,13 @@ class SimulatedUsers:
     def one(self, client: httpx.Client) -> Outcome | None:
         user, prompt, u_rate, u_noise, u_regen = self._draw()
         resp = client.post(f"{self.router_url}/v1/chat/completions", headers={"x-user-key": user}, json={
-            "messages": [{"role": "user", "content": prompt.text}], "max_tokens": self.max_tokens,
+            "messages": [m.model_dump() for m in prompt.messages], "max_tokens": self.max_tokens,
             "temperature": 0.0,
         })
         if resp.status_code != 200:
             return None
         rid = resp.headers["x-request-id"]
-        ok = prompt.check(resp.json()["choices"][0]["message"]["content"] or "")
+        ok = bool(check(prompt, resp.json()["choices"][0]["message"]["content"] or ""))
         feedback = []
         if u_rate < self.rated_share:
             liked = ok if u_noise >= self.noise else not ok

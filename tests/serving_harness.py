@@ -21,27 +21,10 @@ from serving.fleet import EngineSpec, Fleet, spread_cores
 from serving.online import OnlineMetrics
 from serving.rollout import Controller, RolloutStore, RouterClient
 from serving.router import Replica, Router, RouterState, Weights
-from serving.users import Prompt
 from streaming.events import FEEDBACK_TOPIC, QUERY_LOG_TOPIC
 from streaming.producer import EventProducer
 
 TOKEN = SecretStr("test-token")
-
-# Checkable prompts a 135M instruct model answers right some of the time, and damaged weights never.
-PROMPTS = [
-    {"id": "add-7-5", "kind": "arithmetic", "prompt": "What is 7 + 5? Answer with the number only.", "answer": "12"},
-    {"id": "mul-3-4", "kind": "arithmetic", "prompt": "What is 3 times 4?", "answer": "12"},
-    {"id": "add-2-2", "kind": "arithmetic", "prompt": "What is 2 + 2?", "answer": "4"},
-    {"id": "capital-fr", "kind": "constraint", "prompt": "Name the capital of France.", "must_include": ["paris"]},
-    {"id": "sky", "kind": "constraint", "prompt": "What color is the sky? Answer in one word.", "must_include": ["blue"]},
-    {"id": "add-12-30", "kind": "arithmetic", "prompt": "What is 12 + 30?", "answer": "42"},
-]
-
-
-def prompt_objects() -> list[Prompt]:
-    return [Prompt(id=p["id"], kind=p["kind"], text=p["prompt"], answer=p.get("answer"),
-                   must_include=tuple(p.get("must_include", ()))) for p in PROMPTS]
-
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -22,8 +22,8 @@ from dynrubric.config import GateConfig, RolloutConfig
 from dynrubric.errors import DynrubricError
 from dynrubric.registry import CheckpointState
 from serving.rollout import build_controller_app
-from serving.users import SimulatedUsers
-from tests.serving_harness import TOKEN, drive, prompt_objects, read_topic, start_stack, stop_stack
+from serving.users import SimulatedUsers, load_checkable
+from tests.serving_harness import TOKEN, drive, read_topic, start_stack, stop_stack
 
 ROLLOUT = RolloutConfig(steps=[0.3, 0.6], poll_interval_s=0.5, max_step_s=300)
 # the tiny random model fails every check on both arms: an A/A test with small samples and wide margins
@@ -147,7 +147,7 @@ def test_a_dead_replica_is_retried_then_reloaded_when_back(stack):
 
 
 def users(stack, seed: int) -> SimulatedUsers:
-    return SimulatedUsers(stack.router_url, prompt_objects(), n_users=30, noise=0.1, rated_share=1.0,
+    return SimulatedUsers(stack.router_url, load_checkable(), n_users=30, noise=0.1, rated_share=1.0,
                           regenerate_p=0.3, max_tokens=8, seed=seed)
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from dynrubric.config import GateConfig, RolloutConfig
 from dynrubric.registry import CheckpointState
-from serving.users import SimulatedUsers
-from tests.serving_harness import damage, drive, prompt_objects, read_topic, start_stack, stop_stack
+from serving.users import SimulatedUsers, load_checkable
+from tests.serving_harness import damage, drive, read_topic, start_stack, stop_stack
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -34,7 +34,7 @@ def stack(kafka_broker, smollm_dir, tmp_path_factory):
 
 
 def users(stack, seed):
-    return SimulatedUsers(stack.router_url, prompt_objects(), n_users=40, noise=0.05, rated_share=1.0,
+    return SimulatedUsers(stack.router_url, load_checkable(), n_users=40, noise=0.05, rated_share=1.0,
                           regenerate_p=1.0, max_tokens=16, seed=seed)
 
 
