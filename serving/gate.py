@@ -3,14 +3,16 @@
 Checks run in order and the first decisive one wins:
 
 1. sample-ratio mismatch: chi-square on the users assigned to each arm in the current step against
-   the configured weight (a mismatch means the split itself is broken: fail);
+   the configured weight, compared with an always-valid boundary (a mismatch means the split
+   itself is broken: fail);
 2. minimum samples per arm in the current step (fewer: inconclusive, keep collecting);
 3. guardrails, error rate and p95 latency against stable with non-inferiority margins: fail when
    the canary is confidently worse than stable by more than the margin;
 4. primary online metrics, positive-feedback rate and regenerate rate, under a confidence sequence
    (the normal-mixture mSPRT of Johari et al., "Always Valid Inference", inverted into an interval):
-   fail when the canary is significantly worse, pass when every metric is shown within its
-   non-inferiority margin, inconclusive otherwise. The interval holds at every look at once, so
+   fail when the canary is significantly worse (at any step), pass when every metric is shown
+   within its non-inferiority margin (required at the last step; earlier steps pass on no harm),
+   inconclusive otherwise. The interval holds at every look at once, so
    evaluating the gate after every batch does not inflate false rollbacks.
 
 Everything here is pure statistics over counts: the controller builds `ArmStats` from the
@@ -126,13 +128,33 @@ def quantile_interval(values: Sequence[float], q: float, alpha: float) -> tuple[
 
 
 # ---------------------------------------------------------------- the gate
+def srm_chi2_boundary(n: int, canary_weight: float, alpha: float, tau: float) -> float:
+    """The chi-square value (1 df) above which the split is a mismatch, valid at every look.
+
+    chi2 = z^2 with z the standardised canary share; the fixed-n critical value would be crossed
+    by chance when the gate looks after every batch, so the boundary is the normal-mixture one.
+    """
+    variance = canary_weight * (1.0 - canary_weight) / n
+    return (mixture_half_width(variance, alpha, tau) ** 2) / variance
+
+
 def _srm(stable: ArmStats, canary: ArmStats, weight: float, cfg: GateConfig) -> Check:
+    n = stable.step_users + canary.step_users
     p = srm_p_value(stable.step_users, canary.step_users, weight)
-    numbers = {"stable_users": stable.step_users, "canary_users": canary.step_users, "expected_canary_share": weight, "p_value": p}
-    if p < cfg.srm_alpha:
+    numbers: dict[str, float | int | None] = {
+        "stable_users": stable.step_users, "canary_users": canary.step_users, "expected_canary_share": weight,
+        "p_value_fixed_n": p,
+    }
+    if n == 0 or not 0.0 < weight < 1.0:
+        return Check(name="sample_ratio", verdict=Verdict.PASS, numbers=numbers, detail="nothing to compare")
+    chi2 = sum((o - e) ** 2 / e for o, e in zip((stable.step_users, canary.step_users), (n * (1 - weight), n * weight)))
+    boundary = srm_chi2_boundary(n, weight, cfg.srm_alpha, cfg.mixture_tau)
+    numbers |= {"chi2": chi2, "chi2_boundary": boundary}
+    if chi2 > boundary:
         return Check(name="sample_ratio", verdict=Verdict.FAIL, numbers=numbers,
-                     detail=f"assignment split does not match the weight (p={p:.2g} < {cfg.srm_alpha})")
-    return Check(name="sample_ratio", verdict=Verdict.PASS, numbers=numbers, detail=f"split matches the weight (p={p:.2g})")
+                     detail=f"assignment split does not match the weight (chi2={chi2:.1f} > {boundary:.1f}, "
+                            f"fixed-n p={p:.2g})")
+    return Check(name="sample_ratio", verdict=Verdict.PASS, numbers=numbers, detail=f"split matches the weight (chi2={chi2:.1f})")
 
 
 def _min_samples(stable: ArmStats, canary: ArmStats, cfg: GateConfig) -> Check:
@@ -180,7 +202,7 @@ def _latency(stable: ArmStats, canary: ArmStats, cfg: GateConfig) -> Check:
     return Check(name="latency_p95", verdict=Verdict.PASS, numbers=numbers, detail="not shown worse than the margin")
 
 
-def _primary(stable: ArmStats, canary: ArmStats, cfg: GateConfig) -> Check:
+def _primary(stable: ArmStats, canary: ArmStats, cfg: GateConfig, require_non_inferiority: bool) -> Check:
     alpha = cfg.alpha / 2  # Bonferroni over the two primary metrics
     pos_harm, pos_lo, pos_hi = rate_difference(
         (stable.positive, stable.rated), (canary.positive, canary.rated), alpha, cfg.mixture_tau
@@ -203,19 +225,28 @@ def _primary(stable: ArmStats, canary: ArmStats, cfg: GateConfig) -> Check:
     if pos_hi < cfg.positive_rate_margin and reg_hi < cfg.regenerate_rate_margin:
         return Check(name="primary", verdict=Verdict.PASS, numbers=numbers,
                      detail="canary is within the non-inferiority margins on both metrics")
+    if not require_non_inferiority:
+        return Check(name="primary", verdict=Verdict.PASS, numbers=numbers,
+                     detail="no harm shown (non-inferiority is required at the last step)")
     return Check(name="primary", verdict=Verdict.INCONCLUSIVE, numbers=numbers,
                  detail="not yet shown within the margins nor worse")
 
 
-def evaluate(stable: ArmStats, canary: ArmStats, canary_weight: float, cfg: GateConfig) -> GateResult:
-    """Run the checks in order; the first fail or inconclusive decides, else pass."""
+def evaluate(stable: ArmStats, canary: ArmStats, canary_weight: float, cfg: GateConfig,
+             require_non_inferiority: bool = True) -> GateResult:
+    """Run the checks in order; the first fail or inconclusive decides, else pass.
+
+    `require_non_inferiority=False` (the steps before the last) passes a primary test that shows
+    no harm yet: early steps guard against harm on little traffic, and the last step, with the
+    most traffic, must show the canary within the margins before promotion. Harm fails at any step.
+    """
     checks: list[Check] = []
     for check in (
         lambda: _srm(stable, canary, canary_weight, cfg),
         lambda: _min_samples(stable, canary, cfg),
         lambda: _error_rate(stable, canary, cfg),
         lambda: _latency(stable, canary, cfg),
-        lambda: _primary(stable, canary, cfg),
+        lambda: _primary(stable, canary, cfg, require_non_inferiority),
     ):
         result = check()
         checks.append(result)

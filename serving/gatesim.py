@@ -70,7 +70,7 @@ def simulate_rollout(
 ) -> SimulatedRollout:
     arms = {"stable": _Arm(), "canary": _Arm()}
     total = 0
-    for weight in steps:
+    for i, weight in enumerate(steps):
         for arm in arms.values():
             arm.step_requests = 0
         while True:
@@ -78,7 +78,8 @@ def simulate_rollout(
             arms["stable"].add(batch - to_canary, stable, rng)
             arms["canary"].add(to_canary, canary, rng)
             total += batch
-            result = evaluate(arms["stable"].stats(), arms["canary"].stats(), weight, cfg)
+            result = evaluate(arms["stable"].stats(), arms["canary"].stats(), weight, cfg,
+                              require_non_inferiority=i == len(steps) - 1)
             if result.verdict is Verdict.PASS:
                 break
             if result.verdict is Verdict.FAIL:

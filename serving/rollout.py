@@ -268,7 +268,8 @@ class Controller:
             self.online.poll()
             arms = {v: self.online.arm_stats(v, r.started_at, r.step_started_at, counters.get(v, {}).get("errors", 0))
                     for v in ("stable", "canary")}
-        return evaluate(arms["stable"], arms["canary"], r.steps[r.step], self.gate_cfg)
+        return evaluate(arms["stable"], arms["canary"], r.steps[r.step], self.gate_cfg,
+                        require_non_inferiority=r.step == len(r.steps) - 1)
 
     def _stepping(self, r: Rollout) -> Rollout:
         router_state = self.router.state()
