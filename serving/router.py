@@ -49,6 +49,7 @@ class Replica:
     variant: Literal["stable", "canary"]
     base_url: str
     policy_version: str
+    served_model: str = "policy"  # the engine's --served-model-name; requests are rewritten to it
     healthy: bool = True
     drained: bool = False
     inflight: int = 0
@@ -143,14 +144,13 @@ class EngineFailure(Exception):
 # ---------------------------------------------------------------- the app
 class Router:
     def __init__(self, state: RouterState, producer: Any, metrics: CollectorRegistry, *, token: SecretStr | None,
-                 timeout_s: float = 120.0, health_interval_s: float = 5.0, served_model: str = "policy"):
+                 timeout_s: float = 120.0, health_interval_s: float = 5.0):
         """`producer`: an EventProducer whose metrics are registered in `metrics` (the router's /metrics)."""
         self.state = state
         self.producer = producer
         self.token = token
         self.timeout_s = timeout_s
         self.health_interval_s = health_interval_s
-        self.served_model = served_model
         self.metrics = m = metrics
         self.m_requests = Counter("dynrubric_router_requests_total", "requests served", ["variant", "code"], registry=m)
         self.m_errors = Counter("dynrubric_router_errors_total", "requests that failed on every replica tried",
@@ -183,7 +183,7 @@ class Router:
 
     async def _post(self, replica: Replica, path: str, body: dict[str, Any], stream: bool) -> httpx.Response:
         assert self._client is not None
-        req = self._client.build_request("POST", replica.base_url + path, json=body)
+        req = self._client.build_request("POST", replica.base_url + path, json=dict(body, model=replica.served_model))
         try:
             resp = await self._client.send(req, stream=stream)
         except httpx.HTTPError as e:
@@ -227,7 +227,7 @@ class Router:
         raise HTTPException(502, f"no engine of variant {variant} could answer: {'; '.join(failures) or 'none healthy'}")
 
     def _event(self, *, request_id: str, user_hash: str, session_id: str | None, variant: str, policy_version: str,
-               body: dict[str, Any], response: str, finish_reason: str | None, latency_s: float,
+               model: str, body: dict[str, Any], response: str, finish_reason: str | None, latency_s: float,
                prompt_tokens: int, completion_tokens: int) -> Any:
         from streaming.events import QueryLogEvent
 
@@ -237,7 +237,7 @@ class Router:
             messages = [{"role": "user", "content": _text(body.get("prompt"))}]
         return QueryLogEvent(
             request_id=request_id, ts=time.time(), user_key=user_hash, session_id=session_id,
-            variant=variant, policy_version=policy_version, model=str(body.get("model") or self.served_model),
+            variant=variant, policy_version=policy_version, model=model,
             messages=messages, response=response, finish_reason=finish_reason or "stop",
             sampling={"temperature": float(body.get("temperature", 1.0)), "top_p": float(body.get("top_p", 1.0)),
                       "max_tokens": int(body.get("max_tokens") or 16)},
@@ -274,13 +274,13 @@ class Router:
         session_id = request.headers.get("x-session-id")
         variant = self.assign(user_hash)
         stream = bool(body.get("stream"))
-        upstream = dict(body, model=self.served_model)
+        upstream = dict(body)
         if stream:
             upstream["stream_options"] = {"include_usage": True}
         served, replica, version, resp = await self._forward(variant, path, upstream, stream)
         headers = {REQUEST_ID_HEADER: request_id, "x-dynrubric-variant": served, "x-dynrubric-policy-version": version}
         meta = dict(request_id=request_id, user_hash=user_hash, session_id=session_id, variant=served,
-                    policy_version=version, body=body)
+                    policy_version=version, model=replica.served_model, body=body)
         if resp.status_code != 200:  # 4xx: the client's mistake, passed through
             self.m_requests.labels(served, str(resp.status_code)).inc()
             return Response(resp.content, status_code=resp.status_code, headers=headers,

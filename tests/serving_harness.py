@@ -97,13 +97,19 @@ class Stack:
 
 
 def start_stack(tmp: Path, bootstrap: str, base_model: Path, kind: str, health_interval_s: float = 1.0,
-                max_restarts: int = 5) -> Stack:
-    """Registry with v0 stable, a two-engine fleet (stable + canary) on v0, the router in-process."""
+                max_restarts: int = 5, stable_server=None) -> Stack:
+    """Registry with v0 stable, a two-engine fleet (stable + canary) on v0, the router in-process.
+
+    `stable_server` (the session's `vllm_server`, serving `base_model`) stands in for the fleet's
+    stable engine, so a module starts one vLLM engine instead of two. Only its weights are reloaded
+    (with a copy of the same weights on promotion), so other tests still see the model they expect.
+    """
     registry = Registry(tmp / "registry" / "registry.sqlite")
     v0 = registry.register(base_model, None, 0, {}, version="v0")
     registry.promote("v0")
-    specs = [EngineSpec(f"{kind}-{variant}", variant, kind, free_port(), v0.path, "v0", cpus=spread_cores(i))
-             for i, variant in enumerate(("stable", "canary"))]
+    variants = ("canary",) if stable_server is not None else ("stable", "canary")
+    specs = [EngineSpec(f"{kind}-{variant}", variant, kind, free_port(), v0.path, "v0", cpus=spread_cores(i + 1))
+             for i, variant in enumerate(variants)]
     fleet = Fleet(specs, tmp / "fleet", CollectorRegistry(), health_interval_s=health_interval_s,
                   max_restarts=max_restarts)
     try:
@@ -114,8 +120,11 @@ def start_stack(tmp: Path, bootstrap: str, base_model: Path, kind: str, health_i
     metrics = CollectorRegistry()
     producer = EventProducer(KafkaConfig(bootstrap_servers=bootstrap), metrics)
     weights = Weights("v0", str(v0.path))
-    state = RouterState([Replica(s.name, s.variant, s.base_url, "v0") for s in specs],
-                        desired={"stable": weights, "canary": weights})
+    replicas = [Replica(s.name, s.variant, s.base_url, "v0") for s in specs]
+    if stable_server is not None:
+        replicas.insert(0, Replica("vllm-session-stable", "stable", stable_server.base_url, "v0",
+                                   served_model=stable_server.served_model_name))
+    state = RouterState(replicas, desired={"stable": weights, "canary": weights})
     router = Router(state, producer, metrics, token=TOKEN, timeout_s=120, health_interval_s=health_interval_s)
     server = ThreadServer(router.app, free_port()).__enter__()
     return Stack(registry, fleet, router, server, producer, bootstrap, tmp)

@@ -26,9 +26,10 @@ GATE = GateConfig(min_requests_per_arm=10, min_rated_per_arm=10, positive_rate_m
 
 
 @pytest.fixture(scope="module")
-def stack(kafka_broker, smollm_dir, tmp_path_factory):
+def stack(kafka_broker, smollm_dir, vllm_server, tmp_path_factory):
+    # the session's vLLM server is the stable engine; the fleet starts the canary engine
     tmp = tmp_path_factory.mktemp("serving-vllm")
-    s = start_stack(tmp, kafka_broker, smollm_dir, "vllm", health_interval_s=2.0)
+    s = start_stack(tmp, kafka_broker, smollm_dir, "vllm", health_interval_s=2.0, stable_server=vllm_server)
     yield s
     stop_stack(s)
 
