@@ -120,10 +120,23 @@ def test_control_needs_token_and_metrics_follow_the_table(stack):
     r = httpx.post(f"{stack.router_url}/control/variants/canary/weights", headers=auth(),
                    json={"version": "vX", "path": "/does/not/exist"})
     assert r.status_code == 400 and "not a directory" in r.json()["detail"]
+    set_traffic(stack, 1.0, "exp-drained")
+    r = httpx.post(f"{stack.router_url}/control/replicas/transformers-canary/drain", json={"drained": True})
+    assert r.status_code == 401
+    r = httpx.post(f"{stack.router_url}/control/replicas/transformers-canary/drain", headers=auth(),
+                   json={"drained": True})
+    assert r.status_code == 200
+    assert next(x for x in r.json()["replicas"] if x["name"] == "transformers-canary")["drained"]
+    assert chat(stack, "drained-user").headers["x-dynrubric-variant"] == "stable"
+    httpx.post(f"{stack.router_url}/control/replicas/transformers-canary/drain", headers=auth(),
+               json={"drained": False}).raise_for_status()
+    assert chat(stack, "drained-user").headers["x-dynrubric-variant"] == "canary"
+    set_traffic(stack, 0.0, "exp-drained")
+    assert httpx.post(f"{stack.router_url}/control/replicas/nope/drain", headers=auth(), json={}).status_code == 404
     metrics = httpx.get(f"{stack.router_url}/metrics").text
     for name in ("dynrubric_router_requests_total", "dynrubric_router_request_latency_seconds",
                  "dynrubric_router_tokens_total", "dynrubric_router_variant_weight",
-                 "dynrubric_producer_dropped_total"):
+                 "dynrubric_router_errors_total", "dynrubric_producer_dropped_total"):
         assert name in metrics
 
 
