@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from dynrubric.errors import DynrubricError
 from serving.gate import ArmStats
 
 
@@ -35,17 +36,21 @@ class OnlineMetrics:
     pending: dict[str, list[dict]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from kafka import KafkaConsumer
-
-        self._consumer = KafkaConsumer(
-            bootstrap_servers=self.bootstrap_servers, enable_auto_commit=False, group_id=None,
-            auto_offset_reset="earliest",
-        )
+        self._consumer = None  # connected on the first poll, so a bad rollout request fails before Kafka is needed
         self._assigned: set = set()
 
     def _assign(self) -> None:
         """Pick up partitions (a topic may not exist until its first event); new ones start at the beginning."""
-        from kafka import TopicPartition
+        from kafka import KafkaConsumer, TopicPartition
+        from kafka.errors import NoBrokersAvailable
+
+        if self._consumer is None:
+            try:
+                self._consumer = KafkaConsumer(bootstrap_servers=self.bootstrap_servers, enable_auto_commit=False,
+                                               group_id=None, auto_offset_reset="earliest")
+            except NoBrokersAvailable:
+                raise DynrubricError(f"no Kafka broker answers at {self.bootstrap_servers}",
+                                     "start one (`dynrubric broker start`) or fix kafka.bootstrap_servers") from None
 
         parts = {
             TopicPartition(topic, p)
@@ -108,4 +113,5 @@ class OnlineMetrics:
         )
 
     def close(self) -> None:
-        self._consumer.close()
+        if self._consumer is not None:
+            self._consumer.close()
