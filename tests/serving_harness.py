@@ -21,10 +21,30 @@ from serving.fleet import EngineSpec, Fleet, spread_cores
 from serving.online import OnlineMetrics
 from serving.rollout import Controller, RolloutStore, RouterClient
 from serving.router import Replica, Router, RouterState, Weights
-from streaming.events import FEEDBACK_TOPIC, QUERY_LOG_TOPIC
+from streaming.events import FEEDBACK_TOPIC, QUERY_LOG_TOPIC, ChatMessage
 from streaming.producer import EventProducer
+from streaming.prompts import Constraint, PromptItem
 
 TOKEN = SecretStr("test-token")
+
+# Checkable prompts SmolLM2-135M answers right about half the time at temperature 0 and damaged
+# weights never: enough signal for a rollout test that ends in minutes. The shipped prompt file's
+# arithmetic checker wants the first number to be the answer, which "7 + 5 = 12" misses, so its
+# signal on a 135M model is too weak for that (the simulated-users CLI uses the shipped file).
+SIGNAL_PROMPTS = [
+    ("add-7-5", "What is 7 + 5? Answer with the number only.", "12"),
+    ("mul-3-4", "What is 3 times 4?", "12"),
+    ("add-2-2", "What is 2 + 2?", "4"),
+    ("capital-fr", "Name the capital of France.", "paris"),
+    ("sky", "What color is the sky? Answer in one word.", "blue"),
+    ("add-12-30", "What is 12 + 30?", "42"),
+]
+
+
+def signal_prompts() -> list[PromptItem]:
+    return [PromptItem(id=i, kind="constraint", messages=[ChatMessage(role="user", content=text)],
+                       constraint=Constraint(type="include_word", word=word)) for i, text, word in SIGNAL_PROMPTS]
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -3,19 +3,21 @@
 A healthy candidate (the same weights under a new version) is promoted through every step; a
 candidate with damaged weights is rolled back by the gate on its own. The registry, the router's
 weights and the engines' policy versions end in the right state, and every logged request names
-the variant that served it.
+the variant that served it. The stable engine is the session's `vllm_server`; the fleet starts the
+canary engine. Users ask `SIGNAL_PROMPTS` (see tests/serving_harness.py for why not the shipped file).
 """
 
 from __future__ import annotations
 
 import shutil
 
+import httpx
 import pytest
 
 from dynrubric.config import GateConfig, RolloutConfig
 from dynrubric.registry import CheckpointState
-from serving.users import SimulatedUsers, load_checkable
-from tests.serving_harness import damage, drive, read_topic, start_stack, stop_stack
+from serving.users import SimulatedUsers
+from tests.serving_harness import damage, drive, read_topic, signal_prompts, start_stack, stop_stack
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -32,10 +34,14 @@ def stack(kafka_broker, smollm_dir, vllm_server, tmp_path_factory):
     s = start_stack(tmp, kafka_broker, smollm_dir, "vllm", health_interval_s=2.0, stable_server=vllm_server)
     yield s
     stop_stack(s)
+    # give the shared server back its start weights, whatever this module left on it
+    httpx.post(f"{vllm_server.base_url}/collective_rpc", timeout=300,
+               json={"method": "reload_weights", "kwargs": {"weights_path": str(smollm_dir)}}).raise_for_status()
+    httpx.post(f"{vllm_server.base_url}/reset_prefix_cache", timeout=60).raise_for_status()
 
 
 def users(stack, seed):
-    return SimulatedUsers(stack.router_url, load_checkable(), n_users=40, noise=0.05, rated_share=1.0,
+    return SimulatedUsers(stack.router_url, signal_prompts(), n_users=40, noise=0.05, rated_share=1.0,
                           regenerate_p=1.0, max_tokens=16, seed=seed)
 
 
