@@ -134,12 +134,19 @@ def generate(
             console.print(completion.text, markup=False, highlight=False)
 
 
-# ---------------------------------------------------------------- streaming tier
+# ---------------------------------------------------------------- the tiers' commands
+# The CLI is the composition root: it alone wires the tiers in. Their command modules import their
+# machinery inside the command bodies, so registering them here costs little at start-up.
+from dynrubric.train.commands import registry_app, train_app  # noqa: E402
+from serving.commands import register as register_serving  # noqa: E402
 from streaming.commands import broker_app, ingest, traffic_app  # noqa: E402
 
+app.add_typer(train_app, name="train")
+app.add_typer(registry_app, name="registry")
 app.add_typer(broker_app, name="broker")
 app.add_typer(traffic_app, name="traffic")
 app.command("ingest")(ingest)
+register_serving(app)
 
 
 def main() -> None:

@@ -170,20 +170,71 @@ class TrainConfig(Section):
 
 
 class RegistryConfig(Section):
-    pass
+    """Where checkpoints are recorded (dynrubric/registry.py)."""
+
+    path: Path | None = Field(
+        default=None, description="SQLite file; default <paths.state_dir>/registry/registry.sqlite"
+    )
+    url: SecretStr | None = Field(
+        default=None, description="postgresql://user:pass@host/db instead of SQLite (needs psycopg)"
+    )
+    storage_dir: Path | None = Field(
+        default=None,
+        description="where checkpoint weights are stored; default checkpoints/ beside the SQLite file "
+        "(required with url)",
+    )
 
 
 # ---------------------------------------------------------------- serving/
+class FleetEngineConfig(Section):
+    """One engine replica of the fleet."""
+
+    name: str = Field(min_length=1, description="unique engine name, used in metrics and logs")
+    variant: Literal["stable", "canary"] = "stable"
+    kind: Literal["vllm", "transformers"] = "vllm"
+    port: int = Field(ge=1, le=65535, description="loopback port the engine listens on")
+
+
 class ServingConfig(Section):
-    pass
+    host: str = "127.0.0.1"
+    port: int = Field(default=8200, ge=0, le=65535, description="router port")
+    router_url: str | None = Field(default=None, description="how the controller reaches the router; default http://host:port")
+    fleet_port: int = Field(default=8300, ge=0, le=65535, description="port of the fleet's /healthz and /metrics")
+    token: SecretStr | None = Field(default=None, description="bearer token for control endpoints")
+    engines: list[FleetEngineConfig] = Field(
+        default_factory=lambda: [
+            FleetEngineConfig(name="engine-0", variant="stable", port=8301),
+            FleetEngineConfig(name="engine-1", variant="canary", port=8302),
+        ],
+        description="the fleet: which engine serves which variant on which port",
+    )
+    request_timeout_s: float = Field(default=120.0, gt=0, description="router -> engine timeout")
+    health_interval_s: float = Field(default=5.0, gt=0, description="fleet health-check period")
+    max_restarts: int = Field(default=5, ge=0, description="restarts of a dying engine before giving up")
 
 
 class RolloutConfig(Section):
-    pass
+    port: int = Field(default=8210, ge=0, le=65535, description="controller's /gate, /healthz and /metrics")
+    steps: list[float] = Field(
+        default=[0.01, 0.05, 0.25, 0.5], min_length=1, description="canary traffic share of each step, then promotion"
+    )
+    poll_interval_s: float = Field(default=10.0, gt=0, description="how often the gate is evaluated")
+    max_step_s: float = Field(
+        default=3600.0, gt=0, description="a step still inconclusive after this long rolls back"
+    )
 
 
 class GateConfig(Section):
-    pass
+    srm_alpha: float = Field(default=0.001, gt=0, lt=1, description="sample-ratio-mismatch chi-square level")
+    min_requests_per_arm: int = Field(default=200, ge=1, description="per arm, within the current step")
+    min_rated_per_arm: int = Field(default=100, ge=1, description="per arm, thumbs-rated requests since the start")
+    guardrail_alpha: float = Field(default=0.01, gt=0, lt=1)
+    error_rate_margin: float = Field(default=0.01, ge=0, le=1, description="absolute error-rate margin")
+    latency_p95_margin: float = Field(default=0.25, ge=0, description="relative p95 latency margin")
+    alpha: float = Field(default=0.05, gt=0, lt=1, description="primary metrics, split over the two")
+    positive_rate_margin: float = Field(default=0.05, gt=0, le=1, description="allowed drop in positive-feedback rate")
+    regenerate_rate_margin: float = Field(default=0.05, gt=0, le=1, description="allowed rise in regenerate rate")
+    mixture_tau: float = Field(default=0.05, gt=0, description="mSPRT mixture scale: the effect size it is tuned to")
 
 
 # ---------------------------------------------------------------- monitoring/

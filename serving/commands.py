@@ -1,0 +1,226 @@
+"""`dynrubric fleet up`, `serve-router`, `rollout ...`, `gate simulate`, `users run`: the serving tier's commands.
+
+Machinery is imported inside command bodies so `dynrubric --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from dynrubric.cli import settings_of
+
+console = Console()
+fleet_app = typer.Typer(help="Engine servers as local child processes.", no_args_is_help=True)
+rollout_app = typer.Typer(help="Canary rollouts gated by online metrics.", no_args_is_help=True)
+gate_app = typer.Typer(help="The rollout gate's statistics.", no_args_is_help=True)
+users_app = typer.Typer(help="Simulated users for tests and demos.", no_args_is_help=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(fleet_app, name="fleet")
+    app.add_typer(rollout_app, name="rollout")
+    app.add_typer(gate_app, name="gate")
+    app.add_typer(users_app, name="users")
+    app.command("serve-router")(serve_router)
+
+
+def _stable_weights(settings) -> tuple[str, Path]:
+    """The registry's stable version and its weights, else the configured policy model."""
+    from dynrubric import modelcache
+    from dynrubric.registry import open_registry
+
+    stable = open_registry(settings).stable()
+    if stable is not None:
+        return stable.version, stable.path
+    name = settings.models.policy
+    path = Path(name) if Path(name).is_dir() else modelcache.resolve(settings.paths.resolved_home(), name)
+    return path.name, path
+
+
+def _router_url(settings) -> str:
+    s = settings.serving
+    return s.router_url or f"http://{s.host}:{s.port}"
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
+# ---------------------------------------------------------------- fleet
+@fleet_app.command("up")
+def fleet_up(ctx: typer.Context) -> None:
+    """Start every engine of `serving.engines` on the stable weights; restart any that dies; until Ctrl-C."""
+    from prometheus_client import CollectorRegistry
+
+    from dynrubric.service import make_app, serve
+    from serving.fleet import Fleet, specs_from_settings
+
+    settings = settings_of(ctx)
+    version, path = _stable_weights(settings)
+    metrics = CollectorRegistry()
+    specs = specs_from_settings(settings, path, version)
+    fleet = Fleet(specs, settings.paths.resolved_state() / "fleet", metrics,
+                  settings.serving.health_interval_s, settings.serving.max_restarts)
+    with fleet:
+        with console.status(f"starting {len(specs)} engine(s) on {version}"):
+            fleet.start(settings.vllm.start_timeout_s)
+        for s in specs:
+            console.print(f"[green]up[/] {s.name} ({s.kind}, {s.variant}) at {s.base_url}")
+        console.print(f"fleet /metrics on :{settings.serving.fleet_port}")
+        serve(make_app("dynrubric fleet", metrics), settings.serving.host, settings.serving.fleet_port)
+
+
+# ---------------------------------------------------------------- router
+def build_router(settings, producer, metrics):
+    from serving.router import Replica, Router, RouterState, Weights
+
+    version, path = _stable_weights(settings)
+    replicas = [Replica(e.name, e.variant, f"http://127.0.0.1:{e.port}", version) for e in settings.serving.engines]
+    weights = Weights(version, str(path))
+    state = RouterState(replicas, desired={"stable": weights, "canary": weights})
+    s = settings.serving
+    return Router(state, producer, metrics, token=s.token, timeout_s=s.request_timeout_s,
+                  health_interval_s=s.health_interval_s)
+
+
+def serve_router(ctx: typer.Context) -> None:
+    """The A/B router over the fleet, logging to Kafka (`serving.host`:`serving.port`)."""
+    from prometheus_client import CollectorRegistry
+
+    from dynrubric.service import serve
+    from streaming.producer import EventProducer
+
+    settings = settings_of(ctx)
+    metrics = CollectorRegistry()
+    router = build_router(settings, EventProducer(settings.kafka, metrics), metrics)
+    console.print(f"router on {_router_url(settings)} over {[r.name for r in router.state.replicas]}")
+    serve(router.app, settings.serving.host, settings.serving.port)
+
+
+# ---------------------------------------------------------------- rollout
+def build_controller(settings, log=console.print):
+    from prometheus_client import CollectorRegistry
+
+    from dynrubric.registry import open_registry
+    from serving.online import OnlineMetrics
+    from serving.rollout import Controller, RolloutStore, RouterClient
+    from streaming.events import FEEDBACK_TOPIC, QUERY_LOG_TOPIC
+
+    metrics = CollectorRegistry()
+    online = OnlineMetrics(settings.kafka.bootstrap_servers, QUERY_LOG_TOPIC, FEEDBACK_TOPIC)
+    controller = Controller(
+        open_registry(settings), RolloutStore(settings.paths.resolved_state() / "rollout" / "rollouts.sqlite"),
+        RouterClient(_router_url(settings), settings.serving.token), online, settings.rollout, settings.gate,
+        metrics=metrics, log=log,
+    )
+    return controller, metrics
+
+
+def _run_with_gate_endpoint(settings, controller, metrics, fn):
+    import uvicorn
+
+    from serving.rollout import build_controller_app
+
+    server = uvicorn.Server(uvicorn.Config(build_controller_app(controller, metrics), host=settings.serving.host,
+                                           port=settings.rollout.port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        return fn()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@rollout_app.command("start")
+def rollout_start(ctx: typer.Context, version: Annotated[str, typer.Argument(help="registry version to roll out")]) -> None:
+    """Canary VERSION through the traffic steps; promote or roll back. Serves GET /gate/{id} meanwhile."""
+    settings = settings_of(ctx)
+    controller, metrics = build_controller(settings)
+    rollout = controller.start(version)
+    console.print(f"gate: http://{settings.serving.host}:{settings.rollout.port}/gate/{rollout.id}")
+    final = _run_with_gate_endpoint(settings, controller, metrics, lambda: controller.run(rollout.id))
+    console.print(f"{final.id}: [bold]{final.status}[/] {final.reason or ''}")
+    if final.status != "promoted":
+        raise typer.Exit(1)
+
+
+@rollout_app.command("resume")
+def rollout_resume(ctx: typer.Context) -> None:
+    """Carry on the rollout a stopped controller left in progress."""
+    settings = settings_of(ctx)
+    controller, metrics = build_controller(settings)
+    final = _run_with_gate_endpoint(settings, controller, metrics, controller.resume)
+    if final is None:
+        console.print("no rollout in progress")
+        return
+    console.print(f"{final.id}: [bold]{final.status}[/] {final.reason or ''}")
+
+
+@rollout_app.command("status")
+def rollout_status(
+    ctx: typer.Context,
+    rollout_id: Annotated[str | None, typer.Argument(help="one rollout (default: all)")] = None,
+) -> None:
+    """Rollouts with their status, step and last gate verdict (JSON lines)."""
+    from serving.rollout import RolloutStore
+
+    store = RolloutStore(settings_of(ctx).paths.resolved_state() / "rollout" / "rollouts.sqlite")
+    for r in [store.get(rollout_id)] if rollout_id else store.list():
+        gate = r.last_gate or {}
+        print(json.dumps({"id": r.id, "version": r.version, "baseline": r.baseline, "status": r.status,
+                          "step": r.step, "canary_weight": r.steps[r.step], "reason": r.reason,
+                          "last_verdict": gate.get("verdict"), "last_gate_reason": gate.get("reason")}))
+
+
+# ---------------------------------------------------------------- gate
+@gate_app.command("simulate")
+def gate_simulate(
+    ctx: typer.Context,
+    runs: Annotated[int, typer.Option(help="rollouts per scenario")] = 100,
+    drop: Annotated[float, typer.Option(help="how much lower the degraded canary's positive rate is")] = 0.10,
+    seed: Annotated[int, typer.Option()] = 0,
+) -> None:
+    """Simulated rollouts at the library level: A/A, and a canary with a worse positive-feedback rate."""
+    import statistics
+
+    from serving.gatesim import ArmBehaviour, simulate_many
+
+    settings = settings_of(ctx)
+    base = ArmBehaviour()
+    for name, canary in (("A/A", base), (f"degraded (-{drop:.2f})", ArmBehaviour(positive_rate=base.positive_rate - drop))):
+        results = simulate_many(base, canary, list(settings.rollout.steps), settings.gate, runs, seed)
+        back = sum(r.outcome == "rolled_back" for r in results)
+        console.print(f"{name}: {back}/{runs} rolled back; median requests to decision "
+                      f"{statistics.median(r.requests for r in results):.0f} "
+                      f"(canary arm {statistics.median(r.canary_requests for r in results):.0f})")
+
+
+# ---------------------------------------------------------------- users
+@users_app.command("run")
+def users_run(
+    ctx: typer.Context,
+    requests: Annotated[int, typer.Option(help="requests to send")] = 100,
+    users: Annotated[int, typer.Option(help="distinct simulated users")] = 50,
+    concurrency: Annotated[int, typer.Option()] = 2,
+    seed: Annotated[int, typer.Option()] = 0,
+    prompts: Annotated[Path | None, typer.Option(help="prompt file (default: the shipped one)")] = None,
+) -> None:
+    """Send prompts from the shipped prompt file through the router; feedback from a checkable signal plus noise."""
+    from serving.users import SimulatedUsers, load_checkable
+
+    settings = settings_of(ctx)
+    sim = SimulatedUsers(_router_url(settings), load_checkable(prompts), n_users=users, seed=seed)
+    summary = sim.run(requests, concurrency=concurrency)
+    summary.pop("outcomes")
+    console.print(json.dumps(summary, indent=2))

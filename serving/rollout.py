@@ -1,0 +1,362 @@
+"""The rollout controller: a registry checkpoint -> canary -> traffic steps gated -> promoted or rolled back.
+
+A rollout is a row in its own SQLite table (`rollouts.sqlite` beside the registry's database) and
+moves through statuses; every action of a status is idempotent, so a controller restarted at any
+point redoes the current status's actions and carries on (`resume`).
+
+    loading       load the version's weights on the canary replicas (all or none), mark it canary
+    stepping      canary share = steps[step]; gate at every poll: pass -> next step (or promoting),
+                  fail -> rolling_back, inconclusive -> hold (a step past max_step_s -> rolling_back)
+    promoting     all traffic to canary, load the version on stable replicas, canary share 0,
+                  registry promote (the previous stable version becomes retired)
+    rolling_back  canary share 0, canary replicas back to the baseline weights, registry rejected
+                  with the gate's reason
+    promoted | rolled_back | failed   final (failed: the version never took traffic)
+
+The controller talks to the router's control endpoints (bearer token), reads online metrics from
+the query-log and feedback topics, and the router's error counters.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from pydantic import SecretStr
+
+from dynrubric.config import GateConfig, RolloutConfig
+from dynrubric.errors import DynrubricError
+from dynrubric.registry import Checkpoint, CheckpointState, Registry, weights_sha256
+from serving.gate import GateResult, Verdict, evaluate
+
+ACTIVE = ("loading", "stepping", "promoting", "rolling_back")
+FINAL = ("promoted", "rolled_back", "failed")
+
+
+@dataclass(frozen=True)
+class Rollout:
+    id: str
+    version: str
+    version_path: str
+    baseline: str
+    baseline_path: str
+    steps: list[float]
+    status: str
+    step: int
+    step_started_at: float
+    started_at: float
+    updated_at: float
+    reason: str | None
+    last_gate: dict[str, Any] | None
+
+    def to_json(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS rollouts (
+    id TEXT PRIMARY KEY, version TEXT NOT NULL, version_path TEXT NOT NULL, baseline TEXT NOT NULL,
+    baseline_path TEXT NOT NULL, steps TEXT NOT NULL, status TEXT NOT NULL, step INTEGER NOT NULL,
+    step_started_at REAL NOT NULL, started_at REAL NOT NULL, updated_at REAL NOT NULL, reason TEXT,
+    last_gate TEXT
+)
+"""
+COLUMNS = ("id, version, version_path, baseline, baseline_path, steps, status, step, step_started_at, "
+           "started_at, updated_at, reason, last_gate")
+
+
+class RolloutStore:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self._tx() as cur:
+            cur.execute(SCHEMA)
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Cursor]:
+        conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn.cursor()
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+        finally:
+            conn.close()
+
+    @staticmethod
+    def _row(row: tuple) -> Rollout:
+        (rid, version, vpath, baseline, bpath, steps, status, step, step_started, started, updated, reason,
+         gate) = row
+        return Rollout(rid, version, vpath, baseline, bpath, json.loads(steps), status, step, step_started, started,
+                       updated, reason, json.loads(gate) if gate else None)
+
+    def create(self, version: str, version_path: str, baseline: str, baseline_path: str, steps: list[float]) -> Rollout:
+        now = time.time()
+        rid = f"ro-{version}-{uuid.uuid4().hex[:8]}"
+        with self._tx() as cur:
+            cur.execute(f"SELECT id, version FROM rollouts WHERE status IN ({','.join('?' * len(ACTIVE))})", ACTIVE)
+            active = cur.fetchone()
+            if active:
+                raise DynrubricError(f"rollout {active[0]} of {active[1]} is still in progress",
+                                     "wait for it, or `dynrubric rollout resume` it if its controller stopped")
+            cur.execute(f"INSERT INTO rollouts ({COLUMNS}) VALUES ({','.join('?' * 13)})",
+                        (rid, version, version_path, baseline, baseline_path, json.dumps(steps), "loading", 0, now, now,
+                         now, None, None))
+        return self.get(rid)
+
+    def get(self, rollout_id: str) -> Rollout:
+        with self._tx() as cur:
+            cur.execute(f"SELECT {COLUMNS} FROM rollouts WHERE id = ?", (rollout_id,))
+            row = cur.fetchone()
+        if row is None:
+            raise DynrubricError(f"no rollout {rollout_id!r}", "`dynrubric rollout status` lists the rollouts")
+        return self._row(row)
+
+    def list(self) -> list[Rollout]:
+        with self._tx() as cur:
+            cur.execute(f"SELECT {COLUMNS} FROM rollouts ORDER BY started_at")
+            return [self._row(r) for r in cur.fetchall()]
+
+    def active(self) -> Rollout | None:
+        return next((r for r in self.list() if r.status in ACTIVE), None)
+
+    def update(self, rollout_id: str, **fields: Any) -> Rollout:
+        if "last_gate" in fields:
+            fields["last_gate"] = json.dumps(fields["last_gate"])
+        fields["updated_at"] = time.time()
+        with self._tx() as cur:
+            cur.execute(f"UPDATE rollouts SET {', '.join(f'{k} = ?' for k in fields)} WHERE id = ?",
+                        (*fields.values(), rollout_id))
+        return self.get(rollout_id)
+
+
+class RouterClient:
+    """The router's control and state endpoints."""
+
+    def __init__(self, base_url: str, token: SecretStr | None, timeout_s: float = 600.0):
+        headers = {"authorization": f"Bearer {token.get_secret_value()}"} if token else {}
+        self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout_s)
+
+    def _call(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+        try:
+            r = self._http.request(method, path, **kw)
+        except httpx.HTTPError as e:
+            raise DynrubricError(f"router at {self._http.base_url} unreachable: {e}",
+                                 "start it with `dynrubric serve-router`") from e
+        if r.status_code != 200:
+            detail = r.json().get("detail", r.text) if r.headers.get("content-type", "").startswith("application/json") else r.text
+            raise DynrubricError(f"router refused {method} {path}: HTTP {r.status_code}: {detail}",
+                                 "check the router and engine logs")
+        return r.json()
+
+    def state(self) -> dict[str, Any]:
+        return self._call("GET", "/v1/router/state")
+
+    def traffic(self, canary_weight: float, experiment: str) -> dict[str, Any]:
+        return self._call("POST", "/control/traffic", json={"canary_weight": canary_weight, "experiment": experiment})
+
+    def load(self, variant: str, version: str, path: str, best_effort: bool = False) -> dict[str, Any]:
+        return self._call("POST", f"/control/variants/{variant}/weights",
+                          json={"version": version, "path": path, "best_effort": best_effort})
+
+    def close(self) -> None:
+        self._http.close()
+
+
+def check_weights(ckpt: Checkpoint) -> None:
+    """The checkpoint's directory exists and holds the weights the registry recorded."""
+    if not ckpt.path.is_dir():
+        raise DynrubricError(f"weights of {ckpt.version} are missing: {ckpt.path} does not exist",
+                             "register the checkpoint again")
+    sha = weights_sha256(ckpt.path)
+    if sha != ckpt.weights_sha256:
+        raise DynrubricError(f"weights of {ckpt.version} in {ckpt.path} changed since registration "
+                             f"(sha256 {sha[:12]} != {ckpt.weights_sha256[:12]})", "register the checkpoint again")
+
+
+class Controller:
+    def __init__(self, registry: Registry, store: RolloutStore, router: RouterClient, online: Any,
+                 rollout_cfg: RolloutConfig, gate_cfg: GateConfig, metrics: CollectorRegistry | None = None,
+                 sleep: Callable[[float], None] = time.sleep, log: Callable[[str], None] = lambda _: None):
+        self.registry = registry
+        self.store = store
+        self.router = router
+        self.online = online
+        self.cfg = rollout_cfg
+        self.gate_cfg = gate_cfg
+        self.sleep = sleep
+        self.log = log
+        m = metrics or CollectorRegistry()
+        self.m_step = Gauge("dynrubric_rollout_step", "index of the current traffic step (-1 when idle)", registry=m)
+        self.m_step_started = Gauge("dynrubric_rollout_step_started_timestamp_seconds", "when the current step began",
+                                    registry=m)
+        self.m_verdicts = Counter("dynrubric_rollout_gate_verdicts_total", "gate evaluations", ["verdict"], registry=m)
+        self.m_outcomes = Counter("dynrubric_rollout_outcomes_total", "finished rollouts", ["outcome"], registry=m)
+        self.m_step.set(-1)
+        self._online_lock = threading.Lock()
+
+    # ------------------------------------------------------------ start
+    def start(self, version: str) -> Rollout:
+        """Validate everything before anything changes, then record the rollout as `loading`."""
+        ckpt = self.registry.get(version)
+        if ckpt.state is not CheckpointState.candidate:
+            raise DynrubricError(f"checkpoint {version} is {ckpt.state.value}; only a candidate can be rolled out",
+                                 "register new weights as a new version")
+        check_weights(ckpt)
+        baseline = self.registry.stable()
+        if baseline is None:
+            raise DynrubricError("the registry has no stable version to compare the canary with",
+                                 "promote one first: `dynrubric registry promote VERSION`")
+        check_weights(baseline)
+        state = self.router.state()
+        if not any(r["variant"] == "canary" and r["healthy"] for r in state["replicas"]):
+            raise DynrubricError("the router has no healthy canary replica", "start the fleet with a canary engine")
+        rollout = self.store.create(version, str(ckpt.path), baseline.version, str(baseline.path), list(self.cfg.steps))
+        self.log(f"{rollout.id}: {version} against stable {baseline.version}, steps {rollout.steps}")
+        return rollout
+
+    # ------------------------------------------------------------ the loop
+    def run(self, rollout_id: str) -> Rollout:
+        """Drive a rollout to a final status (also what a restarted controller calls)."""
+        r = self.store.get(rollout_id)
+        if r.status == "stepping":  # after a restart: the router may have restarted too
+            self.router.traffic(r.steps[r.step], r.id)
+        while r.status in ACTIVE:
+            r = getattr(self, f"_{r.status}")(r)
+        self.m_step.set(-1)
+        return r
+
+    def resume(self) -> Rollout | None:
+        r = self.store.active()
+        return self.run(r.id) if r else None
+
+    def _loading(self, r: Rollout) -> Rollout:
+        try:
+            self.router.load("canary", r.version, r.version_path)
+        except DynrubricError as e:  # all or nothing: no canary replica changed, no traffic moved
+            return self.store.update(r.id, status="failed", reason=f"loading canary weights failed: {e.problem}")
+        if self.registry.get(r.version).state is CheckpointState.candidate:
+            self.registry.set_state(r.version, CheckpointState.canary, f"canary in {r.id}")
+        self.router.traffic(r.steps[0], r.id)
+        now = time.time()
+        self._enter_step(0, now)
+        return self.store.update(r.id, status="stepping", step=0, step_started_at=now)
+
+    def _enter_step(self, step: int, at: float) -> None:
+        self.m_step.set(step)
+        self.m_step_started.set(at)
+
+    def gate(self, r: Rollout, router_state: dict[str, Any] | None = None) -> GateResult:
+        """Evaluate the gate on everything logged so far (thread-safe: the HTTP endpoint calls it too)."""
+        counters = (router_state or self.router.state())["counters"].get(r.id, {})
+        with self._online_lock:  # one Kafka consumer, two callers
+            self.online.poll()
+            arms = {v: self.online.arm_stats(v, r.started_at, r.step_started_at, counters.get(v, {}).get("errors", 0))
+                    for v in ("stable", "canary")}
+        return evaluate(arms["stable"], arms["canary"], r.steps[r.step], self.gate_cfg,
+                        require_non_inferiority=r.step == len(r.steps) - 1)
+
+    def _stepping(self, r: Rollout) -> Rollout:
+        router_state = self.router.state()
+        down = [x["name"] for x in router_state["replicas"] if x["variant"] == "canary" and not x["healthy"]]
+        if down and not any(x["variant"] == "canary" and x["healthy"] for x in router_state["replicas"]):
+            return self.store.update(r.id, status="rolling_back",
+                                     reason=f"no canary engine answers at step {r.step} (down: {', '.join(down)})")
+        result = self.gate(r, router_state)
+        self.m_verdicts.labels(result.verdict.value).inc()
+        self.log(f"{r.id} step {r.step} ({r.steps[r.step]:.0%}): {result.verdict.value}: {result.reason}")
+        gate = result.model_dump(mode="json")
+        if result.verdict is Verdict.FAIL:
+            return self.store.update(r.id, status="rolling_back", reason=f"gate failed at step {r.step}: {result.reason}",
+                                     last_gate=gate)
+        if result.verdict is Verdict.PASS:
+            if r.step + 1 == len(r.steps):
+                return self.store.update(r.id, status="promoting", last_gate=gate)
+            now = time.time()
+            try:
+                self.router.traffic(r.steps[r.step + 1], r.id)
+            except DynrubricError as e:  # e.g. the canary died between the gate and the step
+                return self.store.update(r.id, status="rolling_back", last_gate=gate,
+                                         reason=f"could not move to step {r.step + 1}: {e.problem}")
+            self._enter_step(r.step + 1, now)
+            return self.store.update(r.id, step=r.step + 1, step_started_at=now, last_gate=gate)
+        if time.time() - r.step_started_at > self.cfg.max_step_s:
+            return self.store.update(r.id, status="rolling_back", last_gate=gate,
+                                     reason=f"step {r.step} still inconclusive after {self.cfg.max_step_s:.0f} s: "
+                                            f"{result.reason}")
+        r = self.store.update(r.id, last_gate=gate)
+        self.sleep(self.cfg.poll_interval_s)
+        return r
+
+    def _promoting(self, r: Rollout) -> Rollout:
+        self.router.traffic(1.0, r.id)  # the canary carries everyone while stable replicas reload
+        try:
+            self.router.load("stable", r.version, r.version_path)
+        except DynrubricError as e:
+            return self.store.update(r.id, status="rolling_back", reason=f"promotion failed: {e.problem}")
+        self.router.traffic(0.0, r.id)
+        self.registry.promote(r.version)
+        self.m_outcomes.labels("promoted").inc()
+        self.log(f"{r.id}: promoted {r.version}")
+        return self.store.update(r.id, status="promoted")
+
+    def _rolling_back(self, r: Rollout) -> Rollout:
+        state = self.router.traffic(0.0, r.id)
+        failed: list[str] = []
+        for variant in ("stable", "canary"):  # stable differs only after a failed promotion
+            if state["desired"].get(variant, {}).get("version") != r.baseline:
+                failed += self.router.load(variant, r.baseline, r.baseline_path, best_effort=True)["failed"]
+        if self.registry.get(r.version).state is not CheckpointState.rejected:
+            self.registry.reject(r.version, r.reason or "rolled back")
+        self.m_outcomes.labels("rolled_back").inc()
+        note = f" (restored when back: {'; '.join(failed)})" if failed else ""
+        self.log(f"{r.id}: rolled back {r.version}: {r.reason}{note}")
+        return self.store.update(r.id, status="rolled_back")
+
+
+def build_controller_app(controller: Controller, metrics: CollectorRegistry) -> Any:
+    """/healthz, /metrics and `GET /gate/{rollout_id}` (Argo Rollouts' web metric provider reads it).
+
+    An active rollout is evaluated afresh; a finished one answers its last verdict (fail when it was
+    rolled back). Argo: `successCondition: result.verdict == "pass"`, `failureCondition:
+    result.verdict == "fail"`.
+    """
+    from fastapi import HTTPException
+
+    from dynrubric.service import make_app
+
+    app = make_app("dynrubric rollout controller", metrics)
+    @app.get("/gate/{rollout_id}")
+    def gate(rollout_id: str) -> dict[str, Any]:
+        try:
+            r = controller.store.get(rollout_id)
+        except DynrubricError as e:
+            raise HTTPException(404, str(e)) from None
+        body = {"rollout_id": r.id, "version": r.version, "status": r.status, "step": r.step,
+                "canary_weight": r.steps[r.step], "reason": r.reason}
+        if r.status == "stepping":
+            result = controller.gate(r).model_dump(mode="json")
+        elif r.status in ("rolling_back", "rolled_back", "failed"):
+            result = {"verdict": "fail", "reason": r.reason, "checks": (r.last_gate or {}).get("checks", [])}
+        elif r.status in ("promoting", "promoted"):
+            result = {"verdict": "pass", "reason": "promoted", "checks": (r.last_gate or {}).get("checks", [])}
+        else:
+            result = {"verdict": "inconclusive", "reason": f"rollout is {r.status}", "checks": []}
+        return body | result
+
+    return app

