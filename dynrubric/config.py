@@ -69,14 +69,81 @@ class VllmConfig(Section):
 
 
 # ---------------------------------------------------------------- evaluator (rubric/, reward_server)
+class GenericRubricItem(Section):
+    text: str = Field(min_length=1)
+    weight: int = Field(default=1, ge=1, le=5)
+    polarity: Literal[1, -1] = 1
+
+
+def _default_generic_rubric() -> list[GenericRubricItem]:
+    return [
+        GenericRubricItem(text="The response directly answers the question that was asked.", weight=3),
+        GenericRubricItem(text="The response is factually correct.", weight=3),
+        GenericRubricItem(text="The response follows every instruction and format the question requests.", weight=2),
+        GenericRubricItem(text="The response is clear and concise.", weight=1),
+        GenericRubricItem(text="The response contains irrelevant, repeated or unfinished text.", weight=2, polarity=-1),
+    ]
+
+
 class RubricConfig(Section):
-    pass
+    """Set-conditioned rubric generation, verdicts, aggregation and collapse detection."""
+
+    response_token_budget: int = Field(
+        default=256, ge=8, description="each candidate is cut to this many tokens in the generator prompt"
+    )
+    verifier_response_token_budget: int = Field(
+        default=512, ge=8, description="each response is cut to this many tokens in the verifier prompt"
+    )
+    max_items: int = Field(default=12, ge=2, le=12, description="items kept per rubric (highest weight first)")
+    generator_max_tokens: int = Field(default=512, ge=16, description="token budget of the generator's answer")
+    generator_context_tokens: int = Field(
+        default=2048, ge=256, description="the generator's context; candidates are cut so the prompt fits"
+    )
+    generator_temperature: float = Field(default=0.7, ge=0.0, description="first try; retries keep it")
+    retries: int = Field(
+        default=2, ge=0, description="extra set-conditioned tries (each with a new seed) before prompt-only"
+    )
+    prompt_only_retries: int = Field(default=1, ge=0, description="extra prompt-only tries before the generic rubric")
+    mode: Literal["set", "prompt_only"] = Field(
+        default="set", description="'prompt_only' skips the candidates in the generator prompt (for comparison)"
+    )
+    generic_rubric: list[GenericRubricItem] = Field(
+        default_factory=_default_generic_rubric, min_length=2, max_length=12,
+        description="last-resort rubric when the generator never produces a valid one",
+    )
+    eps: float = Field(default=0.02, gt=0.0, lt=1.0, description="two scores closer than this are a tie")
+    collapse_window: int = Field(default=20, ge=1, description="sets in the collapse detector's window")
+    collapse_min_mean_gap: float = Field(
+        default=0.03, ge=0.0, description="collapse when the window's mean |pairwise gap| is below this"
+    )
+    collapse_max_nonsplit_share: float = Field(
+        default=0.8, ge=0.0, le=1.0, description="collapse when the window's mean non-splitting item share exceeds this"
+    )
+    seed: int = Field(default=0, description="base seed of the generator; retries add to it")
 
 
 class RewardServerConfig(Section):
+    """The OpenRLHF remote-reward server with its per-prompt group barrier."""
+
     host: str = "127.0.0.1"
     port: int = Field(default=8100, ge=0, le=65535)
-    token: SecretStr | None = None
+    token: SecretStr | None = Field(
+        default=None, description="required on /reward and /score_sets (bearer header or ?token=)"
+    )
+    n_samples_per_prompt: int = Field(default=4, ge=1, description="OpenRLHF's n_samples_per_prompt: group size")
+    group_timeout_s: float = Field(
+        default=60.0, gt=0, description="from a group's first arrival; then the partial group is scored"
+    )
+    max_body_bytes: int = Field(default=1_048_576, ge=1024, description="larger request bodies get 413")
+    replica_urls: list[str] = Field(
+        default_factory=list,
+        description="base URLs of all replicas, this one included, in the same order on every replica; "
+        "each prompt's group is owned by one replica chosen by a hash of the prompt",
+    )
+    self_url: str | None = Field(
+        default=None, description="this replica's entry in replica_urls (required when replica_urls is set)"
+    )
+    forward_timeout_s: float = Field(default=170.0, gt=0, description="timeout of a forward to the owner replica")
 
 
 # ---------------------------------------------------------------- streaming/
