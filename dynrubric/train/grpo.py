@@ -39,10 +39,14 @@ class Rollout:
 
 @dataclass(frozen=True)
 class Group:
-    """One candidate set: K rollouts of the same prompt and their set-conditioned scores."""
+    """One candidate set: K rollouts of the same prompt and their set-conditioned scores.
+
+    `advantages`, when given, replace the group-normalised scores (the generator combines several
+    normalised rewards at the advantage level); all of them below `tie_eps` counts as a tied set."""
 
     rollouts: tuple[Rollout, ...]
     scores: tuple[float, ...]
+    advantages: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -172,7 +176,10 @@ class GRPOTrainer:
         batch: list[tuple[Rollout, float]] = []
         tied = 0
         for g in groups:
-            adv = group_advantages(g.scores, cfg.adv_eps, cfg.tie_eps)
+            if g.advantages is not None:
+                adv = list(g.advantages) if any(abs(a) >= max(cfg.tie_eps, 1e-12) for a in g.advantages) else None
+            else:
+                adv = group_advantages(g.scores, cfg.adv_eps, cfg.tie_eps)
             if adv is None:
                 tied += 1
                 continue
@@ -191,11 +198,11 @@ class GRPOTrainer:
             if cfg.kl_beta > 0:
                 kl = k3(logp, self._ref_logprobs(ids, attn))
                 per_token = pg + cfg.kl_beta * kl
-                kl_sum += float((kl * mask).sum())
+                kl_sum += float((kl.detach() * mask).sum())
             loss = (per_token * mask).sum() / tokens
             loss.backward()
-            loss_sum += float(loss)
-            pg_sum += float((pg * mask).sum()) / tokens
+            loss_sum += float(loss.detach())
+            pg_sum += float((pg.detach() * mask).sum()) / tokens
             clip_sum += float((clipped * mask).sum())
         return StepStats(
             loss=loss_sum,
