@@ -114,6 +114,13 @@ def doctor(ctx: typer.Context) -> None:
         raise typer.Exit(1)
 
 
+# ---------------------------------------------------------------- evaluator (dynrubric/rubric)
+from dynrubric.rubric import commands as rubric_commands  # noqa: E402 - its heavy imports are lazy
+
+app.command("score")(rubric_commands.score)
+app.command("serve-reward")(rubric_commands.serve_reward)
+
+
 def main() -> None:
     import click
 
