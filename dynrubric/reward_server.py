@@ -25,7 +25,7 @@ import json
 import logging
 import math
 import re
-import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -186,6 +186,8 @@ class GroupBarrier:
         self.timeout_s = timeout_s
         self.metrics = metrics
         self.open: dict[str, Group] = {}
+        #: the last scored groups, for operators (GET /groups): rubric, verdicts, scores, gaps
+        self.recent: deque[dict[str, Any]] = deque(maxlen=64)
         # engines are not thread-safe: every model call runs on this one worker thread
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluator")
         self._tasks: set[asyncio.Task[None]] = set()
@@ -243,6 +245,7 @@ class GroupBarrier:
             "rubric_partial_group": 1.0 if partial else 0.0,
             "rubric_collapse": 1.0 if self.evaluator.collapse.collapsed else 0.0,
         }
+        self.recent.append({"key": group.key, "partial": partial, **scored.as_dict()})
         for w, score in zip(group.waiters, scored.scores, strict=True):
             if not w.done():
                 w.set_result(SampleResult(reward=finite(score), logs=logs))
@@ -352,6 +355,12 @@ def create_app(
             return JSONResponse({"detail": f"scoring failed: {type(e).__name__}: {e}"}, status_code=503)
         metrics.requests.labels(outcome="ok").inc()
         return JSONResponse({"sets": [s.as_dict() for s in scored]})
+
+    @app.get("/groups")
+    async def groups(request: Request) -> JSONResponse:
+        """The last scored groups (newest last): key, partial flag, rubric, verdicts, scores, gaps."""
+        require_token(request, token)
+        return JSONResponse({"groups": list(barrier.recent)})
 
     app.add_event_handler("shutdown", barrier.close)
     app.state.barrier = barrier
