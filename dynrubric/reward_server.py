@@ -154,6 +154,7 @@ class Group:
     waiters: list[asyncio.Future[SampleResult]] = field(default_factory=list)
     timer: asyncio.TimerHandle | None = None
     closed: bool = False
+    partial: bool = False
 
 
 class ServerMetrics:
@@ -190,7 +191,8 @@ class GroupBarrier:
         self.recent: deque[dict[str, Any]] = deque(maxlen=64)
         # engines are not thread-safe: every model call runs on this one worker thread
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluator")
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._ready: list[Group] = []
+        self._scorer: asyncio.Task[None] | None = None
 
     def add(self, key: str, question: str, response: str) -> asyncio.Future[SampleResult]:
         loop = asyncio.get_running_loop()
@@ -214,12 +216,12 @@ class GroupBarrier:
             group.timer.cancel()
         if self.open.get(group.key) is group:
             del self.open[group.key]
-        partial = timed_out and len(group.responses) < self.n
-        if partial:
+        group.partial = timed_out and len(group.responses) < self.n
+        if group.partial:
             self.metrics.partial_groups.inc()
-        task = asyncio.get_running_loop().create_task(self._score(group, partial))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._ready.append(group)
+        if self._scorer is None or self._scorer.done():
+            self._scorer = asyncio.get_running_loop().create_task(self._drain())
 
     async def score_sets(self, questions: list[str], sets: list[list[str]]) -> list[ScoredSet]:
         loop = asyncio.get_running_loop()
@@ -228,24 +230,33 @@ class GroupBarrier:
             self.metrics.verdict_latency.observe(s.verify_seconds)
         return scored
 
-    async def _score(self, group: Group, partial: bool) -> None:
-        try:
-            [scored] = await self.score_sets([group.question], [group.responses])
-        except Exception as e:  # the engine failed: every held request gets an error, OpenRLHF retries
-            log.exception("scoring a group of %d failed", len(group.responses))
-            for w in group.waiters:
-                if not w.done():
-                    w.set_exception(e)
-            return
+    async def _drain(self) -> None:
+        """Score every closed group; groups that close while a batch is scored form the next batch,
+        so rubric generation for concurrent groups is one batched engine call."""
+        while self._ready:
+            batch, self._ready = self._ready, []
+            try:
+                scored = await self.score_sets([g.question for g in batch], [g.responses for g in batch])
+            except Exception as e:  # the engine failed: every held request gets an error, OpenRLHF retries
+                log.exception("scoring %d group(s) failed", len(batch))
+                for g in batch:
+                    for w in g.waiters:
+                        if not w.done():
+                            w.set_exception(e)
+                continue
+            for group, s in zip(batch, scored, strict=True):
+                self._answer(group, s)
+
+    def _answer(self, group: Group, scored: ScoredSet) -> None:
         logs = {
             "rubric_mean_gap": finite(scored.gaps.mean_abs_gap),
             "rubric_items": float(len(scored.rubric.items)),
             "rubric_generic": 1.0 if scored.rubric_source == "generic" else 0.0,
             "rubric_group_size": float(len(group.responses)),
-            "rubric_partial_group": 1.0 if partial else 0.0,
+            "rubric_partial_group": 1.0 if group.partial else 0.0,
             "rubric_collapse": 1.0 if self.evaluator.collapse.collapsed else 0.0,
         }
-        self.recent.append({"key": group.key, "partial": partial, **scored.as_dict()})
+        self.recent.append({"key": group.key, "partial": group.partial, **scored.as_dict()})
         for w, score in zip(group.waiters, scored.scores, strict=True):
             if not w.done():
                 w.set_result(SampleResult(reward=finite(score), logs=logs))
