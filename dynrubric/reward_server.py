@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -285,6 +285,13 @@ def create_app(
     self_url = (config.self_url or "").rstrip("/")
     token = config.token
 
+    def authorize(request: Request) -> None:
+        try:
+            require_token(request, token)
+        except HTTPException:
+            metrics.requests.labels(outcome="rejected").inc()
+            raise
+
     def reject(e: BadRequest) -> JSONResponse:
         metrics.requests.labels(outcome="rejected").inc()
         return JSONResponse({"detail": e.message, "field": e.field}, status_code=e.status)
@@ -316,7 +323,7 @@ def create_app(
         return await barrier.add(key, question_of(key, special_tokens), response)
 
     async def reward(request: Request) -> JSONResponse:
-        require_token(request, token)
+        authorize(request)
         try:
             body: RewardRequest = await read_json(request, RewardRequest, config.max_body_bytes)
             prompts = body.prompts
@@ -354,7 +361,7 @@ def create_app(
     @app.post("/score_sets")
     async def score_sets(request: Request) -> JSONResponse:
         """Whole candidate sets at once: `{"sets": [{"prompt", "responses"}]}` -> scored sets."""
-        require_token(request, token)
+        authorize(request)
         try:
             body: ScoreSetsRequest = await read_json(request, ScoreSetsRequest, config.max_body_bytes)
         except BadRequest as e:
@@ -373,7 +380,7 @@ def create_app(
         require_token(request, token)
         return JSONResponse({"groups": list(barrier.recent)})
 
-    app.add_event_handler("shutdown", barrier.close)
+    app.router.on_shutdown.append(barrier.close)
     app.state.barrier = barrier
     return app
 
