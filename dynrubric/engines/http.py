@@ -1,0 +1,173 @@
+"""Engine over any OpenAI-compatible server, first of all vLLM (`/v1/completions`).
+
+Prompts are sent as token ids, tokenized locally with the model's own tokenizer, so both engines
+see exactly the same tokens. Next-token scores come from the top-`max_logprobs` list of a one-token
+completion; a candidate outside that list is scored exactly by a second request that appends it to
+the prompt and reads its `prompt_logprobs` (prefix caching makes that cheap).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import SecretStr
+
+from dynrubric.engines.base import Completion, Engine, GenerationRequest
+from dynrubric.errors import DynrubricError
+
+
+class OpenAIHTTPEngine(Engine):
+    def __init__(
+        self,
+        base_url: str,
+        model_dir: Path,
+        *,
+        api_key: SecretStr | None = None,
+        timeout_s: float = 120.0,
+        top_logprobs: int = 20,
+        concurrency: int = 16,
+        policy_version: str | None = None,
+    ):
+        from transformers import AutoTokenizer, GenerationConfig
+
+        self.base_url = base_url.rstrip("/")
+        self.model_dir = Path(model_dir)
+        self.top_logprobs = top_logprobs
+        self.concurrency = concurrency
+        headers = {"Authorization": f"Bearer {api_key.get_secret_value()}"} if api_key else {}
+        self._client = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)
+        self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self._eos_ids = {self._tokenizer.eos_token_id} - {None}
+        if (self.model_dir / "generation_config.json").is_file():
+            eos = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
+            self._eos_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.model_name = self._served_model()
+        self.policy_version = policy_version or self.model_name
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self._client.request(method, path, **kwargs)
+        except httpx.TransportError as e:
+            raise DynrubricError(
+                f"engine at {self.base_url} is unreachable ({type(e).__name__})",
+                "start the server (`dynrubric fleet up`) or fix engine.base_url",
+            ) from None
+        if response.status_code >= 400:
+            raise DynrubricError(
+                f"engine at {self.base_url} answered {response.status_code} to {path}: {response.text[:300]}",
+                "check the request parameters against the server's limits (max_model_len, max_logprobs)",
+            )
+        return response.json() if response.content else None
+
+    def _served_model(self) -> str:
+        models = self._request("GET", "/v1/models")["data"]
+        if not models:
+            raise DynrubricError(f"engine at {self.base_url} serves no model", "start it with a --model")
+        return models[0]["id"]
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    # ------------------------------------------------------------------ generation
+    def _complete(self, request: GenerationRequest) -> list[Completion]:
+        p = request.params
+        body: dict[str, Any] = {
+            "model": self.model_name,
+            "prompt": self.encode(request.prompt),
+            "max_tokens": p.max_tokens,
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "n": p.n,
+            "stop": list(p.stop) or None,
+            "return_token_ids": True,
+        }
+        if p.seed is not None:
+            body["seed"] = p.seed
+        if p.logprobs:
+            body["logprobs"] = 0  # the sampled token's own logprob
+        choices = sorted(self._request("POST", "/v1/completions", json=body)["choices"], key=lambda c: c["index"])
+        out = []
+        for c in choices:
+            ids = list(c.get("token_ids") or self.encode(c["text"]))
+            logprobs = None
+            if p.logprobs and c.get("logprobs"):
+                logprobs = tuple(float(x) for x in c["logprobs"]["token_logprobs"])
+            if ids and ids[-1] in self._eos_ids:  # like the in-process engine: the stop token is not output
+                ids = ids[:-1]
+                logprobs = logprobs[: len(ids)] if logprobs is not None else None
+            finish = "length" if c.get("finish_reason") == "length" else "stop"
+            out.append(Completion(text=c["text"], token_ids=tuple(ids), finish_reason=finish, logprobs=logprobs))
+        return out
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Completion]]:
+        # vLLM batches concurrent requests itself; sending them at once is what fills its batch
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            return list(pool.map(self._complete, requests))
+
+    # ------------------------------------------------------------------ scoring
+    def score_next_token(self, prompts: Sequence[str], candidates: Sequence[str]) -> list[dict[str, float]]:
+        token_of = self.candidate_token_ids(candidates)
+        encoded = [self.encode(p) for p in prompts]
+        body = {
+            "model": self.model_name,
+            "prompt": encoded,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "logprobs": self.top_logprobs,
+            "return_tokens_as_token_ids": True,
+        }
+        choices = sorted(self._request("POST", "/v1/completions", json=body)["choices"], key=lambda c: c["index"])
+        scores: list[dict[str, float]] = []
+        missing: list[tuple[int, str]] = []
+        for i, choice in enumerate(choices):
+            top = choice["logprobs"]["top_logprobs"][0]
+            by_id = {int(k.split(":", 1)[1]): float(v) for k, v in top.items()}
+            row = {}
+            for cand, tid in token_of.items():
+                if tid in by_id:
+                    row[cand] = by_id[tid]
+                else:
+                    missing.append((i, cand))
+            scores.append(row)
+        if missing:
+            exact = self._exact_logprobs([encoded[i] + [token_of[c]] for i, c in missing])
+            for (i, cand), lp in zip(missing, exact, strict=True):
+                scores[i][cand] = lp
+        return scores
+
+    def _exact_logprobs(self, sequences: list[list[int]]) -> list[float]:
+        """The logprob of each sequence's last token given the rest, from prompt_logprobs."""
+        body = {
+            "model": self.model_name,
+            "prompt": sequences,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,
+        }
+        choices = sorted(self._request("POST", "/v1/completions", json=body)["choices"], key=lambda c: c["index"])
+        out = []
+        for seq, choice in zip(sequences, choices, strict=True):
+            last = choice["prompt_logprobs"][-1] or {}
+            entry = last.get(str(seq[-1]))
+            out.append(float(entry["logprob"]) if entry else -math.inf)
+        return out
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, path: Path, version: str) -> None:
+        self._request(
+            "POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
+        )
+        self._request("POST", "/reset_prefix_cache")
+        self.policy_version = version

