@@ -132,6 +132,13 @@ def generate(
             console.print(completion.text, markup=False, highlight=False)
 
 
+# ---------------------------------------------------------------- evaluator (dynrubric/rubric)
+from dynrubric.rubric import commands as rubric_commands  # noqa: E402 - its heavy imports are lazy
+
+app.command("score")(rubric_commands.score)
+app.command("serve-reward")(rubric_commands.serve_reward)
+
+
 def _register_tiers() -> None:
     from dynrubric.train.commands import registry_app, train_app
 

@@ -101,9 +101,9 @@ class RubricConfig(Section):
     )
     generator_temperature: float = Field(default=0.7, ge=0.0, description="first try; retries keep it")
     retries: int = Field(
-        default=2, ge=0, description="extra set-conditioned tries (each with a new seed) before prompt-only"
+        default=2, ge=0, le=20, description="extra set-conditioned tries (each with a new seed) before prompt-only"
     )
-    prompt_only_retries: int = Field(default=1, ge=0, description="extra prompt-only tries before the generic rubric")
+    prompt_only_retries: int = Field(default=1, ge=0, le=20, description="extra prompt-only tries before the generic rubric")
     mode: Literal["set", "prompt_only"] = Field(
         default="set", description="'prompt_only' skips the candidates in the generator prompt (for comparison)"
     )

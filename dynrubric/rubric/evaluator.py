@@ -107,12 +107,12 @@ class Evaluator:
         self.collapse = CollapseDetector(
             config.collapse_window, config.collapse_min_mean_gap, config.collapse_max_nonsplit_share
         )
-        self._sets_seen = 0
+        self._calls = 0
         #: running totals of the generation ladder since construction (for logs and tests)
         self.counts = GenerationCounts()
 
     def generate_rubric(self, prompt: str, responses: Sequence[str], seed: int) -> tuple[Rubric, RubricSource, str]:
-        [generated], counts = self.rubric_generator.generate_many([prompt], [list(responses)], [seed])
+        [generated], counts = self.rubric_generator.generate_many([prompt], [list(responses)], seed)
         self._record_generation(counts)
         return generated.rubric, generated.source, generated.raw
 
@@ -134,9 +134,10 @@ class Evaluator:
             raise ValueError(f"{len(prompts)} prompts but {len(candidate_sets)} candidate sets")
         if any(len(c) == 0 for c in candidate_sets):
             raise ValueError("every candidate set needs at least one response")
-        seeds = [self.config.seed + 1000 * (self._sets_seen + n) for n in range(len(prompts))]
-        self._sets_seen += len(prompts)
-        generated, counts = self.rubric_generator.generate_many(prompts, candidate_sets, seeds)
+        # a new seed block per call: retries within it add 1, 2, ... (at most 1000 tries per call)
+        seed = self.config.seed + 1000 * self._calls
+        self._calls += 1
+        generated, counts = self.rubric_generator.generate_many(prompts, candidate_sets, seed)
         self._record_generation(counts)
         out = []
         for prompt, responses, gen in zip(prompts, candidate_sets, generated, strict=True):

@@ -100,8 +100,10 @@ class RubricGenerator:
         return out
 
     def generate_many(
-        self, questions: Sequence[str], candidate_sets: Sequence[Sequence[str]], seeds: Sequence[int]
+        self, questions: Sequence[str], candidate_sets: Sequence[Sequence[str]], seed: int
     ) -> tuple[list[GeneratedRubric], GenerationCounts]:
+        """One rubric per set. Attempt `a` samples with seed `seed + a` for every set still without a
+        rubric: equal sampling parameters keep the sets of one attempt in one engine batch."""
         counts = GenerationCounts()
         result: list[GeneratedRubric | None] = [None] * len(questions)
         last_raw = [""] * len(questions)
@@ -123,7 +125,7 @@ class RubricGenerator:
                     else self.prompt_only_prompt(questions[i])
                     for i in todo
                 ]
-                tried = self._try(prompts, [seeds[i] + attempt_no for i in todo])
+                tried = self._try(prompts, [seed + attempt_no] * len(todo))
                 attempt_no += 1
                 for i, (rubric, raw, reason) in zip(todo, tried, strict=True):
                     if rubric is None:

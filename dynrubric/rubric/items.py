@@ -26,7 +26,7 @@ import math
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_ITEMS = 12
 MIN_ITEMS = 2
@@ -190,18 +190,25 @@ def _polarity(value: Any) -> Literal[1, -1] | None:
     return None
 
 
+def _clean(text: str, limit: int) -> str:
+    """Whitespace collapsed, surrogate pairs joined and lone surrogates replaced (Python-literal
+    decoding keeps `\\ud800` escapes as lone surrogates, which are not valid text)."""
+    text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return " ".join(text.split())[:limit]
+
+
 def _text(entry: dict[Any, Any]) -> str:
     for key in ("text", "criterion", "description", "item", "question", "check"):
         value = entry.get(key)
         if isinstance(value, str) and value.strip():
-            return " ".join(value.split())[:MAX_TEXT_CHARS]
+            return _clean(value, MAX_TEXT_CHARS)
     return ""
 
 
 def _raw_item(entry: Any, index: int) -> tuple[str, str, int, Literal[1, -1]] | None:
     """(id, text, weight, polarity) or None when the entry is not a usable item."""
     if isinstance(entry, str):
-        text = " ".join(entry.split())[:MAX_TEXT_CHARS]
+        text = _clean(entry, MAX_TEXT_CHARS)
         return (f"i{index + 1}", text, 1, 1) if text else None
     if not isinstance(entry, dict):
         return None
@@ -211,7 +218,7 @@ def _raw_item(entry: Any, index: int) -> tuple[str, str, int, Literal[1, -1]] | 
     if not text or weight is None or polarity is None:
         return None
     raw_id = entry.get("id")
-    item_id = str(raw_id).strip()[:64] if isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool) else ""
+    item_id = _clean(str(raw_id), 64) if isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool) else ""
     return (item_id or f"i{index + 1}", text, weight, polarity)
 
 
@@ -266,12 +273,15 @@ def parse_rubric(raw_text: str, max_items: int = MAX_ITEMS) -> Rubric:
     raw = [r for n, e in enumerate(entries) if (r := _raw_item(e, n)) is not None]
     if not raw:
         raise RubricParseError(f"none of the {len(entries)} entries is a valid item (text, weight 1..5, polarity)")
-    items = merge_items(raw, max_items=max(MIN_ITEMS, min(max_items, MAX_ITEMS)))
-    if len(items) < MIN_ITEMS:
-        raise RubricParseError(
-            f"only {len(items)} distinct valid item(s) after validation and merging; need at least {MIN_ITEMS}"
-        )
-    return Rubric(items=items)
+    try:
+        items = merge_items(raw, max_items=max(MIN_ITEMS, min(max_items, MAX_ITEMS)))
+        if len(items) < MIN_ITEMS:
+            raise RubricParseError(
+                f"only {len(items)} distinct valid item(s) after validation and merging; need at least {MIN_ITEMS}"
+            )
+        return Rubric(items=items)
+    except ValidationError as e:  # a repair above missed a case: still the typed error, never a crash
+        raise RubricParseError(f"rubric failed validation: {e.errors()[0]['msg']}") from None
 
 
 def rubric_from_items(items: list[tuple[str, int, Literal[1, -1]]]) -> Rubric:
