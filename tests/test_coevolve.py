@@ -164,3 +164,18 @@ def test_run_log_appends_each_key_once(tmp_path: Path) -> None:
     with open(log.path, "a") as f:
         f.write('{"key": "torn')  # a crash mid-line
     assert [r["key"] for r in log.records()] == ["a", "b", "c"]
+
+
+def test_schedule_alternates_k_alt_steps_and_starts_with_the_generator_after_a_collapse(tmp_path: Path) -> None:
+    from dynrubric.config import Settings
+    from dynrubric.registry import Registry
+    from dynrubric.train.rounds import RoundRunner
+
+    settings = Settings.model_validate({"paths": {"state_dir": str(tmp_path)},
+                                        "train": {"coevolve": {"k_alt": 2}, "steps_per_round": 4}})
+    runner = RoundRunner(settings, Registry(tmp_path / "r.sqlite"), None, None)  # type: ignore[arg-type]
+    assert runner.schedule(1, 4, refresh=False) == ["policy", "policy", "generator", "generator"]
+    assert runner.schedule(2, 4, refresh=False) == ["policy", "policy", "generator", "generator"]
+    assert runner.schedule(2, 4, refresh=True) == ["generator", "generator", "policy", "policy"]
+    off = Settings.model_validate({"paths": {"state_dir": str(tmp_path)}, "train": {"coevolve": {"enabled": False}}})
+    assert RoundRunner(off, runner.registry, None, None).schedule(1, 3, refresh=True) == ["policy"] * 3  # type: ignore[arg-type]

@@ -240,7 +240,7 @@ class RoundRunner:
         )
         heldout = heldout[: self.cfg.heldout_prompts]
         refresh = None
-        if last and last.get("collapse", {}).get("fired"):
+        if last and last.get("collapse", {}).get("fired") and self.cfg.coevolve.enabled:
             refresh = f"collapse detected in round {last['round']}: starting with a generator phase"
         plan = {
             "round": round_id,
@@ -610,7 +610,9 @@ class _Round:
             "refresh": self.plan["refresh"],
             "collapse": {
                 "fired": collapse,
-                "note": "collapse detected: the next round starts with a generator phase" if collapse else None,
+                "note": None if not collapse else (
+                    "collapse detected: the next round starts with a generator phase" if self.cfg.coevolve.enabled
+                    else "collapse detected; co-evolution is disabled, so no generator phase follows"),
             },
             "prompts": len(self.prompts),
             "watermark_before": self.plan["watermark_before"],
