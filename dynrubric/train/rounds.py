@@ -395,7 +395,7 @@ class _Round:
         responses = [[c.text for c in cs] for cs in outs]
         counts_before = dict(self.evaluator.counts.__dict__)
         scored = self.evaluator.score_sets([p.question for p in prompts], responses,
-                                           progress=lambda n: self.r.progress.advance("score", n))
+                                           progress=lambda n: self.r.progress.advance("score sets", n))
         self.collapse_fired = self.collapse_fired or self.evaluator.collapse.collapsed
         groups = []
         for text, cs, sc in zip(texts, outs, scored, strict=True):
@@ -545,7 +545,8 @@ class _Round:
             self.r.progress.advance(f"round {self.id}", first)
             for step in range(first, len(schedule)):
                 phase = schedule[step]
-                self.r.progress.start("score", self.cfg.prompts_per_step if phase == "policy" else 0)
+                if phase == "policy":
+                    self.r.progress.start("score sets", self.cfg.prompts_per_step)
                 record = self.policy_step(step) if phase == "policy" else self.generator_step(step)
                 record = {"step": step, "phase": phase, "time": time.time(), **record}
                 self.publish_step(step, record)
