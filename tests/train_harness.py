@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import replace
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -71,18 +70,7 @@ def engines(role: str, model_dir: Path) -> Engine:
         return KeywordVerifier(model_dir)
     from dynrubric.engines.hf import TransformersEngine
 
-    class OneSeedPerCall(TransformersEngine):
-        """The evaluator gives every set its own generator seed, and the in-process engine batches only
-        requests with equal sampling params, so rubric generation would run one batch per set. For CI
-        speed all requests of one call share the first request's seed (still seeded, still sampled)."""
-
-        def generate(self, requests):
-            if requests:
-                seed = requests[0].params.seed
-                requests = [replace(r, params=replace(r.params, seed=seed)) for r in requests]
-            return super().generate(requests)
-
-    return OneSeedPerCall(model_dir, max_batch_size=64)
+    return TransformersEngine(model_dir, max_batch_size=64)
 
 
 def settings(state_dir: Path, model_dir: Path, prompts_file: Path, **train) -> Settings:
