@@ -74,7 +74,7 @@ def engines(role: str, model_dir: Path) -> Engine:
 
 
 def settings(state_dir: Path, model_dir: Path, prompts_file: Path, **train) -> Settings:
-    """Small, fast settings for the task (a few seconds per round on 2 CPU cores)."""
+    """Small settings for the task (measured: 5-6 min per round on the shared 2-core machine at load 10-15)."""
     train_cfg = {
         "prompts_file": str(prompts_file),
         "candidates": 4,
