@@ -137,10 +137,13 @@ def generate(
 # ---------------------------------------------------------------- the tiers' commands
 # The CLI is the composition root: it alone wires the tiers in. Their command modules import their
 # machinery inside the command bodies, so registering them here costs little at start-up.
+from dynrubric.rubric import commands as rubric_commands  # noqa: E402
 from dynrubric.train.commands import registry_app, train_app  # noqa: E402
 from serving.commands import register as register_serving  # noqa: E402
 from streaming.commands import broker_app, ingest, traffic_app  # noqa: E402
 
+app.command("score")(rubric_commands.score)
+app.command("serve-reward")(rubric_commands.serve_reward)
 app.add_typer(train_app, name="train")
 app.add_typer(registry_app, name="registry")
 app.add_typer(broker_app, name="broker")

@@ -70,14 +70,81 @@ class VllmConfig(Section):
 
 
 # ---------------------------------------------------------------- evaluator (rubric/, reward_server)
+class GenericRubricItem(Section):
+    text: str = Field(min_length=1)
+    weight: int = Field(default=1, ge=1, le=5)
+    polarity: Literal[1, -1] = 1
+
+
+def _default_generic_rubric() -> list[GenericRubricItem]:
+    return [
+        GenericRubricItem(text="The response directly answers the question that was asked.", weight=3),
+        GenericRubricItem(text="The response is factually correct.", weight=3),
+        GenericRubricItem(text="The response follows every instruction and format the question requests.", weight=2),
+        GenericRubricItem(text="The response is clear and concise.", weight=1),
+        GenericRubricItem(text="The response contains irrelevant, repeated or unfinished text.", weight=2, polarity=-1),
+    ]
+
+
 class RubricConfig(Section):
-    pass
+    """Set-conditioned rubric generation, verdicts, aggregation and collapse detection."""
+
+    response_token_budget: int = Field(
+        default=256, ge=8, description="each candidate is cut to this many tokens in the generator prompt"
+    )
+    verifier_response_token_budget: int = Field(
+        default=512, ge=8, description="each response is cut to this many tokens in the verifier prompt"
+    )
+    max_items: int = Field(default=12, ge=2, le=12, description="items kept per rubric (highest weight first)")
+    generator_max_tokens: int = Field(default=512, ge=16, description="token budget of the generator's answer")
+    generator_context_tokens: int = Field(
+        default=2048, ge=256, description="the generator's context; candidates are cut so the prompt fits"
+    )
+    generator_temperature: float = Field(default=0.7, ge=0.0, description="first try; retries keep it")
+    retries: int = Field(
+        default=2, ge=0, le=20, description="extra set-conditioned tries (each with a new seed) before prompt-only"
+    )
+    prompt_only_retries: int = Field(default=1, ge=0, le=20, description="extra prompt-only tries before the generic rubric")
+    mode: Literal["set", "prompt_only"] = Field(
+        default="set", description="'prompt_only' skips the candidates in the generator prompt (for comparison)"
+    )
+    generic_rubric: list[GenericRubricItem] = Field(
+        default_factory=_default_generic_rubric, min_length=2, max_length=12,
+        description="last-resort rubric when the generator never produces a valid one",
+    )
+    eps: float = Field(default=0.02, gt=0.0, lt=1.0, description="two scores closer than this are a tie")
+    collapse_window: int = Field(default=20, ge=1, description="sets in the collapse detector's window")
+    collapse_min_mean_gap: float = Field(
+        default=0.03, ge=0.0, description="collapse when the window's mean |pairwise gap| is below this"
+    )
+    collapse_max_nonsplit_share: float = Field(
+        default=0.8, ge=0.0, le=1.0, description="collapse when the window's mean non-splitting item share exceeds this"
+    )
+    seed: int = Field(default=0, description="base seed of the generator; retries add to it")
 
 
 class RewardServerConfig(Section):
+    """The OpenRLHF remote-reward server with its per-prompt group barrier."""
+
     host: str = "127.0.0.1"
     port: int = Field(default=8100, ge=0, le=65535)
-    token: SecretStr | None = None
+    token: SecretStr | None = Field(
+        default=None, description="required on /reward and /score_sets (bearer header or ?token=)"
+    )
+    n_samples_per_prompt: int = Field(default=4, ge=1, description="OpenRLHF's n_samples_per_prompt: group size")
+    group_timeout_s: float = Field(
+        default=60.0, gt=0, description="from a group's first arrival; then the partial group is scored"
+    )
+    max_body_bytes: int = Field(default=1_048_576, ge=1024, description="larger request bodies get 413")
+    replica_urls: list[str] = Field(
+        default_factory=list,
+        description="base URLs of all replicas, this one included, in the same order on every replica; "
+        "each prompt's group is owned by one replica chosen by a hash of the prompt",
+    )
+    self_url: str | None = Field(
+        default=None, description="this replica's entry in replica_urls (required when replica_urls is set)"
+    )
+    forward_timeout_s: float = Field(default=170.0, gt=0, description="timeout of a forward to the owner replica")
 
 
 # ---------------------------------------------------------------- streaming/
@@ -165,8 +232,99 @@ class IngestConfig(Section):
 
 
 # ---------------------------------------------------------------- training (train/, registry)
+class GRPOConfig(Section):
+    """The embedded GRPO update (dynrubric/train/grpo.py); defaults follow ARCHITECTURE section 2."""
+
+    lr: float = Field(default=1e-6, gt=0, description="AdamW learning rate")
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1)
+    adam_beta2: float = Field(default=0.95, ge=0, lt=1)
+    adam_eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    clip_low: float = Field(default=0.2, gt=0, lt=1, description="ratio clipped below at 1 - clip_low")
+    clip_high: float = Field(default=0.2, gt=0, le=1, description="ratio clipped above at 1 + clip_high (0.28: DAPO)")
+    kl_beta: float = Field(default=1e-3, ge=0, description="weight of the k3 KL to the frozen reference; 0 = off")
+    adv_eps: float = Field(default=1e-6, gt=0, description="advantage = (E - mean) / (std + adv_eps)")
+    tie_eps: float = Field(default=1e-6, ge=0, description="a set whose score std is below this is tied: no gradient")
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    micro_batch_size: int = Field(default=8, ge=1, description="responses per forward/backward (grad accumulation)")
+    lora_rank: int = Field(default=0, ge=0, description="0 = full fine-tuning; >0 = LoRA (peft) of this rank")
+    lora_alpha: int = Field(default=16, ge=1)
+    lora_target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+class CoevolveConfig(Section):
+    """Evaluator co-evolution (dynrubric/train/coevolve.py): the rubric generator trained with GRPO."""
+
+    enabled: bool = Field(default=True, description="alternate policy and generator phases")
+    single_model: bool = Field(
+        default=True, description="policy and generator share one model (EvoLM); else models.generator is trained"
+    )
+    k_alt: int = Field(default=50, ge=1, description="steps per phase before switching policy <-> generator")
+    rubric_samples: int = Field(default=4, ge=2, description="rubrics sampled per set in a generator step")
+    sets_per_step: int = Field(default=4, ge=1, description="candidate sets per generator step")
+    anchor_lambda: float = Field(default=1.0, ge=0, description="R = R_disc + lambda * R_anchor")
+    format_weight: float = Field(default=1.0, ge=0, description="weight of the format term (+1 parsed, 0 not)")
+    anchors: Literal["temporal", "file"] = Field(default="temporal", description="where ranked anchor lists come from")
+    anchors_file: Path | None = Field(
+        default=None, description="JSONL of {prompt, responses: [best..worst]} (human-ranked) when anchors=file"
+    )
+    min_age: int = Field(default=1, ge=1, description="temporal contrast: older version at least this many versions back")
+    max_age: int = Field(default=4, ge=1, description="... and at most this many")
+    generator_lr: float | None = Field(default=None, gt=0, description="generator learning rate (default: grpo.lr)")
+    generator_max_tokens: int = Field(default=256, ge=16, description="token budget of a sampled rubric")
+
+
+class OpenRLHFConfig(Section):
+    """`dynrubric train openrlhf`: OpenRLHF 0.11.x train_ppo_ray on a Ray cluster."""
+
+    ray_address: str = Field(default="auto", description="Ray cluster address for `ray job submit`")
+    num_nodes: int = Field(default=1, ge=1)
+    gpus_per_node: int = Field(default=8, ge=1)
+    vllm_engines: int = Field(default=2, ge=1)
+    vllm_tensor_parallel_size: int = Field(default=1, ge=1)
+    rollout_batch_size: int = Field(default=128, ge=1, description="prompts per rollout")
+    train_batch_size: int = Field(default=128, ge=1)
+    micro_batch_size: int = Field(default=4, ge=1)
+    max_len: int = Field(default=2048, ge=64)
+    reward_url: str | None = Field(
+        default=None, description="the reward server's /reward URL; default from reward_server.host/port"
+    )
+    extra_args: list[str] = Field(default_factory=list, description="appended verbatim to train_ppo_ray")
+
+
 class TrainConfig(Section):
-    pass
+    """Training rounds (dynrubric/train/rounds.py)."""
+
+    grpo: GRPOConfig = GRPOConfig()
+    coevolve: CoevolveConfig = CoevolveConfig()
+    openrlhf: OpenRLHFConfig = OpenRLHFConfig()
+    prompt_source: Literal["jsonl", "replay"] = Field(
+        default="jsonl", description="jsonl: prompts_file; replay: the streaming tier's replay store"
+    )
+    prompts_file: Path | None = Field(
+        default=None, description="JSONL prompts ({prompt} or {messages}) when prompt_source=jsonl"
+    )
+    heldout_file: Path | None = Field(
+        default=None, description="JSONL held-out prompts for the reward-drop guard; default: the first round prompts"
+    )
+    heldout_prompts: int = Field(default=8, ge=1, description="held-out prompts evaluated per round")
+    candidates: int = Field(default=4, ge=2, description="K: responses sampled per prompt (one candidate set)")
+    prompts_per_step: int = Field(default=8, ge=1, description="candidate sets per policy step")
+    steps_per_round: int = Field(default=4, ge=1)
+    max_prompts_per_round: int = Field(default=256, ge=1, description="new prompts taken per round")
+    max_new_tokens: int = Field(default=128, ge=1)
+    max_prompt_tokens: int = Field(default=512, ge=8, description="longer prompts are skipped (counted)")
+    temperature: float = Field(default=1.0, gt=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    seed: int = 0
+    version_prefix: str = Field(
+        default="r", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="round N registers version <prefix>N"
+    )
+    run_dir: Path | None = Field(default=None, description="round state, summaries, run log; default <state_dir>/train")
+    max_kl: float = Field(default=0.05, gt=0, description="guard: per-token KL(new || parent) on held-out samples")
+    max_reward_drop: float = Field(
+        default=0.05, ge=0, description="guard: reject when held-out reward falls more than this below the parent's"
+    )
 
 
 class RegistryConfig(Section):

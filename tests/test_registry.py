@@ -22,9 +22,52 @@ def fake_model(path: Path, payload: bytes) -> Path:
     return path
 
 
-@pytest.fixture
-def registry(tmp_path: Path) -> Registry:
-    return Registry(tmp_path / "reg" / "registry.sqlite")
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+
+
+@pytest.fixture(scope="session")
+def postgres(tmp_path_factory: pytest.TempPathFactory):
+    """A real PostgreSQL server (Debian's, run as the `postgres` user) on a private port and socket dir."""
+    import shutil
+    import socket
+    import tempfile
+
+    if not (PG_BIN / "initdb").exists() or shutil.which("runuser") is None:
+        pytest.skip("PostgreSQL server binaries are not installed")
+    pytest.importorskip("psycopg")
+    root = Path(tempfile.mkdtemp(prefix="dynrubric-pg-"))  # pytest's tmp dirs are closed to other users
+    data, sock = root / "data", root / "sock"
+    sock.mkdir()
+    shutil.chown(root, "postgres")
+    shutil.chown(sock, "postgres")
+    os.chmod(root, 0o755)
+    as_pg = ["runuser", "-u", "postgres", "--"]
+    subprocess.run(as_pg + [str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"],
+                   check=True, capture_output=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    subprocess.run(as_pg + [str(PG_BIN / "pg_ctl"), "-D", str(data), "-w", "-l", str(root / "log"), "-o",
+                            f"-p {port} -k {sock} -c listen_addresses=127.0.0.1", "start"],
+                   check=True, capture_output=True)
+    try:
+        yield f"postgresql://postgres@127.0.0.1:{port}"
+    finally:
+        subprocess.run(as_pg + [str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "fast", "stop"], capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def registry(request: pytest.FixtureRequest, tmp_path: Path) -> Registry:
+    if request.param == "sqlite":
+        return Registry(tmp_path / "reg" / "registry.sqlite")
+    import psycopg
+
+    base = request.getfixturevalue("postgres")
+    name = f"reg_{os.getpid()}_{abs(hash(str(tmp_path))) % 10**9}"
+    with psycopg.connect(f"{base}/postgres", autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return Registry(f"{base}/{name}", storage_dir=tmp_path / "reg" / "checkpoints")
 
 
 def test_register_lineage_and_hash(registry: Registry, tmp_path: Path) -> None:
@@ -86,8 +129,9 @@ def test_promote_retires_previous_stable_and_reject_is_final(registry: Registry,
     # a rollback: the retired version becomes stable again, and only one version is stable
     registry.promote(a.version)
     assert [x.version for x in registry.list() if x.state is CheckpointState.stable] == [a.version]
-    # a second Registry over the same file (another process) sees the same state
-    assert Registry(registry._db).stable().version == a.version
+    # a second Registry over the same database (another process) sees the same state
+    again = Registry(registry._url, registry.storage_dir) if registry._pg else Registry(registry._db)
+    assert again.stable().version == a.version
 
 
 def test_postgres_url_without_psycopg_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:

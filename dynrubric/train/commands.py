@@ -93,3 +93,144 @@ def registry_reject(
     """Reject a version for good, recording why."""
     ckpt = _registry(ctx).reject(version, reason)
     console.print(f"[red]rejected[/] {ckpt.version}: {ckpt.reason}")
+
+
+# ---------------------------------------------------------------- train
+def prompt_source(settings):
+    """The composition root's choice of prompt source (ARCHITECTURE section 5)."""
+    from dynrubric.errors import DynrubricError
+    from dynrubric.train.prompts import JsonlPromptSource
+    from dynrubric.train.rounds import rollout_history
+
+    cfg = settings.train
+    if cfg.prompt_source == "jsonl":
+        if cfg.prompts_file is None:
+            raise DynrubricError("train.prompt_source is 'jsonl' but train.prompts_file is not set",
+                                 "set train.prompts_file (or DYNRUBRIC_TRAIN__PROMPTS_FILE) to a JSONL file")
+        return JsonlPromptSource(cfg.prompts_file, rollout_history(settings))
+    try:
+        from streaming.store import replay_prompt_source
+    except ImportError:
+        raise DynrubricError(
+            "train.prompt_source is 'replay' but the streaming tier's replay store reader is not installed",
+            "use train.prompt_source=jsonl with train.prompts_file",
+        ) from None
+    return replay_prompt_source(settings)
+
+
+def engine_factory(settings):
+    """Engines by role over a model dir, as configured (in-process transformers or OpenAI HTTP)."""
+    cfg = settings.engine
+
+    def make(role: str, model_dir: Path):
+        if cfg.kind == "transformers":
+            from dynrubric.engines.hf import TransformersEngine
+
+            return TransformersEngine(model_dir, dtype=cfg.dtype, threads=cfg.threads,
+                                      max_batch_size=cfg.max_batch_size)
+        from dynrubric.engines.http import OpenAIHTTPEngine
+
+        return OpenAIHTTPEngine(cfg.base_url, model_dir, api_key=cfg.api_key, timeout_s=cfg.timeout_s)
+
+    return make
+
+
+def _serve_metrics(registry, port: int):
+    import threading
+
+    import uvicorn
+
+    from dynrubric.service import make_app
+
+    server = uvicorn.Server(uvicorn.Config(make_app("dynrubric trainer", registry), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    return server
+
+
+@train_app.command("round")
+def train_round(
+    ctx: typer.Context,
+    round_id: Annotated[int | None, typer.Option("--round", help="round id (default: resume or start the next)")] = None,
+    rounds: Annotated[int, typer.Option(help="run this many rounds one after another")] = 1,
+    metrics_port: Annotated[int | None, typer.Option(help="serve /metrics on this port while training")] = None,
+) -> None:
+    """Run (or resume) training rounds: sample, score with rubrics, GRPO, guard, register."""
+    from prometheus_client import CollectorRegistry
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from dynrubric.train.rounds import Progress as RoundProgress
+    from dynrubric.train.rounds import RoundRunner
+
+    settings = settings_of(ctx)
+    metrics = CollectorRegistry()
+    server = _serve_metrics(metrics, metrics_port) if metrics_port else None
+    bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console)
+    tasks: dict[str, int] = {}
+
+    def start(phase: str, total: int) -> None:
+        if phase in tasks:
+            bars.reset(tasks[phase], total=total)
+        else:
+            tasks[phase] = bars.add_task(phase, total=total)
+
+    def advance(phase: str, n: int) -> None:
+        if phase in tasks:
+            bars.advance(tasks[phase], n)
+
+    runner = RoundRunner(settings, _registry(ctx), prompt_source(settings), engine_factory(settings),
+                         metrics=metrics, progress=RoundProgress(start, advance), heldout=None)
+    try:
+        for n in range(rounds):
+            with bars:
+                summary = runner.run(round_id if n == 0 else None)
+            style = "green" if summary["guard"]["accepted"] else "red"
+            console.print(f"round {summary['round']}: [{style}]{summary['version']} {summary['state']}[/] "
+                          f"(parent {summary['parent']}) {summary['guard']['detail']}")
+            if summary["refresh"]:
+                console.print(f"  refresh: {summary['refresh']}")
+            if summary["collapse"]["fired"]:
+                console.print(f"  [yellow]{summary['collapse']['note']}[/]")
+            console.print(f"  summary: {runner.round_dir(summary['round']) / 'summary.json'}")
+    finally:
+        if server is not None:
+            server.should_exit = True
+
+
+@train_app.command("openrlhf")
+def train_openrlhf(
+    ctx: typer.Context,
+    emit_only: Annotated[bool, typer.Option("--emit", help="write the round's OpenRLHF job (prompt shard, "
+                                            "command line, submit.sh, RayJob) and stop")] = False,
+    run_job: Annotated[bool, typer.Option("--run", help="emit, launch on Ray (GPUs needed), register the result")]
+    = False,
+) -> None:
+    """The next round on a GPU Ray cluster with OpenRLHF's train_ppo_ray instead of the embedded trainer."""
+    from dynrubric import atomic
+    from dynrubric.errors import DynrubricError
+    from dynrubric.train import openrlhf
+    from dynrubric.train.rounds import RoundRunner
+
+    if emit_only == run_job:
+        raise DynrubricError("pass exactly one of --emit and --run", "e.g. `dynrubric train openrlhf --emit`")
+    settings = settings_of(ctx)
+    registry = _registry(ctx)
+    source = prompt_source(settings)
+    runner = RoundRunner(settings, registry, source, engine_factory(settings))
+    round_id = runner.next_round()
+    last = runner.last_summary()
+    watermark = last["watermark_after"] if last else None
+    emitted = openrlhf.emit(settings, registry, source, round_id, runner.head(), watermark)
+    console.print(f"round {round_id}: {emitted.prompts} prompts, parent {emitted.parent.version}")
+    console.print(f"  job in {emitted.dir} (command.json, submit.sh, rayjob.yaml)")
+    if emit_only:
+        return
+    ckpt = openrlhf.run(settings, registry, emitted)
+    _, watermark_after = source.new_prompts(watermark, settings.train.max_prompts_per_round)
+    summary = {"round": round_id, "trainer": "openrlhf", "parent": emitted.parent.version, "version": ckpt.version,
+               "state": ckpt.state.value, "guard": {"accepted": True, "reason": None, "detail": "not evaluated"},
+               "refresh": None, "collapse": {"fired": False, "note": None},
+               "watermark_before": watermark, "watermark_after": watermark_after}
+    atomic.write_text(runner.round_dir(round_id) / "summary.json", json.dumps(summary, indent=2))
+    console.print(f"[green]registered[/] {ckpt.version} from {emitted.output_dir}")

@@ -1,0 +1,155 @@
+"""Judging cost, side by side: batched shared-prefix logprob verdicts vs unshared batching vs naive judging.
+
+Same engine (in-process TransformersEngine), same candidate sets (K responses), same rubric (M items):
+
+- batched:  the evaluator's path. All M*K verifier prompts of a set in ONE `score_next_token` call,
+            laid out [instructions, question, response] + [item], so each response is encoded once.
+- unshared: the same prompts in the same batched call with prefix reuse switched off: every prompt is
+            run in full.
+- naive:    a judge that writes its answer: one greedy `generate` per (item, response), prompt prefill
+            plus the written tokens, one after another.
+
+"tokens" is what the engine actually ran through the model (`TransformersEngine.tokens_processed`);
+"unique" is the number of distinct prompt-token prefixes of a set (the nodes of its token trie): the
+least any exact method must compute. The last two lines are `token ratio: X.XX` (batched tokens / unique
+tokens) and `speedup: X.XX` (naive time / batched time).
+
+    python benchmarks/judge.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from pathlib import Path
+
+from dynrubric.engines.base import GenerationRequest, SamplingParams
+from dynrubric.engines.hf import TransformersEngine
+from dynrubric.rubric.items import Rubric, RubricItem
+from dynrubric.rubric.verify import Verifier, hard_verdict
+
+QUESTIONS = [
+    "What is 17 + 25? Explain briefly.",
+    "Why do leaves change colour in autumn?",
+    "Write a two-line poem about rain.",
+    "How do I reverse a list in Python?",
+    "What is the capital of Australia, and why is it not Sydney?",
+    "Give two tips for sleeping better.",
+    "What causes the seasons on Earth?",
+    "Summarise what a hash table is in one paragraph.",
+]
+OPENINGS = ["Sure.", "Good question!", "Here is the answer.", "Let me explain.", "Short answer:", "Well,", "In brief:", "OK."]
+BODY = (
+    "The key idea is that {topic} follows from a few simple facts. First, consider what is being asked and "
+    "what a careful reader would expect. Second, check each step against what is known. Third, state the "
+    "result plainly. In this case the answer depends on {topic}, and I will keep it short."
+)
+RUBRIC = Rubric(items=[
+    RubricItem(id="answers", text="The response directly answers the question.", weight=5, polarity=1),
+    RubricItem(id="correct", text="The response is factually correct.", weight=5, polarity=1),
+    RubricItem(id="explains", text="The response gives a reason or explanation.", weight=3, polarity=1),
+    RubricItem(id="concise", text="The response is concise and stays on topic.", weight=2, polarity=1),
+    RubricItem(id="hedges", text="The response hedges or refuses instead of answering.", weight=3, polarity=-1),
+    RubricItem(id="filler", text="The response contains filler or repeated text.", weight=2, polarity=-1),
+])
+
+
+def candidate_sets(n_sets: int, k: int) -> list[tuple[str, list[str]]]:
+    """Deterministic sets of K responses of different lengths (about 20 to 90 tokens)."""
+    sets = []
+    for s in range(n_sets):
+        question = QUESTIONS[s % len(QUESTIONS)]
+        topic = question.split("?")[0].lower()
+        responses = []
+        for j in range(k):
+            body = BODY.format(topic=topic)
+            words = body.split()
+            cut = words[: 12 + (j * 47 + s * 13) % len(words)]
+            responses.append(f"{OPENINGS[(j + s) % len(OPENINGS)]} {' '.join(cut)}")
+        sets.append((question, responses))
+    return sets
+
+
+def unique_tokens(engine: TransformersEngine, prompts: list[str]) -> int:
+    """Distinct token prefixes over the prompts: the size of their token trie."""
+    root: dict[int, dict] = {}
+    nodes = 0
+    for p in prompts:
+        node = root
+        for t in engine.encode(p):
+            if t not in node:
+                node[t] = {}
+                nodes += 1
+            node = node[t]
+    return nodes
+
+
+def run_logprob(engine: TransformersEngine, verifier: Verifier, sets, share: bool) -> tuple[int, float, list]:
+    engine.share_prefix = share
+    start_tokens, start = engine.tokens_processed, time.perf_counter()
+    verdicts = [verifier.verify(q, responses, RUBRIC)[0] for q, responses in sets]
+    return engine.tokens_processed - start_tokens, time.perf_counter() - start, verdicts
+
+
+def run_naive(engine: TransformersEngine, verifier: Verifier, sets, max_tokens: int) -> tuple[int, float, list]:
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    start_tokens, start = engine.tokens_processed, time.perf_counter()
+    verdicts = []
+    for q, responses in sets:
+        prompts = verifier.prompts(q, responses, RUBRIC)  # response-major: k*M + m
+        answers = [hard_verdict(engine.generate([GenerationRequest(p, greedy)])[0][0].text) for p in prompts]
+        m = len(RUBRIC.items)
+        verdicts.append([[answers[k * m + i] for k in range(len(responses))] for i in range(m)])
+    return engine.tokens_processed - start_tokens, time.perf_counter() - start, verdicts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="model-cache name or HF directory")
+    ap.add_argument("--quick", action="store_true", help="2 sets instead of 8")
+    ap.add_argument("--sets", type=int, default=None)
+    ap.add_argument("--k", type=int, default=8, help="responses per set")
+    ap.add_argument("--naive-max-tokens", type=int, default=16, help="tokens the naive judge writes at most")
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args()
+
+    from dynrubric import modelcache
+    from dynrubric.config import load_settings
+
+    model_dir = Path(args.model) if Path(args.model).is_dir() else modelcache.resolve(
+        load_settings().paths.resolved_home(), args.model
+    )
+    n_sets = args.sets or (2 if args.quick else 8)
+    engine = TransformersEngine(model_dir, threads=args.threads)
+    verifier = Verifier(engine)
+    sets = candidate_sets(n_sets, args.k)
+    m = len(RUBRIC.items)
+    unique = sum(unique_tokens(engine, verifier.prompts(q, r, RUBRIC)) for q, r in sets)
+    verifier.verify(sets[0][0], sets[0][1][:1], RUBRIC)  # warm-up: allocator, kernels
+
+    batched_tok, batched_s, batched_v = run_logprob(engine, verifier, sets, share=True)
+    unshared_tok, unshared_s, unshared_v = run_logprob(engine, verifier, sets, share=False)
+    naive_tok, naive_s, naive_v = run_naive(engine, verifier, sets, args.naive_max_tokens)
+    engine.share_prefix = True
+
+    pairs = n_sets * m * args.k
+    max_diff = max(abs(a - b) for s1, s2 in zip(batched_v, unshared_v) for r1, r2 in zip(s1, s2) for a, b in zip(r1, r2))
+    agree = sum(
+        (a >= 0.5) == (b >= 0.5) for s1, s2 in zip(batched_v, naive_v) for r1, r2 in zip(s1, s2) for a, b in zip(r1, r2)
+    ) / pairs
+    print(f"machine: {platform.node()} {platform.machine()}, torch threads {__import__('torch').get_num_threads()}; "
+          f"model {model_dir.name}; {n_sets} sets x K={args.k} responses x M={m} items = {pairs} verdicts")
+    print(f"unique prompt tokens: {unique}")
+    print(f"{'method':<10} {'tokens':>9} {'tok/unique':>10} {'seconds':>9} {'verdicts/s':>10}")
+    for name, tok, sec in (("batched", batched_tok, batched_s), ("unshared", unshared_tok, unshared_s), ("naive", naive_tok, naive_s)):
+        print(f"{name:<10} {tok:>9} {tok / unique:>10.2f} {sec:>9.2f} {pairs / sec:>10.1f}")
+    print(f"unshared/batched: tokens {unshared_tok / batched_tok:.2f}x, time {unshared_s / batched_s:.2f}x; "
+          f"naive/batched: tokens {naive_tok / batched_tok:.2f}x")
+    print(f"batched vs unshared max |v| difference: {max_diff:.2e}; batched (v>=0.5) agrees with naive's written answer on {agree:.0%}")
+    print(f"token ratio: {batched_tok / unique:.2f}")
+    print(f"speedup: {naive_s / batched_s:.2f}")
+
+
+if __name__ == "__main__":
+    main()

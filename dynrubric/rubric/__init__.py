@@ -1,0 +1,1 @@
+"""The DynamicRubric evaluator: set-conditioned rubric generation, P(yes) verdicts, scores, score gaps."""

@@ -1,0 +1,127 @@
+"""Evaluator commands: `dynrubric score SETS.jsonl` and `dynrubric serve-reward`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from dynrubric.errors import DynrubricError
+
+
+def read_sets(path: Path) -> list[tuple[str, list[str]]]:
+    """(prompt, responses) per line of a JSONL file; a bad line is an error naming its number."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise DynrubricError(f"sets file {path} does not exist", "pass a JSONL file of {prompt, responses}") from None
+    sets = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise DynrubricError(f"{path}:{n} is not valid JSON ({e})", "write one JSON object per line") from None
+        prompt, responses = (obj.get("prompt"), obj.get("responses")) if isinstance(obj, dict) else (None, None)
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise DynrubricError(f"{path}:{n} field 'prompt' must be a non-empty string", "fix that line")
+        if (
+            not isinstance(responses, list)
+            or not responses
+            or not all(isinstance(r, str) for r in responses)
+        ):
+            raise DynrubricError(f"{path}:{n} field 'responses' must be a non-empty list of strings", "fix that line")
+        sets.append((prompt, responses))
+    if not sets:
+        raise DynrubricError(f"sets file {path} holds no sets", "write one {prompt, responses} object per line")
+    return sets
+
+
+def score(
+    ctx: typer.Context,
+    sets_file: Annotated[Path, typer.Argument(help="JSONL: one {\"prompt\", \"responses\": [...]} per line")],
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="scored sets as JSONL (default: SETS.scored.jsonl)")
+    ] = None,
+    engine: Annotated[
+        str | None, typer.Option("--engine", help="transformers | openai-http (default: engine.kind of the config)")
+    ] = None,
+    mode: Annotated[
+        str | None, typer.Option("--mode", help="set | prompt_only rubric generation (default: rubric.mode)")
+    ] = None,
+) -> None:
+    """Score candidate sets with set-conditioned rubrics; write rubrics, verdicts, scores and gaps."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from dynrubric import atomic
+    from dynrubric.cli import settings_of
+    from dynrubric.engines import build_engine
+    from dynrubric.rubric.evaluator import Evaluator
+
+    settings = settings_of(ctx)
+    try:
+        if engine is not None:
+            settings.engine.kind = engine  # type: ignore[assignment]
+        if mode is not None:
+            settings.rubric.mode = mode  # type: ignore[assignment]
+    except ValueError as e:
+        raise DynrubricError(f"bad option: {e.errors()[0]['msg']}", "use --engine transformers|openai-http, --mode set|prompt_only") from None  # type: ignore[attr-defined]
+    sets = read_sets(sets_file)
+    out = out or sets_file.with_suffix(".scored.jsonl")
+    console = Console()
+    with console.status(f"loading the {settings.engine.kind} engine"):
+        generator = build_engine(settings, "generator")
+        verifier = generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
+    evaluator = Evaluator(generator, verifier, settings.rubric)
+    scored = []
+    with Progress(
+        TextColumn("scoring sets"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    ) as bar:
+        task = bar.add_task("sets", total=len(sets))
+        for prompt, responses in sets:  # one set per call so the bar moves as rubrics are generated
+            scored += evaluator.score_sets([prompt], [responses], progress=lambda n: bar.advance(task, n))
+    atomic.write_text(out, "".join(json.dumps(s.as_dict(), ensure_ascii=False) + "\n" for s in scored))
+
+    table = Table(title=f"{len(scored)} sets scored -> {out}")
+    for col in ("#", "prompt", "K", "M", "rubric", "scores", "mean gap", "spread", "ties", "non-split"):
+        table.add_column(col)
+    for n, s in enumerate(scored, 1):
+        table.add_row(
+            str(n), s.prompt[:40], str(len(s.responses)), str(len(s.rubric.items)), s.rubric_source,
+            " ".join(f"{x:.2f}" for x in s.scores), f"{s.gaps.mean_abs_gap:.3f}", f"{s.gaps.spread:.3f}",
+            f"{s.gaps.tie_rate:.2f}", f"{s.gaps.nonsplit_share:.2f}",
+        )
+    console.print(table)
+    c = evaluator.counts
+    hard = sum(s.hard_verdict_fallbacks for s in scored)
+    console.print(
+        f"parse failures {c.parse_failures}, prompt-only fallbacks {c.prompt_only_fallbacks}, "
+        f"generic fallbacks {c.generic_fallbacks}, hard verdicts {hard}, "
+        f"collapse {'FIRING' if evaluator.collapse.collapsed else 'no'}",
+        markup=False,
+    )
+    generator.close()
+    if verifier is not generator:
+        verifier.close()
+
+
+def serve_reward(
+    ctx: typer.Context,
+    host: Annotated[str | None, typer.Option("--host", help="default: reward_server.host")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="default: reward_server.port")] = None,
+) -> None:
+    """Serve set-conditioned rewards to OpenRLHF (remote reward protocol, per-prompt group barrier)."""
+    from dynrubric.cli import settings_of
+    from dynrubric.reward_server import build_app
+    from dynrubric.service import serve
+
+    settings = settings_of(ctx)
+    cfg = settings.reward_server
+    app = build_app(settings)
+    serve(app, host or cfg.host, cfg.port if port is None else port)
+

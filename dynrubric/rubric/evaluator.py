@@ -1,0 +1,173 @@
+"""The evaluator: candidate sets in, set-conditioned scores and gap diagnostics out.
+
+`Evaluator.score_sets` is what the trainer and the reward server call: one rubric per set (generated
+from the question and all K candidates), one batched verifier call per set, scores
+`E(y|C) = sum w z / sum w`, the per-set gap diagnostics, the rolling collapse detector and the
+Prometheus metrics of monitoring/README.md.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from dynrubric.config import RubricConfig
+from dynrubric.engines.base import Engine
+from dynrubric.rubric.gaps import CollapseDetector, GapStats, gap_stats
+from dynrubric.rubric.generate import GenerationCounts, RubricGenerator, RubricSource
+from dynrubric.rubric.items import Rubric
+from dynrubric.rubric.score import aggregate
+from dynrubric.rubric.verify import Verifier
+
+GAP_BUCKETS = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+SHARE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+@dataclass(frozen=True)
+class ScoredSet:
+    prompt: str  # the raw user question
+    responses: list[str]
+    rubric: Rubric
+    rubric_source: RubricSource
+    verdicts: list[list[float]]  # M x K (item x response), raw P(yes): polarity NOT applied
+    scores: list[float]  # K, each in [0, 1], never NaN
+    gaps: GapStats
+    hard_verdict_fallbacks: int
+    generator_raw: str
+    verify_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "prompt": self.prompt,
+            "responses": self.responses,
+            "rubric": [i.model_dump() for i in self.rubric.items],
+            "rubric_source": self.rubric_source,
+            "verdicts": self.verdicts,
+            "scores": self.scores,
+            "gaps": self.gaps.as_dict(),
+            "hard_verdict_fallbacks": self.hard_verdict_fallbacks,
+            "generator_raw": self.generator_raw,
+            "verify_seconds": self.verify_seconds,
+        }
+
+
+class EvaluatorMetrics:
+    """The rubric metrics (monitoring/README.md), registered on the service's own registry."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.sets = Counter("dynrubric_rubric_sets", "candidate sets scored", registry=registry)
+        self.mean_gap = Histogram(
+            "dynrubric_rubric_mean_gap", "mean absolute pairwise score gap of each set",
+            buckets=GAP_BUCKETS, registry=registry,
+        )
+        self.nonsplit_share = Histogram(
+            "dynrubric_rubric_nonsplit_item_share", "share of rubric items that split no pair in a set",
+            buckets=SHARE_BUCKETS, registry=registry,
+        )
+        self.collapse = Gauge(
+            "dynrubric_rubric_collapse", "1 while the rolling collapse detector fires", registry=registry
+        )
+        self.parse_failures = Counter(
+            "dynrubric_rubric_parse_failures", "generator outputs that failed to parse/validate", registry=registry
+        )
+        self.fallbacks = Counter(
+            "dynrubric_rubric_fallbacks", "fallback paths taken", ["kind"], registry=registry
+        )
+        for kind in ("prompt_only", "generic", "hard_verdict"):
+            self.fallbacks.labels(kind=kind)
+
+    def record_generation(self, counts: GenerationCounts) -> None:
+        self.parse_failures.inc(counts.parse_failures)
+        self.fallbacks.labels(kind="prompt_only").inc(counts.prompt_only_fallbacks)
+        self.fallbacks.labels(kind="generic").inc(counts.generic_fallbacks)
+
+    def record_set(self, scored: ScoredSet, collapsed: bool) -> None:
+        self.sets.inc()
+        self.mean_gap.observe(scored.gaps.mean_abs_gap)
+        self.nonsplit_share.observe(scored.gaps.nonsplit_share)
+        self.fallbacks.labels(kind="hard_verdict").inc(scored.hard_verdict_fallbacks)
+        self.collapse.set(1.0 if collapsed else 0.0)
+
+
+class Evaluator:
+    def __init__(
+        self,
+        generator: Engine,
+        verifier: Engine,
+        config: RubricConfig,
+        metrics: EvaluatorMetrics | None = None,
+    ):
+        self.config = config
+        self.metrics = metrics
+        self.rubric_generator = RubricGenerator(generator, config)
+        self.verifier = Verifier(verifier, config.verifier_response_token_budget)
+        self.collapse = CollapseDetector(
+            config.collapse_window, config.collapse_min_mean_gap, config.collapse_max_nonsplit_share
+        )
+        self._calls = 0
+        #: running totals of the generation ladder since construction (for logs and tests)
+        self.counts = GenerationCounts()
+
+    def generate_rubric(self, prompt: str, responses: Sequence[str], seed: int) -> tuple[Rubric, RubricSource, str]:
+        [generated], counts = self.rubric_generator.generate_many([prompt], [list(responses)], seed)
+        self._record_generation(counts)
+        return generated.rubric, generated.source, generated.raw
+
+    def apply_rubric(self, prompt: str, rubric: Rubric, responses: Sequence[str]) -> list[float]:
+        """Scores of `responses` under a given rubric (co-evolution anchors); updates no diagnostics."""
+        if not responses:
+            return []
+        verdicts, _ = self.verifier.verify(prompt, responses, rubric)
+        return aggregate(verdicts, rubric)
+
+    def score_sets(
+        self,
+        prompts: Sequence[str],
+        candidate_sets: Sequence[Sequence[str]],
+        progress: Callable[[int], None] | None = None,
+    ) -> list[ScoredSet]:
+        """Score each set with its own rubric. `progress(n)` is called after every n sets scored."""
+        if len(prompts) != len(candidate_sets):
+            raise ValueError(f"{len(prompts)} prompts but {len(candidate_sets)} candidate sets")
+        if any(len(c) == 0 for c in candidate_sets):
+            raise ValueError("every candidate set needs at least one response")
+        # a new seed block per call: retries within it add 1, 2, ... (at most 1000 tries per call)
+        seed = self.config.seed + 1000 * self._calls
+        self._calls += 1
+        generated, counts = self.rubric_generator.generate_many(prompts, candidate_sets, seed)
+        self._record_generation(counts)
+        out = []
+        for prompt, responses, gen in zip(prompts, candidate_sets, generated, strict=True):
+            start = time.perf_counter()
+            verdicts, hard = self.verifier.verify(prompt, responses, gen.rubric)
+            elapsed = time.perf_counter() - start
+            scores = aggregate(verdicts, gen.rubric)
+            scored = ScoredSet(
+                prompt=prompt,
+                responses=list(responses),
+                rubric=gen.rubric,
+                rubric_source=gen.source,
+                verdicts=verdicts,
+                scores=scores,
+                gaps=gap_stats(verdicts, gen.rubric, scores, self.config.eps),
+                hard_verdict_fallbacks=hard,
+                generator_raw=gen.raw,
+                verify_seconds=elapsed,
+            )
+            collapsed = self.collapse.update(scored.gaps)
+            if self.metrics is not None:
+                self.metrics.record_set(scored, collapsed)
+            out.append(scored)
+            if progress is not None:
+                progress(1)
+        return out
+
+    def _record_generation(self, counts: GenerationCounts) -> None:
+        self.counts.parse_failures += counts.parse_failures
+        self.counts.prompt_only_fallbacks += counts.prompt_only_fallbacks
+        self.counts.generic_fallbacks += counts.generic_fallbacks
+        if self.metrics is not None:
+            self.metrics.record_generation(counts)

@@ -1,0 +1,202 @@
+"""Evaluator co-evolution: the rubric generator's reward, its anchors, and one generator GRPO batch.
+
+For a candidate set C of the current policy the generator samples R rubrics (same set-conditioned
+prompt as the evaluator uses). Each sampled rubric r gets three rewards (ARCHITECTURE section 2):
+
+    R_disc(r)   = sum_m w_m vbar_m (1 - vbar_m) / sum_m w_m      how much its items split C
+    R_anchor(r) = sum_{i<j} log sigmoid(S_i - S_j) / ((j - i) 2^(i-1))
+                  with S the scores r gives a ranked anchor list (best first, i and j 1-based)
+    R_format(r) = 1 when it parses into a valid rubric, else 0
+
+and they are combined at the advantage level: A = norm(R_disc) + lambda norm(R_anchor) +
+format_weight norm(R_format), each normalised within the R samples of the set (zero when tied). A
+rubric that does not parse gets R_disc = 0 and the worst R_anchor of its group.
+
+Anchors: a human-ranked JSONL file (`{prompt, responses: [best, ..., worst]}`), or temporal contrast:
+a response of the current policy ranks above responses logged by older policy versions, older ones
+lower, counting only versions whose age (lineage distance from the current policy) is within
+[min_age, max_age].
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from dynrubric.config import CoevolveConfig
+from dynrubric.engines.base import Engine, GenerationRequest, SamplingParams
+from dynrubric.errors import DynrubricError
+from dynrubric.rubric.items import Rubric, RubricParseError, parse_rubric
+from dynrubric.train.grpo import Group, Rollout
+from dynrubric.train.prompts import TrainPrompt, make_prompt
+
+
+def r_disc(verdicts: Sequence[Sequence[float]], rubric: Rubric) -> float:
+    """Weighted mean of vbar (1 - vbar) over the items: 0 (no item splits the set) .. 0.25."""
+    total = 0.0
+    for item, row in zip(rubric.items, verdicts, strict=True):
+        vbar = sum(row) / len(row) if row else 0.0
+        total += item.weight * vbar * (1.0 - vbar)
+    return total / sum(rubric.weights)
+
+
+def r_anchor(ranked_scores: Sequence[float]) -> float:
+    """Agreement of scores with a best-first ranking; 0 is the supremum, pairs near the top weigh most."""
+    total = 0.0
+    n = len(ranked_scores)
+    for i in range(n):
+        for j in range(i + 1, n):
+            d = ranked_scores[i] - ranked_scores[j]
+            log_sig = -math.log1p(math.exp(-d)) if d > -30 else d  # log sigmoid, stable
+            total += log_sig / ((j - i) * 2**i)  # i is 0-based here: 2^(i_1based - 1) = 2^i
+    return total
+
+
+def normalised(values: Sequence[float], eps: float = 1e-6) -> list[float]:
+    """(x - mean) / (std + eps) with Bessel's std; all zeros when the values are tied."""
+    n = len(values)
+    if n < 2:
+        return [0.0] * n
+    mean = sum(values) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    if std < 1e-9:
+        return [0.0] * n
+    return [(v - mean) / (std + eps) for v in values]
+
+
+def lineage_ages(versions: Mapping[str, str | None], current: str) -> dict[str, int]:
+    """Distance of each ancestor from `current` along parent links (current itself: 0)."""
+    ages, v, age = {}, current, 0
+    while v is not None and v not in ages:
+        ages[v] = age
+        v, age = versions.get(v), age + 1
+    return ages
+
+
+def temporal_anchors(
+    current_response: str,
+    by_version: Mapping[str, Sequence[str]],
+    ages: Mapping[str, int],
+    min_age: int,
+    max_age: int,
+    rng: random.Random,
+) -> list[str] | None:
+    """[current response, one response per older version by increasing age]; None when no older
+    version within [min_age, max_age] logged a response to the prompt."""
+    older = sorted(
+        (ages[v], v) for v, rs in by_version.items() if rs and v in ages and min_age <= ages[v] <= max_age
+    )
+    if not older:
+        return None
+    return [current_response] + [rng.choice(list(by_version[v])) for _, v in older]
+
+
+def read_anchor_file(path: Path) -> dict[str, list[str]]:
+    """Human-ranked anchors by prompt key: JSONL `{"prompt" | "messages", "responses": [best..worst]}`."""
+    path = Path(path)
+    if not path.is_file():
+        raise DynrubricError(f"anchors file {path} does not exist", "set train.coevolve.anchors_file, or anchors=temporal")
+    out: dict[str, list[str]] = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            prompt = make_prompt(obj["prompt"] if "prompt" in obj else [(m["role"], m["content"]) for m in obj["messages"]])
+            responses = [str(r) for r in obj["responses"]]
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise DynrubricError(
+                f"{path}:{n} is not an anchor record ({e})",
+                'write {"prompt": "...", "responses": ["best", "...", "worst"]}',
+            ) from None
+        if len(responses) < 2:
+            raise DynrubricError(f"{path}:{n} ranks fewer than 2 responses", "list at least two, best first")
+        out[prompt.key] = responses
+    return out
+
+
+@dataclass(frozen=True)
+class GeneratorBatchStats:
+    sets: int
+    rubrics: int
+    parsed: int
+    anchored_sets: int
+    r_disc_mean: float
+    r_anchor_mean: float  # over parsed rubrics of anchored sets; 0 when none
+
+    def as_dict(self) -> dict[str, float | int]:
+        return self.__dict__.copy()
+
+
+def generator_groups(
+    generator: Engine,
+    set_prompt: Callable[[str, Sequence[str]], str],
+    verify: Callable[[str, Sequence[str], Rubric], list[list[float]]],
+    apply_rubric: Callable[[str, Rubric, Sequence[str]], list[float]],
+    sets: Sequence[tuple[TrainPrompt, Sequence[str]]],
+    anchors: Sequence[list[str] | None],
+    config: CoevolveConfig,
+    max_items: int,
+    temperature: float,
+    seed: int,
+) -> tuple[list[Group], GeneratorBatchStats]:
+    """Sample `rubric_samples` rubrics per set, reward them, and return GRPO groups for the generator."""
+    prompts = [set_prompt(p.question, responses) for p, responses in sets]
+    params = SamplingParams(
+        max_tokens=config.generator_max_tokens, temperature=temperature, n=config.rubric_samples, seed=seed
+    )
+    outputs = generator.generate([GenerationRequest(p, params) for p in prompts])
+    tok = generator.tokenizer
+    groups: list[Group] = []
+    parsed_total = anchored = 0
+    disc_all: list[float] = []
+    anchor_all: list[float] = []
+    for (prompt, responses), gen_prompt, completions, anchor in zip(sets, prompts, outputs, anchors, strict=True):
+        disc, anch, fmt = [], [], []
+        for c in completions:
+            try:
+                rubric = parse_rubric(c.text, max_items)
+            except RubricParseError:
+                disc.append(0.0)
+                anch.append(None)
+                fmt.append(0.0)
+                continue
+            disc.append(r_disc(verify(prompt.question, responses, rubric), rubric))
+            anch.append(r_anchor(apply_rubric(prompt.question, rubric, anchor)) if anchor else None)
+            fmt.append(1.0)
+        parsed = [a for a in anch if a is not None]
+        anch_filled = [a if a is not None else (min(parsed) if parsed else 0.0) for a in anch]
+        parsed_total += int(sum(fmt))
+        anchored += int(anchor is not None)
+        disc_all.extend(d for d, f in zip(disc, fmt, strict=True) if f)
+        anchor_all.extend(parsed)
+        adv = [
+            d + config.anchor_lambda * a + config.format_weight * f
+            for d, a, f in zip(normalised(disc), normalised(anch_filled), normalised(fmt), strict=True)
+        ]
+        prompt_ids = tuple(tok.encode(gen_prompt, add_special_tokens=False))
+        rollouts = tuple(Rollout(prompt_ids, completion_ids(c, tok)) for c in completions)
+        groups.append(Group(rollouts, tuple(disc), tuple(adv)))
+    stats = GeneratorBatchStats(
+        sets=len(sets),
+        rubrics=sum(len(c) for c in outputs),
+        parsed=parsed_total,
+        anchored_sets=anchored,
+        r_disc_mean=sum(disc_all) / len(disc_all) if disc_all else 0.0,
+        r_anchor_mean=sum(anchor_all) / len(anchor_all) if anchor_all else 0.0,
+    )
+    return groups, stats
+
+
+def completion_ids(completion, tokenizer) -> tuple[int, ...]:
+    """The sampled token ids, with the end-of-sequence token the model chose to stop on, so that the
+    update also teaches when to stop."""
+    ids = tuple(completion.token_ids)
+    eos = tokenizer.eos_token_id
+    if completion.finish_reason == "stop" and eos is not None and (not ids or ids[-1] != eos):
+        ids = ids + (eos,)
+    return ids

