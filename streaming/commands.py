@@ -26,7 +26,9 @@ def _pid_file(settings) -> Path:
 
 
 def store_dir(settings) -> Path:
-    return settings.ingest.store_dir or settings.paths.resolved_state() / "replay"
+    from streaming.store import store_root
+
+    return store_root(settings)
 
 
 @broker_app.command("start")

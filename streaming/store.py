@@ -35,7 +35,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dynrubric.atomic import fsync_dir
+from dynrubric.config import Settings
 from dynrubric.errors import DynrubricError
+from dynrubric.train.prompts import TrainPrompt
 from streaming.events import FeedbackEvent, QueryLogEvent
 
 INDEX = "index.sqlite"
@@ -421,3 +423,34 @@ class ReplayStore:
     def shard_count(self) -> int:
         return self.db.execute("SELECT COUNT(*) FROM shards").fetchone()[0]
 
+
+
+class ReplayPromptSource:
+    """The trainer's `PromptSource` (dynrubric/train/prompts.py) over the replay store.
+
+    A prompt's key is the store's prompt_key, so `responses_by_version` finds every response ever
+    logged for it (the temporal-contrast anchors). The trainer's watermark string is the shard id.
+    """
+
+    def __init__(self, root: Path):
+        self.store = ReplayStore(root)
+
+    def new_prompts(self, since_watermark: str | None, limit: int) -> tuple[list[TrainPrompt], str | None]:
+        logged, watermark = self.store.new_prompts(int(since_watermark or 0), limit)
+        prompts = [
+            TrainPrompt(key=p.prompt_key, messages=tuple((m["role"], m["content"]) for m in p.messages))
+            for p in logged
+        ]
+        return prompts, str(watermark) if logged else since_watermark
+
+    def responses_by_version(self, prompt_key: str) -> dict[str, list[str]]:
+        return {v: [r.response for r in rs] for v, rs in self.store.responses_by_version(prompt_key).items()}
+
+
+def store_root(settings: Settings) -> Path:
+    """Where the replay store lives: ingest.store_dir, else <paths.state_dir>/replay."""
+    return settings.ingest.store_dir or settings.paths.resolved_state() / "replay"
+
+
+def replay_prompt_source(settings: Settings) -> ReplayPromptSource:
+    return ReplayPromptSource(store_root(settings))
