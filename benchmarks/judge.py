@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout this file is in, not another install
 
 from dynrubric.engines.base import GenerationRequest, SamplingParams
 from dynrubric.engines.hf import TransformersEngine
