@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 
 from dynrubric.errors import DynrubricError
+from dynrubric.monitor import app as monitor_app
 
 app = typer.Typer(
     name="dynrubric",
@@ -25,6 +26,7 @@ models_app = typer.Typer(help="The local model cache.", no_args_is_help=True)
 config_app = typer.Typer(help="The validated configuration.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 app.add_typer(config_app, name="config")
+app.add_typer(monitor_app, name="monitor")
 
 console = Console()
 err_console = Console(stderr=True)
@@ -130,6 +132,14 @@ def generate(
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, n=n)
         for completion in engine.generate([GenerationRequest(rendered, params)])[0]:
             console.print(completion.text, markup=False, highlight=False)
+
+
+# ---------------------------------------------------------------- streaming tier
+from streaming.commands import broker_app, ingest, traffic_app  # noqa: E402
+
+app.add_typer(broker_app, name="broker")
+app.add_typer(traffic_app, name="traffic")
+app.command("ingest")(ingest)
 
 
 # ---------------------------------------------------------------- evaluator (dynrubric/rubric)

@@ -8,11 +8,12 @@ that names the key instead of a silently ignored setting.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from dynrubric.errors import DynrubricError
@@ -148,15 +149,86 @@ class RewardServerConfig(Section):
 
 # ---------------------------------------------------------------- streaming/
 class KafkaConfig(Section):
-    bootstrap_servers: str = "127.0.0.1:9092"
+    """How every client reaches Kafka: the embedded Tansu broker by default, any Kafka cluster by config."""
+
+    bootstrap_servers: str = Field(default="127.0.0.1:9092", description="host:port[,host:port...]")
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    ssl_cafile: Path | None = None
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
+    client_id: str = "dynrubric"
+    topic_prefix: str = Field(
+        default="", pattern=r"^[A-Za-z0-9._-]*$",
+        description="prepended to the topic names (dynrubric.query-log, ...): environments sharing a cluster",
+    )
+    topic_partitions: int = Field(default=3, ge=1, description="partitions of topics created at start-up")
+    topic_replication_factor: int = Field(default=1, ge=1)
+    topic_retention_ms: int = Field(default=7 * 24 * 3600 * 1000, ge=-1, description="-1 = keep forever")
+    producer_buffer_events: int = Field(
+        default=10_000, ge=1, description="events a producer holds locally before it drops (and counts) new ones"
+    )
+    producer_linger_ms: int = Field(default=5, ge=0)
+    producer_delivery_timeout_ms: int = Field(
+        default=30_000, ge=1000, description="an event not acknowledged within this long counts as a delivery error"
+    )
+    producer_idempotence: bool = Field(
+        default=False,
+        description="Kafka idempotent producer; Tansu 0.6 answers kafka-python's InitProducerId with "
+        "UnknownError, so enable it only against Apache Kafka (ingest dedupes on request_id either way)",
+    )
 
 
 class BrokerConfig(Section):
-    pass
+    """The embedded Tansu broker (`dynrubric broker start`): memory storage, loopback only."""
+
+    host: str = Field(default="127.0.0.1", description="listen and advertised host")
+    port: int = Field(default=9092, ge=0, le=65535, description="0 = pick a free port")
+    start_timeout_s: float = Field(default=10.0, gt=0)
+    pid_file: Path | None = Field(default=None, description="default: <state_dir>/broker/tansu.pid")
 
 
 class IngestConfig(Section):
-    pass
+    """The ingest consumer (`dynrubric ingest`): Kafka -> validated, deduped Parquet replay store."""
+
+    group_id: str = "dynrubric-ingest"
+    store_dir: Path | None = Field(default=None, description="replay store root; default: <state_dir>/replay")
+    max_event_bytes: int = Field(default=1_000_000, ge=64, description="larger records are dead-lettered")
+    max_prompt_chars: int = Field(default=32_000, ge=1, description="longer prompts are filtered out")
+    deny_patterns: list[str] = Field(
+        default_factory=list, description="regular expressions; a prompt matching any is filtered out"
+    )
+    scrub_pii: bool = Field(default=True, description="replace emails and phone numbers before storing")
+    pii_scrubber: str | None = Field(
+        default=None, description="'module:function' taking and returning a string; replaces the default scrubber"
+    )
+    batch_max_records: int = Field(
+        default=2000, ge=1, description="records per batch; a batch writes one shard per date and policy_version"
+    )
+    batch_max_wait_ms: int = Field(default=1000, ge=1, description="a batch closes after this long")
+    max_pending_batches: int = Field(
+        default=2, ge=1, description="batches waiting for the writer before partitions are paused"
+    )
+    dedupe_capacity: int = Field(default=5_000_000, ge=1, description="request ids remembered (oldest forgotten)")
+    store_lock_wait_s: float = Field(
+        default=0.0, ge=0,
+        description="wait this long for another ingest to release the store (a standby); 0 = fail at once",
+    )
+    session_timeout_ms: int = Field(default=10_000, ge=1000)
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(default=9108, ge=0, le=65535, description="/healthz /metrics; 0 = a free port")
+
+    @field_validator("deny_patterns")
+    @classmethod
+    def _compiles(cls, patterns: list[str]) -> list[str]:
+        for p in patterns:
+            try:
+                re.compile(p)
+            except re.error as e:
+                raise ValueError(f"deny pattern {p!r} is not a valid regular expression: {e}") from None
+        return patterns
 
 
 # ---------------------------------------------------------------- training (train/, registry)
@@ -183,7 +255,19 @@ class GateConfig(Section):
 
 # ---------------------------------------------------------------- monitoring/
 class MonitoringConfig(Section):
-    pass
+    """`dynrubric monitor up`: a local Prometheus on loopback scraping the local services.
+
+    The local services are scraped at the ports their sections name (dynrubric/monitor.py,
+    LOCAL_SERVICES); `targets` adds more jobs (job name -> ["host:port", ...])."""
+
+    prometheus_host: str = Field(default="127.0.0.1", description="listen address of the local Prometheus")
+    prometheus_port: int = Field(
+        default=9095, ge=1, le=65535, description="not 9090: Debian's prometheus service may hold it"
+    )
+    scrape_interval_s: int = Field(default=5, ge=1, le=300)
+    evaluation_interval_s: int = Field(default=15, ge=1, le=300)
+    retention: str = Field(default="2d", pattern=r"^\d+[smhdwy]$", description="local TSDB retention")
+    targets: dict[str, list[str]] = Field(default_factory=dict, description="extra scrape jobs")
 
 
 class Settings(BaseSettings):

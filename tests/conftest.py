@@ -32,3 +32,18 @@ def vllm_server(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     with VllmServer(smollm_dir, VllmConfig(kv_cache_space_gib=1, max_model_len=2048), log_path=log) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def kafka_broker(tmp_path_factory: pytest.TempPathFactory):
+    """One real embedded Tansu broker per test session; yields its bootstrap address ("host:port").
+
+    Memory storage: topics live as long as the session. Tests use unique topic/group names or the
+    standard topics with unique request ids. Group joins on Tansu take about half the session
+    timeout, so consumers in tests use session_timeout_ms=6000.
+    """
+    from streaming.broker import EmbeddedBroker
+
+    log = tmp_path_factory.mktemp("tansu") / "tansu.log"
+    with EmbeddedBroker(port=0, log_path=log) as broker:
+        yield broker.bootstrap_servers

@@ -1,0 +1,241 @@
+"""Validate rendered manifests offline: schemas first, then the references between objects.
+
+Schemas
+- built-in kinds: `kubernetes-validate --strict` (its bundled Kubernetes schemas; unknown fields fail);
+- custom resources (RayJob, Kafka, KafkaNodePool, KafkaTopic, Rollout, AnalysisTemplate, ServiceMonitor,
+  PrometheusRule): the operators' CRD openAPIV3Schema vendored in k8s/crd-schemas/ (see
+  tools/vendor_crd_schemas.py), made strict the way the API server prunes: an object schema with
+  `properties` rejects other keys unless it says x-kubernetes-preserve-unknown-fields. Pod templates
+  embedded in custom resources are validated again as core/v1 PodTemplates.
+- a kind with no schema is an error, never a silent skip.
+
+References (what a schema cannot see): Services select some pod template; ServiceMonitors select a
+Service that has the named port; ConfigMaps, PVCs, HPA targets, Argo templates and Services, the
+reward URL of the RayJob exist; KafkaTopics name an existing Kafka; no Secret is inlined: no Secret
+objects, secret-like env vars come from secretKeyRef to the documented Secret and keys.
+
+    python k8s/tools/validate.py k8s/overlays/prod k8s/jobs/rollout-start.yaml
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import sys
+from functools import cache
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+from kubernetes_validate.utils import SchemaNotFoundError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import render  # noqa: E402
+
+# kubernetes-validate re-reads its (multi-MB) definitions file on every call; read each file once.
+kubernetes_validate.utils.schema_contents = cache(kubernetes_validate.utils.schema_contents)
+
+K8S_VERSION = "1.30"
+CRD_SCHEMAS = Path(__file__).resolve().parents[1] / "crd-schemas"
+SECRET_NAME = "dynrubric-secrets"
+SECRET_KEYS = {"serving-token", "reward-token", "registry-url"}  # k8s/README.md lists them
+SECRETISH = re.compile(r"TOKEN|PASSWORD|SECRET|API_KEY|CREDENTIAL|REGISTRY__URL", re.I)
+WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job", "Rollout", "ReplicaSet"}
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+def _strict(schema):
+    if isinstance(schema, dict):
+        out = {k: _strict(v) for k, v in schema.items()}
+        if ("properties" in out and "additionalProperties" not in out
+                and not out.get("x-kubernetes-preserve-unknown-fields")):
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+@cache
+def crd_validator(api_version: str, kind: str):
+    group, _, version = api_version.rpartition("/")
+    path = CRD_SCHEMAS / f"{group}_{version}_{kind}.json"
+    if not path.is_file():
+        return None
+    return jsonschema.Draft7Validator(_strict(json.loads(path.read_text())))
+
+
+def _name(obj: dict) -> str:
+    return f"{obj.get('kind')}/{obj.get('metadata', {}).get('name') or obj.get('metadata', {}).get('generateName')}"
+
+
+def _pod_templates(obj: dict) -> list[tuple[str, dict]]:
+    """(where, PodTemplateSpec) of a custom resource's embedded pods."""
+    spec = obj.get("spec", {})
+    if obj["kind"] == "Rollout" and "template" in spec:
+        return [("spec.template", spec["template"])]
+    if obj["kind"] == "RayJob":
+        ray = spec.get("rayClusterSpec", {})
+        out = [("rayClusterSpec.headGroupSpec.template", ray.get("headGroupSpec", {}).get("template", {}))]
+        out += [(f"rayClusterSpec.workerGroupSpecs[{g.get('groupName')}].template", g.get("template", {}))
+                for g in ray.get("workerGroupSpecs", [])]
+        return out
+    return []
+
+
+def schema_problems(obj: dict) -> list[str]:
+    where = _name(obj)
+    if not isinstance(obj.get("apiVersion"), str) or not isinstance(obj.get("kind"), str):
+        return [f"{where}: apiVersion and kind are required"]
+    meta = obj.get("metadata", {})
+    name = meta.get("name") or meta.get("generateName", "x")
+    problems = [] if DNS_SUBDOMAIN.match(name.rstrip("-")) else [f"{where}: invalid metadata.name {name!r}"]
+    try:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        return problems
+    except kubernetes_validate.ValidationError as e:
+        return problems + [f"{where}: {'.'.join(map(str, e.path))}: {e.message}"]
+    except SchemaNotFoundError:
+        pass
+    validator = crd_validator(obj["apiVersion"], obj["kind"])
+    if validator is None:
+        return problems + [f"{where}: no schema for {obj['apiVersion']} {obj['kind']} (vendor its CRD into k8s/crd-schemas/)"]
+    for e in sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.path))):
+        problems.append(f"{where}: {'.'.join(map(str, e.path))}: {e.message}")
+    extra_meta = set(meta) - {"name", "namespace", "labels", "annotations", "generateName"}
+    if extra_meta:
+        problems.append(f"{where}: metadata: unexpected fields {sorted(extra_meta)}")
+    for path, template in _pod_templates(obj):
+        wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "embedded"}, "template": template}
+        try:
+            kubernetes_validate.validate(wrapped, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            problems.append(f"{where}: {path}.{'.'.join(map(str, list(e.path)[1:]))}: {e.message}")
+    return problems
+
+
+def _pod_specs(obj: dict) -> list[dict]:
+    if obj["kind"] in WORKLOAD_KINDS:
+        return [obj.get("spec", {}).get("template", {}).get("spec", {})]
+    return [t.get("spec", {}) for _, t in _pod_templates(obj)]
+
+
+def _pod_labels(objs: list[dict]) -> list[dict]:
+    out = []
+    for o in objs:
+        if o["kind"] in WORKLOAD_KINDS:
+            out.append(o.get("spec", {}).get("template", {}).get("metadata", {}).get("labels", {}))
+    return out
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    if not selector:
+        return False
+    if all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items()):
+        for expr in selector.get("matchExpressions", []):
+            if expr["operator"] == "In" and labels.get(expr["key"]) not in expr["values"]:
+                return False
+            if expr["operator"] == "Exists" and expr["key"] not in labels:
+                return False
+        return True
+    return False
+
+
+def reference_problems(objs: list[dict]) -> list[str]:
+    problems = []
+    by_kind: dict[str, dict[str, dict]] = {}
+    for o in objs:
+        by_kind.setdefault(o["kind"], {})[o["metadata"].get("name", "")] = o
+    names = lambda kind: set(by_kind.get(kind, {}))  # noqa: E731
+    pods = _pod_labels(objs)
+
+    for o in objs:
+        where = _name(o)
+        if o["kind"] == "Secret":
+            problems.append(f"{where}: Secrets are never inlined in manifests; reference {SECRET_NAME} (k8s/README.md)")
+        for pod in _pod_specs(o):
+            for v in pod.get("volumes", []):
+                if "configMap" in v and v["configMap"]["name"] not in names("ConfigMap"):
+                    problems.append(f"{where}: volume {v['name']} uses missing ConfigMap {v['configMap']['name']}")
+                pvc = v.get("persistentVolumeClaim", {}).get("claimName")
+                if pvc and pvc not in names("PersistentVolumeClaim"):
+                    problems.append(f"{where}: volume {v['name']} uses missing PersistentVolumeClaim {pvc}")
+            for c in pod.get("containers", []) + pod.get("initContainers", []):
+                mounts = {m["name"] for m in c.get("volumeMounts", [])}
+                missing = mounts - {v["name"] for v in pod.get("volumes", [])}
+                if missing:
+                    problems.append(f"{where}: container {c['name']} mounts undefined volumes {sorted(missing)}")
+                for env in c.get("env", []):
+                    ref = env.get("valueFrom", {}).get("secretKeyRef")
+                    if ref and (ref.get("name") != SECRET_NAME or ref.get("key") not in SECRET_KEYS):
+                        problems.append(f"{where}: env {env['name']} refers to secret {ref.get('name')}/{ref.get('key')}, "
+                                        f"not one of {SECRET_NAME}/{sorted(SECRET_KEYS)}")
+                    if SECRETISH.search(env["name"]) and "value" in env:
+                        problems.append(f"{where}: env {env['name']} inlines a secret value; use secretKeyRef")
+        if o["kind"] == "Service":
+            selector = o.get("spec", {}).get("selector", {})
+            if not any(_selects({"matchLabels": selector}, p) for p in pods):
+                problems.append(f"{where}: selector {selector} matches no pod template")
+        if o["kind"] == "ServiceMonitor":
+            sel = o["spec"].get("selector", {})
+            services = [s for s in by_kind.get("Service", {}).values() if _selects(sel, s["metadata"].get("labels", {}))]
+            if not services:
+                problems.append(f"{where}: selector matches no Service")
+            for ep in o["spec"].get("endpoints", []):
+                for s in services:
+                    if ep.get("port") not in {p.get("name") for p in s["spec"].get("ports", [])}:
+                        problems.append(f"{where}: Service {s['metadata']['name']} has no port named {ep.get('port')}")
+        if o["kind"] == "HorizontalPodAutoscaler":
+            ref = o["spec"]["scaleTargetRef"]
+            if ref["name"] not in names(ref["kind"]):
+                problems.append(f"{where}: scaleTargetRef {ref['kind']}/{ref['name']} does not exist")
+        if o["kind"] in {"KafkaTopic", "KafkaNodePool"}:
+            cluster = o["metadata"].get("labels", {}).get("strimzi.io/cluster")
+            if cluster not in names("Kafka"):
+                problems.append(f"{where}: label strimzi.io/cluster={cluster} names no Kafka")
+        if o["kind"] == "Rollout":
+            canary = o["spec"].get("strategy", {}).get("canary", {})
+            for key in ("canaryService", "stableService"):
+                if canary.get(key) and canary[key] not in names("Service"):
+                    problems.append(f"{where}: {key} {canary[key]} does not exist")
+            for step in canary.get("steps", []):
+                for t in step.get("analysis", {}).get("templates", []):
+                    if t["templateName"] not in names("AnalysisTemplate"):
+                        problems.append(f"{where}: analysis template {t['templateName']} does not exist")
+        if o["kind"] == "RayJob":
+            m = re.search(r"--reward\.remote_url\s+\"?http://([a-z0-9-]+):(\d+)/", o["spec"].get("entrypoint", ""))
+            svc = by_kind.get("Service", {}).get(m.group(1)) if m else None
+            if not m or svc is None or int(m.group(2)) not in {p["port"] for p in svc["spec"]["ports"]}:
+                problems.append(f"{where}: --reward.remote_url must point at an existing Service and port")
+    return problems
+
+
+def validate(objs: list[dict]) -> list[str]:
+    objs = copy.deepcopy(objs)
+    return [p for o in objs for p in schema_problems(o)] + reference_problems(objs)
+
+
+def load(target: Path) -> list[dict]:
+    return render.build(target) if target.is_dir() else render.load_docs(target)
+
+
+def main(argv: list[str]) -> int:
+    """Validate the union of the given overlays and manifest files as one deployment."""
+    if not argv:
+        print(__doc__, file=sys.stderr)
+        return 2
+    try:
+        objs = [o for arg in argv for o in load(Path(arg))]
+    except render.RenderError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    problems = validate(objs)
+    for p in problems:
+        print(p)
+    print(f"{len(objs)} objects from {' '.join(argv)}: {f'{len(problems)} problems' if problems else 'ok'}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

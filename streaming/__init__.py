@@ -1,0 +1,1 @@
+"""Kafka side of dynrubric: event schemas, producer, ingest, dead letters, dedupe, replay store, embedded broker."""

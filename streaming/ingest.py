@@ -1,0 +1,393 @@
+"""`dynrubric ingest`: Kafka -> validated, filtered, scrubbed, deduplicated replay store.
+
+One consumer in the group `ingest.group_id`, manual commits. The main thread polls and prepares
+batches (validate; malformed -> dead-letter topic; filter; scrub); a writer thread commits each
+batch to the store (see `streaming/store.py` for why that is exactly-once). Offsets of a batch are
+committed only after its shards are durable and its dead letters acknowledged. When the writer
+falls behind by `ingest.max_pending_batches`, the consumer pauses its partitions until it catches up.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter as Tally
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kafka import ConsumerRebalanceListener
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from dynrubric.config import IngestConfig, KafkaConfig
+from dynrubric.errors import DynrubricError
+from streaming.events import DeadLetter, FeedbackEvent, MalformedEvent, QueryLogEvent, parse_event
+from streaming.filters import PromptFilter, Scrubber, load_scrubber, scrubbed
+from streaming.kafka import Topics, connection_kwargs, ensure_topics, unreachable
+from streaming.store import QUERY_LOG, CommitResult, Stored, StoreWriter
+
+log = logging.getLogger(__name__)
+QUIET_S = 0.1  # a poll this long that returns nothing closes a batch that is at least a quarter full
+
+
+class IngestMetrics:
+    """The ingest rows of monitoring/README.md, on the service's own registry."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.consumed = Counter("dynrubric_ingest_consumed_total", "records read from Kafka", ["topic"], registry=registry)
+        self.written = Counter(
+            "dynrubric_ingest_written_total", "records written to the replay store", ["topic"], registry=registry
+        )
+        self.dead_lettered = Counter(
+            "dynrubric_ingest_dead_lettered_total", "records sent to the dead-letter topic", ["reason"],
+            registry=registry,
+        )
+        self.duplicates = Counter(
+            "dynrubric_ingest_duplicates_total", "records dropped as duplicate request_id", registry=registry
+        )
+        self.filtered = Counter(
+            "dynrubric_ingest_filtered_total", "records dropped by filters", ["reason"], registry=registry
+        )
+        self.lag = Gauge(
+            "dynrubric_ingest_lag_messages", "high-watermark minus committed offset", ["topic", "partition"],
+            registry=registry,
+        )
+        self.batch_latency = Histogram(
+            "dynrubric_ingest_batch_latency_seconds", "time to process one batch until its commit",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=registry,
+        )
+        self.pauses = Counter(
+            "dynrubric_ingest_backpressure_pauses_total", "times the consumer paused because the writer lagged",
+            registry=registry,
+        )
+
+
+@dataclass
+class Batch:
+    started: float
+    records: list[Stored] = field(default_factory=list)
+    offsets: dict = field(default_factory=dict)  # TopicPartition -> next offset to consume
+    dead_letters: list = field(default_factory=list)  # kafka-python futures
+    size: int = 0  # records consumed into this batch, kept or not
+
+
+@dataclass
+class IngestSummary:
+    consumed: int = 0
+    written: int = 0
+    dead_lettered: int = 0
+    duplicates: int = 0
+    filtered: int = 0
+    batches: int = 0
+    prepare_seconds: float = 0.0  # consumer thread: validate, filter, scrub, dead-letter
+    store_seconds: float = 0.0  # writer thread: dedupe, Parquet, fsync, index commit
+    first_record_at: float | None = None  # time.monotonic() of the first record read
+    last_commit_at: float | None = None  # time.monotonic() of the last offset commit
+
+    @property
+    def busy_seconds(self) -> float:
+        """From the first record read to the last commit: the pipeline's time, without the group join."""
+        if self.first_record_at is None or self.last_commit_at is None:
+            return 0.0
+        return self.last_commit_at - self.first_record_at
+
+
+class Ingestor:
+    """The ingest loop. `run()` returns when `stop` is set, or after `until_idle_s` without records."""
+
+    def __init__(
+        self,
+        kafka: KafkaConfig,
+        cfg: IngestConfig,
+        store_dir: Path,
+        registry: CollectorRegistry,
+        *,
+        scrubber: Scrubber | None | str = "config",
+    ):
+        self.kafka = kafka
+        self.cfg = cfg
+        self.store_dir = Path(store_dir)
+        self.topics = Topics.of(kafka)
+        self.model_of_topic = {self.topics.query_log: QueryLogEvent, self.topics.feedback: FeedbackEvent}
+        self.topic_of_kind = {QUERY_LOG: self.topics.query_log, "feedback": self.topics.feedback}
+        self.metrics = IngestMetrics(registry)
+        self.scrub = load_scrubber(cfg) if scrubber == "config" else scrubber
+        self.filter = PromptFilter(cfg)
+        self.summary = IngestSummary()
+        self.assigned = threading.Event()
+        self.consuming = threading.Event()
+        self._todo: queue.Queue = queue.Queue()
+        self._done: queue.Queue = queue.Queue()
+        self._batch: Batch | None = None  # being filled by the consumer thread
+        self._in_flight = 0  # submitted to the writer, not yet committed
+        self._paused = False
+        self._committed: dict = {}  # TopicPartition -> last committed offset
+
+    # ------------------------------------------------------------ lifecycle
+    def run(self, stop: threading.Event, until_idle_s: float | None = None) -> IngestSummary:
+        from kafka import KafkaConsumer, KafkaProducer
+        from kafka.errors import NoBrokersAvailable
+
+        ensure_topics(self.kafka)
+        self.writer = StoreWriter(
+            self.store_dir, dedupe_capacity=self.cfg.dedupe_capacity, lock_wait_s=self.cfg.store_lock_wait_s
+        )
+        if self.writer.removed_orphans:
+            log.warning("removed %d unregistered shard files left by a crash", self.writer.removed_orphans)
+        try:
+            self.dlq = KafkaProducer(**connection_kwargs(self.kafka), acks="all", retries=5, linger_ms=5)
+            self.consumer = KafkaConsumer(
+                **connection_kwargs(self.kafka),
+                group_id=self.cfg.group_id,
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
+                session_timeout_ms=self.cfg.session_timeout_ms,
+                heartbeat_interval_ms=max(100, min(3000, self.cfg.session_timeout_ms // 3)),
+                max_poll_records=self.cfg.batch_max_records,
+            )
+        except NoBrokersAvailable as e:
+            self.writer.close()
+            raise unreachable(self.kafka, e) from None
+        self.consumer.subscribe(list(self.model_of_topic), listener=_Rebalance(self))
+        self.consuming.set()
+        writer_thread = threading.Thread(target=self._write_loop, name="ingest-writer", daemon=True)
+        writer_thread.start()
+        try:
+            self._loop(stop, until_idle_s)
+            self._drain()
+        finally:
+            self._todo.put(None)
+            writer_thread.join(30)
+            self.consumer.close(autocommit=False)
+            self.dlq.close(timeout=10)
+            self.writer.close()
+        return self.summary
+
+    def _loop(self, stop: threading.Event, until_idle_s: float | None) -> None:
+        wait_s = self.cfg.batch_max_wait_ms / 1000
+        last_record = time.monotonic()
+        while not stop.is_set():
+            self._finish_done(block=False)
+            if self._apply_backpressure():
+                self._finish_done(block=True)  # paused: wait for the writer rather than poll for nothing
+                continue
+            batch = self._batch
+            room = self.cfg.batch_max_records - (batch.size if batch else 0)
+            timeout = wait_s if batch is None else max(0.0, batch.started + wait_s - time.monotonic())
+            if batch is not None and batch.size >= self.cfg.batch_max_records // 4:
+                timeout = min(timeout, QUIET_S)  # a well-filled batch closes as soon as the stream goes quiet
+            polled = self.consumer.poll(timeout_ms=int(timeout * 1000), max_records=room)
+            now = time.monotonic()
+            if polled:
+                last_record = now
+                if self.summary.first_record_at is None:
+                    self.summary.first_record_at = now
+                self._batch = self._batch or Batch(started=now)
+                self._prepare(self._batch, polled)
+                self.summary.prepare_seconds += time.monotonic() - now
+            elif not self.assigned.is_set() or self._in_flight:
+                last_record = now
+            batch = self._batch
+            quiet = not polled and batch is not None and batch.size >= self.cfg.batch_max_records // 4
+            if batch and (quiet or batch.size >= self.cfg.batch_max_records or now - batch.started >= wait_s):
+                self._submit()
+            if until_idle_s is not None and self._batch is None and now - last_record >= until_idle_s:
+                break
+
+    def _drain(self) -> None:
+        """Submit the open batch, then wait for every submitted batch to be written and committed."""
+        if self._batch is not None:
+            self._submit()
+        while self._in_flight:
+            self._finish_done(block=True)
+
+    # ------------------------------------------------------------ the consumer thread
+    def _prepare(self, batch: Batch, polled: dict) -> None:
+        consumed = Tally()
+        dead = Tally()
+        filtered = Tally()
+        for tp, records in polled.items():
+            consumed[tp.topic] += len(records)
+            batch.size += len(records)
+            batch.offsets[tp] = records[-1].offset + 1
+            model = self.model_of_topic[tp.topic]
+            for rec in records:
+                try:
+                    event = parse_event(model, rec.value, self.cfg.max_event_bytes)
+                except MalformedEvent as e:
+                    letter = DeadLetter.of(e, raw=rec.value, key=rec.key, topic=rec.topic, partition=rec.partition,
+                                           offset=rec.offset)
+                    batch.dead_letters.append(
+                        self.dlq.send(self.topics.dead_letter, key=rec.key, value=rec.value, headers=letter.headers())
+                    )
+                    dead[e.reason] += 1
+                    continue
+                if isinstance(event, QueryLogEvent):
+                    reason = self.filter.reason(event)
+                    if reason is not None:
+                        filtered[reason] += 1
+                        continue
+                    if self.scrub is not None:
+                        event = scrubbed(event, self.scrub)
+                batch.records.append(Stored(event, rec.partition, rec.offset))
+        for topic, n in consumed.items():
+            self.metrics.consumed.labels(topic).inc(n)
+        for reason, n in dead.items():
+            self.metrics.dead_lettered.labels(reason).inc(n)
+        for reason, n in filtered.items():
+            self.metrics.filtered.labels(reason).inc(n)
+        self.summary.consumed += sum(consumed.values())
+        self.summary.dead_lettered += sum(dead.values())
+        self.summary.filtered += sum(filtered.values())
+
+    def _submit(self) -> None:
+        self._in_flight += 1
+        self._todo.put(self._batch)
+        self._batch = None
+
+    def _apply_backpressure(self) -> bool:
+        """Pause all partitions while the writer lags; True while paused."""
+        lagging = self._in_flight > self.cfg.max_pending_batches
+        assignment = self.consumer.assignment()
+        if lagging and not self._paused and assignment:
+            self.consumer.pause(*assignment)
+            self._paused = True
+            self.metrics.pauses.inc()
+        elif not lagging and self._paused:
+            self.consumer.resume(*self.consumer.paused())
+            self._paused = False
+        return self._paused
+
+    def _finish_done(self, block: bool) -> None:
+        """Commit the offsets of every batch the writer has made durable (in order)."""
+        from kafka.structs import OffsetAndMetadata
+
+        while True:
+            try:
+                batch, outcome = self._done.get(block=block, timeout=60 if block else None)
+            except queue.Empty:
+                if block:
+                    raise DynrubricError("the replay-store writer made no progress for 60 s",
+                                         "check the disk under ingest.store_dir") from None
+                return
+            block = False
+            self._in_flight -= 1
+            if isinstance(outcome, BaseException):
+                raise outcome
+            for future in batch.dead_letters:
+                future.get(timeout=30)  # raises when a dead letter was not delivered: nothing is committed
+            offsets = {tp: OffsetAndMetadata(off, "", -1) for tp, off in batch.offsets.items()}
+            try:
+                self.consumer.commit(offsets)
+                self._committed.update(batch.offsets)
+            except Exception as e:  # a rebalance took the partitions: the new owner re-reads, the index dedupes
+                log.warning("offset commit failed (%s); records will be redelivered and deduplicated", e)
+            self._account(batch, outcome)
+            self.summary.last_commit_at = time.monotonic()
+
+    def _account(self, batch: Batch, result: CommitResult) -> None:
+        for kind, n in result.written.items():
+            self.metrics.written.labels(self.topic_of_kind[kind]).inc(n)
+            self.summary.written += n
+        self.metrics.duplicates.inc(result.duplicates)
+        self.summary.duplicates += result.duplicates
+        self.summary.batches += 1
+        self.metrics.batch_latency.observe(time.monotonic() - batch.started)
+        for tp in self.consumer.assignment():
+            high = self.consumer.highwater(tp)  # from fetch responses; Tansu's end_offsets under-reports
+            if high is not None and tp in self._committed:
+                self.metrics.lag.labels(tp.topic, str(tp.partition)).set(max(0, high - self._committed[tp]))
+
+    # ------------------------------------------------------------ the writer thread
+    def _write_loop(self) -> None:
+        while True:
+            batch = self._todo.get()
+            if batch is None:
+                return
+            try:
+                started = time.monotonic()
+                result = self.writer.commit(batch.records)
+                self.summary.store_seconds += time.monotonic() - started
+                self._done.put((batch, result))
+            except BaseException as e:
+                self._done.put((batch, e))
+                return
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    """Before partitions move to another consumer, finish and commit what was read from them."""
+
+    def __init__(self, ingestor: Ingestor):
+        self.ingestor = ingestor
+
+    def on_partitions_revoked(self, revoked) -> None:
+        self.ingestor.assigned.clear()
+        self.ingestor._drain()
+
+    def on_partitions_assigned(self, assigned) -> None:
+        ing = self.ingestor
+        for tp in assigned:
+            committed = ing.consumer.committed(tp)
+            ing._committed[tp] = committed if committed is not None else 0
+        ing.assigned.set()
+
+
+# ---------------------------------------------------------------- the service
+class MetricsServer:
+    """/healthz /readyz /metrics (dynrubric.service.make_app) in a background thread."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int, ready):
+        import uvicorn
+
+        from dynrubric.service import make_app
+
+        self.server = uvicorn.Server(
+            uvicorn.Config(make_app("dynrubric ingest", registry, ready), host=host, port=port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, name="ingest-metrics", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 15
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise DynrubricError(
+                    f"the ingest metrics server could not listen on {host}:{port}",
+                    "free the port or set ingest.metrics_port (0 = a free one)",
+                )
+            time.sleep(0.02)
+        self.host = host
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def serve(
+    kafka: KafkaConfig, cfg: IngestConfig, store_dir: Path, *, until_idle_s: float | None = None, announce=print
+) -> IngestSummary:
+    """Run ingest as a service until SIGTERM/SIGINT (or idle): the entrypoint of `dynrubric ingest`."""
+    import signal
+
+    registry = CollectorRegistry()
+    ingestor = Ingestor(kafka, cfg, store_dir, registry)
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        if ingestor.consuming.is_set():
+            stop.set()  # finish the open batch, commit, leave the group
+        else:
+            raise SystemExit(128 + signum)  # still waiting for the store lock or the broker: nothing to finish
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    metrics = MetricsServer(registry, cfg.metrics_host, cfg.metrics_port, ready=ingestor.assigned.is_set)
+    announce(
+        f"ingest: {kafka.bootstrap_servers} group {cfg.group_id} -> {store_dir}; "
+        f"metrics at http://{metrics.host}:{metrics.port}/metrics"
+    )
+    try:
+        return ingestor.run(stop, until_idle_s)
+    finally:
+        metrics.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,423 @@
+"""The replay store: every ingested request and feedback event, as Parquet shards plus one SQLite index.
+
+Layout under the store root:
+
+    index.sqlite                                  manifest of shards + dedupe index (+ lookup tables)
+    query_log/date=YYYY-MM-DD/policy_version=V/part-<uuid>.parquet
+    feedback/date=YYYY-MM-DD/part-<uuid>.parquet
+
+Exactly-once: a batch's shards are written to temp files, fsynced and renamed first; then ONE SQLite
+transaction registers them in the manifest and records their dedupe keys. That commit is the moment
+a batch exists. A crash before it leaves only unregistered files, which the next writer deletes (and
+Kafka redelivers the records, since offsets are committed after it). A crash after it but before the
+Kafka offset commit makes Kafka redeliver records whose keys are already in the index: dropped as
+duplicates. Readers only ever see shards the manifest lists.
+
+One writer per store at a time (an exclusive lock file); any number of readers.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import sqlite3
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dynrubric.atomic import fsync_dir
+from dynrubric.errors import DynrubricError
+from streaming.events import FeedbackEvent, QueryLogEvent
+
+INDEX = "index.sqlite"
+LOCK = ".writer.lock"
+QUERY_LOG, FEEDBACK = "query_log", "feedback"
+
+QUERY_LOG_SCHEMA = pa.schema([
+    ("request_id", pa.string()),
+    ("ts", pa.float64()),
+    ("user_key", pa.string()),
+    ("session_id", pa.string()),
+    ("variant", pa.string()),
+    ("policy_version", pa.string()),
+    ("model", pa.string()),
+    ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    ("prompt_key", pa.string()),
+    ("prompt_text", pa.string()),
+    ("response", pa.string()),
+    ("finish_reason", pa.string()),
+    ("temperature", pa.float64()),
+    ("top_p", pa.float64()),
+    ("max_tokens", pa.int64()),
+    ("latency_ms", pa.float64()),
+    ("prompt_tokens", pa.int64()),
+    ("completion_tokens", pa.int64()),
+    ("source_partition", pa.int32()),
+    ("source_offset", pa.int64()),
+])
+FEEDBACK_SCHEMA = pa.schema([
+    ("request_id", pa.string()),
+    ("ts", pa.float64()),
+    ("user_key", pa.string()),
+    ("kind", pa.string()),
+    ("value", pa.float64()),
+    ("source_partition", pa.int32()),
+    ("source_offset", pa.int64()),
+])
+
+_DDL = """
+CREATE TABLE IF NOT EXISTS shards (
+    shard_id INTEGER PRIMARY KEY AUTOINCREMENT,  -- the watermark readers page by
+    kind TEXT NOT NULL, path TEXT NOT NULL UNIQUE, date TEXT NOT NULL, policy_version TEXT,
+    rows INTEGER NOT NULL, min_ts REAL NOT NULL, max_ts REAL NOT NULL, created_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS seen (  -- seq grows: eviction deletes the oldest, never the newest
+    seq INTEGER PRIMARY KEY, key TEXT NOT NULL UNIQUE, shard_id INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS prompt_shards (
+    prompt_key TEXT NOT NULL, shard_id INTEGER NOT NULL, PRIMARY KEY (prompt_key, shard_id)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS feedback_shards (
+    request_id TEXT NOT NULL, shard_id INTEGER NOT NULL, PRIMARY KEY (request_id, shard_id)) WITHOUT ROWID;
+"""
+
+
+def prompt_key(messages: Iterable[dict[str, str]]) -> str:
+    """Identity of a chat prompt: the same messages give the same key across requests and versions."""
+    canon = "\x1e".join(m["role"] + "\x1f" + m["content"] for m in messages)  # separators never in roles
+    return hashlib.blake2b(canon.encode(), digest_size=16).hexdigest()
+
+
+def dedupe_key(event: QueryLogEvent | FeedbackEvent) -> str:
+    if isinstance(event, QueryLogEvent):
+        return "q\x1f" + event.request_id
+    return "f\x1f" + event.dedupe_key()
+
+
+def _date(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d")
+
+
+def _connect(root: Path) -> sqlite3.Connection:
+    # check_same_thread=False: ingest opens the writer in one thread and commits from its writer thread
+    db = sqlite3.connect(root / INDEX, timeout=30, isolation_level=None, check_same_thread=False)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=FULL")
+    db.executescript(_DDL)
+    return db
+
+
+# ---------------------------------------------------------------- writing
+@dataclass(frozen=True)
+class Stored:
+    """A validated, scrubbed event with where it came from."""
+
+    event: QueryLogEvent | FeedbackEvent
+    partition: int
+    offset: int
+
+
+@dataclass
+class CommitResult:
+    written: dict[str, int] = field(default_factory=dict)  # kind -> rows
+    duplicates: int = 0
+    shard_ids: list[int] = field(default_factory=list)
+
+
+class StoreWriter:
+    """Appends batches to the store exactly once (see the module docstring). One per store."""
+
+    def __init__(self, root: Path, *, dedupe_capacity: int = 5_000_000, lock_wait_s: float = 0.0):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.dedupe_capacity = dedupe_capacity
+        self._lock_fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + lock_wait_s
+        while True:
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(self._lock_fd)
+                    raise DynrubricError(
+                        f"replay store {self.root} is in use by another writer",
+                        "run one ingest per store dir (stop the other, or set ingest.store_dir), or let this "
+                        "one wait as a standby (ingest.store_lock_wait_s)",
+                    ) from None
+                time.sleep(0.05)
+        self.db = _connect(self.root)
+        self.removed_orphans = self._remove_orphans()
+
+    def close(self) -> None:
+        self.db.close()
+        os.close(self._lock_fd)
+
+    def _remove_orphans(self) -> int:
+        """Delete shard files a crashed writer left unregistered, and its temp files."""
+        registered = {row[0] for row in self.db.execute("SELECT path FROM shards")}
+        removed = 0
+        for kind in (QUERY_LOG, FEEDBACK):
+            for f in (self.root / kind).rglob("*") if (self.root / kind).exists() else ():
+                if f.is_file() and f.relative_to(self.root).as_posix() not in registered:
+                    f.unlink()
+                    removed += 1
+        return removed
+
+    def commit(self, records: Sequence[Stored]) -> CommitResult:
+        """Store the records not stored before; return what was written and how many were duplicates."""
+        result = CommitResult()
+        fresh: dict[str, Stored] = {}
+        for r in records:
+            fresh.setdefault(dedupe_key(r.event), r)
+        known = self._known(list(fresh))
+        result.duplicates = len(records) - len(fresh) + len(known)
+        for key in known:
+            del fresh[key]
+        if not fresh:
+            return result
+
+        groups: dict[tuple[str, str, str | None], list[tuple[str, dict]]] = defaultdict(list)
+        for key, r in fresh.items():
+            if isinstance(r.event, QueryLogEvent):
+                groups[(QUERY_LOG, _date(r.event.ts), r.event.policy_version)].append((key, _query_row(r)))
+            else:
+                groups[(FEEDBACK, _date(r.event.ts), None)].append((key, _feedback_row(r)))
+        paths = [self._write_shard(*group, [row for _, row in items]) for group, items in groups.items()]
+
+        now = time.time()
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            for ((kind, date, version), items), path in zip(groups.items(), paths, strict=True):
+                tss = [row["ts"] for _, row in items]
+                cur = self.db.execute(
+                    "INSERT INTO shards (kind, path, date, policy_version, rows, min_ts, max_ts, created_at)"
+                    " VALUES (?,?,?,?,?,?,?,?)",
+                    (kind, path, date, version, len(items), min(tss), max(tss), now),
+                )
+                shard_id = cur.lastrowid
+                result.shard_ids.append(shard_id)
+                result.written[kind] = result.written.get(kind, 0) + len(items)
+                # one statement per table (json_each), not one per row: every SQLite step releases and
+                # re-takes the GIL, which the busy consumer thread makes slow
+                self.db.execute(
+                    "INSERT INTO seen (key, shard_id) SELECT value, ? FROM json_each(?)",
+                    (shard_id, json.dumps([k for k, _ in items])),
+                )
+                lookup = "prompt_shards" if kind == QUERY_LOG else "feedback_shards"
+                column = "prompt_key" if kind == QUERY_LOG else "request_id"
+                values = {row[column] for _, row in items}
+                self.db.execute(
+                    f"INSERT INTO {lookup} SELECT value, ? FROM json_each(?)", (shard_id, json.dumps(sorted(values)))
+                )
+            self.db.execute(
+                "DELETE FROM seen WHERE seq <= (SELECT MAX(seq) FROM seen) - ?", (self.dedupe_capacity,)
+            )
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        return result
+
+    def _known(self, keys: list[str]) -> set[str]:
+        rows = self.db.execute("SELECT key FROM seen WHERE key IN (SELECT value FROM json_each(?))", (json.dumps(keys),))
+        return {row[0] for row in rows}
+
+    def _write_shard(self, kind: str, date: str, version: str | None, rows: list[dict]) -> str:
+        if kind == QUERY_LOG:
+            table = pa.Table.from_pylist(rows, schema=QUERY_LOG_SCHEMA)
+            rel = Path(kind, f"date={date}", f"policy_version={version}")
+        else:
+            table = pa.Table.from_pylist(rows, schema=FEEDBACK_SCHEMA)
+            rel = Path(kind, f"date={date}")
+        directory = self.root / rel
+        directory.mkdir(parents=True, exist_ok=True)
+        name = f"part-{uuid.uuid4().hex}.parquet"
+        tmp = directory / f".{name}.tmp"
+        # a path, not a Python file object: Arrow then writes natively instead of calling back into Python
+        pq.write_table(table, str(tmp), compression="zstd")
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, directory / name)
+        fsync_dir(directory)
+        return (rel / name).as_posix()
+
+
+def _query_row(r: Stored) -> dict:
+    e: QueryLogEvent = r.event
+    messages = [{"role": m.role, "content": m.content} for m in e.messages]
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    return {
+        "request_id": e.request_id, "ts": e.ts, "user_key": e.user_key, "session_id": e.session_id,
+        "variant": e.variant, "policy_version": e.policy_version, "model": e.model, "messages": messages,
+        "prompt_key": prompt_key(messages), "prompt_text": users[-1] if users else "",
+        "response": e.response, "finish_reason": e.finish_reason, "temperature": e.sampling.temperature,
+        "top_p": e.sampling.top_p, "max_tokens": e.sampling.max_tokens, "latency_ms": e.latency_ms,
+        "prompt_tokens": e.prompt_tokens, "completion_tokens": e.completion_tokens,
+        "source_partition": r.partition, "source_offset": r.offset,
+    }
+
+
+def _feedback_row(r: Stored) -> dict:
+    e: FeedbackEvent = r.event
+    return {
+        "request_id": e.request_id, "ts": e.ts, "user_key": e.user_key, "kind": e.kind, "value": e.value,
+        "source_partition": r.partition, "source_offset": r.offset,
+    }
+
+
+# ---------------------------------------------------------------- reading (the trainer's side)
+@dataclass(frozen=True)
+class Feedback:
+    kind: str
+    value: float | None
+    ts: float
+
+
+@dataclass(frozen=True)
+class LoggedPrompt:
+    """A prompt users sent, as the trainer needs it. `messages` is the chat prompt (PII scrubbed)."""
+
+    prompt_key: str
+    messages: tuple[dict[str, str], ...]
+    text: str  # the last user message
+    request_id: str  # the first logged request that carried it
+    policy_version: str
+    ts: float
+
+
+@dataclass(frozen=True)
+class LoggedResponse:
+    request_id: str
+    policy_version: str
+    response: str
+    finish_reason: str | None
+    ts: float
+    feedback: tuple[Feedback, ...]
+
+
+class ReplayStore:
+    """Read-only view for the trainer. Watermarks are manifest shard ids: opaque, increasing ints."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        if not (self.root / INDEX).exists():
+            raise DynrubricError(
+                f"no replay store at {self.root} (missing {INDEX})",
+                "run `dynrubric ingest` first, or point ingest.store_dir at the store",
+            )
+        self.db = _connect(self.root)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def __enter__(self) -> ReplayStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def watermark(self) -> int:
+        """The newest shard id; `new_prompts(store.watermark())` returns nothing until more arrives."""
+        return self.db.execute("SELECT COALESCE(MAX(shard_id), 0) FROM shards").fetchone()[0]
+
+    def new_prompts(self, since_watermark: int = 0, limit: int | None = None) -> tuple[list[LoggedPrompt], int]:
+        """Distinct prompts logged after `since_watermark`, oldest first, and the watermark to pass next.
+
+        With `limit`, reading stops after the shard in which the limit was reached (whole shards, so the
+        next call misses nothing); the list may then hold a little more than `limit`.
+        """
+        rows = self.db.execute(
+            "SELECT shard_id, path FROM shards WHERE kind = ? AND shard_id > ? ORDER BY shard_id",
+            (QUERY_LOG, since_watermark),
+        ).fetchall()
+        prompts: dict[str, LoggedPrompt] = {}
+        watermark = since_watermark
+        for shard_id, path in rows:
+            if limit is not None and len(prompts) >= limit:
+                break
+            table = pq.read_table(
+                self.root / path, columns=["prompt_key", "messages", "prompt_text", "request_id", "policy_version", "ts"]
+            )
+            for r in table.to_pylist():
+                if r["prompt_key"] not in prompts:
+                    prompts[r["prompt_key"]] = LoggedPrompt(
+                        r["prompt_key"], tuple(r["messages"]), r["prompt_text"], r["request_id"],
+                        r["policy_version"], r["ts"],
+                    )
+            watermark = shard_id
+        return list(prompts.values()), watermark
+
+    def responses_by_version(self, prompt_key: str) -> dict[str, list[LoggedResponse]]:
+        """Every logged response to one prompt, grouped by the policy version that wrote it (oldest first)."""
+        paths = [
+            row[0]
+            for row in self.db.execute(
+                "SELECT s.path FROM prompt_shards p JOIN shards s USING (shard_id) WHERE p.prompt_key = ?"
+                " ORDER BY s.shard_id",
+                (prompt_key,),
+            )
+        ]
+        rows = []
+        for path in paths:
+            table = pq.read_table(
+                self.root / path,
+                columns=["prompt_key", "request_id", "policy_version", "response", "finish_reason", "ts"],
+                filters=[("prompt_key", "=", prompt_key)],
+            )
+            rows.extend(table.to_pylist())
+        feedback = self.feedback_for([r["request_id"] for r in rows])
+        out: dict[str, list[LoggedResponse]] = defaultdict(list)
+        for r in sorted(rows, key=lambda r: r["ts"]):
+            out[r["policy_version"]].append(
+                LoggedResponse(
+                    r["request_id"], r["policy_version"], r["response"], r["finish_reason"], r["ts"],
+                    tuple(feedback.get(r["request_id"], ())),
+                )
+            )
+        return dict(out)
+
+    def feedback_for(self, request_ids: Sequence[str]) -> dict[str, list[Feedback]]:
+        """Feedback events joined to their requests by request_id, oldest first."""
+        wanted = set(request_ids)
+        paths: set[str] = set()
+        ids = list(wanted)
+        for i in range(0, len(ids), 500):
+            chunk = ids[i : i + 500]
+            marks = ",".join("?" * len(chunk))
+            paths.update(
+                row[0]
+                for row in self.db.execute(
+                    f"SELECT s.path FROM feedback_shards f JOIN shards s USING (shard_id) WHERE f.request_id IN ({marks})",
+                    chunk,
+                )
+            )
+        out: dict[str, list[Feedback]] = defaultdict(list)
+        for path in sorted(paths):
+            for r in pq.read_table(self.root / path, columns=["request_id", "kind", "value", "ts"]).to_pylist():
+                if r["request_id"] in wanted:
+                    out[r["request_id"]].append(Feedback(r["kind"], r["value"], r["ts"]))
+        for items in out.values():
+            items.sort(key=lambda f: f.ts)
+        return dict(out)
+
+    def table(self, kind: str = QUERY_LOG) -> pa.Table:
+        """Everything of one kind the manifest lists, as one Arrow table (analysis, tests, export)."""
+        paths = [row[0] for row in self.db.execute("SELECT path FROM shards WHERE kind = ? ORDER BY shard_id", (kind,))]
+        schema = QUERY_LOG_SCHEMA if kind == QUERY_LOG else FEEDBACK_SCHEMA
+        if not paths:
+            return schema.empty_table()
+        return pa.concat_tables(pq.read_table(self.root / p, schema=schema) for p in paths)
+
+    def shard_count(self) -> int:
+        return self.db.execute("SELECT COUNT(*) FROM shards").fetchone()[0]
+

@@ -1,0 +1,268 @@
+"""k8s/: every overlay renders (without kubectl) and validates strictly offline; broken manifests fail;
+generated objects are up to date with monitoring/; the renderer agrees with `kubectl kustomize`."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.monitoring_support import ROOT
+
+K8S = ROOT / "k8s"
+OVERLAYS = ["dev", "prod", "prod-argo"]
+JOBS = sorted((K8S / "jobs").glob("*.yaml"))
+
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(f"k8s_tools_{name}", K8S / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(K8S / "tools"))
+    spec.loader.exec_module(module)
+    return module
+
+
+render = _tool("render")
+validate = _tool("validate")
+generate = _tool("generate")
+
+
+def rendered(overlay: str) -> list[dict]:
+    return render.build(K8S / "overlays" / overlay)
+
+
+def deployment_set(overlay: str) -> list[dict]:
+    return rendered(overlay) + [o for j in JOBS for o in render.load_docs(j)]
+
+
+def find(objs: list[dict], kind: str, name: str | None = None) -> dict:
+    return next(o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name))
+
+
+# ---------------------------------------------------------------- valid as shipped
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_validates_strictly(overlay):
+    objs = deployment_set(overlay)
+    assert validate.validate(objs) == []
+    kinds = {o["kind"] for o in objs}
+    assert {"Deployment", "Service", "HorizontalPodAutoscaler", "RayJob", "Kafka", "KafkaTopic", "ServiceMonitor",
+            "PrometheusRule", "ConfigMap", "Job"} <= kinds
+
+
+def test_kubernetes_validate_cli_strict_passes_on_builtin_kinds(tmp_path):
+    """The issue's literal check: `kubernetes-validate --strict` over every rendered built-in object."""
+    exe = shutil.which("kubernetes-validate") or str(Path(sys.executable).parent / "kubernetes-validate")
+    objs = [o for o in deployment_set("prod") if "/" not in o["apiVersion"] or "." not in o["apiVersion"].split("/")[0]
+            or o["apiVersion"].split("/")[0].endswith("k8s.io")]
+    path = tmp_path / "builtin.yaml"
+    path.write_text("---\n".join(yaml.safe_dump(o) for o in objs))
+    result = subprocess.run([exe, "--strict", "-k", validate.K8S_VERSION, "--quiet", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "WARN" not in result.stdout and "ERROR" not in result.stdout, result.stdout
+
+
+def test_validate_cli_passes_and_fails(tmp_path):
+    ok = subprocess.run([sys.executable, str(K8S / "tools" / "validate.py"), str(K8S / "overlays" / "prod"), *map(str, JOBS)],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    # a broken manifest on disk: copy k8s/, misspell one field in the base, validate the overlay
+    copy_dir = tmp_path / "k8s"
+    shutil.copytree(K8S, copy_dir)
+    router = copy_dir / "base" / "services" / "router.yaml"
+    router.write_text(router.read_text().replace("readinessProbe:", "readinesProbe:", 1))
+    bad = subprocess.run([sys.executable, str(copy_dir / "tools" / "validate.py"), str(copy_dir / "overlays" / "prod"),
+                          *map(str, JOBS)], capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert "Deployment/dynrubric-router" in bad.stdout and "readinesProbe" in bad.stdout
+
+
+# ---------------------------------------------------------------- broken manifests are caught
+def _mutations():
+    def container(o, kind, name):
+        return find(o, kind, name)["spec"]["template"]["spec"]["containers"][0]
+
+    def ray_head(o):
+        return find(o, "RayJob")["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+
+    return {
+        "misspelt Deployment field": (lambda o: container(o, "Deployment", "dynrubric-router").update(imagePullPolicyy="Always"), "imagePullPolicyy"),
+        "wrong type in a Service": (lambda o: find(o, "Service", "vllm-judge")["spec"]["ports"][0].update(port="http"), "vllm-judge"),
+        "HPA without maxReplicas": (lambda o: find(o, "HorizontalPodAutoscaler")["spec"].pop("maxReplicas"), "maxReplicas"),
+        "RayJob field of the wrong type": (lambda o: find(o, "RayJob")["spec"].update(shutdownAfterJobFinishes="yes"), "shutdownAfterJobFinishes"),
+        "RayJob pod template typo": (lambda o: ray_head(o).update(envv=[]), "envv"),
+        "Kafka unknown field": (lambda o: find(o, "Kafka")["spec"]["kafka"].update(replicaz=3), "replicaz"),
+        "KafkaTopic partitions not a number": (lambda o: find(o, "KafkaTopic")["spec"].update(partitions="many"), "partitions"),
+        "KafkaTopic of no Kafka": (lambda o: find(o, "KafkaTopic")["metadata"]["labels"].update({"strimzi.io/cluster": "other"}), "names no Kafka"),
+        "Rollout step typo": (lambda o: find(o, "Rollout")["spec"]["strategy"]["canary"]["steps"].append({"setWeigth": 5}), "setWeigth"),
+        "Rollout missing AnalysisTemplate": (lambda o: find(o, "AnalysisTemplate")["metadata"].update(name="other"), "dynrubric-gate does not exist"),
+        "AnalysisTemplate typo": (lambda o: find(o, "AnalysisTemplate")["spec"]["metrics"][0].update(successConditon="x"), "successConditon"),
+        "ServiceMonitor typo": (lambda o: find(o, "ServiceMonitor")["spec"].update(endpointz=[]), "endpointz"),
+        "ServiceMonitor port missing": (lambda o: find(o, "ServiceMonitor")["spec"]["endpoints"][0].update(port="metrics"), "no port named metrics"),
+        "PrometheusRule typo": (lambda o: find(o, "PrometheusRule")["spec"]["groups"][0]["rules"][0].update(exprr="x"), "exprr"),
+        "inlined Secret object": (lambda o: o.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s"}, "stringData": {"t": "x"}}), "never inlined"),
+        "inlined token": (lambda o: container(o, "Deployment", "dynrubric-router")["env"].append({"name": "DYNRUBRIC_SERVING__TOKEN", "value": "hunter2"}), "inlines a secret"),
+        "undocumented secret": (lambda o: ray_head(o)["env"][0]["valueFrom"]["secretKeyRef"].update(name="mine"), "refers to secret mine"),
+        "Service selecting nothing": (lambda o: find(o, "Service", "dynrubric-router")["spec"]["selector"].update({"app.kubernetes.io/name": "routr"}), "matches no pod template"),
+        "missing ConfigMap": (lambda o: o.remove(find(o, "ConfigMap", "dynrubric-config")), "missing ConfigMap dynrubric-config"),
+        "reward URL to no Service": (lambda o: find(o, "RayJob")["spec"].update(entrypoint=find(o, "RayJob")["spec"]["entrypoint"].replace(":8100/", ":8101/")), "remote_url"),
+        "kind without a schema": (lambda o: o.append({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}}), "no schema"),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_mutations()))
+def test_broken_manifest_is_caught(case):
+    mutate, expected = _mutations()[case]
+    objs = copy.deepcopy(deployment_set("prod-argo"))
+    mutate(objs)
+    problems = validate.validate(objs)
+    assert any(expected in p for p in problems), problems
+
+
+# ---------------------------------------------------------------- renderer
+@pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
+def test_renderer_matches_kubectl_kustomize(overlay):
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: nothing to cross-check the renderer against (validation does not need it)")
+    path = K8S / (overlay if overlay == "base" else f"overlays/{overlay}")
+    out = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    theirs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    ours = render.build(path)
+    key = lambda o: (o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"])  # noqa: E731
+    canon = lambda objs: {key(o): json.dumps(o, sort_keys=True) for o in objs}  # noqa: E731
+    assert canon(ours) == canon(theirs)
+
+
+def test_renderer_rejects_what_it_does_not_implement(tmp_path):
+    (tmp_path / "kustomization.yaml").write_text("resources: [a.yaml]\nnamePrefix: x-\n")
+    (tmp_path / "a.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: a}\n")
+    with pytest.raises(render.RenderError, match="namePrefix"):
+        render.build(tmp_path)
+    (tmp_path / "kustomization.yaml").write_text("resources: [a.yaml]\npatches: [{path: p.yaml}]\n")
+    (tmp_path / "p.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: b}\ndata: {k: v}\n")
+    with pytest.raises(render.RenderError, match="matches no resource"):
+        render.build(tmp_path)
+
+
+def test_strategic_merge_semantics():
+    base = {"spec": {"containers": [{"name": "a", "image": "x", "args": ["1", "2"]}, {"name": "b"}],
+                     "selector": {"k": "v", "drop": "me"}}}
+    patch = {"spec": {"containers": [{"name": "a", "args": ["3"]}, {"name": "c"}], "selector": {"drop": None}}}
+    assert render.merge(base, patch) == {"spec": {
+        "containers": [{"name": "a", "image": "x", "args": ["3"]}, {"name": "b"}, {"name": "c"}],
+        "selector": {"k": "v"}}}
+
+
+# ---------------------------------------------------------------- what the overlays mean
+def test_overlays_differ_as_documented():
+    dev, prod, argo = (rendered(o) for o in OVERLAYS)
+    assert {o["metadata"].get("namespace") for o in dev if o["kind"] != "Namespace"} == {"dynrubric-dev"}
+    assert find(dev, "Deployment", "vllm-stable")["spec"]["replicas"] == 1
+    assert find(prod, "Deployment", "vllm-stable")["spec"]["replicas"] == 4
+    assert find(dev, "KafkaNodePool")["spec"]["replicas"] == 1 and find(prod, "KafkaNodePool")["spec"]["replicas"] == 3
+    assert not [o for o in argo if o["kind"] == "Deployment" and o["metadata"]["name"] in ("vllm-stable", "vllm-canary")]
+    assert find(argo, "Service", "vllm-canary")["spec"]["selector"] == {"app.kubernetes.io/name": "vllm", "dynrubric.io/role": "policy"}
+    for objs in (dev, prod, argo):
+        assert all(o["metadata"]["labels"]["app.kubernetes.io/part-of"] == "dynrubric" for o in objs)
+        images = {c["image"] for o in objs for pod in validate._pod_specs(o) for c in pod.get("containers", [])}
+        assert all(":" in i and "/" in i for i in images), images  # every image resolved to registry/name:tag
+    engine_images = lambda objs: {c["image"] for o in objs if o["metadata"]["name"] in ("vllm", "vllm-stable", "vllm-judge")  # noqa: E731
+                                  for pod in validate._pod_specs(o) for c in pod["containers"]}
+    assert engine_images(argo) == engine_images(prod), "prod-argo's vLLM image must match the base's"
+
+
+def test_fleet_has_gpus_model_volume_and_health_readiness():
+    for name in ("vllm-stable", "vllm-canary", "vllm-judge"):
+        pod = find(rendered("prod"), "Deployment", name)["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
+
+
+def test_trainer_is_openrlhf_on_kuberay_with_our_reward_server():
+    entry = find(rendered("prod"), "RayJob")["spec"]["entrypoint"]
+    assert "openrlhf.cli.train_ppo_ray" in entry
+    assert re.search(r"--algo\.advantage\.estimator group_norm", entry)
+    assert re.search(r"--rollout\.n_samples_per_prompt \d+", entry)
+    assert "--reward.remote_url \"http://dynrubric-reward-server:8100/reward?token=${DYNRUBRIC_REWARD_TOKEN}\"" in entry
+    spec = importlib.util.find_spec("openrlhf")
+    if spec is not None:  # the openrlhf extra: every flag we pass must exist in its CLI
+        source = (Path(spec.submodule_search_locations[0]) / "cli" / "train_ppo_ray.py").read_text()
+        known = set(re.findall(r'"(--[\w.]+)"', source)) | {f"--{p}.adam.lr" for p in ("actor", "critic")}
+        flags = set(re.findall(r"(--[a-z][\w.]+)", entry))
+        assert flags <= known, f"unknown OpenRLHF flags: {sorted(flags - known)}"
+
+
+def test_analysis_template_maps_gate_verdicts():
+    at = find(rendered("prod-argo"), "AnalysisTemplate")
+    metric = at["spec"]["metrics"][0]
+    assert metric["provider"]["web"]["url"] == "{{args.gate-url}}/gate/{{args.rollout-id}}"
+    assert metric["successCondition"] == 'result.verdict == "pass"'
+    assert metric["failureCondition"] == 'result.verdict == "fail"'
+    assert metric["failureLimit"] == 0 and metric["inconclusiveLimit"] >= 1  # inconclusive -> pause, not abort
+    steps = find(rendered("prod-argo"), "Rollout")["spec"]["strategy"]["canary"]["steps"]
+    assert [s["setWeight"] for s in steps if "setWeight" in s] == sorted(s["setWeight"] for s in steps if "setWeight" in s)
+    assert sum("analysis" in s for s in steps) == sum("setWeight" in s for s in steps)
+
+
+def test_app_config_in_the_configmap_is_valid_settings():
+    from dynrubric.config import load_settings
+
+    settings = load_settings(K8S / "base" / "config" / "dynrubric.yaml", environ={})
+    assert settings.engine.kind == "openai-http"
+    assert settings.kafka.bootstrap_servers.startswith("dynrubric-kafka-bootstrap:")  # Strimzi's Service of Kafka/dynrubric
+
+
+# ---------------------------------------------------------------- one source: generated from monitoring/
+def test_generated_objects_are_up_to_date():
+    assert generate.stale() == [], "run: python k8s/tools/generate.py"
+
+
+def test_generated_prometheusrule_is_what_promtool_accepts(tmp_path):
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is missing: `make setup` installs Debian's prometheus package"
+    rules = [o for o in render.load_docs(K8S / "base" / "monitoring" / "prometheusrule.yaml")]
+    files = []
+    for rule in rules:
+        path = tmp_path / f"{rule['metadata']['name']}.yml"
+        path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+        files.append(str(path))
+    result = subprocess.run([promtool, "check", "rules", *files], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    sources = sorted((ROOT / "monitoring" / "rules").glob("*.yml"))
+    assert [r["spec"]["groups"] for r in rules] == [yaml.safe_load(p.read_text())["groups"] for p in sources]
+
+
+def test_dashboard_configmap_is_provisionable():
+    cm = render.load_docs(K8S / "base" / "monitoring" / "grafana-dashboard.yaml")[0]
+    assert cm["metadata"]["labels"] == {"grafana_dashboard": "1"}
+    (name, text), = cm["data"].items()
+    assert json.loads(text) == json.loads((ROOT / "monitoring" / "dashboards" / name).read_text())
+
+
+def test_scraped_job_names_match_the_target_down_alert():
+    """Prometheus-operator names a ServiceMonitor's job after the Service (or its jobLabel label); every
+    scraped job must match DynrubricTargetDown's `job=~"dynrubric-.*"`."""
+    from tests.monitoring_support import alerting_rules
+
+    pattern = re.search(r'job=~"([^"]+)"', alerting_rules()["DynrubricTargetDown"]["expr"]).group(1)
+    objs = rendered("prod")
+    services = [o for o in objs if o["kind"] == "Service"]
+    jobs = set()
+    for sm in (o for o in objs if o["kind"] == "ServiceMonitor"):
+        for s in services:
+            labels = s["metadata"].get("labels", {})
+            if validate._selects(sm["spec"]["selector"], labels):
+                jobs.add(labels.get(sm["spec"].get("jobLabel", ""), s["metadata"]["name"]))
+    assert {"dynrubric-router", "dynrubric-reward-server", "dynrubric-ingest", "dynrubric-rollout", "dynrubric-vllm"} == jobs
+    assert all(re.fullmatch(pattern, j) for j in jobs)
