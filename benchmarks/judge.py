@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout this file is in, not another install
 
 from dynrubric.engines.base import GenerationRequest, SamplingParams
 from dynrubric.engines.hf import TransformersEngine
@@ -107,7 +110,7 @@ def run_naive(engine: TransformersEngine, verifier: Verifier, sets, max_tokens: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="model-cache name or HF directory")
-    ap.add_argument("--quick", action="store_true", help="2 sets instead of 8")
+    ap.add_argument("--quick", action="store_true", help="1 set instead of 8")
     ap.add_argument("--sets", type=int, default=None)
     ap.add_argument("--k", type=int, default=8, help="responses per set")
     ap.add_argument("--naive-max-tokens", type=int, default=16, help="tokens the naive judge writes at most")
@@ -120,7 +123,7 @@ def main() -> None:
     model_dir = Path(args.model) if Path(args.model).is_dir() else modelcache.resolve(
         load_settings().paths.resolved_home(), args.model
     )
-    n_sets = args.sets or (2 if args.quick else 8)
+    n_sets = args.sets or (1 if args.quick else 8)
     engine = TransformersEngine(model_dir, threads=args.threads)
     verifier = Verifier(engine)
     sets = candidate_sets(n_sets, args.k)
@@ -128,22 +131,27 @@ def main() -> None:
     unique = sum(unique_tokens(engine, verifier.prompts(q, r, RUBRIC)) for q, r in sets)
     verifier.verify(sets[0][0], sets[0][1][:1], RUBRIC)  # warm-up: allocator, kernels
 
-    batched_tok, batched_s, batched_v = run_logprob(engine, verifier, sets, share=True)
-    unshared_tok, unshared_s, unshared_v = run_logprob(engine, verifier, sets, share=False)
-    naive_tok, naive_s, naive_v = run_naive(engine, verifier, sets, args.naive_max_tokens)
-    engine.share_prefix = True
-
+    print(f"machine: {platform.node()} {platform.machine()}, torch threads {__import__('torch').get_num_threads()}; "
+          f"model {model_dir.name}; {n_sets} sets x K={args.k} responses x M={m} items = {n_sets * m * args.k} verdicts")
+    print(f"unique prompt tokens: {unique}")
+    print(f"{'method':<10} {'tokens':>9} {'tok/unique':>10} {'seconds':>9} {'verdicts/s':>10}", flush=True)
     pairs = n_sets * m * args.k
+
+    def row(name: str, tok: int, sec: float) -> None:
+        print(f"{name:<10} {tok:>9} {tok / unique:>10.2f} {sec:>9.2f} {pairs / sec:>10.1f}", flush=True)
+
+    batched_tok, batched_s, batched_v = run_logprob(engine, verifier, sets, share=True)
+    row("batched", batched_tok, batched_s)
+    unshared_tok, unshared_s, unshared_v = run_logprob(engine, verifier, sets, share=False)
+    row("unshared", unshared_tok, unshared_s)
+    engine.share_prefix = True
+    naive_tok, naive_s, naive_v = run_naive(engine, verifier, sets, args.naive_max_tokens)
+    row("naive", naive_tok, naive_s)
+
     max_diff = max(abs(a - b) for s1, s2 in zip(batched_v, unshared_v) for r1, r2 in zip(s1, s2) for a, b in zip(r1, r2))
     agree = sum(
         (a >= 0.5) == (b >= 0.5) for s1, s2 in zip(batched_v, naive_v) for r1, r2 in zip(s1, s2) for a, b in zip(r1, r2)
     ) / pairs
-    print(f"machine: {platform.node()} {platform.machine()}, torch threads {__import__('torch').get_num_threads()}; "
-          f"model {model_dir.name}; {n_sets} sets x K={args.k} responses x M={m} items = {pairs} verdicts")
-    print(f"unique prompt tokens: {unique}")
-    print(f"{'method':<10} {'tokens':>9} {'tok/unique':>10} {'seconds':>9} {'verdicts/s':>10}")
-    for name, tok, sec in (("batched", batched_tok, batched_s), ("unshared", unshared_tok, unshared_s), ("naive", naive_tok, naive_s)):
-        print(f"{name:<10} {tok:>9} {tok / unique:>10.2f} {sec:>9.2f} {pairs / sec:>10.1f}")
     print(f"unshared/batched: tokens {unshared_tok / batched_tok:.2f}x, time {unshared_s / batched_s:.2f}x; "
           f"naive/batched: tokens {naive_tok / batched_tok:.2f}x")
     print(f"batched vs unshared max |v| difference: {max_diff:.2e}; batched (v>=0.5) agrees with naive's written answer on {agree:.0%}")

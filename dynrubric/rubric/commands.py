@@ -44,7 +44,7 @@ def score(
     ctx: typer.Context,
     sets_file: Annotated[Path, typer.Argument(help="JSONL: one {\"prompt\", \"responses\": [...]} per line")],
     out: Annotated[
-        Path | None, typer.Option("--out", "-o", help="scored sets as JSONL (default: SETS.scored.jsonl)")
+        Path | None, typer.Option("--out", "-o", help="scored sets as JSONL (default: ./<SETS stem>.scored.jsonl)")
     ] = None,
     engine: Annotated[
         str | None, typer.Option("--engine", help="transformers | openai-http (default: engine.kind of the config)")
@@ -72,19 +72,20 @@ def score(
     except ValueError as e:
         raise DynrubricError(f"bad option: {e.errors()[0]['msg']}", "use --engine transformers|openai-http, --mode set|prompt_only") from None  # type: ignore[attr-defined]
     sets = read_sets(sets_file)
-    out = out or sets_file.with_suffix(".scored.jsonl")
+    out = out or Path(sets_file.stem + ".scored.jsonl")  # in the working directory, not beside the input
     console = Console()
     with console.status(f"loading the {settings.engine.kind} engine"):
         generator = build_engine(settings, "generator")
         verifier = generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
     evaluator = Evaluator(generator, verifier, settings.rubric)
-    scored = []
     with Progress(
-        TextColumn("scoring sets"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
     ) as bar:
-        task = bar.add_task("sets", total=len(sets))
-        for prompt, responses in sets:  # one set per call so the bar moves as rubrics are generated
-            scored += evaluator.score_sets([prompt], [responses], progress=lambda n: bar.advance(task, n))
+        task = bar.add_task("generating rubrics, then verifying", total=len(sets))
+        # one call: rubric generation for all sets is batched; the bar moves as each set is verified
+        scored = evaluator.score_sets(
+            [p for p, _ in sets], [r for _, r in sets], progress=lambda n: bar.advance(task, n)
+        )
     atomic.write_text(out, "".join(json.dumps(s.as_dict(), ensure_ascii=False) + "\n" for s in scored))
 
     table = Table(title=f"{len(scored)} sets scored -> {out}")
