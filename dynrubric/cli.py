@@ -152,6 +152,67 @@ app.command("ingest")(ingest)
 register_serving(app)
 
 
+# ---------------------------------------------------------------- the loop on one machine
+@app.command()
+def up(
+    ctx: typer.Context,
+    rounds: Annotated[int, typer.Option(help="training rounds to run")] = 1,
+    traffic: Annotated[
+        Path | None, typer.Option(help="JSONL traffic to replay (default: the shipped prompt file)")
+    ] = None,
+    demo: Annotated[
+        bool, typer.Option(help="small rounds sized for a 2-core CPU (off: use the configured train.* sizes)")
+    ] = True,
+) -> None:
+    """The main job on embedded defaults: broker, traffic -> Kafka, ingest -> replay store, training
+    rounds (set-conditioned rubrics, GRPO, guards, registry), then the run report."""
+    from importlib.resources import files
+
+    from streaming.broker import EmbeddedBroker
+    from streaming.commands import traffic_replay
+
+    settings = settings_of(ctx)
+    traffic = traffic or Path(str(files("dynrubric") / "data" / "prompts.jsonl"))
+    if demo:
+        settings.train.steps_per_round = 2
+        settings.train.prompts_per_step = 4
+        settings.train.candidates = 4
+        settings.train.max_new_tokens = 48
+        settings.train.heldout_prompts = 4
+    settings.train.prompt_source = "replay"
+    state = settings.paths.resolved_state()
+    state.mkdir(parents=True, exist_ok=True)
+    with EmbeddedBroker(port=0, log_path=state / "broker.log") as broker:
+        settings.kafka.bootstrap_servers = broker.bootstrap_servers
+        settings.ingest.metrics_port = 0
+        console.rule(f"1/4 traffic -> Kafka at {broker.bootstrap_servers}")
+        traffic_replay(ctx, traffic, rate=0.0, policy_version="base", repeat=1, raw=False)
+        console.rule("2/4 ingest -> replay store")
+        ingest(ctx, until_idle=5.0, store=None, metrics_port=None)
+    console.rule(f"3/4 training: {rounds} round(s)")
+    from dynrubric.train.commands import train_round
+
+    train_round(ctx, round_id=None, rounds=rounds, metrics_port=None)
+    console.rule("4/4 run report")
+    report(ctx, out=None)
+
+
+@app.command()
+def report(
+    ctx: typer.Context,
+    out: Annotated[Path | None, typer.Option(help="PNG to write (default <state_dir>/report/run.png)")] = None,
+) -> None:
+    """Plot the training run log: reward, KL, score gaps vs the collapse thresholds, fallbacks, rounds."""
+    from dynrubric.report import read_runlog, render
+    from dynrubric.train.rounds import run_dir_of
+
+    settings = settings_of(ctx)
+    log = read_runlog(run_dir_of(settings) / "runlog.jsonl")
+    out = out or settings.paths.resolved_state() / "report" / "run.png"
+    render(log, out, settings.rubric.collapse_min_mean_gap, settings.rubric.collapse_max_nonsplit_share)
+    console.print(f"report: {out} ({len(log.rounds)} rounds, {len(log.steps)} policy steps)")
+
+
 def main() -> None:
     import click
 

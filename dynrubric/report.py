@@ -100,13 +100,16 @@ def render(log: RunLog, out: Path, min_mean_gap: float, max_nonsplit_share: floa
         ax.legend(fontsize=8)
 
     ax = axes[2][1]
-    rounds = [r for r in log.rounds if isinstance((r.get("eval") or {}).get("reward_mean"), (int, float))]
+    rounds = [r for r in log.rounds if isinstance((r.get("eval") or {}).get("reward_new"), (int, float))]
+    ids = [r["round"] for r in rounds]
+    ax.plot(ids, [r["eval"]["reward_parent"] for r in rounds], color="grey", marker="x", label="parent")
+    ax.plot(ids, [r["eval"]["reward_new"] for r in rounds], color="tab:blue", alpha=0.5, label="new checkpoint")
     for r in rounds:
         accepted = (r.get("guard") or {}).get("accepted", True)
-        ax.scatter(r["round"], r["eval"]["reward_mean"], color="tab:green" if accepted else "tab:red", zorder=3)
-        ax.annotate(str(r.get("version", "")), (r["round"], r["eval"]["reward_mean"]), fontsize=7)
-    ax.plot([r["round"] for r in rounds], [r["eval"]["reward_mean"] for r in rounds], color="grey", alpha=0.5)
+        ax.scatter(r["round"], r["eval"]["reward_new"], color="tab:green" if accepted else "tab:red", zorder=3)
+        ax.annotate(str(r.get("version", "")), (r["round"], r["eval"]["reward_new"]), fontsize=7)
     ax.set(title="held-out reward per round (green accepted, red rejected)", xlabel="round", ylabel="reward")
+    ax.legend(fontsize=8)
 
     fig.tight_layout()
     buffer = io.BytesIO()
