@@ -103,9 +103,10 @@ def doctor(ctx: typer.Context) -> None:
     """Check everything the embedded defaults need; print what is missing and the command that fixes it."""
     from rich.table import Table
 
-    from dynrubric.doctor import run_checks
+    from dynrubric.doctor import check_of, run_checks
+    from streaming.broker import tansu_binary
 
-    results = run_checks(settings_of(ctx))
+    results = run_checks(settings_of(ctx), [check_of("broker (tansu)", tansu_binary)])
     table = Table(title="dynrubric doctor")
     for col in ("check", "status", "detail", "fix"):
         table.add_column(col)

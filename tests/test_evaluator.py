@@ -181,3 +181,16 @@ def test_apply_rubric_matches_score_sets_for_the_same_rubric(engine):
     again = ev.apply_rubric(QUESTION, scored.rubric, RESPONSES)
     assert again == pytest.approx(scored.scores, abs=1e-5)
     assert ev.apply_rubric(QUESTION, scored.rubric, []) == []
+
+
+def test_a_rubric_that_copies_the_format_example_is_a_counted_failure(engine):
+    from dynrubric.rubric.generate import EXAMPLE_ITEMS
+
+    copied = json.dumps({"items": [{"text": EXAMPLE_ITEMS[0], "weight": 5}, {"text": "Is concise", "weight": 1}]})
+    good = json.dumps([{"text": "Says 42", "weight": 2}, {"text": "Is rude", "weight": 1, "polarity": -1}])
+    spy = Spy(engine, script=[copied, good])
+    ev = Evaluator(spy, engine, RubricConfig())
+    [scored] = ev.score_sets([QUESTION], [RESPONSES])
+    assert [i.text for i in scored.rubric.items] == ["Says 42", "Is rude"]
+    assert ev.counts.parse_failures == 1
+    assert "format example" in ev.counts.reasons[0]

@@ -169,5 +169,6 @@ class Evaluator:
         self.counts.parse_failures += counts.parse_failures
         self.counts.prompt_only_fallbacks += counts.prompt_only_fallbacks
         self.counts.generic_fallbacks += counts.generic_fallbacks
+        self.counts.reasons = (self.counts.reasons + counts.reasons)[-100:]  # the latest, for reports
         if self.metrics is not None:
             self.metrics.record_generation(counts)

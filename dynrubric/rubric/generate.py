@@ -19,10 +19,11 @@ from dynrubric.rubric.verify import truncate_tokens
 
 RubricSource = Literal["set", "prompt_only", "generic"]
 
+EXAMPLE_ITEMS = ("The response gives the final answer 42.", "The response contains a calculation error.")
 FORMAT = (
     'Answer with JSON only, in this form:\n'
-    '{"items": [{"id": "c1", "text": "The response gives the final answer 42.", "weight": 5, "polarity": 1},\n'
-    '           {"id": "c2", "text": "The response contains a calculation error.", "weight": 4, "polarity": -1}]}\n'
+    f'{{"items": [{{"id": "c1", "text": "{EXAMPLE_ITEMS[0]}", "weight": 5, "polarity": 1}},\n'
+    f'           {{"id": "c2", "text": "{EXAMPLE_ITEMS[1]}", "weight": 4, "polarity": -1}}]}}\n'
     "Each item is a yes/no check of one property of a response. weight is an integer from 1 (minor) "
     "to 5 (essential); polarity is 1 for a good property and -1 for a flaw. Write 3 to 8 items."
 )
@@ -35,6 +36,13 @@ PROMPT_ONLY_INSTRUCTIONS = (
     "You write grading rubrics. Below is a question. Write rubric items that a good response to it "
     "must meet and flaws it must avoid.\n\n"
 )
+_EXAMPLE_KEYS = frozenset(" ".join(t.lower().rstrip(".").split()) for t in EXAMPLE_ITEMS)
+
+
+def _normalised(text: str) -> str:
+    return " ".join(text.lower().rstrip(".").split())
+
+
 # tokens of instructions, format and chat template around the candidates; the rest is for the candidates
 _OVERHEAD_TOKENS = 320
 
@@ -94,9 +102,16 @@ class RubricGenerator:
         for completions in self.engine.generate(requests):
             raw = completions[0].text if completions else ""
             try:
-                out.append((parse_rubric(raw, self.config.max_items), raw, ""))
+                rubric = parse_rubric(raw, self.config.max_items)
             except RubricParseError as e:
                 out.append((None, raw, e.reason))
+                continue
+            # small generators echo the format example; its items judge nothing about this question
+            copied = [i.text for i in rubric.items if _normalised(i.text) in _EXAMPLE_KEYS]
+            if copied:
+                out.append((None, raw, f"copies the format example's item {copied[0]!r}"))
+            else:
+                out.append((rubric, raw, ""))
         return out
 
     def generate_many(
