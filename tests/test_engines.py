@@ -106,7 +106,7 @@ def test_load_weights_swaps_the_model(tiny_model_dir, tmp_path):
 def test_vllm_and_transformers_agree(vllm_server, smollm_dir):
     from dynrubric.engines.http import OpenAIHTTPEngine
 
-    remote = OpenAIHTTPEngine(vllm_server.base_url, smollm_dir)
+    remote = OpenAIHTTPEngine(vllm_server.base_url, smollm_dir, exact_missing=True)
     local = TransformersEngine(smollm_dir)
     question = remote.render_chat([{"role": "user", "content": "What is the capital of France?"}])
     params = SamplingParams(max_tokens=16, temperature=0, logprobs=True)
@@ -125,6 +125,11 @@ def test_vllm_and_transformers_agree(vllm_server, smollm_dir):
     for ra, rb in zip(remote.score_next_token(prompts, cands), local.score_next_token(prompts, cands), strict=True):
         for c in cands:
             assert ra[c] == pytest.approx(rb[c], abs=2e-3)
+
+    # by default a candidate outside the top-20 is scored -inf (its probability is below the 20th token's)
+    cheap = OpenAIHTTPEngine(vllm_server.base_url, smollm_dir).score_next_token(prompts, cands)
+    assert all(row["Maybe"] == float("-inf") for row in cheap)
+    assert all(row["No"] == pytest.approx(rb["No"], abs=2e-3) for row, rb in zip(cheap, local.score_next_token(prompts, cands)))
 
     remote.load_weights(smollm_dir, "v-reloaded")
     assert remote.policy_version == "v-reloaded"
