@@ -10,6 +10,7 @@ Errors come from the router's counters: a failed request has no response to log.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 
 from dynrubric.errors import DynrubricError
@@ -62,11 +63,16 @@ class OnlineMetrics:
             self._consumer.seek_to_beginning(*(parts - self._assigned))
             self._assigned = parts
 
-    def poll(self) -> int:
-        """Read everything produced so far; returns how many records were read."""
+    def poll(self, budget_s: float = 2.0) -> int:
+        """Read what has been produced, for at most `budget_s`; returns how many records were read.
+
+        The budget matters under steady traffic: "until a poll comes back empty" may never happen then,
+        and the gate, which polls before each verdict, would never decide. What is left is read next time.
+        """
         self._assign()
         n = 0
-        while True:
+        deadline = time.monotonic() + budget_s
+        while time.monotonic() < deadline:
             batch = self._consumer.poll(timeout_ms=500, max_records=5000)
             if not batch:
                 return n
@@ -81,6 +87,7 @@ class OnlineMetrics:
                         self._add_request(event)
                     else:
                         self._add_feedback(event)
+        return n
 
     def _add_request(self, e: dict) -> None:
         rid = e.get("request_id")
