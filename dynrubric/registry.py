@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shutil
-import sqlite3
 import tempfile
 import time
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from dynrubric import atomic
+from dynrubric import atomic, sqlite
 from dynrubric.errors import DynrubricError
 
 VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -162,19 +161,8 @@ class Registry:
                     cur.execute("LOCK TABLE checkpoints IN EXCLUSIVE MODE")
                 yield _PgCursor(cur)
             return
-        conn = sqlite3.connect(self._db, timeout=30.0, isolation_level=None)
-        try:
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=FULL")
-            conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
-            try:
-                yield conn.cursor()
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-        finally:
-            conn.close()
+        with sqlite.transaction(self._db, write) as cur:
+            yield cur
 
     # ------------------------------------------------------------ reads
     def _row(self, row: tuple) -> Checkpoint:

@@ -24,8 +24,8 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from pydantic import SecretStr
 
 from dynrubric.config import GateConfig, RolloutConfig
 from dynrubric.errors import DynrubricError
+from dynrubric.sqlite import transaction
 from dynrubric.registry import Checkpoint, CheckpointState, Registry, weights_sha256
 from serving.gate import GateResult, Verdict, evaluate
 
@@ -82,21 +83,8 @@ class RolloutStore:
         with self._tx() as cur:
             cur.execute(SCHEMA)
 
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Cursor]:
-        conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
-        try:
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=FULL")
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield conn.cursor()
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-        finally:
-            conn.close()
+    def _tx(self) -> AbstractContextManager[sqlite3.Cursor]:
+        return transaction(self.path)
 
     @staticmethod
     def _row(row: tuple) -> Rollout:

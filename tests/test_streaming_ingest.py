@@ -6,7 +6,7 @@ import json
 import threading
 import uuid
 
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaProducer
 from prometheus_client import CollectorRegistry
 
 from dynrubric.config import IngestConfig, KafkaConfig
@@ -15,6 +15,7 @@ from streaming.ingest import Ingestor
 from streaming.kafka import Topics, ensure_topics
 from streaming.store import FEEDBACK, ReplayStore
 from tests.test_streaming_producer import query_event
+from tests.test_streaming_producer import read_all as read_topic
 
 
 def isolated(kafka_broker: str) -> KafkaConfig:
@@ -25,21 +26,6 @@ def isolated(kafka_broker: str) -> KafkaConfig:
 def ingest_cfg(**over) -> IngestConfig:
     base = dict(session_timeout_ms=6000, batch_max_records=25, batch_max_wait_ms=200, group_id=f"g-{uuid.uuid4().hex[:6]}")
     return IngestConfig(**{**base, **over})
-
-
-def read_topic(bootstrap: str, topic: str) -> list:
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False)
-    tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
-    consumer.assign(tps)
-    consumer.seek_to_beginning()
-    out, idle = [], 0
-    while idle < 3:
-        batch = consumer.poll(300)
-        idle = 0 if batch else idle + 1
-        for records in batch.values():
-            out.extend(records)
-    consumer.close()
-    return out
 
 
 def run_ingest(kafka: KafkaConfig, cfg: IngestConfig, store, until_idle_s: float = 2.5):
