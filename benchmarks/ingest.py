@@ -2,8 +2,9 @@
 
 Both read the same N query-log events with the same consumer settings, each in its own consumer
 group. "raw" only polls and counts; "pipeline" is `streaming.ingest.Ingestor`: validate, filter,
-scrub, dedupe, write Parquet shards, fsync, commit offsets. Rates count from the first record read
-to the last record (raw) or the last offset commit (pipeline), so the group join is excluded.
+scrub, dedupe, write Parquet shards, fsync (in its writer process), commit offsets. Rates count from
+the first record read to the last record (raw) or the last offset commit (pipeline), so the group
+join and the writer process's start are excluded.
 
     python benchmarks/ingest.py [--quick] [--events N] [--bootstrap HOST:PORT]
 

@@ -1,10 +1,12 @@
 """`dynrubric ingest`: Kafka -> validated, filtered, scrubbed, deduplicated replay store.
 
-One consumer in the group `ingest.group_id`, manual commits. The main thread polls and prepares
-batches (validate; malformed -> dead-letter topic; filter; scrub); a writer thread commits each
-batch to the store (see `streaming/store.py` for why that is exactly-once). Offsets of a batch are
-committed only after its shards are durable and its dead letters acknowledged. When the writer
-falls behind by `ingest.max_pending_batches`, the consumer pauses its partitions until it catches up.
+One consumer in the group `ingest.group_id`, manual commits. The main thread polls and collects
+raw records into batches; a hand-off thread passes each batch to the writer process
+(`streaming/writer_process.py`: validate, filter, scrub, dedupe, store; see `streaming/store.py` for
+why that is exactly-once) and sends the malformed records it names to the dead-letter topic.
+Offsets of a batch are committed only after its shards are durable and its dead letters
+acknowledged. When the writer falls behind by `ingest.max_pending_batches`, the consumer pauses its
+partitions until it catches up.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter as Tally
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,13 +23,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dynrubric.config import IngestConfig, KafkaConfig
 from dynrubric.errors import DynrubricError
-from streaming.events import DeadLetter, FeedbackEvent, MalformedEvent, QueryLogEvent, parse_event
-from streaming.filters import PromptFilter, Scrubber, load_scrubber, scrubbed
+from streaming.events import DeadLetter
 from streaming.kafka import Topics, connection_kwargs, ensure_topics, unreachable
-from streaming.store import QUERY_LOG, CommitResult, Stored, StoreWriter
+from streaming.store import QUERY_LOG
+from streaming.writer_process import FEEDBACK_KIND, QUERY_LOG_KIND, RawRecord, WrittenBatch, WriterProcess
 
 log = logging.getLogger(__name__)
 QUIET_S = 0.1  # a poll this long that returns nothing closes a batch that is at least a quarter full
+COMMIT_POLL_S = 0.02  # longest poll while a batch is with the writer (offsets are committed between polls)
 
 
 class IngestMetrics:
@@ -66,10 +68,14 @@ class IngestMetrics:
 @dataclass
 class Batch:
     started: float
-    records: list[Stored] = field(default_factory=list)
+    records: list[RawRecord] = field(default_factory=list)
+    keys: list[bytes | None] = field(default_factory=list)  # Kafka keys, for dead letters
+    topics: list[str] = field(default_factory=list)  # source topics, for dead letters
     offsets: dict = field(default_factory=dict)  # TopicPartition -> next offset to consume
-    dead_letters: list = field(default_factory=list)  # kafka-python futures
-    size: int = 0  # records consumed into this batch, kept or not
+
+    @property
+    def size(self) -> int:
+        return len(self.records)
 
 
 @dataclass
@@ -80,8 +86,8 @@ class IngestSummary:
     duplicates: int = 0
     filtered: int = 0
     batches: int = 0
-    prepare_seconds: float = 0.0  # consumer thread: validate, filter, scrub, dead-letter
-    store_seconds: float = 0.0  # writer thread: dedupe, Parquet, fsync, index commit
+    prepare_seconds: float = 0.0  # writer process: validate, filter, scrub
+    store_seconds: float = 0.0  # writer process: dedupe, Parquet, fsync, index commit
     first_record_at: float | None = None  # time.monotonic() of the first record read
     last_commit_at: float | None = None  # time.monotonic() of the last offset commit
 
@@ -102,18 +108,14 @@ class Ingestor:
         cfg: IngestConfig,
         store_dir: Path,
         registry: CollectorRegistry,
-        *,
-        scrubber: Scrubber | None | str = "config",
     ):
         self.kafka = kafka
         self.cfg = cfg
         self.store_dir = Path(store_dir)
         self.topics = Topics.of(kafka)
-        self.model_of_topic = {self.topics.query_log: QueryLogEvent, self.topics.feedback: FeedbackEvent}
+        self.kind_of_topic = {self.topics.query_log: QUERY_LOG_KIND, self.topics.feedback: FEEDBACK_KIND}
         self.topic_of_kind = {QUERY_LOG: self.topics.query_log, "feedback": self.topics.feedback}
         self.metrics = IngestMetrics(registry)
-        self.scrub = load_scrubber(cfg) if scrubber == "config" else scrubber
-        self.filter = PromptFilter(cfg)
         self.summary = IngestSummary()
         self.assigned = threading.Event()
         self.consuming = threading.Event()
@@ -130,9 +132,7 @@ class Ingestor:
         from kafka.errors import NoBrokersAvailable
 
         ensure_topics(self.kafka)
-        self.writer = StoreWriter(
-            self.store_dir, dedupe_capacity=self.cfg.dedupe_capacity, lock_wait_s=self.cfg.store_lock_wait_s
-        )
+        self.writer = WriterProcess(self.store_dir, self.cfg)  # before Kafka: a standby waits here for the store
         if self.writer.removed_orphans:
             log.warning("removed %d unregistered shard files left by a crash", self.writer.removed_orphans)
         try:
@@ -149,9 +149,9 @@ class Ingestor:
         except NoBrokersAvailable as e:
             self.writer.close()
             raise unreachable(self.kafka, e) from None
-        self.consumer.subscribe(list(self.model_of_topic), listener=_Rebalance(self))
+        self.consumer.subscribe(list(self.kind_of_topic), listener=_Rebalance(self))
         self.consuming.set()
-        writer_thread = threading.Thread(target=self._write_loop, name="ingest-writer", daemon=True)
+        writer_thread = threading.Thread(target=self._write_loop, name="ingest-handoff", daemon=True)
         writer_thread.start()
         try:
             self._loop(stop, until_idle_s)
@@ -177,6 +177,8 @@ class Ingestor:
             timeout = wait_s if batch is None else max(0.0, batch.started + wait_s - time.monotonic())
             if batch is not None and batch.size >= self.cfg.batch_max_records // 4:
                 timeout = min(timeout, QUIET_S)  # a well-filled batch closes as soon as the stream goes quiet
+            if self._in_flight:
+                timeout = min(timeout, COMMIT_POLL_S)  # commit a written batch promptly even when the stream is idle
             polled = self.consumer.poll(timeout_ms=int(timeout * 1000), max_records=room)
             now = time.monotonic()
             if polled:
@@ -184,8 +186,7 @@ class Ingestor:
                 if self.summary.first_record_at is None:
                     self.summary.first_record_at = now
                 self._batch = self._batch or Batch(started=now)
-                self._prepare(self._batch, polled)
-                self.summary.prepare_seconds += time.monotonic() - now
+                self._collect(self._batch, polled)
             elif not self.assigned.is_set() or self._in_flight:
                 last_record = now
             batch = self._batch
@@ -203,43 +204,16 @@ class Ingestor:
             self._finish_done(block=True)
 
     # ------------------------------------------------------------ the consumer thread
-    def _prepare(self, batch: Batch, polled: dict) -> None:
-        consumed = Tally()
-        dead = Tally()
-        filtered = Tally()
+    def _collect(self, batch: Batch, polled: dict) -> None:
         for tp, records in polled.items():
-            consumed[tp.topic] += len(records)
-            batch.size += len(records)
+            self.metrics.consumed.labels(tp.topic).inc(len(records))
+            self.summary.consumed += len(records)
             batch.offsets[tp] = records[-1].offset + 1
-            model = self.model_of_topic[tp.topic]
+            kind = self.kind_of_topic[tp.topic]
             for rec in records:
-                try:
-                    event = parse_event(model, rec.value, self.cfg.max_event_bytes)
-                except MalformedEvent as e:
-                    letter = DeadLetter.of(e, raw=rec.value, key=rec.key, topic=rec.topic, partition=rec.partition,
-                                           offset=rec.offset)
-                    batch.dead_letters.append(
-                        self.dlq.send(self.topics.dead_letter, key=rec.key, value=rec.value, headers=letter.headers())
-                    )
-                    dead[e.reason] += 1
-                    continue
-                if isinstance(event, QueryLogEvent):
-                    reason = self.filter.reason(event)
-                    if reason is not None:
-                        filtered[reason] += 1
-                        continue
-                    if self.scrub is not None:
-                        event = scrubbed(event, self.scrub)
-                batch.records.append(Stored(event, rec.partition, rec.offset))
-        for topic, n in consumed.items():
-            self.metrics.consumed.labels(topic).inc(n)
-        for reason, n in dead.items():
-            self.metrics.dead_lettered.labels(reason).inc(n)
-        for reason, n in filtered.items():
-            self.metrics.filtered.labels(reason).inc(n)
-        self.summary.consumed += sum(consumed.values())
-        self.summary.dead_lettered += sum(dead.values())
-        self.summary.filtered += sum(filtered.values())
+                batch.records.append(RawRecord(kind, rec.partition, rec.offset, rec.value))
+                batch.keys.append(rec.key)
+                batch.topics.append(rec.topic)
 
     def _submit(self) -> None:
         self._in_flight += 1
@@ -275,8 +249,6 @@ class Ingestor:
             self._in_flight -= 1
             if isinstance(outcome, BaseException):
                 raise outcome
-            for future in batch.dead_letters:
-                future.get(timeout=30)  # raises when a dead letter was not delivered: nothing is committed
             offsets = {tp: OffsetAndMetadata(off, "", -1) for tp, off in batch.offsets.items()}
             try:
                 self.consumer.commit(offsets)
@@ -286,12 +258,21 @@ class Ingestor:
             self._account(batch, outcome)
             self.summary.last_commit_at = time.monotonic()
 
-    def _account(self, batch: Batch, result: CommitResult) -> None:
+    def _account(self, batch: Batch, written: WrittenBatch) -> None:
+        result = written.result
         for kind, n in result.written.items():
             self.metrics.written.labels(self.topic_of_kind[kind]).inc(n)
             self.summary.written += n
         self.metrics.duplicates.inc(result.duplicates)
         self.summary.duplicates += result.duplicates
+        for _, reason, _ in written.dead:
+            self.metrics.dead_lettered.labels(reason).inc()
+        self.summary.dead_lettered += len(written.dead)
+        for reason, n in written.filtered.items():
+            self.metrics.filtered.labels(reason).inc(n)
+            self.summary.filtered += n
+        self.summary.prepare_seconds += written.prepare_seconds
+        self.summary.store_seconds += written.store_seconds
         self.summary.batches += 1
         self.metrics.batch_latency.observe(time.monotonic() - batch.started)
         for tp in self.consumer.assignment():
@@ -299,17 +280,25 @@ class Ingestor:
             if high is not None and tp in self._committed:
                 self.metrics.lag.labels(tp.topic, str(tp.partition)).set(max(0, high - self._committed[tp]))
 
-    # ------------------------------------------------------------ the writer thread
+    # ------------------------------------------------------------ the hand-off thread
     def _write_loop(self) -> None:
+        """Hand each batch to the writer process; dead-letter what it rejected; report to the consumer thread."""
         while True:
             batch = self._todo.get()
             if batch is None:
                 return
             try:
-                started = time.monotonic()
-                result = self.writer.commit(batch.records)
-                self.summary.store_seconds += time.monotonic() - started
-                self._done.put((batch, result))
+                written = self.writer.write(batch.records)
+                futures = []
+                for i, reason, detail in written.dead:
+                    rec = batch.records[i]
+                    letter = DeadLetter(rec.value, batch.keys[i], batch.topics[i], rec.partition, rec.offset,
+                                        reason, detail, time.time())
+                    futures.append(self.dlq.send(self.topics.dead_letter, key=letter.key, value=letter.raw,
+                                                 headers=letter.headers()))
+                for future in futures:
+                    future.get(timeout=30)  # raises when a dead letter was not delivered: nothing is committed
+                self._done.put((batch, written))
             except BaseException as e:
                 self._done.put((batch, e))
                 return

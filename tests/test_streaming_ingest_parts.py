@@ -15,7 +15,7 @@ from dynrubric.errors import DynrubricError
 from streaming.filters import PromptFilter, load_scrubber, scrub_pii, scrubbed
 from streaming.ingest import Ingestor, MetricsServer
 from streaming.kafka import Topics, ensure_topics
-from streaming.store import ReplayStore, StoreWriter
+from streaming.store import ReplayStore
 from tests.test_streaming_ingest import ingest_cfg, isolated
 from tests.test_streaming_producer import query_event
 
@@ -61,15 +61,15 @@ def test_filters():
         IngestConfig(deny_patterns=["(unclosed"])
 
 
-def test_slow_writer_pauses_the_consumer_and_loses_nothing(kafka_broker, tmp_path, monkeypatch):
-    # A fake for a fault that cannot be produced here for real: a slow disk. The writer sleeps per batch.
-    real_commit = StoreWriter.commit
+def slow_scrub(text: str) -> str:
+    """A plugged-in scrubber as slow as an expensive PII model: it makes the writer process lag."""
+    time.sleep(0.005)
+    return text
 
-    def slow_commit(self, records):
-        time.sleep(0.15)
-        return real_commit(self, records)
 
-    monkeypatch.setattr(StoreWriter, "commit", slow_commit)
+def test_slow_writer_pauses_the_consumer_and_loses_nothing(kafka_broker, tmp_path):
+    # The scrubber runs in the writer process, so a slow one is a real slow writer (no fake needed):
+    # 10 records x 3 texts x 5 ms = 150 ms per batch.
     kafka = isolated(kafka_broker)
     ensure_topics(kafka)
     producer = KafkaProducer(bootstrap_servers=kafka_broker)
@@ -79,7 +79,8 @@ def test_slow_writer_pauses_the_consumer_and_loses_nothing(kafka_broker, tmp_pat
     producer.close()
 
     registry = CollectorRegistry()
-    ingestor = Ingestor(kafka, ingest_cfg(batch_max_records=10, max_pending_batches=1), tmp_path / "s", registry)
+    ingestor = Ingestor(kafka, ingest_cfg(batch_max_records=10, max_pending_batches=1,
+                                          pii_scrubber="tests.test_streaming_ingest_parts:slow_scrub"), tmp_path / "s", registry)
     metrics = MetricsServer(registry, "127.0.0.1", 0, ready=ingestor.assigned.is_set)
     try:
         base = f"http://{metrics.host}:{metrics.port}"

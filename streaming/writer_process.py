@@ -1,0 +1,179 @@
+"""The ingest writer process: validate, filter, scrub, dedupe and store batches of raw Kafka records.
+
+Ingest runs this half of its work in a second process so that it does not share the GIL with
+kafka-python's record decoding (pure Python): in one process the two took turns and ingest reached
+~0.75 of a bare consumer's rate; split, the consumer keeps one core and the writer another.
+
+The parent (`streaming/ingest.py`) owns everything Kafka: it sends `RawRecord` lists down a pipe and
+gets back a `WrittenBatch` once the batch's shards are durable. The child owns the replay store
+(its writer lock, index and shards), so a store is never written by a process that has lost its
+consumer: on Linux the child is killed with its parent (PR_SET_PDEATHSIG), and the kernel then
+releases the store lock; a half-written batch is only unregistered temp files (see store.py).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from collections import Counter as Tally
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+from dynrubric.config import IngestConfig
+from dynrubric.errors import DynrubricError
+from streaming.events import FeedbackEvent, MalformedEvent, QueryLogEvent, parse_event
+from streaming.filters import PromptFilter, load_scrubber, scrubbed
+from streaming.store import CommitResult, Stored, StoreWriter
+
+QUERY_LOG_KIND, FEEDBACK_KIND = 0, 1  # RawRecord.kind: which event model the record's topic carries
+MODEL_OF_KIND = {QUERY_LOG_KIND: QueryLogEvent, FEEDBACK_KIND: FeedbackEvent}
+READY_TIMEOUT_S = 120  # start-up: a Python import, plus the store lock wait (added on top)
+
+
+class RawRecord(NamedTuple):
+    kind: int
+    partition: int
+    offset: int
+    value: bytes | None
+
+
+@dataclass
+class WrittenBatch:
+    """What the writer did with one batch. `dead` holds (index into the batch, reason, detail)."""
+
+    result: CommitResult
+    dead: list[tuple[int, str, str]] = field(default_factory=list)
+    filtered: dict[str, int] = field(default_factory=dict)
+    prepare_seconds: float = 0.0  # validate, filter, scrub
+    store_seconds: float = 0.0  # dedupe, Parquet, fsync, index commit
+
+
+class BatchWriter:
+    """The child's work on one batch, in-process (the child's loop, and tests of the logic itself)."""
+
+    def __init__(self, store_dir: Path, cfg: IngestConfig):
+        self.cfg = cfg
+        self.filter = PromptFilter(cfg)
+        self.scrub = load_scrubber(cfg)
+        self.store = StoreWriter(store_dir, dedupe_capacity=cfg.dedupe_capacity, lock_wait_s=cfg.store_lock_wait_s)
+
+    def close(self) -> None:
+        self.store.close()
+
+    def write(self, records: list[RawRecord]) -> WrittenBatch:
+        started = time.monotonic()
+        dead: list[tuple[int, str, str]] = []
+        filtered: Tally = Tally()
+        keep: list[Stored] = []
+        for i, rec in enumerate(records):
+            try:
+                event = parse_event(MODEL_OF_KIND[rec.kind], rec.value, self.cfg.max_event_bytes)
+            except MalformedEvent as e:
+                dead.append((i, e.reason, e.detail))
+                continue
+            if isinstance(event, QueryLogEvent):
+                reason = self.filter.reason(event)
+                if reason is not None:
+                    filtered[reason] += 1
+                    continue
+                if self.scrub is not None:
+                    event = scrubbed(event, self.scrub)
+            keep.append(Stored(event, rec.partition, rec.offset))
+        prepared = time.monotonic()
+        result = self.store.commit(keep)
+        return WrittenBatch(result, dead, dict(filtered), prepared - started, time.monotonic() - prepared)
+
+
+# ---------------------------------------------------------------- the child
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _child_main(conn, store_dir: Path, cfg: IngestConfig, parent_pid: int) -> None:
+    _die_with_parent(parent_pid)
+    # Ctrl-C reaches the whole process group; the parent drains and then closes the pipe. SIGTERM stays
+    # fatal: multiprocessing's exit handler terminates daemon children with it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        writer = BatchWriter(store_dir, cfg)
+    except DynrubricError as e:
+        conn.send(("error", e.problem, e.fix))
+        return
+    conn.send(("ready", writer.store.removed_orphans, ""))
+    try:
+        while (records := conn.recv()) is not None:
+            conn.send(writer.write(records))
+    except EOFError:
+        pass  # the parent is gone
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("error", f"the ingest writer failed: {type(e).__name__}: {e}", "check the disk under ingest.store_dir"))
+    finally:
+        writer.close()
+
+
+# ---------------------------------------------------------------- the parent's handle
+class WriterProcess:
+    """Starts the child and hands it batches; `write` blocks until the batch is durable."""
+
+    def __init__(self, store_dir: Path, cfg: IngestConfig):
+        ctx = multiprocessing.get_context("spawn")  # not fork: the parent already runs threads
+        self._conn, child_conn = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_child_main, args=(child_conn, Path(store_dir), cfg, os.getpid()), name="ingest-writer", daemon=True
+        )
+        self.process.start()
+        child_conn.close()
+        kind, removed, fix = self._receive(READY_TIMEOUT_S + cfg.store_lock_wait_s)
+        if kind == "error":
+            self.process.join(5)
+            raise DynrubricError(removed, fix)
+        self.removed_orphans: int = removed
+
+    def write(self, records: list[RawRecord]) -> WrittenBatch:
+        try:
+            self._conn.send(records)
+        except (BrokenPipeError, ConnectionResetError):
+            raise self._died() from None
+        reply = self._receive(None)
+        if isinstance(reply, tuple):
+            raise DynrubricError(reply[1], reply[2])
+        return reply
+
+    def close(self) -> None:
+        try:
+            self._conn.send(None)
+        except OSError:
+            pass  # already gone
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        self._conn.close()
+
+    def _receive(self, timeout_s: float | None):
+        try:
+            if timeout_s is not None and not self._conn.poll(timeout_s):
+                self.process.kill()
+                raise DynrubricError(
+                    f"the ingest writer process did not start within {timeout_s:.0f} s", "check the machine's load"
+                )
+            return self._conn.recv()
+        except (EOFError, ConnectionResetError):
+            raise self._died() from None
+
+    def _died(self) -> DynrubricError:
+        self.process.join(5)
+        return DynrubricError(
+            f"the ingest writer process died (exit code {self.process.exitcode})",
+            "look for an out-of-memory kill in the system log; restart ingest (nothing committed is lost)",
+        )
