@@ -41,6 +41,17 @@ class RawRecord(NamedTuple):
     value: bytes | None
 
 
+class WriterReady(NamedTuple):
+    removed_orphans: int  # unregistered shard files a crashed writer left, deleted at start
+
+
+class WriterFailure(NamedTuple):
+    """The child could not start or write; the parent raises it as a DynrubricError."""
+
+    problem: str
+    fix: str
+
+
 @dataclass
 class WrittenBatch:
     """What the writer did with one batch. `dead` holds (index into the batch, reason, detail)."""
@@ -107,16 +118,17 @@ def _child_main(conn, store_dir: Path, cfg: IngestConfig, parent_pid: int) -> No
     try:
         writer = BatchWriter(store_dir, cfg)
     except DynrubricError as e:
-        conn.send(("error", e.problem, e.fix))
+        conn.send(WriterFailure(e.problem, e.fix))
         return
-    conn.send(("ready", writer.store.removed_orphans, ""))
+    conn.send(WriterReady(writer.store.removed_orphans))
     try:
         while (records := conn.recv()) is not None:
             conn.send(writer.write(records))
     except EOFError:
         pass  # the parent is gone
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
-        conn.send(("error", f"the ingest writer failed: {type(e).__name__}: {e}", "check the disk under ingest.store_dir"))
+        conn.send(WriterFailure(f"the ingest writer failed: {type(e).__name__}: {e}",
+                                "check the disk under ingest.store_dir, then restart ingest"))
     finally:
         writer.close()
 
@@ -133,11 +145,11 @@ class WriterProcess:
         )
         self.process.start()
         child_conn.close()
-        kind, removed, fix = self._receive(READY_TIMEOUT_S + cfg.store_lock_wait_s)
-        if kind == "error":
+        reply = self._receive(READY_TIMEOUT_S + cfg.store_lock_wait_s)
+        if isinstance(reply, WriterFailure):
             self.process.join(5)
-            raise DynrubricError(removed, fix)
-        self.removed_orphans: int = removed
+            raise DynrubricError(reply.problem, reply.fix)
+        self.removed_orphans: int = reply.removed_orphans
 
     def write(self, records: list[RawRecord]) -> WrittenBatch:
         try:
@@ -145,8 +157,8 @@ class WriterProcess:
         except (BrokenPipeError, ConnectionResetError):
             raise self._died() from None
         reply = self._receive(None)
-        if isinstance(reply, tuple):
-            raise DynrubricError(reply[1], reply[2])
+        if isinstance(reply, WriterFailure):
+            raise DynrubricError(reply.problem, reply.fix)
         return reply
 
     def close(self) -> None:

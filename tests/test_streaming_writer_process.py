@@ -71,6 +71,20 @@ def test_a_killed_writer_process_is_a_named_error_and_commits_nothing(tmp_path):
     assert ReplayStore(tmp_path).table()["request_id"].to_pylist() == ["a"]
 
 
+def broken_scrub(text: str) -> str:
+    raise ValueError("scrubber bug")
+
+
+def test_a_failing_plugged_in_scrubber_is_a_named_error_and_stores_nothing(tmp_path):
+    writer = WriterProcess(tmp_path, IngestConfig(pii_scrubber="tests.test_streaming_writer_process:broken_scrub"))
+    try:
+        with pytest.raises(DynrubricError, match="ingest writer failed: ValueError: scrubber bug"):
+            writer.write([RawRecord(QUERY_LOG_KIND, 0, 0, raw("a"))])
+    finally:
+        writer.close()
+    assert ReplayStore(tmp_path).table().num_rows == 0
+
+
 PARENT = """
 import sys, time
 from pathlib import Path
@@ -93,7 +107,9 @@ def test_the_writer_dies_with_its_parent_and_frees_the_store(tmp_path):
     while _alive(child_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(child_pid), "the writer process outlived its parent"
-    StoreWriter(tmp_path).close()  # the lock is free for the next ingest
+    # the lock is free for the next ingest once the child's last thread has exited (its thread-group
+    # leader shows as a zombie a few ms before that)
+    StoreWriter(tmp_path, lock_wait_s=10).close()
 
 
 def _alive(pid: int) -> bool:
