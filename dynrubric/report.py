@@ -60,6 +60,7 @@ def render(log: RunLog, out: Path, min_mean_gap: float, max_nonsplit_share: floa
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(3, 2, figsize=(13, 11))
     fig.suptitle(f"dynrubric run: {len(log.rounds)} rounds, {len(log.steps)} policy steps, "
@@ -110,7 +111,12 @@ def render(log: RunLog, out: Path, min_mean_gap: float, max_nonsplit_share: floa
         ax.annotate(str(r.get("version", "")), (r["round"], r["eval"]["reward_new"]), fontsize=7)
     ax.set(title="held-out reward per round (green accepted, red rejected)", xlabel="round", ylabel="reward")
     ax.legend(fontsize=8)
+    rounds_axis = ax
 
+    for ax in axes.flat:  # steps and rounds are counts: no 0.25-step ticks on short runs
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if ids:
+        rounds_axis.set_xticks(ids)  # one tick per round (the locator has no integer to show for a single round)
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=90)
