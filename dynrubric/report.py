@@ -56,9 +56,9 @@ def render(log: RunLog, out: Path, min_mean_gap: float, max_nonsplit_share: floa
     """Draw the report into `out` (PNG, written atomically) and return it."""
     import io
 
-    import matplotlib
+    from dynrubric.extras import require
 
-    matplotlib.use("Agg")
+    require("matplotlib", "report", "`dynrubric report`").use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 

