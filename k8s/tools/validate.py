@@ -26,12 +26,15 @@ import sys
 from functools import cache
 from pathlib import Path
 
-import jsonschema
-import kubernetes_validate
-from kubernetes_validate.utils import SchemaNotFoundError
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import render  # noqa: E402
+
+try:
+    import jsonschema
+    import kubernetes_validate
+    from kubernetes_validate.utils import SchemaNotFoundError
+except ImportError as e:
+    sys.exit(f"error: {e.name} is not installed: {render.INSTALL_FIX}")
 
 # kubernetes-validate re-reads its (multi-MB) definitions file on every call; read each file once.
 kubernetes_validate.utils.schema_contents = cache(kubernetes_validate.utils.schema_contents)
