@@ -359,6 +359,9 @@ class ServingConfig(Section):
     router_url: str | None = Field(default=None, description="how the controller reaches the router; default http://host:port")
     fleet_port: int = Field(default=8300, ge=0, le=65535, description="port of the fleet's /healthz and /metrics")
     token: SecretStr | None = Field(default=None, description="bearer token for control endpoints")
+    engine_api_key: SecretStr | None = Field(
+        default=None, description="bearer key the router sends to its engines (vLLM --api-key)"
+    )
     engines: list[FleetEngineConfig] = Field(
         default_factory=lambda: [
             FleetEngineConfig(name="engine-0", variant="stable", port=8301),

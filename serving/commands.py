@@ -89,8 +89,8 @@ def build_router(settings, producer, metrics):
     weights = Weights(version, str(path))
     state = RouterState(replicas, desired={"stable": weights, "canary": weights})
     s = settings.serving
-    return Router(state, producer, metrics, token=s.token, timeout_s=s.request_timeout_s,
-                  health_interval_s=s.health_interval_s)
+    return Router(state, producer, metrics, token=s.token, engine_api_key=s.engine_api_key,
+                  timeout_s=s.request_timeout_s, health_interval_s=s.health_interval_s)
 
 
 def serve_router(ctx: typer.Context) -> None:

@@ -144,11 +144,13 @@ class EngineFailure(Exception):
 # ---------------------------------------------------------------- the app
 class Router:
     def __init__(self, state: RouterState, producer: Any, metrics: CollectorRegistry, *, token: SecretStr | None,
-                 timeout_s: float = 120.0, health_interval_s: float = 5.0):
-        """`producer`: an EventProducer whose metrics are registered in `metrics` (the router's /metrics)."""
+                 engine_api_key: SecretStr | None = None, timeout_s: float = 120.0, health_interval_s: float = 5.0):
+        """`producer`: an EventProducer whose metrics are registered in `metrics` (the router's /metrics).
+        `engine_api_key`: sent as a bearer token on every call to an engine (vLLM's --api-key)."""
         self.state = state
         self.producer = producer
         self.token = token
+        self.engine_headers = {"authorization": f"Bearer {engine_api_key.get_secret_value()}"} if engine_api_key else {}
         self.timeout_s = timeout_s
         self.health_interval_s = health_interval_s
         self.metrics = m = metrics
@@ -400,7 +402,7 @@ class Router:
 
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-            self._client = httpx.AsyncClient(timeout=self.timeout_s)
+            self._client = httpx.AsyncClient(timeout=self.timeout_s, headers=self.engine_headers)
             self._health_task = asyncio.create_task(self._health_loop())
             try:
                 yield

@@ -120,6 +120,8 @@ def _mutations():
         "missing ConfigMap": (lambda o: o.remove(find(o, "ConfigMap", "dynrubric-config")), "missing ConfigMap dynrubric-config"),
         "reward URL to no Service": (lambda o: find(o, "RayJob")["spec"].update(entrypoint=find(o, "RayJob")["spec"]["entrypoint"].replace(":8100/", ":8101/")), "remote_url"),
         "kind without a schema": (lambda o: o.append({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}}), "no schema"),
+        "Deployment no NetworkPolicy selects": (lambda o: o.remove(find(o, "NetworkPolicy", "dynrubric-ingest")), "Deployment/dynrubric-ingest: no NetworkPolicy selects"),
+        "NetworkPolicy admitting no pod": (lambda o: find(o, "NetworkPolicy", "dynrubric-reward-server")["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"].update({"app.kubernetes.io/name": "dynrubric-trainr"}), "matches no pod template"),
     }
 
 
@@ -206,6 +208,58 @@ def test_app_config_in_the_configmap_is_valid_settings():
     settings = load_settings(K8S / "base" / "config" / "dynrubric.yaml", environ={})
     assert settings.engine.kind == "openai-http"
     assert settings.kafka.bootstrap_servers.startswith("dynrubric-kafka-bootstrap:")  # Strimzi's Service of Kafka/dynrubric
+
+
+# ---------------------------------------------------------------- least reach
+def _admitted(objs: list[dict], labels: dict) -> set[str]:
+    """Who the NetworkPolicies let reach pods with `labels`: app names of in-namespace pods, `ns:NAME` for
+    other namespaces, `anyone` for a rule without `from`."""
+    out = set()
+    for p in (o for o in objs if o["kind"] == "NetworkPolicy" and validate._selects(o["spec"]["podSelector"], labels)):
+        for rule in p["spec"]["ingress"]:
+            if "from" not in rule:
+                out.add("anyone")
+            for peer in rule.get("from", []):
+                if "namespaceSelector" in peer:
+                    out.add("ns:" + peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"])
+                else:
+                    out.add(peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"])
+    return out
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_engines_and_reward_server_admit_only_their_callers(overlay):
+    objs = deployment_set(overlay)
+    engines = [o for o in objs if o["kind"] in ("Deployment", "Rollout") and o["metadata"]["name"].startswith("vllm")]
+    assert len(engines) == (2 if overlay == "prod-argo" else 3)
+    for o in engines:
+        assert _admitted(objs, o["spec"]["template"]["metadata"]["labels"]) == {
+            "dynrubric-router", "dynrubric-reward-server", "dynrubric-rollout", "ns:monitoring"}, o["metadata"]["name"]
+    reward = find(objs, "Deployment", "dynrubric-reward-server")["spec"]["template"]["metadata"]["labels"]
+    assert _admitted(objs, reward) == {"dynrubric-trainer", "ns:monitoring"}
+    ray = find(objs, "RayJob")["spec"]["rayClusterSpec"]
+    for template in [ray["headGroupSpec"]["template"], *(g["template"] for g in ray["workerGroupSpecs"])]:
+        assert template["metadata"]["labels"]["app.kubernetes.io/name"] == "dynrubric-trainer"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_engines_require_the_api_key_their_callers_send(overlay):
+    objs = deployment_set(overlay)
+    key = {"secretKeyRef": {"name": validate.SECRET_NAME, "key": "vllm-api-key"}}
+    env = lambda c: {e["name"]: e.get("valueFrom", e.get("value")) for e in c.get("env", [])}  # noqa: E731
+    engines = [c for o in objs for pod in validate._pod_specs(o) for c in pod["containers"] if c["image"].startswith("vllm/")]
+    assert engines
+    for c in engines:
+        assert c["args"][c["args"].index("--api-key") + 1] == "$(VLLM_API_KEY)" and env(c)["VLLM_API_KEY"] == key
+        assert "VLLM_SERVER_DEV_MODE" not in env(c)  # its /collective_rpc is not guarded by the key
+    router, reward = (find(objs, "Deployment", n)["spec"]["template"]["spec"]["containers"][0]
+                      for n in ("dynrubric-router", "dynrubric-reward-server"))
+    assert env(router)["DYNRUBRIC_SERVING__ENGINE_API_KEY"] == key and env(reward)["DYNRUBRIC_ENGINE__API_KEY"] == key
+    from dynrubric.config import load_settings
+
+    settings = load_settings(K8S / "base" / "config" / "dynrubric.yaml",
+                             environ={"DYNRUBRIC_SERVING__ENGINE_API_KEY": "k1", "DYNRUBRIC_ENGINE__API_KEY": "k2"})
+    assert (settings.serving.engine_api_key.get_secret_value(), settings.engine.api_key.get_secret_value()) == ("k1", "k2")
 
 
 # ---------------------------------------------------------------- one source: generated from monitoring/
