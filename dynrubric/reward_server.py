@@ -300,10 +300,9 @@ def create_app(
         headers = {FORWARDED_HEADER: "1"}
         if token is not None:
             headers["authorization"] = f"Bearer {token.get_secret_value()}"
-        async with httpx.AsyncClient(timeout=config.forward_timeout_s) as client:
-            r = await client.post(f"{owner}/reward", json=sample, headers=headers)
-            r.raise_for_status()
-            return r.json()
+        r = await app.state.forward_client.post(f"{owner}/reward", json=sample, headers=headers)
+        r.raise_for_status()
+        return r.json()
 
     async def one_sample(query: str, prompt: str | None, label: Any, forwarded: bool) -> SampleResult:
         key, response = split_query(query, prompt, special_tokens)
@@ -380,6 +379,14 @@ def create_app(
         require_token(request, token)
         return JSONResponse({"groups": list(barrier.recent)})
 
+    async def open_forward_client() -> None:  # one pooled client for every forward while the app runs
+        app.state.forward_client = httpx.AsyncClient(timeout=config.forward_timeout_s)
+
+    async def close_forward_client() -> None:
+        await app.state.forward_client.aclose()
+
+    app.router.on_startup.append(open_forward_client)
+    app.router.on_shutdown.append(close_forward_client)
     app.router.on_shutdown.append(barrier.close)
     app.state.barrier = barrier
     return app
