@@ -180,7 +180,6 @@ def test_trainer_is_openrlhf_on_kuberay_with_our_reward_server():
     entry = find(rendered("prod"), "RayJob")["spec"]["entrypoint"]
     assert "openrlhf.cli.train_ppo_ray" in entry
     assert re.search(r"--algo\.advantage\.estimator group_norm", entry)
-    assert re.search(r"--rollout\.n_samples_per_prompt \d+", entry)
     assert "--reward.remote_url \"http://dynrubric-reward-server:8100/reward?token=${DYNRUBRIC_REWARD_TOKEN}\"" in entry
     spec = importlib.util.find_spec("openrlhf")
     if spec is not None:  # the openrlhf extra: every flag we pass must exist in its CLI
@@ -188,6 +187,23 @@ def test_trainer_is_openrlhf_on_kuberay_with_our_reward_server():
         known = set(re.findall(r'"(--[\w.]+)"', source)) | {f"--{p}.adam.lr" for p in ("actor", "critic")}
         flags = set(re.findall(r"(--[a-z][\w.]+)", entry))
         assert flags <= known, f"unknown OpenRLHF flags: {sorted(flags - known)}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_group_size_is_one_number_for_trainer_and_reward_server(overlay, tmp_path):
+    """OpenRLHF sends n samples per prompt; the reward server's barrier closes a group at its own
+    n_samples_per_prompt, so a mismatch scores every group as a wrong-sized set. The reward server's value
+    is read as it will run: the rendered ConfigMap's settings plus its Deployment's env."""
+    objs = rendered(overlay)
+    n = int(re.search(r"--rollout\.n_samples_per_prompt (\d+)", find(objs, "RayJob")["spec"]["entrypoint"]).group(1))
+    from dynrubric.config import load_settings
+
+    config = tmp_path / "dynrubric.yaml"
+    config.write_text(find(objs, "ConfigMap", "dynrubric-config")["data"]["dynrubric.yaml"])
+    container = find(objs, "Deployment", "dynrubric-reward-server")["spec"]["template"]["spec"]["containers"][0]
+    settings = load_settings(config, environ={e["name"]: e["value"] for e in container["env"] if "value" in e})
+    assert settings.reward_server.n_samples_per_prompt == n, "reward_server.n_samples_per_prompt != the RayJob's"
+    assert settings.train.candidates == n, "train.candidates (what `dynrubric train openrlhf` passes) != the RayJob's"
 
 
 def test_analysis_template_maps_gate_verdicts():
