@@ -369,6 +369,11 @@ class ServingConfig(Section):
     request_timeout_s: float = Field(default=120.0, gt=0, description="router -> engine timeout")
     health_interval_s: float = Field(default=5.0, gt=0, description="fleet health-check period")
     max_restarts: int = Field(default=5, ge=0, description="restarts of a dying engine before giving up")
+    shadow_rate: float = Field(
+        default=0.0, ge=0, le=1,
+        description="during a rollout, share of answered requests also sent to the other arm for the judged check",
+    )
+    shadow_max_inflight: int = Field(default=4, ge=1, description="shadow cost cap: shadow requests running at once")
 
 
 class RolloutConfig(Section):
@@ -380,6 +385,13 @@ class RolloutConfig(Section):
     max_step_s: float = Field(
         default=3600.0, gt=0, description="a step still inconclusive after this long rolls back"
     )
+    feedback_window_s: float = Field(
+        default=3600.0, gt=0, description="feedback counts for a request logged at most this long before it"
+    )
+    consumer_group: str = Field(default="dynrubric-rollout-gate", min_length=1, description="online metrics' group")
+    judge: bool = Field(default=False, description="judge shadow pairs (serving.shadow_rate) with the rubric evaluator "
+                        "built from the engine and models sections")
+    judge_pairs_per_poll: int = Field(default=8, ge=1, description="judge cost cap: pairs scored per gate evaluation")
 
 
 class GateSimulationConfig(Section):

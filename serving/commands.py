@@ -90,7 +90,8 @@ def build_router(settings, producer, metrics):
     state = RouterState(replicas, desired={"stable": weights, "canary": weights})
     s = settings.serving
     return Router(state, producer, metrics, token=s.token, timeout_s=s.request_timeout_s,
-                  health_interval_s=s.health_interval_s)
+                  health_interval_s=s.health_interval_s, shadow_rate=s.shadow_rate,
+                  shadow_max_inflight=s.shadow_max_inflight)
 
 
 def serve_router(ctx: typer.Context) -> None:
@@ -117,11 +118,23 @@ def build_controller(settings, log=console.print):
     from streaming.events import FEEDBACK_TOPIC, QUERY_LOG_TOPIC
 
     metrics = CollectorRegistry()
-    online = OnlineMetrics(settings.kafka.bootstrap_servers, QUERY_LOG_TOPIC, FEEDBACK_TOPIC)
+    r = settings.rollout
+    online = OnlineMetrics(settings.kafka.bootstrap_servers, QUERY_LOG_TOPIC, FEEDBACK_TOPIC, group_id=r.consumer_group,
+                           state_path=settings.paths.resolved_state() / "rollout" / f"online-{r.consumer_group}.json",
+                           feedback_window_s=r.feedback_window_s)
+    judge = None
+    if r.judge:
+        from dynrubric.engines import build_engine
+        from dynrubric.rubric.evaluator import Evaluator
+        from serving.judged import PairJudge
+
+        generator = build_engine(settings, "generator")
+        verifier = generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
+        judge = PairJudge(Evaluator(generator, verifier, settings.rubric), settings.rubric.eps)
     controller = Controller(
         open_registry(settings), RolloutStore(settings.paths.resolved_state() / "rollout" / "rollouts.sqlite"),
-        RouterClient(_router_url(settings), settings.serving.token), online, settings.rollout, settings.gate,
-        metrics=metrics, log=log,
+        RouterClient(_router_url(settings), settings.serving.token), online, r, settings.gate,
+        metrics=metrics, log=log, judge=judge,
     )
     return controller, metrics
 

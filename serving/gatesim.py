@@ -9,7 +9,8 @@ batch of traffic; batch sizes follow a diurnal curve. A user is on the canary wh
 below the step's weight, as in the router. An arm changes the user's propensities by its
 `ArmBehaviour` (a degraded canary shifts one metric), fails requests with its error rate, answers
 with lognormal latencies, and a share of answered requests becomes a shadow pair the judge scores
-(the canary is preferred with the arm's `judge_win_rate`). A step still inconclusive after
+(the canary is preferred with the arm's `judge_win_rate`). Errors are engine faults, drawn per request
+and analysed per request, as the live gate gets them from the router's counters. A step still inconclusive after
 `max_step_requests` rolls back, as the controller does when a step times out.
 
 State is per user (the per-user rates' sums), updated only for the users of a batch, so a look costs O(batch), not O(users).
@@ -90,7 +91,7 @@ class _Arm:
         self.c = {f: np.zeros(users) for f in self.FIELDS}
         self.total = dict.fromkeys(self.FIELDS, 0)
         self.seen_step = np.full(users, -1)
-        self.rates = {name: _Rates() for name in ("errors", "positive", "regenerated")}
+        self.rates = {name: _Rates() for name in ("positive", "regenerated")}
         self.users = self.step_users = self.step_requests = 0
         self.latency = LatencySketch()
 
@@ -104,7 +105,7 @@ class _Arm:
         self.step_users += int(np.count_nonzero(self.seen_step[u] != step))
         self.seen_step[u] = step
         self.step_requests += int(counts["requests"].sum())
-        for name, den in (("errors", "requests"), ("positive", "rated"), ("regenerated", "answered")):
+        for name, den in (("positive", "rated"), ("regenerated", "answered")):
             self.rates[name].update(old[den], old[name], new[den], new[name])
         self.latency.add(latencies)
 
@@ -112,7 +113,7 @@ class _Arm:
         r = {k: v.freeze() for k, v in self.rates.items()}
         return ArmStats(step_users=self.step_users, step_requests=self.step_requests, users=self.users,
                         requests=int(self.total["requests"]), rated=int(self.total["rated"]),
-                        errors=r["errors"], positive=r["positive"], regenerated=r["regenerated"], latency=self.latency)
+                        errors=UserRates.per_request(self.total["errors"], self.total["requests"]), positive=r["positive"], regenerated=r["regenerated"], latency=self.latency)
 
 
 def _latencies(b: ArmBehaviour, n: int, rng: np.random.Generator) -> np.ndarray:
