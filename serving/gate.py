@@ -328,7 +328,7 @@ def _judged(judge: JudgeStats, cfg: GateConfig) -> Check:
     if hi < bar:
         return Check(name="judged_win_rate", verdict=Verdict.FAIL, numbers=numbers,
                      detail=f"the rubric judge prefers stable: canary win rate {judge.win_rate:.2f} over {judge.pairs} "
-                            f"pairs (upper bound {hi:.2f} < {bar:.2f})")
+                            f"pairs (upper bound {hi:.3f} < {bar:.3f})")
     return Check(name="judged_win_rate", verdict=Verdict.PASS, numbers=numbers,
                  detail=f"canary win rate {judge.win_rate:.2f} over {judge.pairs} pairs, bounds [{lo:.2f}, {hi:.2f}]")
 
