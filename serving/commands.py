@@ -201,18 +201,24 @@ def rollout_status(
 def gate_simulate(
     ctx: typer.Context,
     runs: Annotated[int, typer.Option(help="rollouts per scenario")] = 100,
-    drop: Annotated[float, typer.Option(help="how much lower the degraded canary's positive rate is")] = 0.10,
     seed: Annotated[int, typer.Option()] = 0,
 ) -> None:
-    """Simulated rollouts at the library level: A/A, and a canary with a worse positive-feedback rate."""
+    """Simulated rollouts at the library level (population: `gate.simulation`): A/A, then one degraded metric each."""
     import statistics
 
     from serving.gatesim import ArmBehaviour, simulate_many
 
     settings = settings_of(ctx)
-    base = ArmBehaviour()
-    for name, canary in (("A/A", base), (f"degraded (-{drop:.2f})", ArmBehaviour(positive_rate=base.positive_rate - drop))):
-        results = simulate_many(base, canary, list(settings.rollout.steps), settings.gate, runs, seed)
+    scenarios = {
+        "A/A": ArmBehaviour(),
+        "positive-feedback rate -0.10": ArmBehaviour(positive_shift=-0.10),
+        "regenerate rate +0.10": ArmBehaviour(regenerate_shift=0.10),
+        "error rate 0.06": ArmBehaviour(error_rate=0.06),
+        "p95 latency x2 tail": ArmBehaviour(latency_p95_factor=2.0),
+        "judged win rate 0.3": ArmBehaviour(judge_win_rate=0.3),
+    }
+    for name, canary in scenarios.items():
+        results = simulate_many(ArmBehaviour(), canary, list(settings.rollout.steps), settings.gate, runs, seed)
         back = sum(r.outcome == "rolled_back" for r in results)
         console.print(f"{name}: {back}/{runs} rolled back; median requests to decision "
                       f"{statistics.median(r.requests for r in results):.0f} "
