@@ -83,17 +83,20 @@ class _Arm:
         else:
             self._move(self.regen, before[REGEN], before[REQ], u[REGEN], u[REQ])
 
-    def stats(self, errors: int, routed: int) -> ArmStats:
+    def flush_latency(self) -> None:
         if self.latency_buffer:
             self.latency.add(self.latency_buffer)
             self.latency_buffer.clear()
+
+    def stats(self, errors: int, routed: int) -> ArmStats:
+        self.flush_latency()
         return ArmStats(step_users=self.step_users, step_requests=self.step_requests, users=len(self.users),
                         requests=max(routed, self.requests), rated=self.rated,
                         errors=UserRates.per_request(errors, max(routed, self.requests)),
                         positive=UserRates(*self.pos), regenerated=UserRates(*self.regen), latency=self.latency)
 
     def to_json(self) -> dict[str, Any]:
-        self.stats(0, 0)  # flushes the latency buffer
+        self.flush_latency()
         return {"users": self.users, "pos": self.pos, "regen": self.regen, "requests": self.requests,
                 "rated": self.rated, "step_users": self.step_users, "step_requests": self.step_requests,
                 "latency": self.latency.state()}
@@ -199,6 +202,8 @@ class OnlineMetrics:
         ts = float(e.get("ts", 0.0))
         if e.get("variant") == arm_name:  # answered by its own arm: its latency
             arm.latency_buffer.append(float(e.get("latency_ms", 0.0)))
+            if len(arm.latency_buffer) >= 4096:  # into the sketch in batches (numpy per value is slow)
+                arm.flush_latency()
         if ts >= self.step_started_at:
             arm.step_requests += 1
             if u[STEP] != self.step:
