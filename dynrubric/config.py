@@ -372,6 +372,11 @@ class ServingConfig(Section):
     request_timeout_s: float = Field(default=120.0, gt=0, description="router -> engine timeout")
     health_interval_s: float = Field(default=5.0, gt=0, description="fleet health-check period")
     max_restarts: int = Field(default=5, ge=0, description="restarts of a dying engine before giving up")
+    shadow_rate: float = Field(
+        default=0.0, ge=0, le=1,
+        description="during a rollout, share of answered requests also sent to the other arm for the judged check",
+    )
+    shadow_max_inflight: int = Field(default=4, ge=1, description="shadow cost cap: shadow requests running at once")
 
 
 class RolloutConfig(Section):
@@ -383,13 +388,42 @@ class RolloutConfig(Section):
     max_step_s: float = Field(
         default=3600.0, gt=0, description="a step still inconclusive after this long rolls back"
     )
+    feedback_window_s: float = Field(
+        default=3600.0, gt=0, description="feedback counts for a request logged at most this long before it"
+    )
+    consumer_group: str = Field(default="dynrubric-rollout-gate", min_length=1, description="online metrics' group")
+    judge: bool = Field(default=False, description="judge shadow pairs (serving.shadow_rate) with the rubric evaluator "
+                        "built from the engine and models sections")
+    judge_pairs_per_poll: int = Field(default=8, ge=1, description="judge cost cap: pairs scored per gate evaluation")
+
+
+class GateSimulationConfig(Section):
+    """`dynrubric gate simulate` and the gate's CI simulations: the simulated user population."""
+
+    users: int = Field(default=20_000, ge=10, description="distinct users; each rollout reshuffles their arms")
+    zipf_s: float = Field(default=1.1, ge=0, description="requests-per-user shares proportional to rank^-zipf_s")
+    positive_mean: float = Field(default=0.7, gt=0, lt=1, description="mean per-user thumbs-up propensity (Beta)")
+    regenerate_mean: float = Field(default=0.1, gt=0, lt=1, description="mean per-user regenerate propensity (Beta)")
+    rated_mean: float = Field(default=0.6, gt=0, lt=1, description="mean per-user share of responses rated (Beta)")
+    concentration: float = Field(default=4.0, gt=0, description="Beta concentration a + b of every propensity")
+    requests_per_look: int = Field(default=2000, ge=1, description="mean requests between two gate evaluations")
+    diurnal_amplitude: float = Field(default=0.5, ge=0, lt=1, description="load = mean * (1 + A sin(2 pi look / day))")
+    looks_per_day: int = Field(default=48, ge=1)
+    shadow_rate: float = Field(default=0.02, ge=0, le=1, description="share of requests judged as a shadow pair")
+    max_step_requests: int = Field(default=400_000, ge=1, description="a step still inconclusive after this rolls back")
 
 
 class GateConfig(Section):
     srm_alpha: float = Field(default=0.001, gt=0, lt=1, description="sample-ratio-mismatch chi-square level")
+    min_users_per_arm: int = Field(default=100, ge=1, description="per arm, users since the start (delta method)")
     min_requests_per_arm: int = Field(default=200, ge=1, description="per arm, within the current step")
     min_rated_per_arm: int = Field(default=100, ge=1, description="per arm, thumbs-rated requests since the start")
-    guardrail_alpha: float = Field(default=0.01, gt=0, lt=1)
+    guardrail_alpha: float = Field(default=0.01, gt=0, lt=1, description="split: error rate 1/2, p95 latency 1/2")
+    latency_tau: float = Field(default=0.02, gt=0, description="quantile sequence's mixture scale, in rank share")
+    judge_alpha: float = Field(default=0.01, gt=0, lt=1, description="judged win-rate check")
+    judge_margin: float = Field(default=0.05, ge=0, lt=0.5, description="fail below a win rate of 1/2 - margin")
+    judge_tau: float = Field(default=0.1, gt=0, description="judged check's mixture scale")
+    simulation: GateSimulationConfig = GateSimulationConfig()
     error_rate_margin: float = Field(default=0.01, ge=0, le=1, description="absolute error-rate margin")
     latency_p95_margin: float = Field(default=0.25, ge=0, description="relative p95 latency margin")
     alpha: float = Field(default=0.05, gt=0, lt=1, description="primary metrics, split over the two")
