@@ -244,7 +244,11 @@ class GRPOConfig(Section):
     clip_high: float = Field(default=0.2, gt=0, le=1, description="ratio clipped above at 1 + clip_high (0.28: DAPO)")
     kl_beta: float = Field(default=1e-3, ge=0, description="weight of the k3 KL to the frozen reference; 0 = off")
     adv_eps: float = Field(default=1e-6, gt=0, description="advantage = (E - mean) / (std + adv_eps)")
-    tie_eps: float = Field(default=1e-6, ge=0, description="a set whose score std is below this is tied: no gradient")
+    updates_per_batch: int = Field(
+        default=1, ge=1, le=16,
+        description="optimiser updates per sampled batch; from the 2nd on the PPO ratio differs from 1 and "
+        "clip_low/clip_high bound the step",
+    )
     max_grad_norm: float = Field(default=1.0, gt=0)
     micro_batch_size: int = Field(default=8, ge=1, description="responses per forward/backward (grad accumulation)")
     lora_rank: int = Field(default=0, ge=0, description="0 = full fine-tuning; >0 = LoRA (peft) of this rank")

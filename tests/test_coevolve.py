@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dynrubric.config import CoevolveConfig
+from dynrubric.config import CoevolveConfig, RubricConfig
 from dynrubric.engines.base import Completion, Engine, GenerationRequest
 from dynrubric.errors import DynrubricError
 from dynrubric.rubric.items import Rubric, RubricItem
@@ -36,6 +36,16 @@ def test_r_disc_rewards_items_that_split_the_set() -> None:
     assert r_disc([[1, 0, 1, 0], [1, 1, 0, 0]], RUBRIC) == pytest.approx(0.25)
 
 
+def test_r_disc_pays_for_splitting_the_set_not_for_the_verifiers_uncertainty() -> None:
+    """0.5 for every candidate (the hard-verdict fallback, NaN handling) tells no two candidates apart:
+    it earns nothing, and less than an item that really splits the set with soft verdicts."""
+    undecided = [[0.5, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5]]
+    assert r_disc(undecided, RUBRIC) == 0.0
+    soft = [[0.9, 0.1, 0.9, 0.1], [0.5, 0.5, 0.5, 0.5]]  # item a splits, b does not
+    assert r_disc(soft, RUBRIC) == pytest.approx(3 * 0.4**2 / 4)
+    assert r_disc(soft, RUBRIC) > r_disc(undecided, RUBRIC)
+
+
 def test_r_anchor_matches_the_formula_and_prefers_the_right_order() -> None:
     s = [0.9, 0.5, 0.1]
     ls = lambda d: math.log(1 / (1 + math.exp(-d)))  # noqa: E731
@@ -55,9 +65,11 @@ def test_temporal_anchors_rank_newer_above_older_within_the_age_window() -> None
     assert temporal_anchors("c", {"base": ["n0"]}, ages, 1, 2, random.Random(0)) is None
 
 
-def test_normalised_is_zero_for_ties() -> None:
-    assert normalised([1.0, 1.0, 1.0]) == [0.0, 0.0, 0.0]
-    a = normalised([0.0, 1.0])
+def test_normalised_is_zero_for_ties_at_the_rubric_threshold() -> None:
+    tie = RubricConfig().eps
+    assert normalised([1.0, 1.0, 1.0], tie) == [0.0, 0.0, 0.0]
+    assert normalised([0.1, 0.1 + 6e-6, 0.1 - 1e-4], tie) == [0.0, 0.0, 0.0]  # engine noise, not a signal
+    a = normalised([0.0, 1.0], tie)
     assert a[0] < 0 < a[1] and sum(a) == pytest.approx(0.0)
 
 
@@ -107,9 +119,10 @@ def test_generator_groups_reward_splitting_parseable_rubrics_above_the_rest(tiny
     responses = ["blue", "red", "sun", "tree"]
     groups, stats = generator_groups(
         engine, lambda q, rs: f"rubric for {q}", verify, apply, [(prompt, responses)], [["blue sun", "red tree"]],
-        CoevolveConfig(rubric_samples=4), max_items=12, temperature=1.0, seed=0,
+        CoevolveConfig(rubric_samples=4), max_items=12, temperature=0.7, tie_eps=RubricConfig().eps, seed=0,
     )
     [g] = groups
+    assert g.temperature == 0.7  # the generator's loss takes log-probs at its sampling temperature
     assert stats.parsed == 3 and stats.anchored_sets == 1
     adv = g.advantages
     assert adv[0] == adv[3] > adv[1] > adv[2]  # splitting > valid but flat > unparseable

@@ -306,7 +306,9 @@ class _Round:
             policy_dir / "model" if policy_dir and adapter is None else self.parent.path, gcfg, adapter
         )
         self.tokenizer = self.load_tokenizer(self.parent.path)
-        self.policy = GRPOTrainer(model, load_reference(self.parent.path, gcfg), gcfg, self.pad_id(self.tokenizer))
+        tie_eps = self.r.settings.rubric.eps
+        self.policy = GRPOTrainer(model, load_reference(self.parent.path, gcfg), gcfg, self.pad_id(self.tokenizer),
+                                  tie_eps)
         if policy_dir:
             self.policy.load_optimizer(policy_dir / "optimizer.pt")
         self.policy_engine = self.r.engines("policy", policy_dir / "model" if policy_dir else self.parent.path)
@@ -321,7 +323,7 @@ class _Round:
             gmodel = load_policy(gen_dir / "model" if gen_dir and gadapter is None else gen_base, gen_cfg, gadapter)
             self.gen_tokenizer = self.load_tokenizer(gen_base)
             self.generator = GRPOTrainer(gmodel, load_reference(gen_base, gen_cfg), gen_cfg,
-                                         self.pad_id(self.gen_tokenizer))
+                                         self.pad_id(self.gen_tokenizer), tie_eps)
             if gen_dir:
                 self.generator.load_optimizer(gen_dir / "optimizer.pt")
             self.generator_engine = self.r.engines("generator", gen_dir / "model" if gen_dir else gen_base)
@@ -400,7 +402,8 @@ class _Round:
         groups = []
         for text, cs, sc in zip(texts, outs, scored, strict=True):
             prompt_ids = tuple(tok.encode(text, add_special_tokens=False))
-            groups.append(Group(tuple(Rollout(prompt_ids, completion_ids(c, tok)) for c in cs), tuple(sc.scores)))
+            groups.append(Group(tuple(Rollout(prompt_ids, completion_ids(c, tok)) for c in cs), tuple(sc.scores),
+                                temperature=self.cfg.temperature))
         stats = self.policy.step(groups)
         self.r.rollouts.append([(p.key, self.parent.version, rs) for p, rs in zip(prompts, responses, strict=True)])
         n = len(scored)
@@ -447,6 +450,7 @@ class _Round:
             co,
             self.r.settings.rubric.max_items,
             self.r.settings.rubric.generator_temperature,
+            self.r.settings.rubric.eps,
             self.seed(step, 13),
         )
         stats = self.generator.step(groups)
