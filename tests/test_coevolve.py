@@ -192,3 +192,24 @@ def test_schedule_alternates_k_alt_steps_and_starts_with_the_generator_after_a_c
     assert runner.schedule(2, 4, refresh=True) == ["generator", "generator", "policy", "policy"]
     off = Settings.model_validate({"paths": {"state_dir": str(tmp_path)}, "train": {"coevolve": {"enabled": False}}})
     assert RoundRunner(off, runner.registry, None, None).schedule(1, 3, refresh=True) == ["policy"] * 3  # type: ignore[arg-type]
+
+
+def test_file_anchors_are_found_for_prompts_from_the_replay_source(tmp_path: Path) -> None:
+    """One prompt key for the whole project: an anchor file keyed by the trainer finds the prompts the
+    replay store logged (with and without a system message), so R_anchor does not drop out in replay mode."""
+    from streaming.store import ReplayPromptSource, Stored, StoreWriter
+    from tests.test_streaming_producer import query_event
+
+    chats = [[{"role": "user", "content": "2+2?"}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fox."}]]
+    writer = StoreWriter(tmp_path / "replay")
+    writer.commit([Stored(query_event(f"r{i}", policy_version="v1", messages=m), 0, i) for i, m in enumerate(chats)])
+    writer.close()
+    anchors_path = tmp_path / "anchors.jsonl"
+    anchors_path.write_text(json.dumps({"prompt": "2+2?", "responses": ["4", "5"]}) + "\n"
+                            + json.dumps({"messages": chats[1], "responses": ["A red fox.", "Foxes!"]}) + "\n")
+    anchors = read_anchor_file(anchors_path)
+    prompts, _ = ReplayPromptSource(tmp_path / "replay").new_prompts(None, 10)
+    assert len(prompts) == 2
+    assert sorted(anchors[p.key][0] for p in prompts) == ["4", "A red fox."]
+    assert all(p.key == make_prompt(p.messages).key for p in prompts)
