@@ -53,11 +53,30 @@ class ModelsConfig(Section):
 class EngineConfig(Section):
     kind: Literal["transformers", "openai-http"] = "transformers"
     base_url: str = Field(default="http://127.0.0.1:8000", description="openai-http only")
+    policy_url: str | None = Field(
+        default=None, description="openai-http: the policy's server, reloaded with every training step; default base_url"
+    )
+    generator_url: str | None = Field(
+        default=None, description="openai-http: the rubric generator's server; default base_url"
+    )
+    verifier_url: str | None = Field(
+        default=None,
+        description="openai-http: the verifier's server; default base_url. Training refuses a verifier that "
+        "shares a server with a model it reloads (the judge would no longer be frozen)",
+    )
     api_key: SecretStr | None = None
     timeout_s: float = Field(default=120.0, gt=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
     threads: int = Field(default=0, ge=0, description="torch threads; 0 = torch's default")
     max_batch_size: int = Field(default=32, ge=1)
+
+    def url_key(self, role: Literal["policy", "generator", "verifier"]) -> str:
+        """The config key that sets `role`'s server, saying when it falls back to base_url."""
+        key = f"engine.{role}_url"
+        return key if getattr(self, f"{role}_url") else f"{key} (unset, so engine.base_url)"
+
+    def url_for(self, role: Literal["policy", "generator", "verifier"]) -> str:
+        return getattr(self, f"{role}_url") or self.base_url
 
 
 class VllmConfig(Section):

@@ -130,7 +130,7 @@ def engine_factory(settings):
                                       max_batch_size=cfg.max_batch_size)
         from dynrubric.engines.http import OpenAIHTTPEngine
 
-        return OpenAIHTTPEngine(cfg.base_url, model_dir, api_key=cfg.api_key, timeout_s=cfg.timeout_s)
+        return OpenAIHTTPEngine(cfg.url_for(role), model_dir, api_key=cfg.api_key, timeout_s=cfg.timeout_s)
 
     return make
 

@@ -57,6 +57,25 @@ def run_dir_of(settings: Settings) -> Path:
     return (settings.train.run_dir or settings.paths.resolved_state() / "train").expanduser().resolve()
 
 
+def check_frozen_judges(settings: Settings) -> None:
+    """Over HTTP each role's engine is a server; publishing a step reloads the policy's (and, with two
+    models, the generator's) weights. A judge on a reloaded server would judge with the weights being
+    trained, so such a config is refused before anything runs, naming both keys."""
+    engine = settings.engine
+    if engine.kind != "openai-http":
+        return  # in-process engines: every role holds its own weights
+    reloaded = ["policy"] if settings.train.coevolve.single_model else ["policy", "generator"]
+    judges = ["verifier"] if settings.train.coevolve.single_model else ["verifier", "generator"]
+    for judge in judges:
+        for trained in reloaded:
+            if judge != trained and engine.url_for(judge) == engine.url_for(trained):
+                raise DynrubricError(
+                    f"{engine.url_key(judge)} and {engine.url_key(trained)} both point at {engine.url_for(judge)}: "
+                    f"each training step reloads the {trained}'s weights there, so the {judge} would not be frozen",
+                    f"give the {judge} its own server: set engine.{judge}_url (and engine.{trained}_url)",
+                )
+
+
 def rollout_history(settings: Settings) -> RolloutHistory:
     """The trainer's own log of sampled responses (the JSONL prompt source's temporal-contrast anchors)."""
     return RolloutHistory(run_dir_of(settings) / "rollouts.jsonl")
@@ -152,6 +171,7 @@ class RoundRunner:
         progress: Progress | None = None,
         heldout: Sequence[TrainPrompt] | None = None,
     ):
+        check_frozen_judges(settings)
         self.settings = settings
         self.cfg = settings.train
         self.registry = registry
