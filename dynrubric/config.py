@@ -132,7 +132,10 @@ class RubricConfig(Section):
         description="last-resort rubric when the generator never produces a valid one",
     )
     eps: float = Field(default=0.02, gt=0.0, lt=1.0, description="two scores closer than this are a tie")
-    collapse_window: int = Field(default=20, ge=1, description="sets in the collapse detector's window")
+    collapse_window: int = Field(
+        default=8, ge=1,
+        description="sets in the collapse detector's window; training carries it across rounds (8: one demo round)",
+    )
     collapse_min_mean_gap: float = Field(
         default=0.03, ge=0.0, description="collapse when the window's mean |pairwise gap| is below this"
     )
@@ -328,7 +331,12 @@ class TrainConfig(Section):
         default=None, description="JSONL prompts ({prompt} or {messages}) when prompt_source=jsonl"
     )
     heldout_file: Path | None = Field(
-        default=None, description="JSONL held-out prompts for the reward-drop guard; default: the first round prompts"
+        default=None,
+        description="JSONL held-out prompts for the guards (never trained on); default: split off by prompt key",
+    )
+    heldout_share: float = Field(
+        default=0.1, gt=0, lt=1,
+        description="share of new prompts held out (by prompt key, deterministic) when heldout_file is unset",
     )
     heldout_prompts: int = Field(default=8, ge=1, description="held-out prompts evaluated per round")
     candidates: int = Field(default=4, ge=2, description="K: responses sampled per prompt (one candidate set)")
@@ -338,13 +346,20 @@ class TrainConfig(Section):
     max_new_tokens: int = Field(default=128, ge=1)
     max_prompt_tokens: int = Field(default=512, ge=8, description="longer prompts are skipped (counted)")
     temperature: float = Field(default=1.0, gt=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_p: float = Field(
+        default=1.0, gt=0, le=1,
+        description="sampling only: the loss takes log-probs of the full distribution at `temperature` (as OpenRLHF)",
+    )
     seed: int = 0
     version_prefix: str = Field(
         default="r", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="round N registers version <prefix>N"
     )
     run_dir: Path | None = Field(default=None, description="round state, summaries, run log; default <state_dir>/train")
     max_kl: float = Field(default=0.05, gt=0, description="guard: per-token KL(new || parent) on held-out samples")
+    max_kl_to_base: float = Field(
+        default=0.15, gt=0,
+        description="guard: per-token KL(new || base of the lineage) on held-out samples: the total drift allowed",
+    )
     max_reward_drop: float = Field(
         default=0.05, ge=0, description="guard: reject when held-out reward falls more than this below the parent's"
     )

@@ -130,15 +130,16 @@ def test_generator_groups_reward_splitting_parseable_rubrics_above_the_rest(tiny
 
 
 def test_guards_name_the_reason() -> None:
-    ok = guards.check(nonfinite_steps=[], kl=0.01, max_kl=0.05, reward_parent=0.5, reward_new=0.52, max_reward_drop=0.05)
-    assert ok.accepted
-    assert guards.check(nonfinite_steps=[2], kl=0.0, max_kl=1, reward_parent=0, reward_new=0,
-                        max_reward_drop=1).reason == "nonfinite"
-    assert guards.check(nonfinite_steps=[], kl=0.2, max_kl=0.05, reward_parent=0, reward_new=0,
-                        max_reward_drop=1).reason == "kl"
-    assert guards.check(nonfinite_steps=[], kl=float("nan"), max_kl=0.05, reward_parent=0, reward_new=0,
-                        max_reward_drop=1).reason == "kl"
-    drop = guards.check(nonfinite_steps=[], kl=0.0, max_kl=1, reward_parent=0.6, reward_new=0.4, max_reward_drop=0.05)
+    ok = dict(nonfinite_steps=[], kl=0.01, max_kl=0.05, kl_to_base=0.1, max_kl_to_base=0.15, reward_parent=0.5,
+              reward_new=0.52, max_reward_drop=0.05)
+    assert guards.check(**ok).accepted
+    assert guards.check(**{**ok, "nonfinite_steps": [2]}).reason == "nonfinite"
+    assert guards.check(**{**ok, "kl": 0.2}).reason == "kl"
+    assert guards.check(**{**ok, "kl": float("nan")}).reason == "kl"
+    # each round within its own bound, but the drift they add up to is bounded too
+    assert guards.check(**{**ok, "kl_to_base": 0.16}).reason == "kl_to_base"
+    assert guards.check(**{**ok, "kl_to_base": float("nan")}).reason == "kl_to_base"
+    drop = guards.check(**{**ok, "reward_parent": 0.6, "reward_new": 0.4})
     assert drop.reason == "reward_drop" and "0.6000 -> 0.4000" in drop.detail
 
 

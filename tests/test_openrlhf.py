@@ -61,8 +61,13 @@ def test_emitted_command_parses_with_openrlhfs_own_parser(env: dict[str, str], t
     assert command["parent"] == "base"
     # the prompt shard holds the messages under the input key, in OpenRLHF's chat format
     lines = [json.loads(x) for x in Path(args.data.prompt_dataset).read_text().splitlines()]
-    assert [m["messages"][-1]["content"] for m in lines] == ["What is 2 + 2?", "Name a colour."]
-    assert lines[1]["messages"][0] == {"role": "system", "content": "Be brief."}
+    heldout = [json.loads(x) for x in (job / "heldout.jsonl").read_text().splitlines()]
+    # the held-out prompts (for the guards) are split off by key and never trained on
+    assert len(heldout) == 1 and not {m["key"] for m in heldout} & {m["key"] for m in lines}
+    assert sorted(m["messages"][-1]["content"] for m in lines + heldout) == ["Name a colour.", "What is 2 + 2?"]
+    chats = {m["messages"][-1]["content"]: m["messages"] for m in lines + heldout}
+    assert chats["Name a colour."][0] == {"role": "system", "content": "Be brief."}
+    assert command["watermark_before"] is None and command["watermark_after"] == "2"  # taken at job start
     # the RayJob and the submit script carry the same command
     spec = yaml.safe_load((job / "rayjob.yaml").read_text())
     assert spec["kind"] == "RayJob" and spec["spec"]["entrypoint"].split()[:3] == argv[:3]
