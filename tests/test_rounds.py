@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train_harness import keyword_rate, runner, write_prompts
+from tests.train_harness import KeywordVerifier, keyword_rate, runner, write_prompts
 
 ROOT = Path(__file__).parents[1]
 MARGIN = 0.25
@@ -121,3 +121,33 @@ def test_kill_9_during_a_round_then_resume_applies_exactly_one_update_per_step(t
     rejected = strict.registry.get("r2")
     assert rejected.state.value == "rejected" and rejected.reason.startswith("kl: ")
     assert strict.head().version == "r1"
+
+
+class UndecidedVerifier(KeywordVerifier):
+    """Answers P(yes) = 1/2 for every criterion: every set is collapsed (no item splits it)."""
+
+    @staticmethod
+    def judge(prompt: str) -> float | None:
+        return None
+
+
+@pytest.mark.slow
+def test_collapse_window_spans_rounds_so_small_rounds_fire_it(tmp_path: Path, tiny_model_dir: Path):
+    """Rounds of 4 sets and a window of 8: neither round fills the window alone. Carried across rounds
+    (the run dir keeps it), the window is full in round 2, which fires, and round 3 starts with a
+    generator phase (the evaluator refresh)."""
+    from tests.train_harness import engines as harness_engines
+
+    def engines(role: str, model_dir: Path):
+        return UndecidedVerifier(model_dir) if role == "verifier" else harness_engines(role, model_dir)
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 24)
+    r = runner(tmp_path / "state", tiny_model_dir, prompts, steps_per_round=1, prompts_per_step=4,
+               max_prompts_per_round=8, heldout_prompts=1)
+    r.engines = engines
+    assert r.settings.rubric.collapse_window == 8
+    first, second = r.run(), r.run()
+    assert [first["collapse"]["fired"], second["collapse"]["fired"]] == [False, True]
+    assert second["steps"][0]["nonsplit_share"] == 1.0
+    third = r.make_plan(3)
+    assert third["refresh"] and third["schedule"][0] == "generator"

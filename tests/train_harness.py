@@ -81,10 +81,9 @@ def settings(state_dir: Path, model_dir: Path, prompts_file: Path, **train) -> S
         "prompts_per_step": 8,
         "steps_per_round": 4,
         "max_prompts_per_round": 16,
-        "heldout_prompts": 4,
+        "heldout_prompts": 8,
+        "heldout_share": 0.25,
         "max_new_tokens": 8,
-        "max_kl": 50.0,
-        "max_reward_drop": 0.5,
         "grpo": {"lr": 2e-3, "kl_beta": 0.0, "micro_batch_size": 32},
         "coevolve": {"k_alt": 3, "rubric_samples": 2, "sets_per_step": 2, "generator_max_tokens": 16},
     }
