@@ -357,8 +357,9 @@ class TrainConfig(Section):
     run_dir: Path | None = Field(default=None, description="round state, summaries, run log; default <state_dir>/train")
     max_kl: float = Field(default=0.05, gt=0, description="guard: per-token KL(new || parent) on held-out samples")
     max_kl_to_base: float = Field(
-        default=0.15, gt=0,
-        description="guard: per-token KL(new || base of the lineage) on held-out samples: the total drift allowed",
+        default=0.5, gt=0,
+        description="guard: per-token KL(new || base of the lineage) on held-out samples: the total drift the "
+        "rounds may add up to (10x max_kl)",
     )
     max_reward_drop: float = Field(
         default=0.05, ge=0, description="guard: reject when held-out reward falls more than this below the parent's"
