@@ -53,11 +53,30 @@ class ModelsConfig(Section):
 class EngineConfig(Section):
     kind: Literal["transformers", "openai-http"] = "transformers"
     base_url: str = Field(default="http://127.0.0.1:8000", description="openai-http only")
+    policy_url: str | None = Field(
+        default=None, description="openai-http: the policy's server, reloaded with every training step; default base_url"
+    )
+    generator_url: str | None = Field(
+        default=None, description="openai-http: the rubric generator's server; default base_url"
+    )
+    verifier_url: str | None = Field(
+        default=None,
+        description="openai-http: the verifier's server; default base_url. Training refuses a verifier that "
+        "shares a server with a model it reloads (the judge would no longer be frozen)",
+    )
     api_key: SecretStr | None = None
     timeout_s: float = Field(default=120.0, gt=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
     threads: int = Field(default=0, ge=0, description="torch threads; 0 = torch's default")
     max_batch_size: int = Field(default=32, ge=1)
+
+    def url_key(self, role: Literal["policy", "generator", "verifier"]) -> str:
+        """The config key that sets `role`'s server, saying when it falls back to base_url."""
+        key = f"engine.{role}_url"
+        return key if getattr(self, f"{role}_url") else f"{key} (unset, so engine.base_url)"
+
+    def url_for(self, role: Literal["policy", "generator", "verifier"]) -> str:
+        return getattr(self, f"{role}_url") or self.base_url
 
 
 class VllmConfig(Section):
@@ -113,7 +132,10 @@ class RubricConfig(Section):
         description="last-resort rubric when the generator never produces a valid one",
     )
     eps: float = Field(default=0.02, gt=0.0, lt=1.0, description="two scores closer than this are a tie")
-    collapse_window: int = Field(default=20, ge=1, description="sets in the collapse detector's window")
+    collapse_window: int = Field(
+        default=8, ge=1,
+        description="sets in the collapse detector's window; training carries it across rounds (8: one demo round)",
+    )
     collapse_min_mean_gap: float = Field(
         default=0.03, ge=0.0, description="collapse when the window's mean |pairwise gap| is below this"
     )
@@ -244,7 +266,11 @@ class GRPOConfig(Section):
     clip_high: float = Field(default=0.2, gt=0, le=1, description="ratio clipped above at 1 + clip_high (0.28: DAPO)")
     kl_beta: float = Field(default=1e-3, ge=0, description="weight of the k3 KL to the frozen reference; 0 = off")
     adv_eps: float = Field(default=1e-6, gt=0, description="advantage = (E - mean) / (std + adv_eps)")
-    tie_eps: float = Field(default=1e-6, ge=0, description="a set whose score std is below this is tied: no gradient")
+    updates_per_batch: int = Field(
+        default=1, ge=1, le=16,
+        description="optimiser updates per sampled batch; from the 2nd on the PPO ratio differs from 1 and "
+        "clip_low/clip_high bound the step",
+    )
     max_grad_norm: float = Field(default=1.0, gt=0)
     micro_batch_size: int = Field(default=8, ge=1, description="responses per forward/backward (grad accumulation)")
     lora_rank: int = Field(default=0, ge=0, description="0 = full fine-tuning; >0 = LoRA (peft) of this rank")
@@ -305,7 +331,12 @@ class TrainConfig(Section):
         default=None, description="JSONL prompts ({prompt} or {messages}) when prompt_source=jsonl"
     )
     heldout_file: Path | None = Field(
-        default=None, description="JSONL held-out prompts for the reward-drop guard; default: the first round prompts"
+        default=None,
+        description="JSONL held-out prompts for the guards (never trained on); default: split off by prompt key",
+    )
+    heldout_share: float = Field(
+        default=0.1, gt=0, lt=1,
+        description="share of new prompts held out (by prompt key, deterministic) when heldout_file is unset",
     )
     heldout_prompts: int = Field(default=8, ge=1, description="held-out prompts evaluated per round")
     candidates: int = Field(default=4, ge=2, description="K: responses sampled per prompt (one candidate set)")
@@ -315,13 +346,21 @@ class TrainConfig(Section):
     max_new_tokens: int = Field(default=128, ge=1)
     max_prompt_tokens: int = Field(default=512, ge=8, description="longer prompts are skipped (counted)")
     temperature: float = Field(default=1.0, gt=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_p: float = Field(
+        default=1.0, gt=0, le=1,
+        description="sampling only: the loss takes log-probs of the full distribution at `temperature` (as OpenRLHF)",
+    )
     seed: int = 0
     version_prefix: str = Field(
         default="r", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="round N registers version <prefix>N"
     )
     run_dir: Path | None = Field(default=None, description="round state, summaries, run log; default <state_dir>/train")
     max_kl: float = Field(default=0.05, gt=0, description="guard: per-token KL(new || parent) on held-out samples")
+    max_kl_to_base: float = Field(
+        default=0.5, gt=0,
+        description="guard: per-token KL(new || base of the lineage) on held-out samples: the total drift the "
+        "rounds may add up to (10x max_kl)",
+    )
     max_reward_drop: float = Field(
         default=0.05, ge=0, description="guard: reject when held-out reward falls more than this below the parent's"
     )

@@ -168,6 +168,11 @@ class ServerMetrics:
             "dynrubric_reward_partial_groups", "groups scored at the timeout before n samples arrived",
             registry=registry,
         )
+        self.singleton_groups = Counter(
+            "dynrubric_reward_singleton_groups",
+            "groups of one sample (timeouts, retries): no gap to measure, kept out of the collapse window",
+            registry=registry,
+        )
         self.verdict_latency = Histogram(
             "dynrubric_reward_verdict_latency_seconds", "time to verify one set",
             buckets=LATENCY_BUCKETS, registry=registry,
@@ -219,6 +224,8 @@ class GroupBarrier:
         group.partial = timed_out and len(group.responses) < self.n
         if group.partial:
             self.metrics.partial_groups.inc()
+        if len(group.responses) < 2:
+            self.metrics.singleton_groups.inc()  # the collapse detector skips it too (rubric/gaps.py)
         self._ready.append(group)
         if self._scorer is None or self._scorer.done():
             self._scorer = asyncio.get_running_loop().create_task(self._drain())
