@@ -38,40 +38,23 @@ from dynrubric.atomic import fsync_dir
 from dynrubric.config import Settings
 from dynrubric.errors import DynrubricError
 from dynrubric.train.prompts import TrainPrompt
+from streaming.derived import arrow_fields
 from streaming.events import FeedbackEvent, QueryLogEvent
 
 INDEX = "index.sqlite"
 LOCK = ".writer.lock"
 QUERY_LOG, FEEDBACK = "query_log", "feedback"
 
+# generated from the event models (streaming/derived.py), then the store's own columns
 QUERY_LOG_SCHEMA = pa.schema([
-    ("request_id", pa.string()),
-    ("ts", pa.float64()),
-    ("user_key", pa.string()),
-    ("session_id", pa.string()),
-    ("variant", pa.string()),
-    ("policy_version", pa.string()),
-    ("model", pa.string()),
-    ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    *arrow_fields(QueryLogEvent, flatten=("sampling",)),
     ("prompt_key", pa.string()),
     ("prompt_text", pa.string()),
-    ("response", pa.string()),
-    ("finish_reason", pa.string()),
-    ("temperature", pa.float64()),
-    ("top_p", pa.float64()),
-    ("max_tokens", pa.int64()),
-    ("latency_ms", pa.float64()),
-    ("prompt_tokens", pa.int64()),
-    ("completion_tokens", pa.int64()),
     ("source_partition", pa.int32()),
     ("source_offset", pa.int64()),
 ])
 FEEDBACK_SCHEMA = pa.schema([
-    ("request_id", pa.string()),
-    ("ts", pa.float64()),
-    ("user_key", pa.string()),
-    ("kind", pa.string()),
-    ("value", pa.float64()),
+    *arrow_fields(FeedbackEvent),
     ("source_partition", pa.int32()),
     ("source_offset", pa.int64()),
 ])
