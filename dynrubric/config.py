@@ -196,6 +196,13 @@ class IngestConfig(Section):
     group_id: str = "dynrubric-ingest"
     store_dir: Path | None = Field(default=None, description="replay store root; default: <state_dir>/replay")
     max_event_bytes: int = Field(default=1_000_000, ge=64, description="larger records are dead-lettered")
+    dlq_max_payload_bytes: int = Field(
+        default=65_536, ge=256, le=900_000,
+        description="a dead letter's value is cut to this many bytes (headers keep the original length and sha256)",
+    )
+    dlq_quarantine_dir: Path | None = Field(
+        default=None, description="if set, the full bytes of every dead letter that was cut are kept here"
+    )
     max_prompt_chars: int = Field(default=32_000, ge=1, description="longer prompts are filtered out")
     deny_patterns: list[str] = Field(
         default_factory=list, description="regular expressions; a prompt matching any is filtered out"

@@ -114,6 +114,12 @@ class CommitResult:
     duplicates: int = 0
     shard_ids: list[int] = field(default_factory=list)
 
+    def merged(self, other: CommitResult) -> CommitResult:
+        written = dict(self.written)
+        for kind, n in other.written.items():
+            written[kind] = written.get(kind, 0) + n
+        return CommitResult(written, self.duplicates + other.duplicates, self.shard_ids + other.shard_ids)
+
 
 class StoreWriter:
     """Appends batches to the store exactly once (see the module docstring). One per store."""
@@ -174,8 +180,20 @@ class StoreWriter:
                 groups[(QUERY_LOG, _date(r.event.ts), r.event.policy_version)].append((key, _query_row(r)))
             else:
                 groups[(FEEDBACK, _date(r.event.ts), None)].append((key, _feedback_row(r)))
-        paths = [self._write_shard(*group, [row for _, row in items]) for group, items in groups.items()]
+        paths: list[str] = []
+        try:
+            for group, items in groups.items():
+                paths.append(self._write_shard(*group, [row for _, row in items]))
+            self._register(groups, paths, result)
+        except BaseException:
+            # nothing of a failed commit stays behind: the caller may retry the records without the bad one
+            for path in paths:
+                (self.root / path).unlink(missing_ok=True)
+            raise
+        return result
 
+    def _register(self, groups: dict, paths: list[str], result: CommitResult) -> None:
+        """ONE SQLite transaction: the shards enter the manifest and their keys the dedupe index."""
         now = time.time()
         self.db.execute("BEGIN IMMEDIATE")
         try:
@@ -208,7 +226,6 @@ class StoreWriter:
         except BaseException:
             self.db.execute("ROLLBACK")
             raise
-        return result
 
     def _known(self, keys: list[str]) -> set[str]:
         rows = self.db.execute("SELECT key FROM seen WHERE key IN (SELECT value FROM json_each(?))", (json.dumps(keys),))
@@ -225,8 +242,12 @@ class StoreWriter:
         directory.mkdir(parents=True, exist_ok=True)
         name = f"part-{uuid.uuid4().hex}.parquet"
         tmp = directory / f".{name}.tmp"
-        # a path, not a Python file object: Arrow then writes natively instead of calling back into Python
-        pq.write_table(table, str(tmp), compression="zstd")
+        try:
+            # a path, not a Python file object: Arrow then writes natively instead of calling back into Python
+            pq.write_table(table, str(tmp), compression="zstd")
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
