@@ -145,6 +145,14 @@ class RewardServerConfig(Section):
         default=None, description="this replica's entry in replica_urls (required when replica_urls is set)"
     )
     forward_timeout_s: float = Field(default=170.0, gt=0, description="timeout of a forward to the owner replica")
+    client_timeout_s: float = Field(
+        default=180.0, gt=0, description="the client's request timeout (OpenRLHF 0.11.2: 180 s, fixed in its code)"
+    )
+    scoring_time_s: float = Field(
+        default=60.0, gt=0,
+        description="the longest a closed group waits for its score (measure: benchmarks/reward_group.py); "
+        "group_timeout_s + scoring_time_s must be below client_timeout_s",
+    )
 
 
 # ---------------------------------------------------------------- streaming/
