@@ -94,7 +94,8 @@ class DeadLetterSender:
                 return
             consumer.assign(tps)
             window = scan_window(self.cfg)
-            # end_offsets can under-report on Tansu: that only starts the scan earlier (reads more)
+            # end_offsets can under-report on Tansu: that only starts the scan earlier (reads more); the
+            # scan ends at the high watermarks the fetches report
             for tp, end in consumer.end_offsets(tps).items():
                 consumer.seek(tp, max(0, end - window))
             idle = 0
@@ -103,13 +104,16 @@ class DeadLetterSender:
                 idle = 0 if polled else idle + 1
                 for records in polled.values():
                     for r in records:
-                        h = {name: v for name, v in r.headers or ()}
+                        h = dict(r.headers or ())
                         topic = h.get("dlq.source.topic", b"").decode("utf-8", "replace")
                         if topic in wanted:
                             found.add((topic, int(h["dlq.source.partition"]), int(h["dlq.source.offset"])))
+                high = [consumer.highwater(tp) for tp in tps]
+                if None not in high and all(consumer.position(tp) >= h for tp, h in zip(tps, high, strict=True)):
+                    break  # read up to the end of every partition
         finally:
             consumer.close(autocommit=False)
-        with self._lock:
-            self._sent = found  # a batch is only redelivered across an assignment, which scans again
+            with self._lock:
+                self._sent = found  # a batch is only redelivered across an assignment, which scans again
         if found:
             log.info("%d dead letters already in %s will not be sent again", len(found), self.topic)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
+import jiter
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -44,8 +45,7 @@ TS_MAX = 4_102_444_800.0  # 2100-01-01T00:00:00Z
 MAX_TOKENS = 10_000_000
 MAX_LATENCY_MS = 86_400_000.0  # a day
 MAX_FEEDBACK_VALUE = 604_800.0  # dwell: a week, in seconds
-MAX_DEPTH = 8  # a valid event nests 3 deep (event -> messages -> message)
-MAX_INT_DIGITS = 19  # int64 in the store
+MAX_DEPTH = 200  # the JSON parser's (jiter's) recursion limit; a valid event nests 3 deep
 _NO_CONTROL = r"^[^\x00-\x1f\x7f-\x9f]*$"  # identifiers: no C0/C1 control characters (NUL included)
 _RFC3339 = re.compile(
     r"^(\d{4})-(\d{2})-(\d{2})[Tt ](\d{2}):(\d{2}):(\d{2})(\.\d{1,32})?([Zz]|[+-]\d{2}:\d{2})$"
@@ -218,7 +218,7 @@ DeadLetterReason = Literal[
     "too_deep",  # nested deeper than MAX_DEPTH
     "duplicate_key",  # an object names a key twice
     "non_finite",  # NaN, Infinity, or a number that overflows a double
-    "number_range",  # an integer with more digits than int64 holds
+    "number_range",  # a number beyond what the JSON parser holds
     "oversize",  # more bytes than ingest.max_event_bytes
     "schema",  # a field missing, unknown, of the wrong type or out of its range
     "schema_version",  # missing or another version
@@ -238,66 +238,28 @@ class MalformedEvent(ValueError):
         super().__init__(f"{reason}: {detail}")
 
 
-def _reject_constant(name: str) -> Any:
-    raise MalformedEvent("non_finite", f"{name} is not a JSON number (numbers must be finite)")
-
-
-def _bounded_int(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise MalformedEvent("number_range", f"integer {text[:40]}... has more than {MAX_INT_DIGITS} digits")
-    return int(text)
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    doc = dict(pairs)
-    if len(doc) != len(pairs):
-        seen: set[str] = set()
-        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise MalformedEvent("duplicate_key", f"key {twice[:64]!r} appears more than once in an object")
-    return doc
-
-
-def _depth(doc: Any) -> int:
-    deepest, stack = 0, [(doc, 1)]
-    while stack:
-        node, depth = stack.pop()
-        deepest = max(deepest, depth)
-        children = node.values() if isinstance(node, dict) else node
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
-    return deepest
-
-
-def _decode(raw: bytes) -> Any:
-    try:
-        doc = json.loads(
-            # a number that overflows a double parses as inf: the models' finite check rejects it
-            raw, object_pairs_hook=_unique_keys, parse_constant=_reject_constant, parse_int=_bounded_int,
-        )
-    except RecursionError:
-        raise MalformedEvent("too_deep", f"nested deeper than {MAX_DEPTH} levels") from None
-    except MalformedEvent:
-        raise
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise MalformedEvent("bad_json", f"not valid JSON: {str(e)[:200]}") from None
-    # a depth of more than MAX_DEPTH needs more than MAX_DEPTH brackets: count them before walking
-    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _depth(doc) > MAX_DEPTH:
-        raise MalformedEvent("too_deep", f"nested deeper than {MAX_DEPTH} levels")
-    # JSON escapes can spell a lone UTF-16 surrogate, which no UTF-8 store can hold
-    if b"\\u" in raw and re.search(rb"\\u[dD][89a-fA-F]", raw):
-        try:
-            json.dumps(doc, ensure_ascii=False).encode()
-        except UnicodeEncodeError:
-            raise MalformedEvent("bad_json", "a string holds a lone UTF-16 surrogate (\\ud800-\\udfff)") from None
-    return doc
+_JSON_ERRORS = (
+    ("recursion limit exceeded", "too_deep"),
+    ("number out of range", "number_range"),
+    ("duplicate key", "duplicate_key"),
+)
 
 
 def parse_event(model: type[QueryLogEvent] | type[FeedbackEvent], raw: bytes | None, max_bytes: int) -> Event:
-    """Validate one record's bytes as a `model` event; raise MalformedEvent (and only that) saying why not."""
+    """Validate one record's bytes as a `model` event; raise MalformedEvent (and only that) saying why not.
+
+    Bounded: at most `max_bytes`; the JSON parser (jiter, pydantic's own) stops at MAX_DEPTH levels of
+    nesting and at numbers beyond its range, and rejects duplicate keys, lone UTF-16 surrogates and
+    invalid UTF-8; NaN/Infinity parse, and the models' finite check rejects them where a number goes."""
     if raw is None:
         raise MalformedEvent("bad_json", "record has no value (tombstone)")
     if len(raw) > max_bytes:
         raise MalformedEvent("oversize", f"{len(raw)} bytes > limit {max_bytes}")
-    doc = _decode(raw)
+    try:
+        doc = jiter.from_json(raw, catch_duplicate_keys=True)
+    except ValueError as e:
+        reason = next((r for text, r in _JSON_ERRORS if text in str(e)), "bad_json")
+        raise MalformedEvent(reason, f"not valid JSON: {str(e)[:200]}") from None
     if not isinstance(doc, dict):
         raise MalformedEvent("schema", f"expected a JSON object, got {type(doc).__name__}")
     # the models default schema_version for Python callers; on the wire it is required
@@ -306,16 +268,16 @@ def parse_event(model: type[QueryLogEvent] | type[FeedbackEvent], raw: bytes | N
     try:
         return model.model_validate(doc)
     except ValidationError as e:
-        errors = e.errors(include_url=False, include_input=False)
-        detail = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in errors[:5]
-        )[:1000]
-        if any(err["loc"][:1] == ("schema_version",) for err in errors):
-            raise MalformedEvent("schema_version", f"expected schema_version {SCHEMA_VERSION}: {detail}") from None
-        reasons = {_REASON_OF_ERROR.get(err["type"], "schema") for err in errors}
-        raise MalformedEvent(next(iter(reasons)) if len(reasons) == 1 else "schema", detail) from None
-    except RecursionError:
-        raise MalformedEvent("too_deep", f"nested deeper than {MAX_DEPTH} levels") from None
+        raise _classified(e) from None
+
+
+def _classified(e: ValidationError) -> MalformedEvent:
+    errors = e.errors(include_url=False, include_input=False)
+    detail = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in errors[:5])[:1000]
+    if any(err["loc"][:1] == ("schema_version",) for err in errors):
+        return MalformedEvent("schema_version", f"expected schema_version {SCHEMA_VERSION}: {detail}")
+    reasons = {_REASON_OF_ERROR.get(err["type"], "schema") for err in errors}
+    return MalformedEvent(reasons.pop() if len(reasons) == 1 else "schema", detail)
 
 
 @dataclass(frozen=True)

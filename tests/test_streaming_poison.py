@@ -61,7 +61,7 @@ def poison() -> list[tuple[str, str, bytes | None]]:
         ("q", "schema", json.dumps(_query("neg", latency_ms=-5.0)).encode()),
         ("q", "schema", json.dumps(_query("neg-tok", completion_tokens=-1)).encode()),
         ("f", "schema", json.dumps(_feedback("dwell-0", value=0)).encode()),
-        ("q", "number_range", _text(_query("int", prompt_tokens=7), '"prompt_tokens": 7', '"prompt_tokens": ' + "9" * 50)),
+        ("q", "number_range", _text(_query("int", prompt_tokens=7), '"prompt_tokens": 7', '"prompt_tokens": ' + "9" * 5000)),
         ("q", "bad_json", _text(_query("surrogate", response="R"), '"R"', '"\\ud800"')),
         ("q", "bad_json", b"\xff\xfe{not json"),
         ("q", "bad_json", None),
@@ -152,7 +152,7 @@ def test_poison_of_every_class_is_dead_lettered_once_and_ingest_keeps_running(ka
         if dl.truncated:
             kept = (tmp_path / "quarantine" / dl.source_topic / f"{dl.source_partition}-{dl.source_offset}.bin").read_bytes()
             assert kept == original, "the full bytes of a cut letter are in the quarantine"
-    assert sum(dl.truncated for dl in letters) == 3  # the two deep ones and the 1 MB one
+    assert any(dl.truncated and dl.original_length > 1_000_000 for dl in letters), "the 1 MB one, cut"
 
     total = len(good) + len(bad) + 1
     assert summary.consumed == total == consumed()
