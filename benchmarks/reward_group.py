@@ -53,8 +53,9 @@ def main() -> None:
     settings = load_settings()
     engine = build_engine(settings, "generator")
     evaluator = Evaluator(engine, engine, settings.rubric, EvaluatorMetrics(CollectorRegistry()))
-    evaluator.score_sets(["Say hi."], [["hi", "hello"]])  # warm-up: weights paged in, kernels chosen
-    evaluator.counts.parse_failures = evaluator.counts.prompt_only_fallbacks = evaluator.counts.generic_fallbacks = 0
+    from dynrubric.engines.base import GenerationRequest, SamplingParams
+
+    engine.generate([GenerationRequest("Say hi.", SamplingParams(max_tokens=4))])  # warm-up: weights paged in
     start, cpu = time.perf_counter(), time.process_time()
     scored = evaluator.score_sets(QUESTIONS, RESPONSES)
     batch_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu
