@@ -115,15 +115,21 @@ class RubricConfig(Section):
         default=512, ge=8, description="each response is cut to this many tokens in the verifier prompt"
     )
     max_items: int = Field(default=12, ge=2, le=12, description="items kept per rubric (highest weight first)")
-    generator_max_tokens: int = Field(default=512, ge=16, description="token budget of the generator's answer")
+    generator_max_tokens: int = Field(
+        default=256, ge=16,
+        description="token budget of the generator's answer (each try costs up to this many decode steps: "
+        "benchmarks/reward_group.py)",
+    )
     generator_context_tokens: int = Field(
         default=2048, ge=256, description="the generator's context; candidates are cut so the prompt fits"
     )
     generator_temperature: float = Field(default=0.7, ge=0.0, description="first try; retries keep it")
     retries: int = Field(
-        default=2, ge=0, le=20, description="extra set-conditioned tries (each with a new seed) before prompt-only"
+        default=0, ge=0, le=20,
+        description="extra set-conditioned tries (each with a new seed) before prompt-only; each is one more "
+        "generator pass inside the reward server's time budget",
     )
-    prompt_only_retries: int = Field(default=1, ge=0, le=20, description="extra prompt-only tries before the generic rubric")
+    prompt_only_retries: int = Field(default=0, ge=0, le=20, description="extra prompt-only tries before the generic rubric")
     mode: Literal["set", "prompt_only"] = Field(
         default="set", description="'prompt_only' skips the candidates in the generator prompt (for comparison)"
     )
@@ -155,7 +161,9 @@ class RewardServerConfig(Section):
     )
     n_samples_per_prompt: int = Field(default=4, ge=1, description="OpenRLHF's n_samples_per_prompt: group size")
     group_timeout_s: float = Field(
-        default=60.0, gt=0, description="from a group's first arrival; then the partial group is scored"
+        default=30.0, gt=0,
+        description="from a group's first arrival; then the partial group is scored (OpenRLHF sends a prompt's "
+        "n samples at once: a whole group is in within seconds)",
     )
     max_body_bytes: int = Field(default=1_048_576, ge=1024, description="larger request bodies get 413")
     replica_urls: list[str] = Field(
@@ -167,6 +175,15 @@ class RewardServerConfig(Section):
         default=None, description="this replica's entry in replica_urls (required when replica_urls is set)"
     )
     forward_timeout_s: float = Field(default=170.0, gt=0, description="timeout of a forward to the owner replica")
+    client_timeout_s: float = Field(
+        default=180.0, gt=0, description="the client's request timeout (OpenRLHF 0.11.2: 180 s, fixed in its code)"
+    )
+    scoring_time_s: float = Field(
+        default=140.0, gt=0,
+        description="the longest a closed group waits for its score (measure: benchmarks/reward_group.py; "
+        "SmolLM2-135M on 2 CPU cores, defaults: ~120 s for a batch of 4 groups of 4); "
+        "group_timeout_s + scoring_time_s must be below client_timeout_s",
+    )
 
 
 # ---------------------------------------------------------------- streaming/
@@ -218,6 +235,13 @@ class IngestConfig(Section):
     group_id: str = "dynrubric-ingest"
     store_dir: Path | None = Field(default=None, description="replay store root; default: <state_dir>/replay")
     max_event_bytes: int = Field(default=1_000_000, ge=64, description="larger records are dead-lettered")
+    dlq_max_payload_bytes: int = Field(
+        default=65_536, ge=256, le=900_000,
+        description="a dead letter's value is cut to this many bytes (headers keep the original length and sha256)",
+    )
+    dlq_quarantine_dir: Path | None = Field(
+        default=None, description="if set, the full bytes of every dead letter that was cut are kept here"
+    )
     max_prompt_chars: int = Field(default=32_000, ge=1, description="longer prompts are filtered out")
     deny_patterns: list[str] = Field(
         default_factory=list, description="regular expressions; a prompt matching any is filtered out"

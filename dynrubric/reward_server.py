@@ -9,6 +9,14 @@ set-conditioned reward needs the whole set, so:
   `n_samples_per_prompt` samples (the same prompt twice in a batch = two groups, split by arrival), or
   when its deadline, fixed at its FIRST arrival, passes (a partial group, counted); retries re-enter
   the barrier and can never extend a deadline;
+- a retry is the same sample again (same prompt, same response text) after its first request went
+  away (OpenRLHF retries a request that timed out): it takes over the sample's existing slot, in the
+  open group, the group being scored, or a group scored in the last RETRY_MEMORY_S (answered at once
+  from its score), so no sample is a member twice and no set is scored twice. The same text while the
+  first request still waits is a genuine second sample (short answers repeat), a member of its own;
+- a request whose client disconnects is cancelled (its slot stays in the group for a retry);
+- `group_timeout_s + scoring_time_s` must fit the client's timeout (`client_timeout_s`, OpenRLHF: 180 s):
+  the server refuses to start otherwise;
 - a closed group gets one rubric, one batched verification, and every held request its own score;
 - with several replicas, each prompt has ONE owner replica (sha256 of the prompt over the configured
   `replica_urls`); a replica that is not the owner forwards the sample there, so a group's samples
@@ -25,6 +33,7 @@ import json
 import logging
 import math
 import re
+import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +47,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dynrubric.config import RewardServerConfig
+from dynrubric.errors import DynrubricError
 from dynrubric.rubric.evaluator import Evaluator, EvaluatorMetrics, ScoredSet
 from dynrubric.service import make_app, require_token
 
@@ -147,14 +157,51 @@ class SampleResult:
 
 
 @dataclass
+class Slot:
+    """One sample of a group, and the requests waiting for its reward (more than one after a retry)."""
+
+    response: str
+    waiters: list[asyncio.Future[SampleResult]] = field(default_factory=list)
+
+    def orphaned(self) -> bool:
+        """No request waits for it any more: its client went away, a retry may take it over."""
+        return all(w.done() for w in self.waiters)
+
+
+@dataclass
 class Group:
     key: str
     question: str
-    responses: list[str] = field(default_factory=list)
-    waiters: list[asyncio.Future[SampleResult]] = field(default_factory=list)
+    slots: list[Slot] = field(default_factory=list)
     timer: asyncio.TimerHandle | None = None
     closed: bool = False
     partial: bool = False
+    closed_at: float = 0.0
+    answers: list[SampleResult] | None = None  # once scored, per slot
+
+    @property
+    def responses(self) -> list[str]:
+        return [slot.response for slot in self.slots]
+
+    def orphan_slot(self, response: str) -> int | None:
+        return next((i for i, s in enumerate(self.slots) if s.response == response and s.orphaned()), None)
+
+
+RETRY_MEMORY_S = 900.0  # scored groups kept for late retries: OpenRLHF retries 5 times, each up to its timeout
+
+
+def check_fits_client_timeout(config: RewardServerConfig) -> None:
+    """Refuse a barrier whose worst-case wait (a group's deadline, then its scoring) the client would not wait for."""
+    worst = config.group_timeout_s + config.scoring_time_s
+    if worst >= config.client_timeout_s:
+        raise DynrubricError(
+            f"reward_server.group_timeout_s ({config.group_timeout_s:g} s) + reward_server.scoring_time_s "
+            f"({config.scoring_time_s:g} s) = {worst:g} s does not fit the client's request timeout "
+            f"reward_server.client_timeout_s ({config.client_timeout_s:g} s; OpenRLHF's is 180 s): a partial "
+            "group would be answered after its client gave up, and every retry would score it again",
+            "lower reward_server.group_timeout_s, or make scoring faster (smaller rubric.generator_max_tokens, "
+            "fewer rubric.retries; measure with benchmarks/reward_group.py) and set reward_server.scoring_time_s",
+        )
 
 
 class ServerMetrics:
@@ -175,6 +222,18 @@ class ServerMetrics:
         )
         self.verdict_latency = Histogram(
             "dynrubric_reward_verdict_latency_seconds", "time to verify one set",
+            buckets=LATENCY_BUCKETS, registry=registry,
+        )
+        self.retries = Counter(
+            "dynrubric_reward_retried_samples", "samples that arrived again and took over their existing slot",
+            registry=registry,
+        )
+        self.cancelled = Counter(
+            "dynrubric_reward_cancelled_requests", "requests cancelled because their client went away",
+            registry=registry,
+        )
+        self.batch_seconds = Histogram(
+            "dynrubric_reward_scoring_seconds", "time to score one batch of closed groups (compare reward_server.scoring_time_s)",
             buckets=LATENCY_BUCKETS, registry=registry,
         )
 
@@ -198,30 +257,64 @@ class GroupBarrier:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluator")
         self._ready: list[Group] = []
         self._scorer: asyncio.Task[None] | None = None
+        #: closed groups, oldest first, kept RETRY_MEMORY_S for retries of their samples (and by key)
+        self.closed: deque[Group] = deque()
+        self.closed_by_key: dict[str, list[Group]] = {}
 
     def add(self, key: str, question: str, response: str) -> asyncio.Future[SampleResult]:
         loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[SampleResult] = loop.create_future()
+        retried = self._retry_slot(key, response)
+        if retried is not None:
+            group, i = retried
+            self.metrics.retries.inc()
+            if group.answers is not None:
+                waiter.set_result(group.answers[i])
+            else:
+                group.slots[i].waiters.append(waiter)
+            return waiter
         group = self.open.get(key)
         if group is None:
             group = Group(key=key, question=question)
             group.timer = loop.call_later(self.timeout_s, self._close, group, True)
             self.open[key] = group
-        waiter: asyncio.Future[SampleResult] = loop.create_future()
-        group.responses.append(response)
-        group.waiters.append(waiter)
-        if len(group.responses) >= self.n:
+        group.slots.append(Slot(response, [waiter]))
+        if len(group.slots) >= self.n:
             self._close(group, False)
         return waiter
+
+    def _retry_slot(self, key: str, response: str) -> tuple[Group, int] | None:
+        """The slot a retried sample takes over: same prompt, same text, nobody waiting for it."""
+        now = time.monotonic()
+        while self.closed and now - self.closed[0].closed_at > RETRY_MEMORY_S:
+            self._forget(self.closed.popleft())
+        candidates = [self.open[key]] if key in self.open else []
+        candidates += self.closed_by_key.get(key, [])
+        for group in candidates:
+            i = group.orphan_slot(response)
+            if i is not None:
+                return group, i
+        return None
+
+    def _forget(self, group: Group) -> None:
+        same = self.closed_by_key.get(group.key, [])
+        if group in same:
+            same.remove(group)
+        if not same:
+            self.closed_by_key.pop(group.key, None)
 
     def _close(self, group: Group, timed_out: bool) -> None:
         if group.closed:
             return
         group.closed = True
+        group.closed_at = time.monotonic()
         if group.timer is not None:
             group.timer.cancel()
         if self.open.get(group.key) is group:
             del self.open[group.key]
-        group.partial = timed_out and len(group.responses) < self.n
+        self.closed.append(group)
+        self.closed_by_key.setdefault(group.key, []).append(group)
+        group.partial = timed_out and len(group.slots) < self.n
         if group.partial:
             self.metrics.partial_groups.inc()
         if len(group.responses) < 2:
@@ -242,15 +335,20 @@ class GroupBarrier:
         so rubric generation for concurrent groups is one batched engine call."""
         while self._ready:
             batch, self._ready = self._ready, []
+            started = time.monotonic()
             try:
                 scored = await self.score_sets([g.question for g in batch], [g.responses for g in batch])
             except Exception as e:  # the engine failed: every held request gets an error, OpenRLHF retries
                 log.exception("scoring %d group(s) failed", len(batch))
                 for g in batch:
-                    for w in g.waiters:
-                        if not w.done():
-                            w.set_exception(e)
+                    self.closed.remove(g)  # not answerable: its retries form a new group
+                    self._forget(g)
+                    for slot in g.slots:
+                        for w in slot.waiters:
+                            if not w.done():
+                                w.set_exception(e)
                 continue
+            self.metrics.batch_seconds.observe(time.monotonic() - started)
             for group, s in zip(batch, scored, strict=True):
                 self._answer(group, s)
 
@@ -259,20 +357,28 @@ class GroupBarrier:
             "rubric_mean_gap": finite(scored.gaps.mean_abs_gap),
             "rubric_items": float(len(scored.rubric.items)),
             "rubric_generic": 1.0 if scored.rubric_source == "generic" else 0.0,
-            "rubric_group_size": float(len(group.responses)),
+            "rubric_group_size": float(len(group.slots)),
             "rubric_partial_group": 1.0 if group.partial else 0.0,
             "rubric_collapse": 1.0 if self.evaluator.collapse.collapsed else 0.0,
         }
         self.recent.append({"key": group.key, "partial": group.partial, **scored.as_dict()})
-        for w, score in zip(group.waiters, scored.scores, strict=True):
-            if not w.done():
-                w.set_result(SampleResult(reward=finite(score), logs=logs))
+        group.answers = [SampleResult(reward=finite(score), logs=logs) for score in scored.scores]
+        for slot, answer in zip(group.slots, group.answers, strict=True):
+            for w in slot.waiters:
+                if not w.done():
+                    w.set_result(answer)
 
     def close(self) -> None:
         for group in list(self.open.values()):
             if group.timer is not None:
                 group.timer.cancel()
         self.worker.shutdown(wait=False, cancel_futures=True)
+
+
+async def client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body is already read, so the next ASGI message is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 # ---------------------------------------------------------------- the app
@@ -285,6 +391,7 @@ def create_app(
     """The reward server over an evaluator whose metrics are registered on `registry`."""
     if config.replica_urls and config.self_url not in config.replica_urls:
         raise ValueError("reward_server.self_url must be one of reward_server.replica_urls")
+    check_fits_client_timeout(config)
     metrics = ServerMetrics(registry)
     barrier = GroupBarrier(evaluator, config.n_samples_per_prompt, config.group_timeout_s, metrics)
     app = make_app("dynrubric reward server", registry)
@@ -339,13 +446,21 @@ def create_app(
             return reject(e)
         labels = body.labels if body.labels is not None and len(body.labels) == len(body.query) else [None] * len(body.query)
         forwarded = request.headers.get(FORWARDED_HEADER) == "1"
-        try:
-            results = await asyncio.gather(
-                *(
-                    one_sample(q, prompts[i] if prompts is not None else None, labels[i], forwarded)
-                    for i, q in enumerate(body.query)
-                )
+        work = asyncio.ensure_future(asyncio.gather(
+            *(
+                one_sample(q, prompts[i] if prompts is not None else None, labels[i], forwarded)
+                for i, q in enumerate(body.query)
             )
+        ))
+        gone = asyncio.ensure_future(client_gone(request))
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():  # the client went away: stop waiting (its samples' slots stay for a retry)
+            work.cancel()
+            metrics.cancelled.inc()
+            return JSONResponse({"detail": "client disconnected"}, status_code=499)
+        gone.cancel()
+        try:
+            results = work.result()
         except Exception as e:
             metrics.requests.labels(outcome="error").inc()
             return JSONResponse({"detail": f"scoring failed: {type(e).__name__}: {e}"}, status_code=503)
@@ -403,6 +518,7 @@ def build_app(settings: Any) -> FastAPI:
     """The server as `dynrubric serve-reward` runs it: engines from the settings, a fresh registry."""
     from dynrubric.engines import build_engine
 
+    check_fits_client_timeout(settings.reward_server)  # before the models load: fail in a second, not a minute
     generator = build_engine(settings, "generator")
     verifier = generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
     registry = CollectorRegistry()

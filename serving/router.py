@@ -486,8 +486,11 @@ class Router:
             from streaming.events import FeedbackEvent
 
             user = request.headers.get(USER_KEY_HEADER) or body.user or "anonymous"
-            event = FeedbackEvent(request_id=body.request_id, ts=time.time(), user_key=hash_user(user),
-                                  kind=body.kind, value=body.value)
+            try:  # the event model is the schema: it has the last word on values (a dwell needs seconds > 0)
+                event = FeedbackEvent(request_id=body.request_id, ts=time.time(), user_key=hash_user(user),
+                                      kind=body.kind, value=body.value)
+            except ValueError as e:
+                raise HTTPException(422, f"feedback not accepted by the event schema: {e}") from None
             if not self.producer.send_feedback(event):
                 raise HTTPException(503, "the event buffer is full; retry later")
             return {"status": "accepted", "request_id": body.request_id}

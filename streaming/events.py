@@ -1,19 +1,36 @@
-"""The events on the wire: topic names, the two logged event types, and dead letters.
+"""The events on the wire: topic names, the two logged event types, parsing, and dead letters.
 
-The JSON Schema files in `streaming/schemas/` are the source of truth; the pydantic models here mirror
-them (strict, unknown fields forbidden) and `tests/test_streaming_events.py` checks that both accept
-and reject the same documents. Ingest validates with the pydantic models because they are fast.
+The pydantic models here are THE definition of the event schema. Everything else is generated from
+them (`streaming/derived.py`): the JSON Schema files in `streaming/schemas/` (regenerate with
+`python -m streaming.derived`; a test fails when a file is stale) and the replay store's Arrow schemas.
+
+`parse_event` is what ingest runs on every record. It is bounded (size, nesting depth, number range)
+and raises nothing but `MalformedEvent`, whose `reason` says which class of bad input it was.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
+import re
 import time
 from dataclasses import dataclass
-from importlib import resources
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+import jiter
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    WithJsonSchema,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 SCHEMA_VERSION = 1
 
@@ -22,9 +39,86 @@ FEEDBACK_TOPIC = "dynrubric.feedback"
 DEAD_LETTER_TOPIC = "dynrubric.dead-letter"
 TOPICS = (QUERY_LOG_TOPIC, FEEDBACK_TOPIC, DEAD_LETTER_TOPIC)
 
-Id = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+# ---------------------------------------------------------------- value rules
+TS_MIN = 946_684_800.0  # 2000-01-01T00:00:00Z
+TS_MAX = 4_102_444_800.0  # 2100-01-01T00:00:00Z
+MAX_TOKENS = 10_000_000
+MAX_LATENCY_MS = 86_400_000.0  # a day
+MAX_FEEDBACK_VALUE = 604_800.0  # dwell: a week, in seconds
+MAX_DEPTH = 200  # the JSON parser's (jiter's) recursion limit; a valid event nests 3 deep
+_NO_CONTROL = r"^[^\x00-\x1f\x7f-\x9f]*$"  # identifiers: no C0/C1 control characters (NUL included)
+_RFC3339 = re.compile(
+    r"^(\d{4})-(\d{2})-(\d{2})[Tt ](\d{2}):(\d{2}):(\d{2})(\.\d{1,32})?([Zz]|[+-]\d{2}:\d{2})$"
+)
+
+
+def _ident(max_length: int, min_length: int = 1) -> Any:
+    return Annotated[str, StringConstraints(min_length=min_length, max_length=max_length, pattern=_NO_CONTROL)]
+
+
+Id = _ident(128)
 PolicyVersion = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
 FeedbackKind = Literal["thumbs_up", "thumbs_down", "regenerate", "copy", "dwell"]
+
+
+def rfc3339_seconds(text: str) -> float:
+    """Seconds since the epoch of an RFC 3339 timestamp (any fraction digits, any offset, Z)."""
+    m = _RFC3339.match(text)
+    if m is None:
+        raise ValueError(f"ts {text[:40]!r} is neither epoch seconds nor an RFC 3339 timestamp")
+    y, mo, d, h, mi, s = (int(g) for g in m.groups()[:6])
+    leap = s == 60  # RFC 3339 allows a leap second; datetime does not
+    try:
+        base = datetime(y, mo, d, h, mi, 59 if leap else s, tzinfo=UTC).timestamp()
+    except ValueError as e:
+        raise ValueError(f"ts {text!r} is not a real date and time: {e}") from None
+    offset = m.group(8)
+    shift = 0 if offset in ("Z", "z") else (1 if offset[0] == "+" else -1) * (int(offset[1:3]) * 3600 + int(offset[4:6]) * 60)
+    return base + leap + float("0" + (m.group(7) or "")) - shift
+
+
+def _epoch_seconds(value: Any) -> float:
+    """`ts` as epoch seconds: a JSON number, or an RFC 3339 string. Out of [2000, 2100) is rejected,
+    with a reason of its own when the number is in the window once read as milli/micro/nanoseconds."""
+    if isinstance(value, str):
+        try:
+            seconds = rfc3339_seconds(value)
+        except ValueError as e:
+            raise PydanticCustomError("ts_format", "{detail}", {"detail": str(e)}) from None
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise PydanticCustomError("ts_format", "ts must be epoch seconds (a number) or an RFC 3339 string")
+    if not math.isfinite(seconds):
+        raise PydanticCustomError("finite_number", "ts must be a finite number")
+    if TS_MIN <= seconds < TS_MAX:
+        return seconds
+    for unit, factor in (("milliseconds", 1e3), ("microseconds", 1e6), ("nanoseconds", 1e9)):
+        if TS_MIN <= seconds / factor < TS_MAX:
+            raise PydanticCustomError(
+                "ts_units", "ts {ts} looks like epoch {unit}; send seconds since the epoch",
+                {"ts": repr(value), "unit": unit},
+            )
+    raise PydanticCustomError(
+        "ts_window", "ts {ts} is outside 2000-01-01..2100-01-01", {"ts": repr(value)[:40]}
+    )
+
+
+EpochSeconds = Annotated[
+    float,
+    BeforeValidator(_epoch_seconds),
+    WithJsonSchema({
+        "anyOf": [
+            {"type": "number", "minimum": TS_MIN, "exclusiveMaximum": TS_MAX},
+            {"type": "string", "format": "date-time", "maxLength": 64},
+        ],
+        "description": "seconds since the Unix epoch, or an RFC 3339 timestamp; 2000-01-01 <= ts < 2100-01-01",
+    }),
+]
+
+
+def _finite(**bounds: float) -> Any:
+    return Field(allow_inf_nan=False, **bounds)
 
 
 class _Strict(BaseModel):
@@ -34,7 +128,9 @@ class _Strict(BaseModel):
 class _Versioned(_Strict):
     """schema_version is required on the wire (`parse_event` checks it); Python code gets the current one."""
 
-    schema_version: int = Field(default=SCHEMA_VERSION, ge=SCHEMA_VERSION, le=SCHEMA_VERSION)  # strict: true != 1
+    schema_version: int = Field(
+        default=SCHEMA_VERSION, ge=SCHEMA_VERSION, le=SCHEMA_VERSION, description="version of this schema"
+    )
 
     def to_bytes(self) -> bytes:
         return self.model_dump_json().encode()
@@ -46,43 +142,63 @@ class ChatMessage(_Strict):
 
 
 class Sampling(_Strict):
-    temperature: float = Field(ge=0)
-    top_p: float = Field(gt=0, le=1)
-    max_tokens: int = Field(ge=1)
+    temperature: float = _finite(ge=0, le=100)
+    top_p: float = _finite(gt=0, le=1)
+    max_tokens: int = Field(ge=1, le=MAX_TOKENS)
 
 
 class QueryLogEvent(_Versioned):
-    """One served request and its response (schema `query-log.v1.json`, topic `dynrubric.query-log`)."""
+    """One served request and its response, as the router logs it to the topic dynrubric.query-log
+    (key = request_id). Unknown fields are rejected: a new field means a new schema_version."""
 
-    request_id: Id
-    ts: float = Field(ge=0, description="seconds since the Unix epoch")
-    user_key: Id
-    session_id: Annotated[str, StringConstraints(max_length=128)] | None = None
-    variant: Annotated[str, StringConstraints(min_length=1, max_length=64)]
-    policy_version: PolicyVersion
-    model: Annotated[str, StringConstraints(min_length=1, max_length=256)]
-    messages: list[ChatMessage] = Field(min_length=1)
+    request_id: Id = Field(description="unique per request; the Kafka key and the dedupe key")
+    ts: EpochSeconds = Field(description="when the response finished")
+    user_key: Id = Field(description="hashed user id, never the raw id")
+    session_id: _ident(128, 0) | None = None
+    variant: _ident(64) = Field(description="A/B variant that served the request, e.g. stable or canary")
+    policy_version: PolicyVersion = Field(
+        description="checkpoint version that produced the response (path-safe: the replay store partitions by it)"
+    )
+    model: _ident(256)
+    messages: list[ChatMessage] = Field(min_length=1, description="the chat prompt as sent to the model, without the response")
     response: str
-    finish_reason: Annotated[str, StringConstraints(max_length=32)] | None = None
+    finish_reason: _ident(32, 0) | None = Field(default=None, description="stop, length, abort, ... as the engine reports it")
     sampling: Sampling
-    latency_ms: float = Field(ge=0)
-    prompt_tokens: int = Field(ge=0)
-    completion_tokens: int = Field(ge=0)
+    latency_ms: float = _finite(ge=0, le=MAX_LATENCY_MS)
+    prompt_tokens: int = Field(ge=0, le=MAX_TOKENS)
+    completion_tokens: int = Field(ge=0, le=MAX_TOKENS)
     # the rollout gate's attribution (serving/online.py) and the judged check's shadow pairs
-    experiment_id: Annotated[str, StringConstraints(max_length=200)] | None = None
-    assigned_variant: Annotated[str, StringConstraints(max_length=64)] | None = None
-    pair_id: Annotated[str, StringConstraints(max_length=128)] | None = None
-    shadow: bool = False
+    experiment_id: _ident(200, 0) | None = Field(default=None, description="the rollout this request belongs to")
+    assigned_variant: _ident(64, 0) | None = Field(default=None, description="the arm the user is assigned to (SRM, attribution)")
+    pair_id: _ident(128, 0) | None = Field(default=None, description="links a served answer and its shadow (judged check)")
+    shadow: bool = Field(default=False, description="a shadow answer to the arm that did not serve: never shown, never trained on")
+
+
+_DWELL_NEEDS_SECONDS = {
+    "if": {"properties": {"kind": {"const": "dwell"}}, "required": ["kind"]},
+    "then": {"properties": {"value": {"type": "number", "exclusiveMinimum": 0}}, "required": ["value"]},
+}
 
 
 class FeedbackEvent(_Versioned):
-    """A user's signal about one response (schema `feedback.v1.json`, topic `dynrubric.feedback`)."""
+    """A user's signal about one served response, on the topic dynrubric.feedback (key = request_id of
+    the request it is about). Unknown fields are rejected: a new field means a new schema_version."""
 
-    request_id: Id
-    ts: float = Field(ge=0, description="seconds since the Unix epoch")
-    user_key: Id
+    model_config = ConfigDict(json_schema_extra={"allOf": [_DWELL_NEEDS_SECONDS]})
+
+    request_id: Id = Field(description="the request this feedback is about")
+    ts: EpochSeconds = Field(description="when the user gave it")
+    user_key: Id = Field(description="hashed user id, never the raw id")
     kind: FeedbackKind
-    value: float | None = None
+    value: float | None = _finite(
+        default=None, ge=0, le=MAX_FEEDBACK_VALUE, description="dwell: seconds spent reading (> 0); the other kinds: 1 or null"
+    )
+
+    @model_validator(mode="after")
+    def _dwell_has_seconds(self) -> FeedbackEvent:
+        if self.kind == "dwell" and not (self.value is not None and self.value > 0):
+            raise PydanticCustomError("dwell_seconds", "a dwell event needs value = seconds spent reading, > 0")
+        return self
 
     def dedupe_key(self) -> str:
         # One request gets several feedback events; a re-sent event repeats all three fields.
@@ -94,13 +210,28 @@ SCHEMA_FILE_OF_MODEL = {QueryLogEvent: "query-log.v1.json", FeedbackEvent: "feed
 
 
 def load_schema(model: type[QueryLogEvent] | type[FeedbackEvent]) -> dict[str, Any]:
-    """The JSON Schema (source of truth) of an event model."""
+    """The JSON Schema file of an event model (generated from the model by `streaming/derived.py`)."""
+    from importlib import resources
+
     text = resources.files("streaming").joinpath("schemas", SCHEMA_FILE_OF_MODEL[model]).read_text()
     return json.loads(text)
 
 
 # ---------------------------------------------------------------- malformed records
-DeadLetterReason = Literal["bad_json", "schema", "schema_version", "oversize"]
+DeadLetterReason = Literal[
+    "bad_json",  # not JSON, not UTF-8, or a tombstone
+    "too_deep",  # nested deeper than MAX_DEPTH
+    "duplicate_key",  # an object names a key twice
+    "non_finite",  # NaN, Infinity, or a number that overflows a double
+    "number_range",  # a number beyond what the JSON parser holds
+    "oversize",  # more bytes than ingest.max_event_bytes
+    "schema",  # a field missing, unknown, of the wrong type or out of its range
+    "schema_version",  # missing or another version
+    "ts_units",  # ts in the window only when read as milli/micro/nanoseconds
+    "ts_window",  # ts outside 2000..2100
+    "store_error",  # valid, but the store could not write it (isolated from its batch)
+]
+_REASON_OF_ERROR = {"ts_units": "ts_units", "ts_window": "ts_window", "finite_number": "non_finite"}
 
 
 class MalformedEvent(ValueError):
@@ -112,43 +243,56 @@ class MalformedEvent(ValueError):
         super().__init__(f"{reason}: {detail}")
 
 
+_JSON_ERRORS = (
+    ("recursion limit exceeded", "too_deep"),
+    ("number out of range", "number_range"),
+    ("duplicate key", "duplicate_key"),
+)
+
+
 def parse_event(model: type[QueryLogEvent] | type[FeedbackEvent], raw: bytes | None, max_bytes: int) -> Event:
-    """Validate one record's bytes as a `model` event; raise MalformedEvent saying why not."""
+    """Validate one record's bytes as a `model` event; raise MalformedEvent (and only that) saying why not.
+
+    Bounded: at most `max_bytes`; the JSON parser (jiter, pydantic's own) stops at MAX_DEPTH levels of
+    nesting and at numbers beyond its range, and rejects duplicate keys, lone UTF-16 surrogates and
+    invalid UTF-8; NaN/Infinity parse, and the models' finite check rejects them where a number goes."""
     if raw is None:
         raise MalformedEvent("bad_json", "record has no value (tombstone)")
     if len(raw) > max_bytes:
         raise MalformedEvent("oversize", f"{len(raw)} bytes > limit {max_bytes}")
-    # The models default schema_version for Python callers; on the wire it is required. A byte search is
-    # 100x cheaper than a validator (inside a JSON string the quotes would be escaped, so it finds the key).
-    if b'"schema_version"' not in raw:
-        try:
-            doc = json.loads(raw)
-        except ValueError as e:
-            raise MalformedEvent("bad_json", f"not valid JSON: {e}") from None
-        if not isinstance(doc, dict):
-            raise MalformedEvent("schema", f"expected a JSON object, got {type(doc).__name__}")
+    try:
+        doc = jiter.from_json(raw, catch_duplicate_keys=True)
+    except ValueError as e:
+        reason = next((r for text, r in _JSON_ERRORS if text in str(e)), "bad_json")
+        raise MalformedEvent(reason, f"not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(doc, dict):
+        raise MalformedEvent("schema", f"expected a JSON object, got {type(doc).__name__}")
+    # the models default schema_version for Python callers; on the wire it is required
+    if "schema_version" not in doc:
         raise MalformedEvent("schema_version", f"schema_version is missing (expected {SCHEMA_VERSION})")
     try:
-        return model.model_validate_json(raw)
+        return model.model_validate(doc)
     except ValidationError as e:
-        errors = e.errors(include_url=False, include_input=False)
-        first = errors[0]
-        if first["type"] == "json_invalid":
-            raise MalformedEvent("bad_json", f"not valid JSON: {first['msg']}") from None
-        detail = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in errors[:5]
-        )
-        if any(err["loc"][:1] == ("schema_version",) for err in errors):
-            raise MalformedEvent("schema_version", f"expected schema_version {SCHEMA_VERSION}: {detail}") from None
-        raise MalformedEvent("schema", detail) from None
+        raise _classified(e) from None
+
+
+def _classified(e: ValidationError) -> MalformedEvent:
+    errors = e.errors(include_url=False, include_input=False)
+    detail = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in errors[:5])[:1000]
+    if any(err["loc"][:1] == ("schema_version",) for err in errors):
+        return MalformedEvent("schema_version", f"expected schema_version {SCHEMA_VERSION}: {detail}")
+    reasons = {_REASON_OF_ERROR.get(err["type"], "schema") for err in errors}
+    return MalformedEvent(reasons.pop() if len(reasons) == 1 else "schema", detail)
 
 
 @dataclass(frozen=True)
 class DeadLetter:
     """A malformed record as written to `dynrubric.dead-letter`.
 
-    The Kafka value is the raw bytes exactly as received (key kept too); the context travels in
-    headers, the convention Kafka Connect uses, so any client (kcat -f '%h') can read it.
+    The Kafka value is the raw bytes as received, cut to `ingest.dlq_max_payload_bytes` when longer
+    (the key likewise to MAX_DLQ_KEY_BYTES); the context travels in headers, the convention Kafka
+    Connect uses, so any client (kcat -f '%h') can read it: `dlq.original.length` and
+    `dlq.original.sha256` describe the value before any cut, `dlq.truncated` says whether it was cut.
     """
 
     raw: bytes | None
@@ -159,29 +303,50 @@ class DeadLetter:
     reason: str
     error: str
     ts: float
+    original_length: int | None = None  # of the value before a cut; None for a tombstone
+    original_sha256: str | None = None
+    truncated: bool = False
 
     HEADER_PREFIX = "dlq."
+    MAX_ERROR_CHARS = 1000
+    MAX_KEY_BYTES = 1024
 
     def headers(self) -> list[tuple[str, bytes]]:
         p = self.HEADER_PREFIX
-        return [
+        headers = [
             (p + "reason", self.reason.encode()),
-            (p + "error", self.error.encode()),
+            (p + "error", self.error[: self.MAX_ERROR_CHARS].encode("utf-8", "replace")),
             (p + "source.topic", self.source_topic.encode()),
             (p + "source.partition", str(self.source_partition).encode()),
             (p + "source.offset", str(self.source_offset).encode()),
             (p + "ts", repr(self.ts).encode()),
+            (p + "truncated", b"true" if self.truncated else b"false"),
         ]
+        if self.original_length is not None:
+            headers.append((p + "original.length", str(self.original_length).encode()))
+            headers.append((p + "original.sha256", (self.original_sha256 or "").encode()))
+        return headers
 
     @classmethod
-    def of(cls, error: MalformedEvent, *, raw, key, topic, partition, offset) -> DeadLetter:
-        return cls(raw, key, topic, partition, offset, error.reason, error.detail, time.time())
+    def of(cls, reason: str, detail: str, *, raw, key, topic, partition, offset, max_payload_bytes: int) -> DeadLetter:
+        """The dead letter of one record, its value cut to `max_payload_bytes` so that it is always sendable."""
+        length = sha = None
+        cut = False
+        if raw is not None:
+            length, sha = len(raw), hashlib.sha256(raw).hexdigest()
+            if len(raw) > max_payload_bytes:
+                raw, cut = raw[:max_payload_bytes], True
+        if key is not None and len(key) > cls.MAX_KEY_BYTES:
+            key, cut = key[: cls.MAX_KEY_BYTES], True
+        return cls(raw, key, topic, partition, offset, reason, detail, time.time(), length, sha, cut)
 
     @classmethod
     def from_record(cls, value: bytes | None, key: bytes | None, headers) -> DeadLetter:
         """Read one back from a consumed dead-letter record (headers as (name, bytes) pairs)."""
         h = {name[len(cls.HEADER_PREFIX):]: v.decode() for name, v in headers or () if name.startswith(cls.HEADER_PREFIX)}
+        length = h.get("original.length")
         return cls(
             value, key, h["source.topic"], int(h["source.partition"]), int(h["source.offset"]),
-            h["reason"], h["error"], float(h["ts"]),
+            h["reason"], h["error"], float(h["ts"]), int(length) if length is not None else None,
+            h.get("original.sha256"), h.get("truncated") == "true",
         )

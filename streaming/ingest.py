@@ -3,10 +3,16 @@
 One consumer in the group `ingest.group_id`, manual commits. The main thread polls and collects
 raw records into batches; a hand-off thread passes each batch to the writer process
 (`streaming/writer_process.py`: validate, filter, scrub, dedupe, store; see `streaming/store.py` for
-why that is exactly-once) and sends the malformed records it names to the dead-letter topic.
+why that is exactly-once) and sends the malformed records it names to the dead-letter topic
+(`streaming/dead_letters.py`: cut to a sendable size, never twice for one source record).
 Offsets of a batch are committed only after its shards are durable and its dead letters
 acknowledged. When the writer falls behind by `ingest.max_pending_batches`, the consumer pauses its
 partitions until it catches up.
+
+No record stops ingest: each consumed record ends in exactly one of stored, duplicate, filtered or
+dead-lettered (with a reason), `consumed == stored + duplicates + filtered + dead_lettered`. Every
+finished batch is checked against it (`dynrubric_ingest_unaccounted_total` counts any record that
+was not), and so is the whole run at a clean shutdown.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dynrubric.config import IngestConfig, KafkaConfig
 from dynrubric.errors import DynrubricError
-from streaming.events import DeadLetter
+from streaming.dead_letters import DeadLetterSender
 from streaming.kafka import Topics, connection_kwargs, ensure_topics, unreachable
 from streaming.store import QUERY_LOG
 from streaming.writer_process import FEEDBACK_KIND, QUERY_LOG_KIND, RawRecord, WrittenBatch, WriterProcess
@@ -63,6 +69,16 @@ class IngestMetrics:
             "dynrubric_ingest_backpressure_pauses_total", "times the consumer paused because the writer lagged",
             registry=registry,
         )
+        self.unaccounted = Counter(
+            "dynrubric_ingest_unaccounted_total",
+            "records of finished batches that ended in none of stored/duplicate/filtered/dead-lettered (always 0)",
+            registry=registry,
+        )
+        self.dlq_already_sent = Counter(
+            "dynrubric_ingest_dead_letters_already_sent_total",
+            "dead letters not sent again: the dead-letter topic already held them (a batch redelivered after a crash)",
+            registry=registry,
+        )
 
 
 @dataclass
@@ -90,6 +106,11 @@ class IngestSummary:
     store_seconds: float = 0.0  # writer process: dedupe, Parquet, fsync, index commit
     first_record_at: float | None = None  # time.monotonic() of the first record read
     last_commit_at: float | None = None  # time.monotonic() of the last offset commit
+
+    @property
+    def unaccounted(self) -> int:
+        """consumed - (stored + duplicates + filtered + dead_lettered): 0 once every batch is finished."""
+        return self.consumed - self.written - self.duplicates - self.filtered - self.dead_lettered
 
     @property
     def busy_seconds(self) -> float:
@@ -128,7 +149,7 @@ class Ingestor:
 
     # ------------------------------------------------------------ lifecycle
     def run(self, stop: threading.Event, until_idle_s: float | None = None) -> IngestSummary:
-        from kafka import KafkaConsumer, KafkaProducer
+        from kafka import KafkaConsumer
         from kafka.errors import NoBrokersAvailable
 
         ensure_topics(self.kafka)
@@ -136,7 +157,7 @@ class Ingestor:
         if self.writer.removed_orphans:
             log.warning("removed %d unregistered shard files left by a crash", self.writer.removed_orphans)
         try:
-            self.dlq = KafkaProducer(**connection_kwargs(self.kafka), acks="all", retries=5, linger_ms=5)
+            self.dlq = DeadLetterSender(self.kafka, self.cfg, self.topics.dead_letter)
             self.consumer = KafkaConsumer(
                 **connection_kwargs(self.kafka),
                 group_id=self.cfg.group_id,
@@ -160,8 +181,15 @@ class Ingestor:
             self._todo.put(None)
             writer_thread.join(30)
             self.consumer.close(autocommit=False)
-            self.dlq.close(timeout=10)
+            self.dlq.close()
             self.writer.close()
+        if self.summary.unaccounted:
+            s = self.summary
+            raise DynrubricError(
+                f"ingest lost track of {s.unaccounted} records: consumed {s.consumed} != stored {s.written} + "
+                f"duplicates {s.duplicates} + filtered {s.filtered} + dead-lettered {s.dead_lettered}",
+                "this is a bug in ingest; report it with the log (the offsets of those records were committed)",
+            )
         return self.summary
 
     def _loop(self, stop: threading.Event, until_idle_s: float | None) -> None:
@@ -259,6 +287,10 @@ class Ingestor:
             self.summary.last_commit_at = time.monotonic()
 
     def _account(self, batch: Batch, written: WrittenBatch) -> None:
+        missing = batch.size - written.accounted()
+        if missing:
+            log.error("a batch of %d records accounted for %d", batch.size, written.accounted())
+            self.metrics.unaccounted.inc(missing)
         result = written.result
         for kind, n in result.written.items():
             self.metrics.written.labels(self.topic_of_kind[kind]).inc(n)
@@ -289,15 +321,14 @@ class Ingestor:
                 return
             try:
                 written = self.writer.write(batch.records)
-                futures = []
+                letters = []
                 for i, reason, detail in written.dead:
                     rec = batch.records[i]
-                    letter = DeadLetter(rec.value, batch.keys[i], batch.topics[i], rec.partition, rec.offset,
-                                        reason, detail, time.time())
-                    futures.append(self.dlq.send(self.topics.dead_letter, key=letter.key, value=letter.raw,
-                                                 headers=letter.headers()))
-                for future in futures:
-                    future.get(timeout=30)  # raises when a dead letter was not delivered: nothing is committed
+                    letter = self.dlq.letter(reason, detail, raw=rec.value, key=batch.keys[i], topic=batch.topics[i],
+                                             partition=rec.partition, offset=rec.offset)
+                    letters.append((letter, rec.value))
+                # raises when a dead letter was not delivered: nothing of the batch is committed
+                self.metrics.dlq_already_sent.inc(self.dlq.send(letters))
                 self._done.put((batch, written))
             except BaseException as e:
                 self._done.put((batch, e))
@@ -316,6 +347,7 @@ class _Rebalance(ConsumerRebalanceListener):
 
     def on_partitions_assigned(self, assigned) -> None:
         ing = self.ingestor
+        ing.dlq.remember_sent(ing.kind_of_topic)  # uncommitted records may come back: their letters were sent
         for tp in assigned:
             committed = ing.consumer.committed(tp)
             ing._committed[tp] = committed if committed is not None else 0

@@ -38,40 +38,23 @@ from dynrubric.config import Settings
 from dynrubric.errors import DynrubricError
 from dynrubric.prompt_key import prompt_key
 from dynrubric.train.prompts import TrainPrompt
+from streaming.derived import arrow_fields
 from streaming.events import FeedbackEvent, QueryLogEvent
 
 INDEX = "index.sqlite"
 LOCK = ".writer.lock"
 QUERY_LOG, FEEDBACK = "query_log", "feedback"
 
+# generated from the event models (streaming/derived.py), then the store's own columns
 QUERY_LOG_SCHEMA = pa.schema([
-    ("request_id", pa.string()),
-    ("ts", pa.float64()),
-    ("user_key", pa.string()),
-    ("session_id", pa.string()),
-    ("variant", pa.string()),
-    ("policy_version", pa.string()),
-    ("model", pa.string()),
-    ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    *arrow_fields(QueryLogEvent, flatten=("sampling",)),
     ("prompt_key", pa.string()),
     ("prompt_text", pa.string()),
-    ("response", pa.string()),
-    ("finish_reason", pa.string()),
-    ("temperature", pa.float64()),
-    ("top_p", pa.float64()),
-    ("max_tokens", pa.int64()),
-    ("latency_ms", pa.float64()),
-    ("prompt_tokens", pa.int64()),
-    ("completion_tokens", pa.int64()),
     ("source_partition", pa.int32()),
     ("source_offset", pa.int64()),
 ])
 FEEDBACK_SCHEMA = pa.schema([
-    ("request_id", pa.string()),
-    ("ts", pa.float64()),
-    ("user_key", pa.string()),
-    ("kind", pa.string()),
-    ("value", pa.float64()),
+    *arrow_fields(FeedbackEvent),
     ("source_partition", pa.int32()),
     ("source_offset", pa.int64()),
 ])
@@ -124,6 +107,12 @@ class CommitResult:
     written: dict[str, int] = field(default_factory=dict)  # kind -> rows
     duplicates: int = 0
     shard_ids: list[int] = field(default_factory=list)
+
+    def merged(self, other: CommitResult) -> CommitResult:
+        written = dict(self.written)
+        for kind, n in other.written.items():
+            written[kind] = written.get(kind, 0) + n
+        return CommitResult(written, self.duplicates + other.duplicates, self.shard_ids + other.shard_ids)
 
 
 class StoreWriter:
@@ -185,8 +174,20 @@ class StoreWriter:
                 groups[(QUERY_LOG, _date(r.event.ts), r.event.policy_version)].append((key, _query_row(r)))
             else:
                 groups[(FEEDBACK, _date(r.event.ts), None)].append((key, _feedback_row(r)))
-        paths = [self._write_shard(*group, [row for _, row in items]) for group, items in groups.items()]
+        paths: list[str] = []
+        try:
+            for group, items in groups.items():
+                paths.append(self._write_shard(*group, [row for _, row in items]))
+            self._register(groups, paths, result)
+        except BaseException:
+            # nothing of a failed commit stays behind: the caller may retry the records without the bad one
+            for path in paths:
+                (self.root / path).unlink(missing_ok=True)
+            raise
+        return result
 
+    def _register(self, groups: dict, paths: list[str], result: CommitResult) -> None:
+        """ONE SQLite transaction: the shards enter the manifest and their keys the dedupe index."""
         now = time.time()
         self.db.execute("BEGIN IMMEDIATE")
         try:
@@ -219,7 +220,6 @@ class StoreWriter:
         except BaseException:
             self.db.execute("ROLLBACK")
             raise
-        return result
 
     def _known(self, keys: list[str]) -> set[str]:
         rows = self.db.execute("SELECT key FROM seen WHERE key IN (SELECT value FROM json_each(?))", (json.dumps(keys),))
@@ -236,8 +236,12 @@ class StoreWriter:
         directory.mkdir(parents=True, exist_ok=True)
         name = f"part-{uuid.uuid4().hex}.parquet"
         tmp = directory / f".{name}.tmp"
-        # a path, not a Python file object: Arrow then writes natively instead of calling back into Python
-        pq.write_table(table, str(tmp), compression="zstd")
+        try:
+            # a path, not a Python file object: Arrow then writes natively instead of calling back into Python
+            pq.write_table(table, str(tmp), compression="zstd")
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)

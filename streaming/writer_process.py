@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import sqlite3
 import sys
 import time
 from collections import Counter as Tally
@@ -54,13 +55,23 @@ class WriterFailure(NamedTuple):
 
 @dataclass
 class WrittenBatch:
-    """What the writer did with one batch. `dead` holds (index into the batch, reason, detail)."""
+    """What the writer did with one batch. `dead` holds (index into the batch, reason, detail).
+
+    Every record ends in exactly one outcome: `records == stored + duplicates + filtered + dead`.
+    """
 
     result: CommitResult
     dead: list[tuple[int, str, str]] = field(default_factory=list)
     filtered: dict[str, int] = field(default_factory=dict)
     prepare_seconds: float = 0.0  # validate, filter, scrub
     store_seconds: float = 0.0  # dedupe, Parquet, fsync, index commit
+
+    def accounted(self) -> int:
+        return sum(self.result.written.values()) + self.result.duplicates + sum(self.filtered.values()) + len(self.dead)
+
+
+# The store itself failing (disk, lock, I/O): no record is to blame, so the batch fails as a whole.
+STORE_FAULTS = (OSError, sqlite3.OperationalError, DynrubricError)
 
 
 class BatchWriter:
@@ -79,7 +90,7 @@ class BatchWriter:
         started = time.monotonic()
         dead: list[tuple[int, str, str]] = []
         filtered: Tally = Tally()
-        keep: list[Stored] = []
+        keep: list[tuple[int, Stored]] = []
         for i, rec in enumerate(records):
             try:
                 event = parse_event(MODEL_OF_KIND[rec.kind], rec.value, self.cfg.max_event_bytes)
@@ -93,10 +104,25 @@ class BatchWriter:
                     continue
                 if self.scrub is not None:
                     event = scrubbed(event, self.scrub)
-            keep.append(Stored(event, rec.partition, rec.offset))
+            keep.append((i, Stored(event, rec.partition, rec.offset)))
         prepared = time.monotonic()
-        result = self.store.commit(keep)
+        result = self._commit_isolating(keep, dead)
+        dead.sort()
         return WrittenBatch(result, dead, dict(filtered), prepared - started, time.monotonic() - prepared)
+
+    def _commit_isolating(self, keep: list[tuple[int, Stored]], dead: list[tuple[int, str, str]]) -> CommitResult:
+        """Commit the records; if a record makes the commit fail, bisect until it is alone, dead-letter it
+        (reason store_error) and commit the rest. A failed commit leaves nothing behind (store.py)."""
+        try:
+            return self.store.commit([s for _, s in keep])
+        except STORE_FAULTS:
+            raise
+        except Exception as e:  # noqa: BLE001 - a value the store cannot hold: find the record
+            if len(keep) == 1:
+                dead.append((keep[0][0], "store_error", f"the store could not write it: {type(e).__name__}: {e}"[:1000]))
+                return CommitResult()
+        mid = len(keep) // 2
+        return self._commit_isolating(keep[:mid], dead).merged(self._commit_isolating(keep[mid:], dead))
 
 
 # ---------------------------------------------------------------- the child

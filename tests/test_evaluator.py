@@ -139,7 +139,7 @@ def test_set_conditioned_prompt_shows_every_candidate_within_budget_and_retry_su
     ]})
     long_response = "forty two " * 400
     spy = Spy(engine, script=["I am not sure.", "Here: " + good])
-    cfg = RubricConfig(response_token_budget=32)
+    cfg = RubricConfig(response_token_budget=32, retries=1)  # the retry is what this test exercises
     ev = Evaluator(spy, engine, cfg)
     [scored] = ev.score_sets([QUESTION], [RESPONSES + [long_response]])
     assert scored.rubric_source == "set" and [i.id for i in scored.rubric.items] == ["ans", "wrong"]

@@ -45,6 +45,7 @@ def test_openrlhf_rollout_against_vllm_backed_replicas(vllm_server, tmp_path: Pa
         "DYNRUBRIC_RUBRIC__PROMPT_ONLY_RETRIES": "0",
         "DYNRUBRIC_REWARD_SERVER__N_SAMPLES_PER_PROMPT": str(N),
         "DYNRUBRIC_REWARD_SERVER__GROUP_TIMEOUT_S": "60",
+        "DYNRUBRIC_REWARD_SERVER__SCORING_TIME_S": "100",  # 60 + 100 fits OpenRLHF's 180 s
     }
     with reward_replicas(2, env, tmp_path) as replicas:
         urls = [f"{r.url}/get_reward?token={TOKEN}" for r in replicas]

@@ -108,6 +108,8 @@ def test_feedback_is_produced_and_malformed_feedback_refused(stack):
         assert r.json()["detail"][0]["loc"][-1] in ("kind", "request_id", "value")
     r = httpx.post(f"{stack.router_url}/v1/feedback", content=b"not json", headers={"content-type": "application/json"})
     assert r.status_code == 422
+    r = httpx.post(f"{stack.router_url}/v1/feedback", json={"request_id": "fb-4", "kind": "dwell", "value": 0})
+    assert r.status_code == 422 and "dwell" in r.json()["detail"]  # the event schema: seconds read, > 0
     stack.producer.flush()
     feedback = read_topic(stack.bootstrap, "dynrubric.feedback")
     assert [f["kind"] for f in feedback if f["request_id"] == "fb-1"] == ["thumbs_up"]

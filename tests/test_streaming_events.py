@@ -1,15 +1,19 @@
-"""The pydantic event models agree with the JSON Schema files (the source of truth), field by field."""
+"""The event models (the one definition), the JSON Schema files generated from them, and the strict
+value rules: the files are fresh, and the schema and `parse_event` accept and reject the same documents."""
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 
 import jsonschema
 import pytest
 
+from streaming.derived import SCHEMA_DIR, schema_text
 from streaming.events import (
     QUERY_LOG_TOPIC,
+    SCHEMA_FILE_OF_MODEL,
     DeadLetter,
     FeedbackEvent,
     MalformedEvent,
@@ -71,7 +75,7 @@ def _mutations(doc: dict, path: tuple = ()):
 def test_models_accept_and_reject_what_the_schema_does(model, doc):
     """parse_event (what ingest runs: the pydantic model plus the wire checks) agrees with the JSON Schema."""
     schema = load_schema(model)
-    validator = jsonschema.Draft202012Validator(schema)
+    validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
     assert validator.is_valid(doc)
     parse_event(model, json.dumps(doc).encode(), 10**6)
     checked = 0
@@ -89,6 +93,13 @@ def test_models_accept_and_reject_what_the_schema_does(model, doc):
 
 
 @pytest.mark.parametrize("model", [QueryLogEvent, FeedbackEvent])
+def test_schema_files_are_generated_from_the_models(model):
+    """A stale file (a model changed, the file not regenerated) fails here."""
+    path = SCHEMA_DIR / SCHEMA_FILE_OF_MODEL[model]
+    assert path.read_text() == schema_text(model), f"{path.name} is stale: run `python -m streaming.derived`"
+
+
+@pytest.mark.parametrize("model", [QueryLogEvent, FeedbackEvent])
 def test_schema_and_model_have_the_same_fields(model):
     schema = load_schema(model)
     assert set(schema["properties"]) == set(model.model_fields)
@@ -101,7 +112,7 @@ def test_schema_and_model_have_the_same_fields(model):
 def test_round_trip_is_valid_against_the_schema():
     event = QueryLogEvent.model_validate(QUERY)
     jsonschema.validate(json.loads(event.to_bytes()), load_schema(QueryLogEvent))
-    fb = FeedbackEvent(request_id="r", ts=1.0, user_key="u", kind="copy")
+    fb = FeedbackEvent(request_id="r", ts=1795000000.0, user_key="u", kind="copy")
     jsonschema.validate(json.loads(fb.to_bytes()), load_schema(FeedbackEvent))
 
 
@@ -125,6 +136,80 @@ def test_parse_event_names_the_reason(raw, reason):
     assert e.value.detail
 
 
+def _with(**over) -> bytes:
+    return json.dumps({**QUERY, **over}).encode()
+
+
+def _raw_replace(old: str, new: str) -> bytes:
+    text = json.dumps(QUERY)
+    assert old in text
+    return text.replace(old, new, 1).encode()
+
+
+@pytest.mark.parametrize(
+    "raw,reason,says",
+    [
+        (b"[" * 5000 + b"]" * 5000, "too_deep", "recursion limit"),
+        (_with(response=json.loads("[" * 300 + "]" * 300)), "too_deep", "recursion limit"),
+        (_raw_replace('"schema_version": 1', '"schema_version": 2, "schema\\u005fversion": 1'), "duplicate_key", "schema_version"),
+        (_raw_replace('"top_p": 0.95', '"top_p": 0.95, "top_p": 0.5'), "duplicate_key", "top_p"),
+        (_raw_replace('"role": "user"', '"role": "user", "role": "system"'), "duplicate_key", "role"),
+        (_raw_replace('"schema_version": 1', '"schema_version": 2, "schema_version": 1'), "duplicate_key", "schema_version"),
+        (_raw_replace('"latency_ms": 12.5', '"latency_ms": NaN'), "non_finite", "finite"),
+        (_raw_replace('"latency_ms": 12.5', '"latency_ms": Infinity'), "non_finite", "finite"),
+        (_raw_replace('"latency_ms": 12.5', '"latency_ms": 1e400'), "non_finite", "finite"),
+        (_raw_replace('"prompt_tokens": 10', '"prompt_tokens": ' + "9" * 5000), "number_range", "out of range"),
+        (_raw_replace('"prompt_tokens": 10', '"prompt_tokens": ' + "9" * 40), "schema", "prompt_tokens"),
+        (_raw_replace('"response": "4"', '"response": "\\ud800"'), "bad_json", "hex escape"),
+        (_with(ts=1.7e12), "ts_units", "milliseconds"),
+        (_with(ts=1.7e15), "ts_units", "microseconds"),
+        (_with(ts=1e20), "ts_window", "outside"),
+        (_with(ts=12.0), "ts_window", "outside"),
+        (_with(ts="2026-02-30T00:00:00Z"), "schema", "not a real date"),
+        (_with(ts="yesterday"), "schema", "RFC 3339"),
+        (_with(request_id="r\x00"), "schema", "request_id"),
+        (_with(user_key="u\n1"), "schema", "user_key"),
+        (_with(latency_ms=-1), "schema", "latency_ms"),
+        (_with(prompt_tokens=-3), "schema", "prompt_tokens"),
+        (_with(completion_tokens=2**63), "schema", "completion_tokens"),
+    ],
+)
+def test_strict_values_are_rejected_with_a_reason_that_says_why(raw, reason, says):
+    with pytest.raises(MalformedEvent) as e:
+        parse_event(QueryLogEvent, raw, max_bytes=10**6)
+    assert (e.value.reason, says in e.value.detail) == (reason, True), e.value.detail
+
+
+@pytest.mark.parametrize(
+    "value,reason",
+    [(None, "schema"), (0, "schema"), (-2.0, "schema"), ("NaN", "non_finite")],
+)
+def test_dwell_needs_positive_finite_seconds(value, reason):
+    raw = json.dumps({**FEEDBACK, "value": value}).encode() if value != "NaN" else json.dumps(FEEDBACK).replace("3.5", "NaN").encode()
+    with pytest.raises(MalformedEvent) as e:
+        parse_event(FeedbackEvent, raw, 10_000)
+    assert e.value.reason == reason
+
+
+@pytest.mark.parametrize(
+    "ts,seconds",
+    [
+        ("2026-11-30T15:13:48.123456Z", 1796051628.123456),
+        ("2026-11-30T15:13:48Z", 1796051628.0),
+        ("2026-11-30T20:43:48.5+05:30", 1796051628.5),
+        ("2026-11-30T10:13:48.123456789-05:00", 1796051628.123456789),
+        ("2026-11-30t15:13:48.1z", 1796051628.1),
+        ("2016-12-31T23:59:60Z", 1483228800.0),  # a leap second
+        (1796051628, 1796051628.0),
+        (1796051628.25, 1796051628.25),
+    ],
+)
+def test_ts_accepts_rfc3339_and_epoch_seconds(ts, seconds):
+    event = parse_event(QueryLogEvent, _with(ts=ts), 10_000)
+    assert event.ts == pytest.approx(seconds, abs=1e-6)
+    assert json.loads(event.to_bytes())["ts"] == event.ts  # stored and re-sent as epoch seconds
+
+
 def test_parse_event_by_topic():
     assert isinstance(parse_event(QueryLogEvent, json.dumps(QUERY).encode(), 10_000), QueryLogEvent)
     assert isinstance(parse_event(FeedbackEvent, json.dumps(FEEDBACK).encode(), 10_000), FeedbackEvent)
@@ -133,7 +218,18 @@ def test_parse_event_by_topic():
 
 
 def test_dead_letter_headers_round_trip():
-    err = MalformedEvent("schema", "messages: too short")
-    dl = DeadLetter.of(err, raw=b"\x00raw", key=b"k", topic=QUERY_LOG_TOPIC, partition=2, offset=41)
+    dl = DeadLetter.of("schema", "messages: too short", raw=b"\x00raw", key=b"k", topic=QUERY_LOG_TOPIC,
+                       partition=2, offset=41, max_payload_bytes=1024)
     back = DeadLetter.from_record(b"\x00raw", b"k", dl.headers())
-    assert back == dl
+    assert back == dl and not back.truncated and back.original_length == 4
+
+
+def test_dead_letter_cuts_an_oversize_payload_and_keeps_its_length_and_hash():
+    raw = b"x" * 1_000_000
+    dl = DeadLetter.of("oversize", "1000000 bytes > limit 4096", raw=raw, key=b"k" * 5000, topic=QUERY_LOG_TOPIC,
+                       partition=0, offset=7, max_payload_bytes=4096)
+    assert len(dl.raw) == 4096 and len(dl.key) == DeadLetter.MAX_KEY_BYTES and dl.truncated
+    headers = dict(dl.headers())
+    assert headers["dlq.original.length"] == b"1000000"
+    assert headers["dlq.original.sha256"] == hashlib.sha256(raw).hexdigest().encode()
+    assert headers["dlq.truncated"] == b"true"
