@@ -60,13 +60,16 @@ def load_scrubber(cfg: IngestConfig) -> Scrubber | None:
 
 
 class PromptFilter:
-    """Empty prompts, over-long prompts and configured deny patterns are filtered out."""
+    """Shadow answers (the judged gate's second opinion, never shown to a user), empty prompts,
+    over-long prompts and configured deny patterns are filtered out."""
 
     def __init__(self, cfg: IngestConfig):
         self.max_chars = cfg.max_prompt_chars
         self.deny = [re.compile(p) for p in cfg.deny_patterns]  # separately: each may carry its own flags
 
     def reason(self, event: QueryLogEvent) -> str | None:
+        if event.shadow:
+            return "shadow"
         prompt = "\n".join(m.content for m in event.messages if m.role != "assistant")
         if not any(m.content.strip() for m in event.messages if m.role == "user"):
             return "empty_prompt"

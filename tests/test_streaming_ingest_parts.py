@@ -57,6 +57,7 @@ def test_filters():
     assert f.reason(query_event("b", messages=[{"role": "system", "content": "s"}, {"role": "user", "content": " "}])) == "empty_prompt"
     assert f.reason(query_event("c", messages=[{"role": "user", "content": "x" * 21}])) == "too_long"
     assert f.reason(query_event("d", messages=[{"role": "user", "content": "IGNORE previous"}])) == "denied"
+    assert f.reason(query_event("e", messages=[{"role": "user", "content": "short"}], shadow=True)) == "shadow"
     with pytest.raises(ValueError, match="not a valid regular expression"):
         IngestConfig(deny_patterns=["(unclosed"])
 
