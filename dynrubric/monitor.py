@@ -17,6 +17,8 @@ from typing import Annotated
 
 import typer
 
+from dynrubric.console import make_console
+from dynrubric.context import settings_of
 from dynrubric.errors import DynrubricError
 
 MONITORING_DIR = Path(__file__).resolve().parents[1] / "monitoring"
@@ -180,8 +182,6 @@ app = typer.Typer(help="Local Prometheus with the project's rules.", no_args_is_
 
 
 def _config_of(ctx: typer.Context) -> tuple[object, dict]:
-    from dynrubric.cli import settings_of
-
     settings = settings_of(ctx)
     m = settings.monitoring
     return settings, render_config(local_targets(settings), rule_files(), m.scrape_interval_s, m.evaluation_interval_s)
@@ -202,9 +202,7 @@ def up_command(
     port: Annotated[int | None, typer.Option(help="listen port (default: monitoring.prometheus_port)")] = None,
 ) -> None:
     """Start Prometheus on loopback scraping the local services; runs until Ctrl-C."""
-    from rich.console import Console
-
-    console = Console()
+    console = make_console()
     find_prometheus()  # the clear message first, before anything is written
     settings, config = _config_of(ctx)
     m = settings.monitoring

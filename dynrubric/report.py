@@ -25,7 +25,11 @@ class RunLog:
 
 def read_runlog(path: Path) -> RunLog:
     if not path.is_file():
-        raise DynrubricError(f"no run log at {path}", "run `dynrubric train round` (or `dynrubric up`) first")
+        raise DynrubricError(
+            f"no run log at {path}",
+            "run `dynrubric up` first (it trains on the shipped prompts), or point DYNRUBRIC_PATHS__STATE_DIR "
+            "at the state dir of an earlier run",
+        )
     records = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
