@@ -191,13 +191,15 @@ def report(
     out: Annotated[Path | None, typer.Option(help="PNG to write (default <state_dir>/report/run.png)")] = None,
 ) -> None:
     """Plot the training run log: reward, KL, score gaps vs the collapse thresholds, fallbacks, rounds."""
-    from dynrubric.report import read_runlog, render
+    from dynrubric.report import Thresholds, read_runlog, render
     from dynrubric.train.rounds import run_dir_of
 
     settings = settings_of(ctx)
     log = read_runlog(run_dir_of(settings) / "runlog.jsonl")
     out = out or settings.paths.resolved_state() / "report" / "run.png"
-    render(log, out, settings.rubric.collapse_min_mean_gap, settings.rubric.collapse_max_nonsplit_share)
+    r = settings.rubric
+    render(log, out, Thresholds(r.collapse_min_mean_gap, r.collapse_max_nonsplit_share, r.collapse_window,
+                                settings.train.max_kl))
     console.print(f"report: {out} ({len(log.rounds)} rounds, {len(log.steps)} policy steps)")
 
 

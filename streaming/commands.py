@@ -99,7 +99,9 @@ def traffic_replay(
     from streaming.replay import replay
 
     s = settings_of(ctx)
-    stats = replay(s.kafka, file, rate=rate, policy_version=policy_version, repeat=repeat, raw=raw, progress=True)
+    # a live bar only in a terminal: in a log, rich's transient bar leaves an empty line and nothing else
+    stats = replay(s.kafka, file, rate=rate, policy_version=policy_version, repeat=repeat, raw=raw,
+                   progress=console.is_terminal)
     console.print(
         f"sent {stats.query_logs} query-log and {stats.feedback} feedback events "
         f"({stats.raw} raw) in {stats.seconds:.1f}s; dropped {stats.dropped}, delivery errors {stats.delivery_errors}"

@@ -180,6 +180,8 @@ def train_round(
                          metrics=metrics, progress=RoundProgress(bars.start, bars.advance), heldout=None)
     try:
         for n in range(rounds):
+            console.print(f"round {runner.next_round() if round_id is None or n else round_id}: "
+                          "planning, loading the policy, generator and verifier", markup=False)
             with bars:
                 summary = runner.run(round_id if n == 0 else None)
             for line in round_report(summary, runner.round_dir(summary["round"]) / "summary.json"):
