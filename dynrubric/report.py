@@ -68,6 +68,7 @@ class Thresholds:
 
 SOURCES = ("set", "prompt_only", "generic")
 THRESHOLD = {"color": "black", "linestyle": "--", "linewidth": 1.0, "zorder": 1}
+UNIT = (-0.03, 1.05)  # a 0..1 axis with room for markers drawn at 0 and at 1
 
 
 def most_sets_in_a_round(steps: list[dict[str, Any]]) -> int:
@@ -122,22 +123,20 @@ def draw(log: RunLog, thresholds: Thresholds):
             ax.text(0.5, 0.5, empty_note, ha="center", va="center", transform=ax.transAxes, color="grey")
         handles, labels = ax.get_legend_handles_labels()
         if handles:
-            ax.legend(handles, labels, fontsize=8, loc="upper left")
+            ax.legend(handles, labels, fontsize=8, loc="best", framealpha=0.6)
 
     ax = axes[0][0]
     line(ax, *_series(log.steps, "reward_mean"), color="tab:blue", label="mean set reward")
-    ax.set(title="policy: mean set reward per step", xlabel="policy step", ylabel="reward (0..1)", ylim=(0, 1))
+    ax.set(title="policy: mean set reward per step", xlabel="policy step", ylabel="reward (0..1)", ylim=UNIT)
     finish(ax, "no policy steps")
 
     ax = axes[0][1]
     xs, kl = _series(log.steps, "kl")
     line(ax, xs, kl, color="tab:red", label="k3 KL to the reference (training batch)")
-    held = [(r["round"], r["eval"]["kl_to_parent"]) for r in log.rounds
-            if isinstance((r.get("eval") or {}).get("kl_to_parent"), (int, float))]
     ax.axhline(t.max_kl, label=f"guard: held-out KL to parent > {t.max_kl} rejects", **THRESHOLD)
-    top = max([t.max_kl, *kl, *(k for _, k in held)]) * 1.15
+    top = max([t.max_kl, *kl]) * 1.15
     ax.set(title="KL per policy step (per token), axis from 0 to the guard", xlabel="policy step",
-           ylabel="KL per token", ylim=(0, top))
+           ylabel="KL per token", ylim=(-0.03 * top, top))
     finish(ax, "no policy steps")
 
     window_note = None
@@ -151,7 +150,7 @@ def draw(log: RunLog, thresholds: Thresholds):
     line(ax, *_series(log.steps, "tie_rate"), color="tab:orange", marker="^", label="tie rate")
     ax.axhline(t.collapse_min_mean_gap, label=f"collapse: mean gap < {t.collapse_min_mean_gap}", **THRESHOLD)
     ax.set(title="score gaps within candidate sets", xlabel="policy step", ylabel="share / score (0..1)",
-           ylim=(0, 1))
+           ylim=UNIT)
     finish(ax, "no policy steps")
 
     ax = axes[1][1]
@@ -159,7 +158,7 @@ def draw(log: RunLog, thresholds: Thresholds):
     ax.axhline(t.collapse_max_nonsplit_share, label=f"collapse: share > {t.collapse_max_nonsplit_share}",
                **THRESHOLD)
     ax.set(title="share of rubric items that split nobody", xlabel="policy step", ylabel="share (0..1)",
-           ylim=(0, 1.05))
+           ylim=UNIT)
     finish(ax, "no policy steps")
     for ax in (axes[1][0], axes[1][1]):
         if window_note and log.steps:
@@ -174,7 +173,8 @@ def draw(log: RunLog, thresholds: Thresholds):
         if any(values):
             ax.bar(range(len(values)), values, bottom=bottom, color=colors[source], label=f"rubric from: {source}")
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    ax.set(title="where each scored set's rubric came from", xlabel="policy step", ylabel="sets")
+    ax.set(title="where each scored set's rubric came from", xlabel="policy step", ylabel="sets",
+           ylim=(0, max(bottom, default=0) * 1.3 or 1))  # headroom for the legend
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     finish(ax, "no scored sets")
 
@@ -182,7 +182,8 @@ def draw(log: RunLog, thresholds: Thresholds):
     failed = [float((s.get("fallbacks") or {}).get("parse_failures", 0)) for s in log.steps]
     if any(failed):
         ax.bar(range(len(failed)), failed, color="tab:gray", label="generator tries that gave no valid rubric")
-    ax.set(title="failed rubric-generator tries per step", xlabel="policy step", ylabel="tries")
+    ax.set(title="failed rubric-generator tries per step", xlabel="policy step", ylabel="tries",
+           ylim=(0, max(failed, default=0) * 1.3 or 1))
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     finish(ax, "no failed tries" if log.steps else "no policy steps")
 
@@ -195,7 +196,9 @@ def draw(log: RunLog, thresholds: Thresholds):
     ax = axes[3][1]
     rounds = [r for r in log.rounds if isinstance((r.get("eval") or {}).get("reward_new"), (int, float))]
     ids = [r["round"] for r in rounds]
-    line(ax, ids, [r["eval"]["reward_parent"] for r in rounds], color="grey", marker="x", label="parent")
+    # the parent as a ring around the new checkpoint's dot: equal rewards stay visible as two marks
+    line(ax, ids, [r["eval"]["reward_parent"] for r in rounds], color="grey", markerfacecolor="none",
+         markersize=13, label="parent")
     for accepted, color in ((True, "tab:green"), (False, "tab:red")):
         mine = [r for r in rounds if (r.get("guard") or {}).get("accepted", True) == accepted]
         if mine:
@@ -204,11 +207,14 @@ def draw(log: RunLog, thresholds: Thresholds):
     for r in rounds:
         ax.annotate(str(r.get("version", "")), (r["round"], r["eval"]["reward_new"]), fontsize=7,
                     xytext=(4, 4), textcoords="offset points")
-    ax.set(title="held-out reward per round", xlabel="round", ylabel="reward (0..1)", ylim=(0, 1))
+    ax.set(title="held-out reward per round", xlabel="round", ylabel="reward (0..1)", ylim=UNIT)
     finish(ax, "no evaluated rounds")
 
     for ax in axes.flat:  # steps and rounds are counts: no 0.25-step ticks on short runs
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in axes.flat[:6]:  # the per-step panels share one x range, with room around the first and last
+        if log.steps:
+            ax.set_xlim(-0.5, len(log.steps) - 0.5)
     if ids:
         axes[3][1].set_xticks(ids)  # one tick per round (the locator has no integer to show for a single round)
     fig.tight_layout()
