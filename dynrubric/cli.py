@@ -203,8 +203,6 @@ def report(
     console.print(f"report: {out} ({len(log.rounds)} rounds, {len(log.steps)} policy steps)")
 
 
-
-
 def main() -> None:
     quiet_model_loading()
     debug = "--debug" in sys.argv[1:]

@@ -57,6 +57,11 @@ class Bars:
         self.done[phase] = (done + n, total)
         self._line(phase, done + n, total)
 
+    def note(self, text: str) -> None:
+        """A line about work inside the current unit (a rubric try, a verdict batch), with the time."""
+        console = self.rich.console if self.rich is not None else self.console  # above live bars
+        console.print(f"[{time.monotonic() - self.t0:7.1f}s]   {text}", markup=False, highlight=False)
+
     def _line(self, phase: str, done: int, total: int) -> None:
         elapsed = time.monotonic() - self.t0
         self.console.print(f"[{elapsed:7.1f}s] {phase} {done}/{total}", markup=False, highlight=False)

@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 from dynrubric.console import make_console
 from dynrubric.context import settings_of
+from dynrubric.errors import DynrubricError
 from dynrubric.progress import status
 
 console = make_console()
@@ -175,7 +176,12 @@ def rollout_status(
     """Rollouts with their status, step and last gate verdict (JSON lines)."""
     from serving.rollout import RolloutStore
 
-    store = RolloutStore(settings_of(ctx).paths.resolved_state() / "rollout" / "rollouts.sqlite")
+    path = settings_of(ctx).paths.resolved_state() / "rollout" / "rollouts.sqlite"
+    if not path.is_file():  # reading must not create an empty store in the wrong state dir
+        raise DynrubricError(f"no rollouts recorded at {path}",
+                             "start one with `dynrubric rollout start VERSION`, or point DYNRUBRIC_PATHS__STATE_DIR "
+                             "at the state dir the controller uses")
+    store = RolloutStore(path)
     for r in [store.get(rollout_id)] if rollout_id else store.list():
         gate = r.last_gate or {}
         print(json.dumps({"id": r.id, "version": r.version, "baseline": r.baseline, "status": r.status,

@@ -106,6 +106,7 @@ def test_reading_commands_do_not_create_missing_state(tmp_path):
     assert_one_line_error(run("registry", "list", env=env, cwd=tmp_path), "no checkpoint registry",
                           str(tmp_path / "xdg" / "dynrubric"), "dynrubric up")
     assert_one_line_error(run("report", env=env, cwd=tmp_path), "no run log", "dynrubric up")
+    assert_one_line_error(run("rollout", "status", env=env, cwd=tmp_path), "no rollouts recorded", "rollout start")
     assert not (tmp_path / "xdg").exists() and not (tmp_path / "var").exists()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -48,6 +49,33 @@ def read_sets(path: Path) -> list[tuple[str, list[str]]]:
     return sets
 
 
+class _ReportingEngine:
+    """An engine that says what each call is for before making it: one set can take minutes on a CPU
+    (a rubric try generates up to rubric.generator_max_tokens tokens), so progress per set alone is not
+    enough to show that work goes on."""
+
+    def __init__(self, engine, note: Callable[[str], None], max_tokens: int):
+        self._engine = engine
+        self._note = note
+        self._max_tokens = max_tokens
+        self._tries = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def generate(self, requests):
+        self._tries += 1
+        self._note(f"rubric try {self._tries} (up to {self._max_tokens} tokens)")
+        return self._engine.generate(requests)
+
+    def score_next_token(self, prompts, candidates):
+        self._note(f"verdicts: {len(prompts)} item x response prompts")
+        return self._engine.score_next_token(prompts, candidates)
+
+    def next_set(self) -> None:
+        self._tries = 0
+
+
 def score(
     ctx: typer.Context,
     sets_file: Annotated[Path, typer.Argument(help="JSONL: one {\"prompt\", \"responses\": [...]} per line")],
@@ -81,13 +109,16 @@ def score(
     with status(console, f"loading the {settings.engine.kind} engine"):
         generator = build_engine(settings, "generator")
         verifier = generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
-    evaluator = Evaluator(generator, verifier, settings.rubric)
     scored = []
     # one set per call, so progress moves per set (a rubric, then its verdicts) instead of once after
     # the batched rubric generation of every set; the collapse detector still sees every set in order
     with Bars(console) as bars:
+        reporting = _ReportingEngine(generator, bars.note, settings.rubric.generator_max_tokens)
+        judge = reporting if verifier is generator else _ReportingEngine(verifier, bars.note, 0)
+        evaluator = Evaluator(reporting, judge, settings.rubric)
         bars.start("sets scored", len(sets))
         for prompt, responses in sets:
+            reporting.next_set()
             scored += evaluator.score_sets([prompt], [responses])
             bars.advance("sets scored", 1)
     atomic.write_text(out, "".join(json.dumps(s.as_dict(), ensure_ascii=False) + "\n" for s in scored))
