@@ -192,10 +192,9 @@ def report(
 ) -> None:
     """Plot the training run log: reward, KL, score gaps vs the collapse thresholds, fallbacks, rounds."""
     from dynrubric.report import Thresholds, read_runlog, render
-    from dynrubric.train.rounds import run_dir_of
 
     settings = settings_of(ctx)
-    log = read_runlog(run_dir_of(settings) / "runlog.jsonl")
+    log = read_runlog(settings.train_run_dir() / "runlog.jsonl")
     out = out or settings.paths.resolved_state() / "report" / "run.png"
     r = settings.rubric
     render(log, out, Thresholds(r.collapse_min_mean_gap, r.collapse_max_nonsplit_share, r.collapse_window,

@@ -448,6 +448,10 @@ class Settings(BaseSettings):
     gate: GateConfig = GateConfig()
     monitoring: MonitoringConfig = MonitoringConfig()
 
+    def train_run_dir(self) -> Path:
+        """Round state, summaries and the run log: train.run_dir, default <state_dir>/train."""
+        return (self.train.run_dir or self.paths.resolved_state() / "train").expanduser().resolve()
+
 
 def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
