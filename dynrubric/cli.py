@@ -1,20 +1,32 @@
 """`dynrubric`: the command line and the composition root that wires the three tiers together.
 
-Commands import their machinery lazily so that `dynrubric --help` stays fast. Errors a user can
-act on (DynrubricError) print one line and exit non-zero; `--debug` shows the traceback.
+Dependency direction: this module imports the tiers' command modules; they import `settings_of` from
+dynrubric/context.py and never this module. Commands import their machinery (torch, engines) inside
+their bodies so that `dynrubric --help` stays fast. Every error a user can cause, usage errors
+included, prints one line naming the problem and the fix and exits 2; `--debug` shows the traceback.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+from importlib.resources import files
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
+from typer._click.exceptions import NoArgsIsHelpError, UsageError
+from typer.exceptions import Abort, Exit, TyperException
 
+from dynrubric.console import heading, make_console
+from dynrubric.context import Context, settings_of
 from dynrubric.errors import DynrubricError
 from dynrubric.monitor import app as monitor_app
+from dynrubric.progress import quiet_model_loading, status
+from dynrubric.rubric import commands as rubric_commands
+from dynrubric.train.commands import registry_app, train_app, train_round
+from serving.commands import register as register_serving
+from streaming.commands import broker_app, ingest, traffic_app, traffic_replay
 
 app = typer.Typer(
     name="dynrubric",
@@ -27,26 +39,17 @@ config_app = typer.Typer(help="The validated configuration.", no_args_is_help=Tr
 app.add_typer(models_app, name="models")
 app.add_typer(config_app, name="config")
 app.add_typer(monitor_app, name="monitor")
+app.command("score")(rubric_commands.score)
+app.command("serve-reward")(rubric_commands.serve_reward)
+app.add_typer(train_app, name="train")
+app.add_typer(registry_app, name="registry")
+app.add_typer(broker_app, name="broker")
+app.add_typer(traffic_app, name="traffic")
+app.command("ingest")(ingest)
+register_serving(app)
 
-console = Console()
-err_console = Console(stderr=True)
-
-
-class Context:
-    """What every command gets: the config source, loaded on first use."""
-
-    def __init__(self, config_path: Path | None):
-        self.config_path = config_path
-        self._settings = None
-
-    @property
-    def settings(self):
-        if self._settings is None:
-            from dynrubric.config import load_settings
-
-            self._settings = load_settings(self.config_path)
-        return self._settings
-
+console = make_console()
+err_console = make_console(stderr=True)
 
 ConfigOpt = Annotated[
     Path | None,
@@ -63,19 +66,25 @@ def root(
     ctx.obj = Context(config)
 
 
-def settings_of(ctx: typer.Context):
-    return ctx.find_root().obj.settings
-
-
 # ---------------------------------------------------------------- config, models, doctor
 @config_app.command("show")
-def config_show(ctx: typer.Context) -> None:
-    """Print the effective configuration (secrets masked)."""
+def config_show(
+    ctx: typer.Context,
+    fmt: Annotated[str, typer.Option("--format", help="yaml | json")] = "yaml",
+) -> None:
+    """Print the effective configuration (secrets masked); valid YAML (or JSON) that `-c` reads back."""
     import yaml
 
     from dynrubric.config import masked_dump
 
-    console.print(yaml.safe_dump(masked_dump(settings_of(ctx)), sort_keys=False), end="", markup=False)
+    if fmt not in ("yaml", "json"):
+        raise DynrubricError(f"unknown --format {fmt!r}", "use --format yaml or --format json")
+    data = masked_dump(settings_of(ctx))
+    # plain stdout, never rich: rich wraps long strings at the console width, which breaks the YAML
+    if fmt == "json":
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    else:
+        sys.stdout.write(yaml.safe_dump(data, sort_keys=False, width=float("inf")))
 
 
 @models_app.command("prepare")
@@ -93,7 +102,7 @@ def models_prepare(
         if not quiet:
             console.print(f"[green]ready[/] {name} at {target}")
         return
-    with console.status(f"building {name} into {target} (about a minute)"):
+    with status(console, f"building {name} into {target} (about a minute)"):
         path = modelcache.prepare(home, name)
     console.print(f"[green]prepared[/] {name} at {path}")
 
@@ -135,24 +144,6 @@ def generate(
             console.print(completion.text, markup=False, highlight=False)
 
 
-# ---------------------------------------------------------------- the tiers' commands
-# The CLI is the composition root: it alone wires the tiers in. Their command modules import their
-# machinery inside the command bodies, so registering them here costs little at start-up.
-from dynrubric.rubric import commands as rubric_commands  # noqa: E402
-from dynrubric.train.commands import registry_app, train_app  # noqa: E402
-from serving.commands import register as register_serving  # noqa: E402
-from streaming.commands import broker_app, ingest, traffic_app  # noqa: E402
-
-app.command("score")(rubric_commands.score)
-app.command("serve-reward")(rubric_commands.serve_reward)
-app.add_typer(train_app, name="train")
-app.add_typer(registry_app, name="registry")
-app.add_typer(broker_app, name="broker")
-app.add_typer(traffic_app, name="traffic")
-app.command("ingest")(ingest)
-register_serving(app)
-
-
 # ---------------------------------------------------------------- the loop on one machine
 @app.command()
 def up(
@@ -167,10 +158,7 @@ def up(
 ) -> None:
     """The main job on embedded defaults: broker, traffic -> Kafka, ingest -> replay store, training
     rounds (set-conditioned rubrics, GRPO, guards, registry), then the run report."""
-    from importlib.resources import files
-
     from streaming.broker import EmbeddedBroker
-    from streaming.commands import traffic_replay
 
     settings = settings_of(ctx)
     traffic = traffic or Path(str(files("dynrubric") / "data" / "prompts.jsonl"))
@@ -187,15 +175,13 @@ def up(
     with EmbeddedBroker(port=0, log_path=state / "broker.log") as broker:
         settings.kafka.bootstrap_servers = broker.bootstrap_servers
         settings.ingest.metrics_port = 0
-        console.rule(f"1/4 traffic -> Kafka at {broker.bootstrap_servers}")
+        heading(console, f"1/4 traffic -> Kafka at {broker.bootstrap_servers}")
         traffic_replay(ctx, traffic, rate=0.0, policy_version="base", repeat=1, raw=False)
-        console.rule("2/4 ingest -> replay store")
+        heading(console, "2/4 ingest -> replay store")
         ingest(ctx, until_idle=5.0, store=None, metrics_port=None)
-    console.rule(f"3/4 training: {rounds} round(s)")
-    from dynrubric.train.commands import train_round
-
+    heading(console, f"3/4 training: {rounds} round(s)")
     train_round(ctx, round_id=None, rounds=rounds, metrics_port=None)
-    console.rule("4/4 run report")
+    heading(console, "4/4 run report")
     report(ctx, out=None)
 
 
@@ -205,34 +191,47 @@ def report(
     out: Annotated[Path | None, typer.Option(help="PNG to write (default <state_dir>/report/run.png)")] = None,
 ) -> None:
     """Plot the training run log: reward, KL, score gaps vs the collapse thresholds, fallbacks, rounds."""
-    from dynrubric.report import read_runlog, render
-    from dynrubric.train.rounds import run_dir_of
+    from dynrubric.report import Thresholds, read_runlog, render
 
     settings = settings_of(ctx)
-    log = read_runlog(run_dir_of(settings) / "runlog.jsonl")
+    log = read_runlog(settings.train_run_dir() / "runlog.jsonl")
     out = out or settings.paths.resolved_state() / "report" / "run.png"
-    render(log, out, settings.rubric.collapse_min_mean_gap, settings.rubric.collapse_max_nonsplit_share)
+    r = settings.rubric
+    render(log, out, Thresholds(r.collapse_min_mean_gap, r.collapse_max_nonsplit_share, r.collapse_window,
+                                settings.train.max_kl))
     console.print(f"report: {out} ({len(log.rounds)} rounds, {len(log.steps)} policy steps)")
 
 
 def main() -> None:
-    import click
-
+    quiet_model_loading()
     debug = "--debug" in sys.argv[1:]
     try:
-        # with standalone_mode=False click returns the code of typer.Exit instead of exiting
+        # with standalone_mode=False the command returns typer.Exit's code instead of exiting
         rc = typer.main.get_command(app)(args=sys.argv[1:], prog_name="dynrubric", standalone_mode=False)
         sys.exit(rc if isinstance(rc, int) else 0)
-    except DynrubricError as e:
-        if debug:
-            err_console.print_exception()
-        err_console.print("[red]error:[/] ", end="")
-        err_console.print(str(e), markup=False, highlight=False, soft_wrap=True)
-        sys.exit(e.exit_code)
-    except click.exceptions.Abort:
-        sys.exit(130)
-    except click.ClickException as e:
+    except NoArgsIsHelpError as e:  # `dynrubric train`: the group's help, as asked
         e.show()
         sys.exit(e.exit_code)
-    except click.exceptions.Exit as e:
+    except (DynrubricError, UsageError) as e:
+        if debug:
+            err_console.print_exception()
+        err_console.print(f"error: {_one_line(e)}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except (Abort, KeyboardInterrupt):
+        sys.exit(130)
+    except Exit as e:
         sys.exit(e.exit_code)
+    except TyperException as e:  # a click error that is not a usage error (e.g. a file that cannot be opened)
+        if debug:
+            err_console.print_exception()
+        err_console.print(f"error: {e.format_message()}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(2)
+
+
+def _one_line(e: Exception) -> str:
+    """The problem and the fix, on one line, for the errors a user can cause."""
+    if isinstance(e, UsageError):
+        command = e.ctx.command_path if e.ctx is not None else "dynrubric"
+        message = " ".join(e.format_message().split())
+        return f"{message} -> see `{command} --help`"
+    return " ".join(str(e).split())

@@ -1,14 +1,23 @@
 """All configuration in one validated place: YAML file + `DYNRUBRIC_*` environment.
 
 Precedence: environment over YAML over defaults. Nested keys use `__` in the environment:
-`DYNRUBRIC_ENGINE__KIND=openai-http`. Every section forbids unknown keys, so a typo is an error
-that names the key instead of a silently ignored setting.
+`DYNRUBRIC_ENGINE__KIND=openai-http`. Every section forbids unknown keys, and every `DYNRUBRIC_*`
+variable must name a key (or be DYNRUBRIC_CONFIG), so a typo is an error that names the key and the
+closest valid name instead of a silently ignored setting.
+
+Paths resolve the same from any working directory: a relative path in a YAML file is relative to that
+file, one in the environment to the directory the command runs in, and every path is absolute after
+loading (`~` is kept and expanded where the path is used). The state dir defaults to the user's state
+dir, `$XDG_STATE_HOME/dynrubric` (`~/.local/state/dynrubric`).
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,12 +36,18 @@ class Section(BaseModel):
 
 
 # ---------------------------------------------------------------- foundation
+def default_state_dir() -> Path:
+    """The user's state dir (XDG): the same from every working directory."""
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "dynrubric"
+
+
 class PathsConfig(Section):
     home: Path = Field(
         default=Path("~/.cache/dynrubric"), description="model cache and other per-user state"
     )
     state_dir: Path = Field(
-        default=Path("var"), description="run state: replay store, registry, checkpoints, logs"
+        default_factory=default_state_dir,
+        description="run state: replay store, registry, checkpoints, logs; default $XDG_STATE_HOME/dynrubric",
     )
 
     def resolved_home(self) -> Path:
@@ -533,6 +548,10 @@ class Settings(BaseSettings):
     gate: GateConfig = GateConfig()
     monitoring: MonitoringConfig = MonitoringConfig()
 
+    def train_run_dir(self) -> Path:
+        """Round state, summaries and the run log: train.run_dir, default <state_dir>/train."""
+        return (self.train.run_dir or self.paths.resolved_state() / "train").expanduser().resolve()
+
 
 def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
@@ -551,6 +570,12 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise DynrubricError(
             f"config file {path} does not exist", f"pass an existing YAML file or unset {CONFIG_ENV}"
         ) from None
+    except IsADirectoryError:
+        raise DynrubricError(
+            f"config file {path} is a directory", "pass a YAML file, e.g. -c dynrubric.yaml"
+        ) from None
+    except (PermissionError, UnicodeDecodeError) as e:
+        raise DynrubricError(f"config file {path} cannot be read ({e})", "pass a readable UTF-8 YAML file") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -575,18 +600,79 @@ def _describe(error: dict[str, Any]) -> str:
     return f"config key '{key}' (env {env}): {error['msg']}, got {error.get('input')!r}"
 
 
+def env_names(model: type[BaseModel] = Settings, prefix: str = ENV_PREFIX) -> dict[str, bool]:
+    """Every environment variable that names a key: name -> whether deeper `__` parts are allowed
+    (a free-form mapping such as monitoring.targets). A whole section may be given as JSON."""
+    names: dict[str, bool] = {}
+    for field, info in model.model_fields.items():
+        name = prefix + field.upper()
+        nested = _model_of(info.annotation)
+        names[name] = nested is None and typing.get_origin(info.annotation) is dict
+        if nested is not None:
+            names.update(env_names(nested, name + "__"))
+    return names
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _check_env_names(environ: dict[str, str]) -> None:
+    known = env_names()
+    for var in sorted(environ):
+        name = var.upper()
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV or name in known:
+            continue
+        if any(name.startswith(k + "__") for k, open_ended in known.items() if open_ended):
+            continue
+        close = difflib.get_close_matches(name, [*known, CONFIG_ENV], n=1, cutoff=0.6)
+        fix = f"did you mean {close[0]}? (" if close else "("
+        raise DynrubricError(
+            f"unknown environment variable {var}: no config key has that name",
+            fix + "`dynrubric config show` lists the keys; KEY.SUB is DYNRUBRIC_KEY__SUB) or unset it",
+        )
+
+
+def _is_path(annotation: Any) -> bool:
+    if annotation is Path:
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return Path in typing.get_args(annotation)
+    return False
+
+
+def _anchor_paths(data: dict[str, Any], model: type[BaseModel], base: Path) -> dict[str, Any]:
+    """Relative path values made absolute against `base` (the YAML file's dir, or the working dir)."""
+    out = dict(data)
+    for key, value in data.items():
+        info = model.model_fields.get(key)
+        if info is None:
+            continue  # the validation names the unknown key
+        nested = _model_of(info.annotation)
+        if nested is not None and isinstance(value, dict):
+            out[key] = _anchor_paths(value, nested, base)
+        elif _is_path(info.annotation) and isinstance(value, (str, Path)) and str(value):
+            path = Path(value)
+            if not path.is_absolute() and not str(value).startswith("~"):
+                out[key] = str(base / path)
+    return out
+
+
 def load_settings(path: Path | None = None, environ: dict[str, str] | None = None) -> Settings:
     """Load and validate the settings; raise DynrubricError naming each bad key."""
     environ = dict(os.environ if environ is None else environ)
     if path is None and environ.get(CONFIG_ENV):
         path = Path(environ[CONFIG_ENV])
     file_data = _read_yaml(Path(path)) if path else {}
+    if path:
+        file_data = _anchor_paths(file_data, Settings, Path(path).absolute().parent)
+    _check_env_names(environ)
     env_source = EnvSettingsSource(
         Settings, env_prefix=ENV_PREFIX, env_nested_delimiter="__", case_sensitive=False
     )
     env_source.env_vars = {k.lower(): v for k, v in environ.items() if k != CONFIG_ENV}
     try:
-        env_data = env_source()
+        env_data = _anchor_paths(env_source(), Settings, Path.cwd())
         return Settings.model_validate(_deep_merge(file_data, env_data))
     except ValidationError as e:
         problems = "; ".join(_describe(err) for err in e.errors())

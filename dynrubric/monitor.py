@@ -16,6 +16,8 @@ from typing import Annotated
 
 import typer
 
+from dynrubric.console import make_console
+from dynrubric.context import settings_of
 from dynrubric.errors import DynrubricError
 from dynrubric.process import http_ok, log_tail, spawn, terminate, wait_until
 
@@ -161,8 +163,6 @@ app = typer.Typer(help="Local Prometheus with the project's rules.", no_args_is_
 
 
 def _config_of(ctx: typer.Context) -> tuple[object, dict]:
-    from dynrubric.cli import settings_of
-
     settings = settings_of(ctx)
     m = settings.monitoring
     return settings, render_config(local_targets(settings), rule_files(), m.scrape_interval_s, m.evaluation_interval_s)
@@ -183,9 +183,7 @@ def up_command(
     port: Annotated[int | None, typer.Option(help="listen port (default: monitoring.prometheus_port)")] = None,
 ) -> None:
     """Start Prometheus on loopback scraping the local services; runs until Ctrl-C."""
-    from rich.console import Console
-
-    console = Console()
+    console = make_console()
     find_prometheus()  # the clear message first, before anything is written
     settings, config = _config_of(ctx)
     m = settings.monitoring

@@ -365,15 +365,20 @@ class _PgCursor:
         return self._cur.fetchall()
 
 
+def sqlite_path(settings: Any) -> Path | None:
+    """The SQLite file `settings.registry` names (under the state dir by default); None with a URL."""
+    cfg = settings.registry
+    if cfg.url is not None:
+        return None
+    return Path(cfg.path).expanduser() if cfg.path else settings.paths.resolved_state() / "registry" / "registry.sqlite"
+
+
 def open_registry(settings: Any) -> Registry:
     """The registry that `settings.registry` names (SQLite under the state dir by default)."""
     cfg = settings.registry
-    state = settings.paths.resolved_state()
     storage = Path(cfg.storage_dir).expanduser() if cfg.storage_dir else None
-    if cfg.url is not None:
-        return Registry(cfg.url.get_secret_value(), storage_dir=storage)
-    path = Path(cfg.path).expanduser() if cfg.path else state / "registry" / "registry.sqlite"
-    return Registry(path, storage_dir=storage)
+    path = sqlite_path(settings)
+    return Registry(cfg.url.get_secret_value() if path is None else path, storage_dir=storage)
 
 
 __all__ = [
@@ -381,5 +386,6 @@ __all__ = [
     "CheckpointState",
     "Registry",
     "open_registry",
+    "sqlite_path",
     "weights_sha256",
 ]

@@ -25,7 +25,11 @@ class RunLog:
 
 def read_runlog(path: Path) -> RunLog:
     if not path.is_file():
-        raise DynrubricError(f"no run log at {path}", "run `dynrubric train round` (or `dynrubric up`) first")
+        raise DynrubricError(
+            f"no run log at {path}",
+            "run `dynrubric up` first (it trains on the shipped prompts), or point DYNRUBRIC_PATHS__STATE_DIR "
+            "at the state dir of an earlier run",
+        )
     records = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -52,83 +56,163 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return xs, ys
 
 
-def figure(log: RunLog, min_mean_gap: float, max_nonsplit_share: float):
-    """The report as a matplotlib Figure: 3x2 panels (reward, KL, score gaps, non-splitting items,
-    fallbacks, held-out reward per round)."""
+@dataclass(frozen=True)
+class Thresholds:
+    """The lines the data is judged against (from the config the report is drawn under)."""
+
+    collapse_min_mean_gap: float
+    collapse_max_nonsplit_share: float
+    collapse_window: int  # sets the collapse detector needs before it can fire
+    max_kl: float  # the round guard's limit on held-out KL(new || parent)
+
+
+SOURCES = ("set", "prompt_only", "generic")
+THRESHOLD = {"color": "black", "linestyle": "--", "linewidth": 1.0, "zorder": 1}
+UNIT = (-0.03, 1.05)  # a 0..1 axis with room for markers drawn at 0 and at 1
+
+
+def sets_scored(steps: list[dict[str, Any]]) -> int:
+    """Candidate sets the policy steps scored over the whole run: what the collapse detector saw (its
+    window carries across rounds)."""
+    return sum(sum((s.get("rubric_sources") or {}).values()) for s in steps)
+
+
+def render(log: RunLog, out: Path, thresholds: Thresholds) -> Path:
+    """Draw the report into `out` (PNG, written atomically) and return it."""
+    import io
+
+    fig = draw(log, thresholds)
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=90)
+    plt.close(fig)
+    atomic.write_bytes(out, buffer.getvalue())
+    return out
+
+
+def draw(log: RunLog, thresholds: Thresholds):
+    """The report's matplotlib figure: 4 x 2 panels.
+
+    Rates and shares are drawn on a fixed 0..1 axis, so noise does not look like a trend; thresholds
+    are dashed black lines named in the legend; each panel has one unit; a series of one or two points
+    is drawn as markers only."""
     from dynrubric.extras import require
 
     require("matplotlib", "report", "`dynrubric report`").use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(3, 2, figsize=(13, 11))
+    t = thresholds
+    fig, axes = plt.subplots(4, 2, figsize=(13, 14))
     fig.suptitle(f"dynrubric run: {len(log.rounds)} rounds, {len(log.steps)} policy steps, "
                  f"{len(log.generator_steps)} generator steps")
 
+    def line(ax, xs, ys, **kw):
+        if not xs:
+            return
+        if len(xs) <= 2:
+            kw["linestyle"] = "none"
+        ax.plot(xs, ys, marker=kw.pop("marker", "o"), zorder=3, **kw)
+
+    def finish(ax, empty_note: str | None = None):
+        if empty_note is not None and not ax.has_data():
+            ax.text(0.5, 0.5, empty_note, ha="center", va="center", transform=ax.transAxes, color="grey")
+        handles, labels = ax.get_legend_handles_labels()
+        if handles:
+            ax.legend(handles, labels, fontsize=8, loc="best", framealpha=0.6)
+
     ax = axes[0][0]
-    ax.plot(*_series(log.steps, "reward_mean"), marker="o", label="policy: mean set reward")
-    ax.plot(*_series(log.generator_steps, "reward_mean"), marker="s", label="generator: mean reward")
-    ax.set(title="reward per step", xlabel="step", ylabel="reward")
-    ax.legend(fontsize=8)
+    line(ax, *_series(log.steps, "reward_mean"), color="tab:blue", label="mean set reward")
+    ax.set(title="policy: mean set reward per step", xlabel="policy step", ylabel="reward (0..1)", ylim=UNIT)
+    finish(ax, "no policy steps")
 
     ax = axes[0][1]
-    ax.plot(*_series(log.steps, "kl"), marker="o", color="tab:red")
-    ax.set(title="KL to the reference (k3) per policy step", xlabel="step", ylabel="KL")
+    xs, kl = _series(log.steps, "kl")
+    line(ax, xs, kl, color="tab:red", label="k3 KL to the reference (training batch)")
+    ax.axhline(t.max_kl, label=f"guard: held-out KL to parent > {t.max_kl} rejects", **THRESHOLD)
+    top = max([t.max_kl, *kl]) * 1.15
+    ax.set(title="KL per policy step (per token), axis from 0 to the guard", xlabel="policy step",
+           ylabel="KL per token", ylim=(-0.03 * top, top))
+    finish(ax, "no policy steps")
+
+    window_note = None
+    sets = sets_scored(log.steps)
+    if sets < t.collapse_window:
+        window_note = (f"collapse detector: {sets} sets scored in this run,\n"
+                       f"it needs {t.collapse_window} in its window: too few to decide,\nso it could not fire")
 
     ax = axes[1][0]
-    ax.plot(*_series(log.steps, "mean_gap"), marker="o", label="mean |pairwise gap|")
-    ax.axhline(min_mean_gap, color="tab:red", linestyle="--", label=f"collapse: gap < {min_mean_gap}")
-    ax.plot(*_series(log.steps, "tie_rate"), marker="^", label="tie rate")
-    ax.set(title="score gaps within candidate sets", xlabel="step", ylim=(0, 1))
-    ax.legend(fontsize=8)
+    line(ax, *_series(log.steps, "mean_gap"), color="tab:blue", label="mean |pairwise score gap|")
+    line(ax, *_series(log.steps, "tie_rate"), color="tab:orange", marker="^", label="tie rate")
+    ax.axhline(t.collapse_min_mean_gap, label=f"collapse: mean gap < {t.collapse_min_mean_gap}", **THRESHOLD)
+    ax.set(title="score gaps within candidate sets", xlabel="policy step", ylabel="share / score (0..1)",
+           ylim=UNIT)
+    finish(ax, "no policy steps")
 
     ax = axes[1][1]
-    ax.plot(*_series(log.steps, "nonsplit_share"), marker="o", color="tab:purple", label="non-splitting items")
-    ax.axhline(max_nonsplit_share, color="tab:red", linestyle="--", label=f"collapse: share > {max_nonsplit_share}")
-    ax.set(title="share of rubric items that split nobody", xlabel="step", ylim=(0, 1))
-    ax.legend(fontsize=8)
+    line(ax, *_series(log.steps, "nonsplit_share"), color="tab:purple", label="non-splitting items")
+    ax.axhline(t.collapse_max_nonsplit_share, label=f"collapse: share > {t.collapse_max_nonsplit_share}",
+               **THRESHOLD)
+    ax.set(title="share of rubric items that split nobody", xlabel="policy step", ylabel="share (0..1)",
+           ylim=UNIT)
+    finish(ax, "no policy steps")
+    for ax in (axes[1][0], axes[1][1]):
+        if window_note and log.steps:
+            ax.text(0.98, 0.5, window_note, ha="right", va="center", transform=ax.transAxes, fontsize=8,
+                    bbox={"facecolor": "lightyellow", "edgecolor": "grey"})
 
     ax = axes[2][0]
-    kinds = sorted({k for s in log.steps for k in (s.get("fallbacks") or {})})
     bottom = [0.0] * len(log.steps)
-    for kind in kinds:
-        values = [float((s.get("fallbacks") or {}).get(kind, 0)) for s in log.steps]
-        ax.bar(range(len(values)), values, bottom=bottom, label=kind)
-        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    ax.set(title="evaluator fallbacks per step", xlabel="step", ylabel="count")
-    if kinds:
-        ax.legend(fontsize=8)
+    colors = {"set": "tab:green", "prompt_only": "tab:orange", "generic": "tab:red"}
+    for source in SOURCES:
+        values = [float((s.get("rubric_sources") or {}).get(source, 0)) for s in log.steps]
+        if any(values):
+            ax.bar(range(len(values)), values, bottom=bottom, color=colors[source], label=f"rubric from: {source}")
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set(title="where each scored set's rubric came from", xlabel="policy step", ylabel="sets",
+           ylim=(0, max(bottom, default=0) * 1.3 or 1))  # headroom for the legend
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    finish(ax, "no scored sets")
 
     ax = axes[2][1]
+    failed = [float((s.get("fallbacks") or {}).get("parse_failures", 0)) for s in log.steps]
+    if any(failed):
+        ax.bar(range(len(failed)), failed, color="tab:gray", label="generator tries that gave no valid rubric")
+    ax.set(title="failed rubric-generator tries per step", xlabel="policy step", ylabel="tries",
+           ylim=(0, max(failed, default=0) * 1.3 or 1))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    finish(ax, "no failed tries" if log.steps else "no policy steps")
+
+    ax = axes[3][0]
+    line(ax, *_series(log.generator_steps, "reward_mean"), color="tab:brown", marker="s",
+         label="mean rubric reward (R_disc + anchor + format)")
+    ax.set(title="co-evolution: generator reward per generator step", xlabel="generator step", ylabel="reward")
+    finish(ax, "no generator steps in this run")
+
+    ax = axes[3][1]
     rounds = [r for r in log.rounds if isinstance((r.get("eval") or {}).get("reward_new"), (int, float))]
     ids = [r["round"] for r in rounds]
-    ax.plot(ids, [r["eval"]["reward_parent"] for r in rounds], color="grey", marker="x", label="parent")
-    ax.plot(ids, [r["eval"]["reward_new"] for r in rounds], color="tab:blue", alpha=0.5, label="new checkpoint")
+    # the parent as a ring around the new checkpoint's dot: equal rewards stay visible as two marks
+    line(ax, ids, [r["eval"]["reward_parent"] for r in rounds], color="grey", markerfacecolor="none",
+         markersize=13, label="parent")
+    for accepted, color in ((True, "tab:green"), (False, "tab:red")):
+        mine = [r for r in rounds if (r.get("guard") or {}).get("accepted", True) == accepted]
+        if mine:
+            ax.scatter([r["round"] for r in mine], [r["eval"]["reward_new"] for r in mine], color=color, zorder=3,
+                       label="new checkpoint, " + ("accepted" if accepted else "rejected"))
     for r in rounds:
-        accepted = (r.get("guard") or {}).get("accepted", True)
-        ax.scatter(r["round"], r["eval"]["reward_new"], color="tab:green" if accepted else "tab:red", zorder=3)
-        ax.annotate(str(r.get("version", "")), (r["round"], r["eval"]["reward_new"]), fontsize=7)
-    ax.set(title="held-out reward per round (green accepted, red rejected)", xlabel="round", ylabel="reward")
-    ax.legend(fontsize=8)
-    rounds_axis = ax
+        ax.annotate(str(r.get("version", "")), (r["round"], r["eval"]["reward_new"]), fontsize=7,
+                    xytext=(4, 4), textcoords="offset points")
+    ax.set(title="held-out reward per round", xlabel="round", ylabel="reward (0..1)", ylim=UNIT)
+    finish(ax, "no evaluated rounds")
 
     for ax in axes.flat:  # steps and rounds are counts: no 0.25-step ticks on short runs
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in axes.flat[:6]:  # the per-step panels share one x range, with room around the first and last
+        if log.steps:
+            ax.set_xlim(-0.5, len(log.steps) - 0.5)
     if ids:
-        rounds_axis.set_xticks(ids)  # one tick per round (the locator has no integer to show for a single round)
+        axes[3][1].set_xticks(ids)  # one tick per round (the locator has no integer to show for a single round)
     fig.tight_layout()
     return fig
-
-
-def render(log: RunLog, out: Path, min_mean_gap: float, max_nonsplit_share: float) -> Path:
-    """Draw the report into `out` (PNG, written atomically) and return it."""
-    import io
-
-    import matplotlib.pyplot as plt
-
-    fig = figure(log, min_mean_gap, max_nonsplit_share)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=90)
-    plt.close(fig)
-    atomic.write_bytes(out, buffer.getvalue())
-    return out

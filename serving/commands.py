@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
+from dynrubric.console import make_console
+from dynrubric.context import settings_of
+from dynrubric.errors import DynrubricError
+from dynrubric.progress import status
 
-from dynrubric.cli import settings_of
-
-console = Console()
+console = make_console()
 fleet_app = typer.Typer(help="Engine servers as local child processes.", no_args_is_help=True)
 rollout_app = typer.Typer(help="Canary rollouts gated by online metrics.", no_args_is_help=True)
 gate_app = typer.Typer(help="The rollout gate's statistics.", no_args_is_help=True)
@@ -72,7 +73,7 @@ def fleet_up(ctx: typer.Context) -> None:
     fleet = Fleet(specs, settings.paths.resolved_state() / "fleet", metrics,
                   settings.serving.health_interval_s, settings.serving.max_restarts)
     with fleet:
-        with console.status(f"starting {len(specs)} engine(s) on {version}"):
+        with status(console, f"starting {len(specs)} engine(s) on {version}"):
             fleet.start(settings.vllm.start_timeout_s)
         for s in specs:
             console.print(f"[green]up[/] {s.name} ({s.kind}, {s.variant}) at {s.base_url}")
@@ -188,7 +189,12 @@ def rollout_status(
     """Rollouts with their status, step and last gate verdict (JSON lines)."""
     from serving.rollout import RolloutStore
 
-    store = RolloutStore(settings_of(ctx).paths.resolved_state() / "rollout" / "rollouts.sqlite")
+    path = settings_of(ctx).paths.resolved_state() / "rollout" / "rollouts.sqlite"
+    if not path.is_file():  # reading must not create an empty store in the wrong state dir
+        raise DynrubricError(f"no rollouts recorded at {path}",
+                             "start one with `dynrubric rollout start VERSION`, or point DYNRUBRIC_PATHS__STATE_DIR "
+                             "at the state dir the controller uses")
+    store = RolloutStore(path)
     for r in [store.get(rollout_id)] if rollout_id else store.list():
         gate = r.last_gate or {}
         print(json.dumps({"id": r.id, "version": r.version, "baseline": r.baseline, "status": r.status,

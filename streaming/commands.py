@@ -7,18 +7,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
+from dynrubric.console import make_console
+from dynrubric.context import settings_of
 
 broker_app = typer.Typer(help="The embedded Kafka-protocol broker (Tansu, memory storage, loopback).",
                          no_args_is_help=True)
 traffic_app = typer.Typer(help="Synthetic traffic for tests, benchmarks and demos.", no_args_is_help=True)
-console = Console()
-
-
-def _settings(ctx: typer.Context):
-    from dynrubric.cli import settings_of
-
-    return settings_of(ctx)
+console = make_console()
 
 
 def _pid_file(settings) -> Path:
@@ -39,7 +34,7 @@ def broker_start(
     """Start the broker in the background, wait until it answers, record it in the pid file."""
     from streaming.broker import start_detached
 
-    s = _settings(ctx)
+    s = settings_of(ctx)
     state = start_detached(_pid_file(s), s.broker.host, s.broker.port if port is None else port, s.broker.start_timeout_s)
     console.print(f"[green]broker running[/] pid {state.pid} at {state.bootstrap_servers} (log {state.log})")
     if state.bootstrap_servers != s.kafka.bootstrap_servers:
@@ -51,7 +46,7 @@ def broker_stop(ctx: typer.Context) -> None:
     """Stop the recorded broker with SIGTERM (its topics are lost: memory storage)."""
     from streaming.broker import stop_detached
 
-    state = stop_detached(_pid_file(_settings(ctx)))
+    state = stop_detached(_pid_file(settings_of(ctx)))
     console.print(f"stopped broker pid {state.pid}" if state else "no broker running")
 
 
@@ -60,7 +55,7 @@ def broker_status(ctx: typer.Context) -> None:
     """Say whether the recorded broker runs and answers the Kafka protocol (exit 1 if not)."""
     from streaming.broker import answers_kafka, read_state
 
-    state = read_state(_pid_file(_settings(ctx)))
+    state = read_state(_pid_file(settings_of(ctx)))
     if state is None:
         console.print("no broker running")
         raise typer.Exit(1)
@@ -81,7 +76,7 @@ def ingest(
     """Consume query logs and feedback into the replay store (validate, dead-letter, dedupe, filter, scrub)."""
     from streaming.ingest import serve
 
-    s = _settings(ctx)
+    s = settings_of(ctx)
     cfg = s.ingest if metrics_port is None else s.ingest.model_copy(update={"metrics_port": metrics_port})
     summary = serve(s.kafka, cfg, store or store_dir(s), until_idle_s=until_idle,
                     announce=lambda line: console.print(line, markup=False))
@@ -103,8 +98,10 @@ def traffic_replay(
     """Produce query-log (and feedback) events from a JSONL file at a given rate."""
     from streaming.replay import replay
 
-    s = _settings(ctx)
-    stats = replay(s.kafka, file, rate=rate, policy_version=policy_version, repeat=repeat, raw=raw, progress=True)
+    s = settings_of(ctx)
+    # a live bar only in a terminal: in a log, rich's transient bar leaves an empty line and nothing else
+    stats = replay(s.kafka, file, rate=rate, policy_version=policy_version, repeat=repeat, raw=raw,
+                   progress=console.is_terminal)
     console.print(
         f"sent {stats.query_logs} query-log and {stats.feedback} feedback events "
         f"({stats.raw} raw) in {stats.seconds:.1f}s; dropped {stats.dropped}, delivery errors {stats.delivery_errors}"

@@ -1,67 +1,83 @@
 from __future__ import annotations
 
 import json
-import struct
 
+import matplotlib.pyplot as plt
 import pytest
 
 from dynrubric.errors import DynrubricError
-from dynrubric.report import figure, read_runlog, render
+from dynrubric.report import UNIT, Thresholds, draw, read_runlog, render
+
+THRESHOLDS = Thresholds(collapse_min_mean_gap=0.03, collapse_max_nonsplit_share=0.8, collapse_window=20, max_kl=0.05)
 
 
-def _run_log(tmp_path):
+def write_log(path, steps: int, sets_per_step: int = 4, generator_steps: int = 1):
     records = []
-    for step in range(4):
+    for step in range(steps):
         records.append({"key": f"round/1/step/{step}", "kind": "step", "round": 1, "step": step, "phase": "policy",
-                        "reward_mean": 0.4 + 0.05 * step, "kl": 0.001 * step, "mean_gap": 0.2 - 0.04 * step,
-                        "tie_rate": 0.1, "nonsplit_share": 0.3 + 0.1 * step,
-                        "fallbacks": {"generic": step, "parse_failures": 1}})
-    records.append({"key": "round/1/step/4", "kind": "step", "round": 1, "step": 4, "phase": "generator",
-                    "reward_mean": 0.1})
-    records.append({"key": "round/1", "kind": "round", "round": 1, "version": "r1",
-                    "guard": {"accepted": True}, "eval": {"reward_parent": 0.4, "reward_new": 0.55}})
-    records.append({"key": "round/2", "kind": "round", "round": 2, "version": "r2",
-                    "guard": {"accepted": False}, "eval": {"reward_parent": 0.55, "reward_new": 0.3}})
-    log = tmp_path / "runlog.jsonl"
-    log.write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    return read_runlog(log)
+                        "reward_mean": 0.4 + 0.05 * step, "kl": 0.0001 * step, "mean_gap": 0.2 - 0.04 * step,
+                        "tie_rate": 0.1, "nonsplit_share": 1.0,
+                        "rubric_sources": {"set": sets_per_step - 1, "prompt_only": 0, "generic": 1},
+                        "fallbacks": {"generic": 1, "prompt_only": 0, "parse_failures": 3, "hard_verdict": 0}})
+    for step in range(generator_steps):
+        records.append({"key": f"round/1/step/{steps + step}", "kind": "step", "round": 1, "step": steps + step,
+                        "phase": "generator", "reward_mean": 1.3})
+    records.append({"key": "round/1", "kind": "round", "round": 1, "version": "r1", "guard": {"accepted": True},
+                    "eval": {"reward_parent": 0.4, "reward_new": 0.55, "kl_to_parent": 0.001}})
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return read_runlog(path)
 
 
-def _lines(ax) -> dict[str, list[float]]:
-    return {line.get_label(): [float(y) for y in line.get_ydata()] for line in ax.get_lines()}
+def panels(fig):
+    return {ax.get_title(): ax for ax in fig.axes}
 
 
-def test_report_panels_show_the_run_logs_numbers(tmp_path):
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import to_hex
+def test_report_plots_a_run_log(tmp_path):
+    log = write_log(tmp_path / "runlog.jsonl", steps=4)
+    assert (len(log.steps), len(log.generator_steps), len(log.rounds)) == (4, 1, 1)
+    out = render(log, tmp_path / "report" / "run.png", THRESHOLDS)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    parsed = _run_log(tmp_path)
-    assert (len(parsed.steps), len(parsed.generator_steps), len(parsed.rounds)) == (4, 1, 2)
-    fig = figure(parsed, 0.03, 0.8)
-    try:
-        (reward, kl), (gaps, nonsplit), (fallbacks, rounds) = fig.axes[:2], fig.axes[2:4], fig.axes[4:6]
-        assert _lines(reward)["policy: mean set reward"] == pytest.approx([0.4, 0.45, 0.5, 0.55])
-        assert _lines(reward)["generator: mean reward"] == pytest.approx([0.1])
-        assert list(_lines(kl).values()) == [pytest.approx([0.0, 0.001, 0.002, 0.003])]
-        assert _lines(gaps)["mean |pairwise gap|"] == pytest.approx([0.2, 0.16, 0.12, 0.08])
-        assert _lines(gaps)["collapse: gap < 0.03"] == pytest.approx([0.03, 0.03])  # the threshold drawn
-        assert _lines(nonsplit)["non-splitting items"] == pytest.approx([0.3, 0.4, 0.5, 0.6])
-        assert _lines(nonsplit)["collapse: share > 0.8"] == pytest.approx([0.8, 0.8])
-        # stacked bars: one container per fallback kind, each stacked on the ones before
-        generic, parse = fallbacks.containers
-        assert [b.get_height() for b in generic] == [0, 1, 2, 3] and [b.get_y() for b in generic] == [0, 0, 0, 0]
-        assert [b.get_height() for b in parse] == [1, 1, 1, 1] and [b.get_y() for b in parse] == [0, 1, 2, 3]
-        assert _lines(rounds)["parent"] == pytest.approx([0.4, 0.55])
-        assert _lines(rounds)["new checkpoint"] == pytest.approx([0.55, 0.3])
-        verdicts = [(float(c.get_offsets()[0][1]), to_hex(c.get_facecolor()[0])) for c in rounds.collections]
-        assert verdicts == [(0.55, to_hex("tab:green")), (0.3, to_hex("tab:red"))]  # accepted, rejected
-        assert list(rounds.get_xticks()) == [1, 2]
-    finally:
-        plt.close(fig)
-    out = render(parsed, tmp_path / "report" / "run.png", 0.03, 0.8)
-    header = out.read_bytes()[:24]
-    assert header[:8] == b"\x89PNG\r\n\x1a\n"
-    assert struct.unpack(">II", header[16:24]) == (13 * 90, 11 * 90)  # the 13x11 in figure at 90 dpi
+
+def test_rates_on_fixed_axes_thresholds_labelled_and_no_empty_legend_entries(tmp_path):
+    fig = draw(write_log(tmp_path / "runlog.jsonl", steps=4), THRESHOLDS)
+    p = panels(fig)
+    # a KL of 3e-4 must not fill the panel: the axis runs from 0 to the guard's limit
+    assert p["KL per policy step (per token), axis from 0 to the guard"].get_ylim()[0] <= 0
+    assert p["KL per policy step (per token), axis from 0 to the guard"].get_ylim()[1] >= THRESHOLDS.max_kl
+    for title in ("policy: mean set reward per step", "score gaps within candidate sets", "held-out reward per round"):
+        assert p[title].get_ylim() == UNIT, title
+    gaps = p["score gaps within candidate sets"]
+    threshold = [line for line in gaps.get_lines() if line.get_linestyle() == "--"]
+    assert len(threshold) == 1 and threshold[0].get_label() == "collapse: mean gap < 0.03"
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is not None:
+            assert all(t.get_text() and not t.get_text().startswith("_") for t in legend.get_texts())
+    # sets (rubric sources) and failed tries (a count of attempts) are never stacked on one axis
+    assert p["where each scored set's rubric came from"].get_ylabel() == "sets"
+    assert p["failed rubric-generator tries per step"].get_ylabel() == "tries"
+    plt.close(fig)
+
+
+def test_collapse_detector_annotation_only_when_it_saw_too_few_sets(tmp_path):
+    def notes(fig):
+        return [t.get_text() for ax in fig.axes for t in ax.texts if "collapse detector" in t.get_text()]
+
+    few = draw(write_log(tmp_path / "few.jsonl", steps=2, sets_per_step=4), THRESHOLDS)  # 8 sets < 20
+    assert any("8 sets scored in this run" in n and "could not fire" in n for n in notes(few))
+    enough = draw(write_log(tmp_path / "enough.jsonl", steps=5, sets_per_step=4), THRESHOLDS)  # 20 sets
+    assert notes(enough) == []
+    plt.close("all")
+
+
+def test_one_or_two_points_are_markers_not_a_line(tmp_path):
+    fig = draw(write_log(tmp_path / "runlog.jsonl", steps=2, generator_steps=0), THRESHOLDS)
+    reward = panels(fig)["policy: mean set reward per step"].get_lines()[0]
+    assert reward.get_linestyle() == "None" and reward.get_marker() == "o"
+    generator = panels(fig)["co-evolution: generator reward per generator step"]
+    assert not generator.get_lines() and "no generator steps" in generator.texts[0].get_text()
+    plt.close(fig)
 
 
 def test_missing_or_corrupt_run_log_is_a_clear_error(tmp_path):

@@ -39,6 +39,10 @@ def test_score_writes_rubrics_verdicts_scores_and_gaps(tiny_model_dir, tmp_path)
         assert set(x["gaps"]) == {"mean_abs_gap", "spread", "std", "tie_rate", "item_split", "nonsplit_share"}
         assert x["rubric_source"] == "generic"  # the tiny random model never writes a valid rubric
     assert f"{len(expected)} sets scored" in r.stdout and "generic fallbacks 5" in r.stdout
+    # piped: progress is one plain line per set as it happens, and no model-loading bars
+    progress = [line for line in r.stdout.splitlines() if "] sets scored " in line]
+    assert [line.rsplit(" ", 1)[1] for line in progress] == [f"{n}/{len(expected)}" for n in range(len(expected) + 1)]
+    assert "Loading weights" not in r.stdout + r.stderr and "\r" not in r.stdout + r.stderr
 
 
 def test_score_names_the_bad_line(tiny_model_dir, tmp_path):

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from dynrubric.console import make_console
+from dynrubric.context import settings_of
 from dynrubric.errors import DynrubricError
+from dynrubric.progress import Bars, status
+
+console = make_console()
 
 
 def read_sets(path: Path) -> list[tuple[str, list[str]]]:
@@ -17,6 +24,8 @@ def read_sets(path: Path) -> list[tuple[str, list[str]]]:
         lines = path.read_text().splitlines()
     except FileNotFoundError:
         raise DynrubricError(f"sets file {path} does not exist", "pass a JSONL file of {prompt, responses}") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+        raise DynrubricError(f"sets file {path} cannot be read ({e})", "pass a JSONL file of {prompt, responses}") from None
     sets = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -40,6 +49,33 @@ def read_sets(path: Path) -> list[tuple[str, list[str]]]:
     return sets
 
 
+class _ReportingEngine:
+    """An engine that says what each call is for before making it: one set can take minutes on a CPU
+    (a rubric try generates up to rubric.generator_max_tokens tokens), so progress per set alone is not
+    enough to show that work goes on."""
+
+    def __init__(self, engine, note: Callable[[str], None], max_tokens: int):
+        self._engine = engine
+        self._note = note
+        self._max_tokens = max_tokens
+        self._tries = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def generate(self, requests):
+        self._tries += 1
+        self._note(f"rubric try {self._tries} (up to {self._max_tokens} tokens)")
+        return self._engine.generate(requests)
+
+    def score_next_token(self, prompts, candidates):
+        self._note(f"verdicts: {len(prompts)} item x response prompts")
+        return self._engine.score_next_token(prompts, candidates)
+
+    def next_set(self) -> None:
+        self._tries = 0
+
+
 def score(
     ctx: typer.Context,
     sets_file: Annotated[Path, typer.Argument(help="JSONL: one {\"prompt\", \"responses\": [...]} per line")],
@@ -54,12 +90,9 @@ def score(
     ] = None,
 ) -> None:
     """Score candidate sets with set-conditioned rubrics; write rubrics, verdicts, scores and gaps."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
     from dynrubric import atomic
-    from dynrubric.cli import settings_of
     from dynrubric.engines import build_engine
     from dynrubric.rubric.evaluator import Evaluator
 
@@ -73,19 +106,21 @@ def score(
         raise DynrubricError(f"bad option: {e.errors()[0]['msg']}", "use --engine transformers|openai-http, --mode set|prompt_only") from None  # type: ignore[attr-defined]
     sets = read_sets(sets_file)
     out = out or Path(sets_file.stem + ".scored.jsonl")  # in the working directory, not beside the input
-    console = Console()
-    with console.status(f"loading the {settings.engine.kind} engine"):
+    with status(console, f"loading the {settings.engine.kind} engine"):
         generator = build_engine(settings, "generator")
         verifier = generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
-    evaluator = Evaluator(generator, verifier, settings.rubric)
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
-    ) as bar:
-        task = bar.add_task("generating rubrics, then verifying", total=len(sets))
-        # one call: rubric generation for all sets is batched; the bar moves as each set is verified
-        scored = evaluator.score_sets(
-            [p for p, _ in sets], [r for _, r in sets], progress=lambda n: bar.advance(task, n)
-        )
+    scored = []
+    # one set per call, so progress moves per set (a rubric, then its verdicts) instead of once after
+    # the batched rubric generation of every set; the collapse detector still sees every set in order
+    with Bars(console) as bars:
+        reporting = _ReportingEngine(generator, bars.note, settings.rubric.generator_max_tokens)
+        judge = reporting if verifier is generator else _ReportingEngine(verifier, bars.note, 0)
+        evaluator = Evaluator(reporting, judge, settings.rubric)
+        bars.start("sets scored", len(sets))
+        for prompt, responses in sets:
+            reporting.next_set()
+            scored += evaluator.score_sets([prompt], [responses])
+            bars.advance("sets scored", 1)
     atomic.write_text(out, "".join(json.dumps(s.as_dict(), ensure_ascii=False) + "\n" for s in scored))
 
     table = Table(title=f"{len(scored)} sets scored -> {out}")
@@ -100,8 +135,10 @@ def score(
     console.print(table)
     c = evaluator.counts
     hard = sum(s.hard_verdict_fallbacks for s in scored)
+    sources = Counter(s.rubric_source for s in scored)
     console.print(
-        f"parse failures {c.parse_failures}, prompt-only fallbacks {c.prompt_only_fallbacks}, "
+        "rubric sources: " + ", ".join(f"{k} {v}" for k, v in sorted(sources.items()))
+        + f"; parse failures {c.parse_failures}, prompt-only fallbacks {c.prompt_only_fallbacks}, "
         f"generic fallbacks {c.generic_fallbacks}, hard verdicts {hard}, "
         f"collapse {'FIRING' if evaluator.collapse.collapsed else 'no'}",
         markup=False,
@@ -117,7 +154,6 @@ def serve_reward(
     port: Annotated[int | None, typer.Option("--port", help="default: reward_server.port")] = None,
 ) -> None:
     """Serve set-conditioned rewards to OpenRLHF (remote reward protocol, per-prompt group barrier)."""
-    from dynrubric.cli import settings_of
     from dynrubric.reward_server import build_app
     from dynrubric.service import serve
 

@@ -6,24 +6,36 @@ Heavy machinery (torch, engines) is imported inside command bodies so `dynrubric
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from dynrubric.cli import settings_of
+from dynrubric.console import make_console
+from dynrubric.context import settings_of
+from dynrubric.errors import DynrubricError
+from dynrubric.progress import Bars
 
-console = Console()
+console = make_console()
 registry_app = typer.Typer(help="The checkpoint registry: versions, lineage, states.", no_args_is_help=True)
 train_app = typer.Typer(help="Policy updates: embedded GRPO rounds, OpenRLHF on Ray.", no_args_is_help=True)
 
 
-def _registry(ctx: typer.Context):
-    from dynrubric.registry import open_registry
+def _registry(ctx: typer.Context, existing: bool = False):
+    """The configured registry; with `existing`, a missing SQLite file is an error instead of a new
+    empty registry (a command that only reads must not create state in the wrong place)."""
+    from dynrubric.registry import open_registry, sqlite_path
 
-    return open_registry(settings_of(ctx))
+    settings = settings_of(ctx)
+    path = sqlite_path(settings)
+    if existing and path is not None and not path.is_file():
+        raise DynrubricError(
+            f"no checkpoint registry at {path} (state dir {settings.paths.resolved_state()})",
+            "run `dynrubric up` first, or point DYNRUBRIC_PATHS__STATE_DIR (or registry.path) at the run's state",
+        )
+    return open_registry(settings)
 
 
 # ---------------------------------------------------------------- registry
@@ -32,7 +44,7 @@ def registry_list(
     ctx: typer.Context, as_json: Annotated[bool, typer.Option("--json", help="one JSON object per line")] = False
 ) -> None:
     """Every version, oldest first, with its parent, round, state and headline metrics."""
-    checkpoints = _registry(ctx).list()
+    checkpoints = _registry(ctx, existing=True).list()
     if as_json:
         for c in checkpoints:
             print(json.dumps(c.to_json()))
@@ -58,7 +70,7 @@ def registry_list(
 @registry_app.command("show")
 def registry_show(ctx: typer.Context, version: Annotated[str, typer.Argument(help="version id")]) -> None:
     """One version as JSON (path, hash, metrics, state, reason)."""
-    print(json.dumps(_registry(ctx).get(version).to_json(), indent=2))
+    print(json.dumps(_registry(ctx, existing=True).get(version).to_json(), indent=2))
 
 
 @registry_app.command("register")
@@ -80,7 +92,7 @@ def registry_register(
 @registry_app.command("promote")
 def registry_promote(ctx: typer.Context, version: Annotated[str, typer.Argument(help="version id")]) -> None:
     """Make a version stable; the previous stable version is retired."""
-    ckpt = _registry(ctx).promote(version)
+    ckpt = _registry(ctx, existing=True).promote(version)
     console.print(f"[green]stable[/] {ckpt.version}")
 
 
@@ -91,14 +103,13 @@ def registry_reject(
     reason: Annotated[str, typer.Option(help="why (recorded)")],
 ) -> None:
     """Reject a version for good, recording why."""
-    ckpt = _registry(ctx).reject(version, reason)
+    ckpt = _registry(ctx, existing=True).reject(version, reason)
     console.print(f"[red]rejected[/] {ckpt.version}: {ckpt.reason}")
 
 
 # ---------------------------------------------------------------- train
 def prompt_source(settings):
     """The composition root's choice of prompt source (ARCHITECTURE section 5)."""
-    from dynrubric.errors import DynrubricError
     from dynrubric.train.prompts import JsonlPromptSource
     from dynrubric.train.rounds import rollout_history
 
@@ -157,7 +168,6 @@ def train_round(
 ) -> None:
     """Run (or resume) training rounds: sample, score with rubrics, GRPO, guard, register."""
     from prometheus_client import CollectorRegistry
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from dynrubric.train.rounds import Progress as RoundProgress
     from dynrubric.train.rounds import RoundRunner
@@ -165,37 +175,48 @@ def train_round(
     settings = settings_of(ctx)
     metrics = CollectorRegistry()
     server = _serve_metrics(metrics, metrics_port) if metrics_port else None
-    bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console)
-    tasks: dict[str, int] = {}
-
-    def start(phase: str, total: int) -> None:
-        if phase in tasks:
-            bars.reset(tasks[phase], total=total)
-        else:
-            tasks[phase] = bars.add_task(phase, total=total)
-
-    def advance(phase: str, n: int) -> None:
-        if phase in tasks:
-            bars.advance(tasks[phase], n)
-
+    bars = Bars(console)
     runner = RoundRunner(settings, _registry(ctx), prompt_source(settings), engine_factory(settings),
-                         metrics=metrics, progress=RoundProgress(start, advance), heldout=None)
+                         metrics=metrics, progress=RoundProgress(bars.start, bars.advance), heldout=None)
     try:
         for n in range(rounds):
+            console.print(f"round {runner.next_round() if round_id is None or n else round_id}: "
+                          "planning, loading the policy, generator and verifier", markup=False)
             with bars:
                 summary = runner.run(round_id if n == 0 else None)
-            style = "green" if summary["guard"]["accepted"] else "red"
-            console.print(f"round {summary['round']}: [{style}]{summary['version']} {summary['state']}[/] "
-                          f"(parent {summary['parent']}) {summary['guard']['detail']}")
-            if summary["refresh"]:
-                console.print(f"  refresh: {summary['refresh']}")
-            if summary["collapse"]["fired"]:
-                console.print(f"  [yellow]{summary['collapse']['note']}[/]")
-            console.print(f"  summary: {runner.round_dir(summary['round']) / 'summary.json'}")
+            for line in round_report(summary, runner.round_dir(summary["round"]) / "summary.json"):
+                console.print(line, markup=False, highlight=False)
     finally:
         if server is not None:
             server.should_exit = True
+
+
+def round_report(summary: dict, path: Path) -> list[str]:
+    """The end-of-round lines: verdict, where the rubrics came from, what fell back, collapse, timing."""
+    guard = summary["guard"]
+    policy = [s for s in summary.get("steps", []) if s.get("phase") == "policy"]
+    sources: Counter[str] = Counter()
+    fallbacks: Counter[str] = Counter()
+    for s in policy:
+        sources.update(s.get("rubric_sources") or {})
+        fallbacks.update(s.get("fallbacks") or {})
+    sets = sum(sources.values())
+    lines = [
+        f"round {summary['round']}: {summary['version']} {summary['state']} (parent {summary['parent']}; "
+        f"guard {'accepted' if guard['accepted'] else 'REJECTED'}: {guard['detail']})",
+        f"  steps: {summary['phases']['policy']} policy, {summary['phases']['generator']} generator; "
+        f"{summary.get('prompts', 0)} prompts; {summary.get('seconds', 0.0):.0f}s",
+        f"  rubrics of {sets} scored sets: " + ", ".join(f"{k} {sources[k]}" for k in ("set", "prompt_only", "generic")),
+        f"  fallbacks: {fallbacks['parse_failures']} failed generator tries; sets falling back to prompt-only "
+        f"{fallbacks['prompt_only']}, to the generic rubric {fallbacks['generic']}; "
+        f"hard verdicts {fallbacks['hard_verdict']}",
+    ]
+    if summary.get("refresh"):
+        lines.append(f"  refresh: {summary['refresh']}")
+    if summary["collapse"]["fired"]:
+        lines.append(f"  {summary['collapse']['note']}")
+    lines.append(f"  summary: {path}")
+    return lines
 
 
 @train_app.command("openrlhf")
@@ -207,7 +228,7 @@ def train_openrlhf(
     = False,
 ) -> None:
     """The next round on a GPU Ray cluster with OpenRLHF's train_ppo_ray instead of the embedded trainer."""
-    from dynrubric.errors import DynrubricError
+    from dynrubric import atomic
     from dynrubric.train import openrlhf
     from dynrubric.train.rounds import RoundRunner
 

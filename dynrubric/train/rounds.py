@@ -71,7 +71,7 @@ EngineFactory = Callable[[str, Path], Engine]
 
 
 def run_dir_of(settings: Settings) -> Path:
-    return (settings.train.run_dir or settings.paths.resolved_state() / "train").expanduser().resolve()
+    return settings.train_run_dir()
 
 
 def check_frozen_judges(settings: Settings) -> None:
