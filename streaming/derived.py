@@ -78,6 +78,8 @@ def _arrow_type(annotation: Any) -> pa.DataType:
         return _arrow_type(inner)
     if origin is Literal or annotation is str:
         return pa.string()
+    if annotation is bool:
+        return pa.bool_()
     if annotation is float:
         return pa.float64()
     if annotation is int:
