@@ -144,6 +144,7 @@ from serving.commands import register as register_serving  # noqa: E402
 from streaming.commands import broker_app, ingest, traffic_app  # noqa: E402
 
 app.command("score")(rubric_commands.score)
+app.command("eval-judge")(rubric_commands.eval_judge)
 app.command("serve-reward")(rubric_commands.serve_reward)
 app.add_typer(train_app, name="train")
 app.add_typer(registry_app, name="registry")

@@ -23,6 +23,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     logprobs: bool = False  # return the logprob of each sampled token
+    json_schema: str | None = None  # JSON Schema (serialised) the output is constrained to
 
 
 @dataclass(frozen=True)
