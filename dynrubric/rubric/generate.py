@@ -17,13 +17,14 @@ from typing import Literal
 
 from dynrubric.config import RubricConfig
 from dynrubric.engines.base import Engine, GenerationRequest, SamplingParams
+from dynrubric.engines.grammar import json_text
 from dynrubric.rubric.derived import consensus_items, prompt_items
 from dynrubric.rubric.items import MAX_ITEMS, Rubric, RubricItem, RubricParseError, merge_items, parse_rubric, rubric_from_items
 from dynrubric.rubric.verify import truncate_tokens
 
 RubricSource = Literal["set", "prompt_only", "generic"]
 
-GENERATED_ITEMS = (2, 6)  # items the generator writes; derived items (derived.py) join them
+GENERATED_ITEMS = (2, 5)  # items the generator writes; derived items (derived.py) join them
 ITEM_TEXT_CHARS = (8, 120)
 _PHRASE_KINDS = ["contains", "not_contains", "starts_with", "ends_with"]
 _COUNT_KINDS = ["max_words", "min_words", "bullet_count"]
@@ -31,8 +32,8 @@ _COUNT_KINDS = ["max_words", "min_words", "bullet_count"]
 
 def rubric_schema() -> dict[str, object]:
     """The JSON Schema generation is decoded under: bounded so that a rubric always finishes inside
-    `generator_max_tokens` (6 items x ~40 tokens), with the check vocabulary of checks.py."""
-    phrase = {"type": "string", "minLength": 1, "maxLength": 40}
+    `generator_max_tokens` (5 items x ~60 tokens), with the check vocabulary of checks.py."""
+    phrase = json_text(1, 40)
     check = {
         "anyOf": [
             {"type": "object", "properties": {"kind": {"enum": _PHRASE_KINDS}, "value": phrase},
@@ -49,7 +50,9 @@ def rubric_schema() -> dict[str, object]:
     item = {
         "type": "object",
         "properties": {
-            "text": {"type": "string", "minLength": ITEM_TEXT_CHARS[0], "maxLength": ITEM_TEXT_CHARS[1]},
+            # every item starts "The response ": a small model then writes a claim about a response,
+            # not numbering or an echo of the question
+            "text": {"type": "string", "pattern": f"^The response [a-z][ !#-\\[\\]-~]{{{ITEM_TEXT_CHARS[0]},{ITEM_TEXT_CHARS[1]}}}$"},
             "weight": {"type": "integer", "minimum": 1, "maximum": 5},
             "polarity": {"enum": [1, -1]},
             "check": check,
@@ -66,12 +69,13 @@ def rubric_schema() -> dict[str, object]:
     }
 
 
-RUBRIC_SCHEMA_JSON = json.dumps(rubric_schema(), sort_keys=True, separators=(",", ":"))
+# key order matters: the grammar writes properties in schema order, so "text" comes first
+RUBRIC_SCHEMA_JSON = json.dumps(rubric_schema(), separators=(",", ":"))
 
 # The format is described in words: small models copy a literal example back instead of writing items.
 FORMAT = (
-    "Answer with a JSON object whose key \"items\" holds a list of 3 to 6 rubric items. Each item has "
-    "\"text\" (one short yes/no question about a response, specific to this question), \"weight\" "
+    "Answer with a JSON object whose key \"items\" holds a list of 3 to 5 rubric items. Each item has "
+    "\"text\" (one short yes/no check of a response, specific to this question, starting \"The response\"), \"weight\" "
     "(an integer: 5 essential, 1 minor) and \"polarity\" (1 when meeting it is good, -1 when it is a "
     "flaw). When the property is mechanical, add \"check\" with \"kind\" one of contains, "
     "not_contains, starts_with, ends_with (with a short \"value\" phrase), max_words, min_words, "
