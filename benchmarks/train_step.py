@@ -47,12 +47,13 @@ def make_batch(vocab: int, prompts: int, group: int, prompt_len: int, completion
 
 
 def time_ours(model_dir: Path, batch, group: int, steps: int, lr: float, beta: float) -> list[float]:
-    from dynrubric.config import GRPOConfig
+    from dynrubric.config import GRPOConfig, RubricConfig
     from dynrubric.train.grpo import GRPOTrainer, Group, Rollout, load_policy, load_reference
 
     prompt_ids, completion_ids, rewards = batch
     cfg = GRPOConfig(lr=lr, kl_beta=beta, micro_batch_size=completion_ids.size(0), clip_high=0.2)
-    trainer = GRPOTrainer(load_policy(model_dir, cfg), load_reference(model_dir, cfg), cfg, pad_token_id=0)
+    trainer = GRPOTrainer(load_policy(model_dir, cfg), load_reference(model_dir, cfg), cfg, pad_token_id=0,
+                          tie_eps=RubricConfig().eps)
     groups = []
     for p in range(prompt_ids.size(0)):
         rows = range(p * group, (p + 1) * group)

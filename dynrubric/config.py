@@ -53,11 +53,30 @@ class ModelsConfig(Section):
 class EngineConfig(Section):
     kind: Literal["transformers", "openai-http"] = "transformers"
     base_url: str = Field(default="http://127.0.0.1:8000", description="openai-http only")
+    policy_url: str | None = Field(
+        default=None, description="openai-http: the policy's server, reloaded with every training step; default base_url"
+    )
+    generator_url: str | None = Field(
+        default=None, description="openai-http: the rubric generator's server; default base_url"
+    )
+    verifier_url: str | None = Field(
+        default=None,
+        description="openai-http: the verifier's server; default base_url. Training refuses a verifier that "
+        "shares a server with a model it reloads (the judge would no longer be frozen)",
+    )
     api_key: SecretStr | None = None
     timeout_s: float = Field(default=120.0, gt=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
     threads: int = Field(default=0, ge=0, description="torch threads; 0 = torch's default")
     max_batch_size: int = Field(default=32, ge=1)
+
+    def url_key(self, role: Literal["policy", "generator", "verifier"]) -> str:
+        """The config key that sets `role`'s server, saying when it falls back to base_url."""
+        key = f"engine.{role}_url"
+        return key if getattr(self, f"{role}_url") else f"{key} (unset, so engine.base_url)"
+
+    def url_for(self, role: Literal["policy", "generator", "verifier"]) -> str:
+        return getattr(self, f"{role}_url") or self.base_url
 
 
 class VllmConfig(Section):
@@ -130,7 +149,10 @@ class RubricConfig(Section):
         description="last-resort rubric when the generator never produces a valid one",
     )
     eps: float = Field(default=0.02, gt=0.0, lt=1.0, description="two scores closer than this are a tie")
-    collapse_window: int = Field(default=20, ge=1, description="sets in the collapse detector's window")
+    collapse_window: int = Field(
+        default=8, ge=1,
+        description="sets in the collapse detector's window; training carries it across rounds (8: one demo round)",
+    )
     collapse_min_mean_gap: float = Field(
         default=0.03, ge=0.0, description="collapse when the window's mean |pairwise gap| is below this"
     )
@@ -261,7 +283,11 @@ class GRPOConfig(Section):
     clip_high: float = Field(default=0.2, gt=0, le=1, description="ratio clipped above at 1 + clip_high (0.28: DAPO)")
     kl_beta: float = Field(default=1e-3, ge=0, description="weight of the k3 KL to the frozen reference; 0 = off")
     adv_eps: float = Field(default=1e-6, gt=0, description="advantage = (E - mean) / (std + adv_eps)")
-    tie_eps: float = Field(default=1e-6, ge=0, description="a set whose score std is below this is tied: no gradient")
+    updates_per_batch: int = Field(
+        default=1, ge=1, le=16,
+        description="optimiser updates per sampled batch; from the 2nd on the PPO ratio differs from 1 and "
+        "clip_low/clip_high bound the step",
+    )
     max_grad_norm: float = Field(default=1.0, gt=0)
     micro_batch_size: int = Field(default=8, ge=1, description="responses per forward/backward (grad accumulation)")
     lora_rank: int = Field(default=0, ge=0, description="0 = full fine-tuning; >0 = LoRA (peft) of this rank")
@@ -322,7 +348,12 @@ class TrainConfig(Section):
         default=None, description="JSONL prompts ({prompt} or {messages}) when prompt_source=jsonl"
     )
     heldout_file: Path | None = Field(
-        default=None, description="JSONL held-out prompts for the reward-drop guard; default: the first round prompts"
+        default=None,
+        description="JSONL held-out prompts for the guards (never trained on); default: split off by prompt key",
+    )
+    heldout_share: float = Field(
+        default=0.1, gt=0, lt=1,
+        description="share of new prompts held out (by prompt key, deterministic) when heldout_file is unset",
     )
     heldout_prompts: int = Field(default=8, ge=1, description="held-out prompts evaluated per round")
     candidates: int = Field(default=4, ge=2, description="K: responses sampled per prompt (one candidate set)")
@@ -332,13 +363,21 @@ class TrainConfig(Section):
     max_new_tokens: int = Field(default=128, ge=1)
     max_prompt_tokens: int = Field(default=512, ge=8, description="longer prompts are skipped (counted)")
     temperature: float = Field(default=1.0, gt=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_p: float = Field(
+        default=1.0, gt=0, le=1,
+        description="sampling only: the loss takes log-probs of the full distribution at `temperature` (as OpenRLHF)",
+    )
     seed: int = 0
     version_prefix: str = Field(
         default="r", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="round N registers version <prefix>N"
     )
     run_dir: Path | None = Field(default=None, description="round state, summaries, run log; default <state_dir>/train")
     max_kl: float = Field(default=0.05, gt=0, description="guard: per-token KL(new || parent) on held-out samples")
+    max_kl_to_base: float = Field(
+        default=0.5, gt=0,
+        description="guard: per-token KL(new || base of the lineage) on held-out samples: the total drift the "
+        "rounds may add up to (10x max_kl)",
+    )
     max_reward_drop: float = Field(
         default=0.05, ge=0, description="guard: reject when held-out reward falls more than this below the parent's"
     )
@@ -376,6 +415,9 @@ class ServingConfig(Section):
     router_url: str | None = Field(default=None, description="how the controller reaches the router; default http://host:port")
     fleet_port: int = Field(default=8300, ge=0, le=65535, description="port of the fleet's /healthz and /metrics")
     token: SecretStr | None = Field(default=None, description="bearer token for control endpoints")
+    engine_api_key: SecretStr | None = Field(
+        default=None, description="bearer key the router sends to its engines (vLLM --api-key)"
+    )
     engines: list[FleetEngineConfig] = Field(
         default_factory=lambda: [
             FleetEngineConfig(name="engine-0", variant="stable", port=8301),
@@ -386,6 +428,11 @@ class ServingConfig(Section):
     request_timeout_s: float = Field(default=120.0, gt=0, description="router -> engine timeout")
     health_interval_s: float = Field(default=5.0, gt=0, description="fleet health-check period")
     max_restarts: int = Field(default=5, ge=0, description="restarts of a dying engine before giving up")
+    shadow_rate: float = Field(
+        default=0.0, ge=0, le=1,
+        description="during a rollout, share of answered requests also sent to the other arm for the judged check",
+    )
+    shadow_max_inflight: int = Field(default=4, ge=1, description="shadow cost cap: shadow requests running at once")
 
 
 class RolloutConfig(Section):
@@ -397,13 +444,42 @@ class RolloutConfig(Section):
     max_step_s: float = Field(
         default=3600.0, gt=0, description="a step still inconclusive after this long rolls back"
     )
+    feedback_window_s: float = Field(
+        default=3600.0, gt=0, description="feedback counts for a request logged at most this long before it"
+    )
+    consumer_group: str = Field(default="dynrubric-rollout-gate", min_length=1, description="online metrics' group")
+    judge: bool = Field(default=False, description="judge shadow pairs (serving.shadow_rate) with the rubric evaluator "
+                        "built from the engine and models sections")
+    judge_pairs_per_poll: int = Field(default=8, ge=1, description="judge cost cap: pairs scored per gate evaluation")
+
+
+class GateSimulationConfig(Section):
+    """`dynrubric gate simulate` and the gate's CI simulations: the simulated user population."""
+
+    users: int = Field(default=20_000, ge=10, description="distinct users; each rollout reshuffles their arms")
+    zipf_s: float = Field(default=1.1, ge=0, description="requests-per-user shares proportional to rank^-zipf_s")
+    positive_mean: float = Field(default=0.7, gt=0, lt=1, description="mean per-user thumbs-up propensity (Beta)")
+    regenerate_mean: float = Field(default=0.1, gt=0, lt=1, description="mean per-user regenerate propensity (Beta)")
+    rated_mean: float = Field(default=0.6, gt=0, lt=1, description="mean per-user share of responses rated (Beta)")
+    concentration: float = Field(default=4.0, gt=0, description="Beta concentration a + b of every propensity")
+    requests_per_look: int = Field(default=2000, ge=1, description="mean requests between two gate evaluations")
+    diurnal_amplitude: float = Field(default=0.5, ge=0, lt=1, description="load = mean * (1 + A sin(2 pi look / day))")
+    looks_per_day: int = Field(default=48, ge=1)
+    shadow_rate: float = Field(default=0.02, ge=0, le=1, description="share of requests judged as a shadow pair")
+    max_step_requests: int = Field(default=400_000, ge=1, description="a step still inconclusive after this rolls back")
 
 
 class GateConfig(Section):
     srm_alpha: float = Field(default=0.001, gt=0, lt=1, description="sample-ratio-mismatch chi-square level")
+    min_users_per_arm: int = Field(default=100, ge=1, description="per arm, users since the start (delta method)")
     min_requests_per_arm: int = Field(default=200, ge=1, description="per arm, within the current step")
     min_rated_per_arm: int = Field(default=100, ge=1, description="per arm, thumbs-rated requests since the start")
-    guardrail_alpha: float = Field(default=0.01, gt=0, lt=1)
+    guardrail_alpha: float = Field(default=0.01, gt=0, lt=1, description="split: error rate 1/2, p95 latency 1/2")
+    latency_tau: float = Field(default=0.02, gt=0, description="quantile sequence's mixture scale, in rank share")
+    judge_alpha: float = Field(default=0.01, gt=0, lt=1, description="judged win-rate check")
+    judge_margin: float = Field(default=0.05, ge=0, lt=0.5, description="fail below a win rate of 1/2 - margin")
+    judge_tau: float = Field(default=0.1, gt=0, description="judged check's mixture scale")
+    simulation: GateSimulationConfig = GateSimulationConfig()
     error_rate_margin: float = Field(default=0.01, ge=0, le=1, description="absolute error-rate margin")
     latency_p95_margin: float = Field(default=0.25, ge=0, description="relative p95 latency margin")
     alpha: float = Field(default=0.05, gt=0, lt=1, description="primary metrics, split over the two")

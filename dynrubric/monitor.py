@@ -10,7 +10,6 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -18,6 +17,7 @@ from typing import Annotated
 import typer
 
 from dynrubric.errors import DynrubricError
+from dynrubric.process import http_ok, log_tail, spawn, terminate, wait_until
 
 MONITORING_DIR = Path(__file__).resolve().parents[1] / "monitoring"
 INSTALL_FIX = "run `make setup`, or `apt-get install prometheus` (Debian), then try again"
@@ -105,13 +105,7 @@ class RunningPrometheus:
     log_path: Path
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process, timeout_s)
 
 
 def start_prometheus(
@@ -119,7 +113,6 @@ def start_prometheus(
 ) -> RunningPrometheus:
     """Write `config` under `work_dir`, check it with promtool when available, start Prometheus on
     host:port with its TSDB in `work_dir/data`, and wait until /-/ready answers."""
-    import httpx
     import yaml
 
     from dynrubric import atomic
@@ -142,35 +135,23 @@ def start_prometheus(
                 "fix monitoring.targets or the rule files it names",
             )
     log_path = work_dir / "prometheus.log"
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(
-            [
-                str(binary),
-                f"--config.file={config_path}",
-                f"--storage.tsdb.path={work_dir / 'data'}",
-                f"--storage.tsdb.retention.time={retention}",
-                f"--web.listen-address={host}:{port}",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # Ctrl-C reaches us, and we stop it cleanly
-        )
+    process = spawn(  # in its own session: Ctrl-C reaches us, and we stop it cleanly
+        [
+            str(binary),
+            f"--config.file={config_path}",
+            f"--storage.tsdb.path={work_dir / 'data'}",
+            f"--storage.tsdb.retention.time={retention}",
+            f"--web.listen-address={host}:{port}",
+        ],
+        log_path,
+    )
     running = RunningPrometheus(process, f"http://{host}:{port}", log_path)
-    deadline = time.monotonic() + ready_timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
-            raise DynrubricError(
-                f"Prometheus exited with code {process.returncode} at start: {' | '.join(tail)}",
-                f"read {log_path}",
-            )
-        try:
-            if httpx.get(f"{running.url}/-/ready", timeout=1.0).status_code == 200:
-                return running
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    if wait_until(process, lambda: http_ok(f"{running.url}/-/ready", 1.0), ready_timeout_s, 0.2):
+        return running
+    if process.poll() is not None:
+        raise DynrubricError(
+            f"Prometheus exited with code {process.returncode} at start: {log_tail(log_path)}", f"read {log_path}"
+        )
     running.stop()
     raise DynrubricError(f"Prometheus did not become ready in {ready_timeout_s:.0f}s", f"read {log_path}")
 

@@ -130,7 +130,7 @@ class Registry:
             except ImportError:
                 raise DynrubricError(
                     "the registry URL is PostgreSQL but psycopg is not installed",
-                    "pip install 'psycopg[binary]', or use a SQLite path (registry.path)",
+                    "pip install 'dynrubric[postgres]', or use a SQLite path (registry.path)",
                 ) from None
             if storage_dir is None:
                 raise DynrubricError(

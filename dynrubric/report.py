@@ -52,13 +52,12 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return xs, ys
 
 
-def render(log: RunLog, out: Path, min_mean_gap: float, max_nonsplit_share: float) -> Path:
-    """Draw the report into `out` (PNG, written atomically) and return it."""
-    import io
+def figure(log: RunLog, min_mean_gap: float, max_nonsplit_share: float):
+    """The report as a matplotlib Figure: 3x2 panels (reward, KL, score gaps, non-splitting items,
+    fallbacks, held-out reward per round)."""
+    from dynrubric.extras import require
 
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require("matplotlib", "report", "`dynrubric report`").use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
@@ -118,6 +117,16 @@ def render(log: RunLog, out: Path, min_mean_gap: float, max_nonsplit_share: floa
     if ids:
         rounds_axis.set_xticks(ids)  # one tick per round (the locator has no integer to show for a single round)
     fig.tight_layout()
+    return fig
+
+
+def render(log: RunLog, out: Path, min_mean_gap: float, max_nonsplit_share: float) -> Path:
+    """Draw the report into `out` (PNG, written atomically) and return it."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    fig = figure(log, min_mean_gap, max_nonsplit_share)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=90)
     plt.close(fig)

@@ -168,6 +168,11 @@ class ServerMetrics:
             "dynrubric_reward_partial_groups", "groups scored at the timeout before n samples arrived",
             registry=registry,
         )
+        self.singleton_groups = Counter(
+            "dynrubric_reward_singleton_groups",
+            "groups of one sample (timeouts, retries): no gap to measure, kept out of the collapse window",
+            registry=registry,
+        )
         self.verdict_latency = Histogram(
             "dynrubric_reward_verdict_latency_seconds", "time to verify one set",
             buckets=LATENCY_BUCKETS, registry=registry,
@@ -219,6 +224,8 @@ class GroupBarrier:
         group.partial = timed_out and len(group.responses) < self.n
         if group.partial:
             self.metrics.partial_groups.inc()
+        if len(group.responses) < 2:
+            self.metrics.singleton_groups.inc()  # the collapse detector skips it too (rubric/gaps.py)
         self._ready.append(group)
         if self._scorer is None or self._scorer.done():
             self._scorer = asyncio.get_running_loop().create_task(self._drain())
@@ -300,10 +307,9 @@ def create_app(
         headers = {FORWARDED_HEADER: "1"}
         if token is not None:
             headers["authorization"] = f"Bearer {token.get_secret_value()}"
-        async with httpx.AsyncClient(timeout=config.forward_timeout_s) as client:
-            r = await client.post(f"{owner}/reward", json=sample, headers=headers)
-            r.raise_for_status()
-            return r.json()
+        r = await app.state.forward_client.post(f"{owner}/reward", json=sample, headers=headers)
+        r.raise_for_status()
+        return r.json()
 
     async def one_sample(query: str, prompt: str | None, label: Any, forwarded: bool) -> SampleResult:
         key, response = split_query(query, prompt, special_tokens)
@@ -380,6 +386,14 @@ def create_app(
         require_token(request, token)
         return JSONResponse({"groups": list(barrier.recent)})
 
+    async def open_forward_client() -> None:  # one pooled client for every forward while the app runs
+        app.state.forward_client = httpx.AsyncClient(timeout=config.forward_timeout_s)
+
+    async def close_forward_client() -> None:
+        await app.state.forward_client.aclose()
+
+    app.router.on_startup.append(open_forward_client)
+    app.router.on_shutdown.append(close_forward_client)
     app.router.on_shutdown.append(barrier.close)
     app.state.barrier = barrier
     return app

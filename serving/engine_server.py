@@ -3,7 +3,8 @@
 Same paths and bodies as a vLLM server started with VLLM_SERVER_DEV_MODE=1: `/v1/completions`,
 `/v1/chat/completions` (streamed or not), `/v1/models`, `/health`, `POST /collective_rpc` with
 `{"method": "reload_weights", "kwargs": {"weights_path": DIR}}` and `POST /reset_prefix_cache`.
-It starts in seconds, so router and rollout tests that do not need vLLM itself use it.
+It starts in seconds, so router and rollout tests that do not need vLLM itself use it. Like a dev-mode
+vLLM it has an unauthenticated `/collective_rpc`, so it listens on loopback only.
 
 `/health` also reports the policy_version served: the model's directory name at start, then the
 name of the directory last reloaded (registry checkpoints live in `<storage>/<version>/`).
@@ -142,17 +143,17 @@ def main() -> None:
     import uvicorn
 
     from dynrubric.engines.hf import TransformersEngine
+    from dynrubric.engines.vllm_server import LOOPBACK
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--policy-version", default=None)
     parser.add_argument("--served-model-name", default="policy")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     engine = TransformersEngine(args.model, threads=args.threads, policy_version=args.policy_version or args.model.name)
-    uvicorn.run(build_app(engine, args.served_model_name), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(build_app(engine, args.served_model_name), host=LOOPBACK, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

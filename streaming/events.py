@@ -68,6 +68,11 @@ class QueryLogEvent(_Versioned):
     latency_ms: float = Field(ge=0)
     prompt_tokens: int = Field(ge=0)
     completion_tokens: int = Field(ge=0)
+    # the rollout gate's attribution (serving/online.py) and the judged check's shadow pairs
+    experiment_id: Annotated[str, StringConstraints(max_length=200)] | None = None
+    assigned_variant: Annotated[str, StringConstraints(max_length=64)] | None = None
+    pair_id: Annotated[str, StringConstraints(max_length=128)] | None = None
+    shadow: bool = False
 
 
 class FeedbackEvent(_Versioned):

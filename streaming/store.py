@@ -19,14 +19,13 @@ One writer per store at a time (an exclusive lock file); any number of readers.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import sqlite3
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,6 +36,7 @@ import pyarrow.parquet as pq
 from dynrubric.atomic import fsync_dir
 from dynrubric.config import Settings
 from dynrubric.errors import DynrubricError
+from dynrubric.prompt_key import prompt_key
 from dynrubric.train.prompts import TrainPrompt
 from streaming.events import FeedbackEvent, QueryLogEvent
 
@@ -88,12 +88,6 @@ CREATE TABLE IF NOT EXISTS prompt_shards (
 CREATE TABLE IF NOT EXISTS feedback_shards (
     request_id TEXT NOT NULL, shard_id INTEGER NOT NULL, PRIMARY KEY (request_id, shard_id)) WITHOUT ROWID;
 """
-
-
-def prompt_key(messages: Iterable[dict[str, str]]) -> str:
-    """Identity of a chat prompt: the same messages give the same key across requests and versions."""
-    canon = "\x1e".join(m["role"] + "\x1f" + m["content"] for m in messages)  # separators never in roles
-    return hashlib.blake2b(canon.encode(), digest_size=16).hexdigest()
 
 
 def dedupe_key(event: QueryLogEvent | FeedbackEvent) -> str:
@@ -261,7 +255,7 @@ def _query_row(r: Stored) -> dict:
     return {
         "request_id": e.request_id, "ts": e.ts, "user_key": e.user_key, "session_id": e.session_id,
         "variant": e.variant, "policy_version": e.policy_version, "model": e.model, "messages": messages,
-        "prompt_key": prompt_key(messages), "prompt_text": users[-1] if users else "",
+        "prompt_key": prompt_key((m["role"], m["content"]) for m in messages), "prompt_text": users[-1] if users else "",
         "response": e.response, "finish_reason": e.finish_reason, "temperature": e.sampling.temperature,
         "top_p": e.sampling.top_p, "max_tokens": e.sampling.max_tokens, "latency_ms": e.latency_ms,
         "prompt_tokens": e.prompt_tokens, "completion_tokens": e.completion_tokens,

@@ -107,17 +107,21 @@ class Stack:
     def router_url(self) -> str:
         return self.router_server.url
 
-    def controller(self, rollout: RolloutConfig, gate: GateConfig, sleep=time.sleep) -> Controller:
-        online = OnlineMetrics(self.bootstrap, QUERY_LOG_TOPIC, FEEDBACK_TOPIC)
+    def controller(self, rollout: RolloutConfig, gate: GateConfig, sleep=time.sleep, judge=None,
+                   metrics: CollectorRegistry | None = None) -> Controller:
+        """A controller as a new process would build it: its online metrics resume from the stack's state file."""
+        online = OnlineMetrics(self.bootstrap, QUERY_LOG_TOPIC, FEEDBACK_TOPIC, group_id=f"gate-{self.state_dir.name}",
+                               state_path=self.state_dir / "online.json")
         return Controller(self.registry, RolloutStore(self.state_dir / "rollouts.sqlite"),
-                          RouterClient(self.router_url, TOKEN), online, rollout, gate, sleep=sleep, log=print)
+                          RouterClient(self.router_url, TOKEN), online, rollout, gate, metrics=metrics, sleep=sleep,
+                          log=print, judge=judge)
 
     def router_state(self) -> dict:
         return httpx.get(f"{self.router_url}/v1/router/state").json()
 
 
 def start_stack(tmp: Path, bootstrap: str, base_model: Path, kind: str, health_interval_s: float = 1.0,
-                max_restarts: int = 5, stable_server=None) -> Stack:
+                max_restarts: int = 5, stable_server=None, shadow_rate: float = 0.0) -> Stack:
     """Registry with v0 stable, a two-engine fleet (stable + canary) on v0, the router in-process.
 
     `stable_server` (the session's `vllm_server`, serving `base_model`) stands in for the fleet's
@@ -145,7 +149,8 @@ def start_stack(tmp: Path, bootstrap: str, base_model: Path, kind: str, health_i
         replicas.insert(0, Replica("vllm-session-stable", "stable", stable_server.base_url, "v0",
                                    served_model=stable_server.served_model_name))
     state = RouterState(replicas, desired={"stable": weights, "canary": weights})
-    router = Router(state, producer, metrics, token=TOKEN, timeout_s=120, health_interval_s=health_interval_s)
+    router = Router(state, producer, metrics, token=TOKEN, timeout_s=120, health_interval_s=health_interval_s,
+                    shadow_rate=shadow_rate, seed=0)
     server = ThreadServer(router.app, free_port()).__enter__()
     return Stack(registry, fleet, router, server, producer, bootstrap, tmp)
 

@@ -89,3 +89,21 @@ def test_generate_answers_with_the_cached_model():
     result = run("generate", "What is the capital of France?", "--max-tokens", "12")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
+
+
+def test_training_refuses_a_verifier_on_the_server_the_policy_reloads(tmp_path):
+    """Over HTTP the verifier must be frozen: on the policy's server it would judge with the weights each
+    step publishes. Refused at start, naming both keys; own URLs per role pass that check."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    env = {"DYNRUBRIC_ENGINE__KIND": "openai-http", "DYNRUBRIC_TRAIN__PROMPTS_FILE": str(prompts),
+           "DYNRUBRIC_PATHS__STATE_DIR": str(tmp_path / "state")}
+    assert_one_line_error(run("train", "round", env=env), "engine.verifier_url (unset, so engine.base_url) and "
+                          "engine.policy_url (unset, so engine.base_url)", "verifier would not be frozen")
+    shared = {**env, "DYNRUBRIC_ENGINE__POLICY_URL": "http://127.0.0.1:1/",
+              "DYNRUBRIC_ENGINE__VERIFIER_URL": "http://127.0.0.1:1/"}
+    assert_one_line_error(run("train", "round", env=shared), "engine.verifier_url and engine.policy_url")
+    two_models = {**env, "DYNRUBRIC_ENGINE__VERIFIER_URL": "http://127.0.0.1:2/",
+                  "DYNRUBRIC_TRAIN__COEVOLVE__SINGLE_MODEL": "false"}
+    assert_one_line_error(run("train", "round", env=two_models), "engine.generator_url (unset, so engine.base_url) and "
+                          "engine.policy_url", "generator would not be frozen")

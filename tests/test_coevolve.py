@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dynrubric.config import CoevolveConfig
+from dynrubric.config import CoevolveConfig, RubricConfig
 from dynrubric.engines.base import Completion, Engine, GenerationRequest
 from dynrubric.errors import DynrubricError
 from dynrubric.rubric.items import Rubric, RubricItem
@@ -36,6 +36,16 @@ def test_r_disc_rewards_items_that_split_the_set() -> None:
     assert r_disc([[1, 0, 1, 0], [1, 1, 0, 0]], RUBRIC) == pytest.approx(0.25)
 
 
+def test_r_disc_pays_for_splitting_the_set_not_for_the_verifiers_uncertainty() -> None:
+    """0.5 for every candidate (the hard-verdict fallback, NaN handling) tells no two candidates apart:
+    it earns nothing, and less than an item that really splits the set with soft verdicts."""
+    undecided = [[0.5, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5]]
+    assert r_disc(undecided, RUBRIC) == 0.0
+    soft = [[0.9, 0.1, 0.9, 0.1], [0.5, 0.5, 0.5, 0.5]]  # item a splits, b does not
+    assert r_disc(soft, RUBRIC) == pytest.approx(3 * 0.4**2 / 4)
+    assert r_disc(soft, RUBRIC) > r_disc(undecided, RUBRIC)
+
+
 def test_r_anchor_matches_the_formula_and_prefers_the_right_order() -> None:
     s = [0.9, 0.5, 0.1]
     ls = lambda d: math.log(1 / (1 + math.exp(-d)))  # noqa: E731
@@ -55,9 +65,11 @@ def test_temporal_anchors_rank_newer_above_older_within_the_age_window() -> None
     assert temporal_anchors("c", {"base": ["n0"]}, ages, 1, 2, random.Random(0)) is None
 
 
-def test_normalised_is_zero_for_ties() -> None:
-    assert normalised([1.0, 1.0, 1.0]) == [0.0, 0.0, 0.0]
-    a = normalised([0.0, 1.0])
+def test_normalised_is_zero_for_ties_at_the_rubric_threshold() -> None:
+    tie = RubricConfig().eps
+    assert normalised([1.0, 1.0, 1.0], tie) == [0.0, 0.0, 0.0]
+    assert normalised([0.1, 0.1 + 6e-6, 0.1 - 1e-4], tie) == [0.0, 0.0, 0.0]  # engine noise, not a signal
+    a = normalised([0.0, 1.0], tie)
     assert a[0] < 0 < a[1] and sum(a) == pytest.approx(0.0)
 
 
@@ -107,9 +119,10 @@ def test_generator_groups_reward_splitting_parseable_rubrics_above_the_rest(tiny
     responses = ["blue", "red", "sun", "tree"]
     groups, stats = generator_groups(
         engine, lambda q, rs: f"rubric for {q}", verify, apply, [(prompt, responses)], [["blue sun", "red tree"]],
-        CoevolveConfig(rubric_samples=4), max_items=12, temperature=1.0, seed=0,
+        CoevolveConfig(rubric_samples=4), max_items=12, temperature=0.7, tie_eps=RubricConfig().eps, seed=0,
     )
     [g] = groups
+    assert g.temperature == 0.7  # the generator's loss takes log-probs at its sampling temperature
     assert stats.parsed == 3 and stats.anchored_sets == 1
     adv = g.advantages
     assert adv[0] == adv[3] > adv[1] > adv[2]  # splitting > valid but flat > unparseable
@@ -117,15 +130,16 @@ def test_generator_groups_reward_splitting_parseable_rubrics_above_the_rest(tiny
 
 
 def test_guards_name_the_reason() -> None:
-    ok = guards.check(nonfinite_steps=[], kl=0.01, max_kl=0.05, reward_parent=0.5, reward_new=0.52, max_reward_drop=0.05)
-    assert ok.accepted
-    assert guards.check(nonfinite_steps=[2], kl=0.0, max_kl=1, reward_parent=0, reward_new=0,
-                        max_reward_drop=1).reason == "nonfinite"
-    assert guards.check(nonfinite_steps=[], kl=0.2, max_kl=0.05, reward_parent=0, reward_new=0,
-                        max_reward_drop=1).reason == "kl"
-    assert guards.check(nonfinite_steps=[], kl=float("nan"), max_kl=0.05, reward_parent=0, reward_new=0,
-                        max_reward_drop=1).reason == "kl"
-    drop = guards.check(nonfinite_steps=[], kl=0.0, max_kl=1, reward_parent=0.6, reward_new=0.4, max_reward_drop=0.05)
+    ok = dict(nonfinite_steps=[], kl=0.01, max_kl=0.05, kl_to_base=0.1, max_kl_to_base=0.15, reward_parent=0.5,
+              reward_new=0.52, max_reward_drop=0.05)
+    assert guards.check(**ok).accepted
+    assert guards.check(**{**ok, "nonfinite_steps": [2]}).reason == "nonfinite"
+    assert guards.check(**{**ok, "kl": 0.2}).reason == "kl"
+    assert guards.check(**{**ok, "kl": float("nan")}).reason == "kl"
+    # each round within its own bound, but the drift they add up to is bounded too
+    assert guards.check(**{**ok, "kl_to_base": 0.16}).reason == "kl_to_base"
+    assert guards.check(**{**ok, "kl_to_base": float("nan")}).reason == "kl_to_base"
+    drop = guards.check(**{**ok, "reward_parent": 0.6, "reward_new": 0.4})
     assert drop.reason == "reward_drop" and "0.6000 -> 0.4000" in drop.detail
 
 
@@ -179,3 +193,24 @@ def test_schedule_alternates_k_alt_steps_and_starts_with_the_generator_after_a_c
     assert runner.schedule(2, 4, refresh=True) == ["generator", "generator", "policy", "policy"]
     off = Settings.model_validate({"paths": {"state_dir": str(tmp_path)}, "train": {"coevolve": {"enabled": False}}})
     assert RoundRunner(off, runner.registry, None, None).schedule(1, 3, refresh=True) == ["policy"] * 3  # type: ignore[arg-type]
+
+
+def test_file_anchors_are_found_for_prompts_from_the_replay_source(tmp_path: Path) -> None:
+    """One prompt key for the whole project: an anchor file keyed by the trainer finds the prompts the
+    replay store logged (with and without a system message), so R_anchor does not drop out in replay mode."""
+    from streaming.store import ReplayPromptSource, Stored, StoreWriter
+    from tests.test_streaming_producer import query_event
+
+    chats = [[{"role": "user", "content": "2+2?"}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fox."}]]
+    writer = StoreWriter(tmp_path / "replay")
+    writer.commit([Stored(query_event(f"r{i}", policy_version="v1", messages=m), 0, i) for i, m in enumerate(chats)])
+    writer.close()
+    anchors_path = tmp_path / "anchors.jsonl"
+    anchors_path.write_text(json.dumps({"prompt": "2+2?", "responses": ["4", "5"]}) + "\n"
+                            + json.dumps({"messages": chats[1], "responses": ["A red fox.", "Foxes!"]}) + "\n")
+    anchors = read_anchor_file(anchors_path)
+    prompts, _ = ReplayPromptSource(tmp_path / "replay").new_prompts(None, 10)
+    assert len(prompts) == 2
+    assert sorted(anchors[p.key][0] for p in prompts) == ["4", "A red fox."]
+    assert all(p.key == make_prompt(p.messages).key for p in prompts)

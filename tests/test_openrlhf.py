@@ -61,8 +61,13 @@ def test_emitted_command_parses_with_openrlhfs_own_parser(env: dict[str, str], t
     assert command["parent"] == "base"
     # the prompt shard holds the messages under the input key, in OpenRLHF's chat format
     lines = [json.loads(x) for x in Path(args.data.prompt_dataset).read_text().splitlines()]
-    assert [m["messages"][-1]["content"] for m in lines] == ["What is 2 + 2?", "Name a colour."]
-    assert lines[1]["messages"][0] == {"role": "system", "content": "Be brief."}
+    heldout = [json.loads(x) for x in (job / "heldout.jsonl").read_text().splitlines()]
+    # the held-out prompts (for the guards) are split off by key and never trained on
+    assert len(heldout) == 1 and not {m["key"] for m in heldout} & {m["key"] for m in lines}
+    assert sorted(m["messages"][-1]["content"] for m in lines + heldout) == ["Name a colour.", "What is 2 + 2?"]
+    chats = {m["messages"][-1]["content"]: m["messages"] for m in lines + heldout}
+    assert chats["Name a colour."][0] == {"role": "system", "content": "Be brief."}
+    assert command["watermark_before"] is None and command["watermark_after"] == "2"  # taken at job start
     # the RayJob and the submit script carry the same command
     spec = yaml.safe_load((job / "rayjob.yaml").read_text())
     assert spec["kind"] == "RayJob" and spec["spec"]["entrypoint"].split()[:3] == argv[:3]
@@ -87,3 +92,37 @@ def test_parser_rejects_a_misspelt_flag() -> None:
     with pytest.raises(AssertionError):  # its own validation: group_norm needs n > 1
         train_ppo_ray_parse(["--actor.model_name_or_path", "m", "--algo.advantage.estimator", "group_norm",
                              "--reward.remote_url", "http://x/reward"])
+
+
+def test_the_jobs_checkpoint_is_guarded_before_registration_and_the_watermark_is_taken_at_job_start(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The job's checkpoint (here: the parent's weights plus noise, in the output dir as OpenRLHF leaves
+    it) goes through the embedded rounds' guards: too far from its parent, it is registered rejected
+    and the next round builds on the parent. Prompts that arrived while the job ran are left for the
+    next round."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dynrubric.train import openrlhf
+    from tests.train_harness import runner, write_prompts
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 8)
+    r = runner(tmp_path / "state", tiny_model_dir, prompts)
+    emitted = openrlhf.emit(r.settings, r, r.source, 1, r.head(), None)
+    assert emitted.heldout and emitted.prompts + len(emitted.heldout) == 8
+    with prompts.open("a") as f:  # traffic that arrives during the job
+        f.write('{"prompt": "A late question."}\n')
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05, alpha=1.0)
+    model.save_pretrained(emitted.output_dir)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(emitted.output_dir)
+
+    summary = openrlhf.finish(r.settings, r, emitted)
+    assert summary["watermark_after"] == "8"
+    assert summary["state"] == "rejected" and summary["guard"]["reason"] == "kl", summary["guard"]
+    assert summary["eval"]["judge"] == {"generator": "base", "verifier": "keyword-rule"}
+    assert r.registry.get("r1").reason.startswith("kl: ") and r.head().version == "base"
+    late, _ = r.source.new_prompts(summary["watermark_after"], 10)
+    assert [p.question for p in late] == ["A late question."]

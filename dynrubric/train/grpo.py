@@ -1,19 +1,28 @@
 """The embedded GRPO trainer: group-normalised advantages, token-level clipped surrogate, k3 KL, AdamW.
 
-One `GRPOTrainer.step(groups)` is one optimiser update over a batch of candidate sets:
+One `GRPOTrainer.step(groups)` is `grpo.updates_per_batch` optimiser updates over one batch of candidate
+sets:
 
     A_i      = (E_i - mean_C E) / (std_C E + eps)          per set C (std with Bessel's correction, as
                                                            OpenRLHF's group_norm and TRL do)
-    ratio_t  = exp(log pi(y_t) - log pi_old(y_t))          pi_old = the policy that sampled (one update per
-                                                           batch, so pi_old = pi detached)
+    log pi   = log_softmax(logits / T)                     T = the temperature the rollouts were sampled
+                                                           at (as OpenRLHF); top_p is not applied, as in
+                                                           OpenRLHF: the loss sees the tempered full
+                                                           distribution, not the nucleus
+    ratio_t  = exp(log pi(y_t) - log pi_old(y_t))          pi_old = the policy that sampled, its log-probs
+                                                           taken once before the first update; so the
+                                                           ratio is 1 on update 1 and the clip acts from
+                                                           update 2 on
     pg_t     = -min(ratio_t A, clip(ratio_t, 1 - c_low, 1 + c_high) A)
     kl_t     = exp(log pi_ref - log pi) - 1 - (log pi_ref - log pi)            (k3, Schulman)
     loss     = sum_t (pg_t + beta kl_t) / (number of response tokens in the whole batch)
 
 The token-level mean is taken over the whole batch, so gradient accumulation over micro-batches gives
-exactly the gradient of the full batch. Sets whose scores are all tied (std below `tie_eps`) have no
-advantage signal: they are left out of the batch entirely and counted. The values and gradients of
-`clipped_surrogate` and `k3` match OpenRLHF's `PolicyLoss` and `compute_approx_kl` (tested).
+exactly the gradient of the full batch. A set whose score spread (max - min) is below the rubric's tie
+threshold `rubric.eps` is a tie: two such scores are the same verdict up to engine noise, and
+normalising noise by its own std would make unit-size advantages out of it. Tied sets are left out of
+the batch and counted. The values and gradients of `clipped_surrogate` and `k3` match OpenRLHF's
+`PolicyLoss` and `compute_approx_kl` (tested, also on the trainer's second update).
 """
 
 from __future__ import annotations
@@ -42,11 +51,13 @@ class Group:
     """One candidate set: K rollouts of the same prompt and their set-conditioned scores.
 
     `advantages`, when given, replace the group-normalised scores (the generator combines several
-    normalised rewards at the advantage level); all of them below `tie_eps` counts as a tied set."""
+    normalised rewards at the advantage level); all of them zero counts as a tied set. `temperature`
+    is the one the rollouts were sampled at: the loss takes log-probs of that distribution."""
 
     rollouts: tuple[Rollout, ...]
     scores: tuple[float, ...]
     advantages: tuple[float, ...] | None = None
+    temperature: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -63,20 +74,21 @@ class StepStats:
     tokens: int
     updated: bool  # False when every set was tied or the loss was not finite (no optimiser step)
     nonfinite: bool
+    updates: int = 0  # optimiser updates applied on this batch (0 .. grpo.updates_per_batch)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def group_advantages(scores: Sequence[float], eps: float, tie_eps: float) -> list[float] | None:
-    """`(E - mean) / (std + eps)` within one set, or None when the set is tied (no signal)."""
+    """`(E - mean) / (std + eps)` within one set, or None when the set is tied: its spread
+    `max E - min E` is below `tie_eps` (the rubric's tie threshold), or a score is not finite."""
     s = torch.tensor(list(scores), dtype=torch.float64)
-    if s.numel() < 2:
+    if s.numel() < 2 or not bool(torch.isfinite(s).all()):
         return None
-    std = s.std()  # Bessel-corrected, as OpenRLHF's group_norm
-    if not torch.isfinite(std) or std < tie_eps:
+    if float(s.max() - s.min()) < tie_eps:
         return None
-    return ((s - s.mean()) / (std + eps)).tolist()
+    return ((s - s.mean()) / (s.std() + eps)).tolist()  # Bessel-corrected std, as OpenRLHF's group_norm
 
 
 def clipped_surrogate(
@@ -100,11 +112,28 @@ def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return ((-log_ratio).exp() - 1.0 + log_ratio).clamp(-10.0, 10.0)
 
 
-def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """log p(token_t | tokens_<t) for t = 1..T-1 (shape B x (T-1)); float32 log-softmax."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
-    logp = torch.log_softmax(logits.float(), dim=-1)
+def response_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: torch.Tensor | float = 1.0,
+) -> torch.Tensor:
+    """log p_T(token_t | tokens_<t) for t = 1..T-1 (shape B x (T-1)), p_T = softmax(logits / T): the
+    distribution sampled at temperature T (a float, or one per row). Float32 log-softmax."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1].float()
+    if isinstance(temperature, torch.Tensor):
+        if bool((temperature != 1.0).any()):
+            logits = logits / temperature.to(logits.dtype).view(-1, 1, 1)
+    elif temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
     return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def loss_temperature(t: float) -> float:
+    """The temperature the loss uses for samples drawn at `t`: `t`, except greedy decoding (t = 0),
+    whose every sample is the same (a tied set, no gradient), where T = 1 keeps the division defined."""
+    return t if t > 0 else 1.0
 
 
 def collate(rollouts: Sequence[Rollout], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -122,8 +151,22 @@ def collate(rollouts: Sequence[Rollout], pad_id: int) -> tuple[torch.Tensor, tor
     return ids, attn, resp
 
 
+@dataclass(frozen=True)
+class _Micro:
+    """One micro-batch, collated: ids, attention mask, response-token mask, advantages (B x 1) and the
+    sampling temperature of each row."""
+
+    ids: torch.Tensor
+    attn: torch.Tensor
+    mask: torch.Tensor
+    adv: torch.Tensor
+    temps: torch.Tensor
+
+
 class GRPOTrainer:
-    """Owns the trainable policy, the frozen reference and the AdamW state."""
+    """Owns the trainable policy, the frozen reference and the AdamW state.
+
+    `tie_eps` is the rubric's tie threshold (`rubric.eps`): a set whose score spread is below it is tied."""
 
     def __init__(
         self,
@@ -131,11 +174,13 @@ class GRPOTrainer:
         ref_model: torch.nn.Module | None,
         config: GRPOConfig,
         pad_token_id: int,
+        tie_eps: float,
     ):
         self.model = model
         self.ref_model = ref_model
         self.config = config
         self.pad_token_id = pad_token_id
+        self.tie_eps = tie_eps
         if ref_model is not None:
             ref_model.eval()
             ref_model.requires_grad_(False)
@@ -160,76 +205,122 @@ class GRPOTrainer:
                     return int(state["step"])
         return 0
 
-    def _ref_logprobs(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def _ref_logprobs(self, m: _Micro) -> torch.Tensor:
         with torch.no_grad():
             if self.ref_model is not None:
-                return response_logprobs(self.ref_model, ids, attn)
+                return response_logprobs(self.ref_model, m.ids, m.attn, m.temps)
             with self.model.disable_adapter():  # LoRA: the base weights are the reference
-                return response_logprobs(self.model, ids, attn)
+                return response_logprobs(self.model, m.ids, m.attn, m.temps)
 
-    def accumulate(self, groups: Sequence[Group]) -> StepStats:
-        """Forward/backward over the batch in micro-batches, leaving the summed gradient in `.grad`
-        (no optimiser step). `step` is this plus clipping and the update."""
+    def _batch(self, groups: Sequence[Group]) -> tuple[list[_Micro], int, int, int]:
+        """(micro-batches, tied sets, samples, response tokens) of the non-tied sets."""
         cfg = self.config
-        all_scores = [s for g in groups for s in g.scores]
-        reward_mean = sum(all_scores) / len(all_scores) if all_scores else 0.0
-        batch: list[tuple[Rollout, float]] = []
+        rows: list[tuple[Rollout, float, float]] = []
         tied = 0
         for g in groups:
             if g.advantages is not None:
-                adv = list(g.advantages) if any(abs(a) >= max(cfg.tie_eps, 1e-12) for a in g.advantages) else None
+                adv = list(g.advantages) if any(abs(a) > 1e-12 for a in g.advantages) else None
             else:
-                adv = group_advantages(g.scores, cfg.adv_eps, cfg.tie_eps)
+                adv = group_advantages(g.scores, cfg.adv_eps, self.tie_eps)
             if adv is None:
                 tied += 1
                 continue
-            batch.extend((r, a) for r, a in zip(g.rollouts, adv, strict=True) if r.response_ids)
-        tokens = sum(len(r.response_ids) for r, _ in batch)
+            t = loss_temperature(g.temperature)
+            rows.extend((r, a, t) for r, a in zip(g.rollouts, adv, strict=True) if r.response_ids)
+        micros = []
+        for start in range(0, len(rows), cfg.micro_batch_size):
+            chunk = rows[start : start + cfg.micro_batch_size]
+            ids, attn, mask = collate([r for r, _, _ in chunk], self.pad_token_id)
+            micros.append(_Micro(ids, attn, mask,
+                                 torch.tensor([a for _, a, _ in chunk], dtype=torch.float32).unsqueeze(-1),
+                                 torch.tensor([t for _, _, t in chunk], dtype=torch.float32)))
+        return micros, tied, len(rows), sum(len(r.response_ids) for r, _, _ in rows)
+
+    def _backward(
+        self,
+        micros: Sequence[_Micro],
+        tokens: int,
+        old: Sequence[torch.Tensor] | None,
+        ref: Sequence[torch.Tensor] | None,
+    ) -> tuple[float, float, float, float]:
+        """Forward/backward of every micro-batch, leaving the batch's gradient in `.grad`.
+        Returns (loss, pg_loss, summed k3 over tokens, clipped tokens)."""
+        cfg = self.config
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = pg_sum = kl_sum = clip_sum = 0.0
         self.model.train()
-        for start in range(0, len(batch) if tokens else 0, cfg.micro_batch_size):
-            micro = batch[start : start + cfg.micro_batch_size]
-            ids, attn, mask = collate([r for r, _ in micro], self.pad_token_id)
-            adv = torch.tensor([a for _, a in micro], dtype=torch.float32).unsqueeze(-1)
-            logp = response_logprobs(self.model, ids, attn)
-            pg, clipped = clipped_surrogate(logp, logp.detach(), adv, cfg.clip_low, cfg.clip_high)
+        for i, m in enumerate(micros):
+            logp = response_logprobs(self.model, m.ids, m.attn, m.temps)
+            # one update per batch: the sampling policy IS the current one (ratio 1, no extra forward)
+            pg, clipped = clipped_surrogate(logp, logp.detach() if old is None else old[i], m.adv,
+                                            cfg.clip_low, cfg.clip_high)
             per_token = pg
-            if cfg.kl_beta > 0:
-                kl = k3(logp, self._ref_logprobs(ids, attn))
+            if ref is not None:
+                kl = k3(logp, ref[i])
                 per_token = pg + cfg.kl_beta * kl
-                kl_sum += float((kl.detach() * mask).sum())
-            loss = (per_token * mask).sum() / tokens
+                kl_sum += float((kl.detach() * m.mask).sum())
+            loss = (per_token * m.mask).sum() / tokens
             loss.backward()
             loss_sum += float(loss.detach())
-            pg_sum += float((pg.detach() * mask).sum()) / tokens
-            clip_sum += float((clipped * mask).sum())
+            pg_sum += float((pg.detach() * m.mask).sum()) / tokens
+            clip_sum += float((clipped * m.mask).sum())
+        return loss_sum, pg_sum, kl_sum, clip_sum
+
+    def _stats(self, groups: Sequence[Group], tied: int, samples: int, tokens: int,
+               sums: tuple[float, float, float, float]) -> StepStats:
+        all_scores = [s for g in groups for s in g.scores]
+        loss, pg, kl, clipped = sums
         return StepStats(
-            loss=loss_sum,
-            pg_loss=pg_sum,
-            kl=kl_sum / tokens if tokens else 0.0,
-            clip_ratio=clip_sum / tokens if tokens else 0.0,
+            loss=loss,
+            pg_loss=pg,
+            kl=kl / tokens if tokens else 0.0,
+            clip_ratio=clipped / tokens if tokens else 0.0,
             grad_norm=0.0,
-            reward_mean=reward_mean,
+            reward_mean=sum(all_scores) / len(all_scores) if all_scores else 0.0,
             sets=len(groups),
             tied_sets=tied,
-            samples=len(batch),
+            samples=samples,
             tokens=tokens,
             updated=False,
-            nonfinite=not math.isfinite(loss_sum),
+            nonfinite=not math.isfinite(loss),
         )
 
+    def accumulate(self, groups: Sequence[Group]) -> StepStats:
+        """The gradient of the first update over the batch, summed over micro-batches into `.grad`
+        (no optimiser step)."""
+        micros, tied, samples, tokens = self._batch(groups)
+        ref = [self._ref_logprobs(m) for m in micros] if self.config.kl_beta > 0 and tokens else None
+        sums = self._backward(micros, tokens, None, ref) if tokens else (0.0, 0.0, 0.0, 0.0)
+        return self._stats(groups, tied, samples, tokens, sums)
+
     def step(self, groups: Sequence[Group]) -> StepStats:
-        """One optimiser update over the batch; no update when all sets are tied or anything is NaN/inf."""
-        stats = self.accumulate(groups)
-        if stats.tokens == 0:
-            return stats
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm))
-        nonfinite = stats.nonfinite or not math.isfinite(grad_norm)
-        if not nonfinite:
+        """`updates_per_batch` optimiser updates over the batch (stats of the last one); no update when
+        all sets are tied, and none from the first non-finite loss or gradient norm on."""
+        cfg = self.config
+        micros, tied, samples, tokens = self._batch(groups)
+        if not tokens:
+            self.optimizer.zero_grad(set_to_none=True)
+            return self._stats(groups, tied, samples, tokens, (0.0, 0.0, 0.0, 0.0))
+        ref = [self._ref_logprobs(m) for m in micros] if cfg.kl_beta > 0 else None
+        old = None
+        if cfg.updates_per_batch > 1:
+            # pi_old: the sampling policy's log-probs, taken once before the first update and detached,
+            # so that updates 2.. see ratio != 1 and the clip bounds how far the batch moves the policy
+            self.model.train()  # the same mode as the gradient forward: on update 1 the ratio is exactly 1
+            with torch.no_grad():
+                old = [response_logprobs(self.model, m.ids, m.attn, m.temps) for m in micros]
+        applied, nonfinite, grad_norm = 0, False, 0.0
+        stats = self._stats(groups, tied, samples, tokens, (0.0, 0.0, 0.0, 0.0))
+        for _ in range(cfg.updates_per_batch):
+            stats = self._stats(groups, tied, samples, tokens, self._backward(micros, tokens, old, ref))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
+            nonfinite = stats.nonfinite or not math.isfinite(grad_norm)
+            if nonfinite:
+                break
             self.optimizer.step()
+            applied += 1
         self.optimizer.zero_grad(set_to_none=True)
-        return replace(stats, grad_norm=grad_norm, nonfinite=nonfinite, updated=not nonfinite)
+        return replace(stats, grad_norm=grad_norm, nonfinite=nonfinite, updated=applied > 0, updates=applied)
 
     # ------------------------------------------------------------ persistence
     def save(self, directory: Path) -> None:
@@ -265,6 +356,9 @@ def load_policy(model_dir: Path, config: GRPOConfig, adapter_dir: Path | None = 
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if config.lora_rank > 0:
+        from dynrubric.extras import require
+
+        require("peft", "lora", "LoRA (train.grpo.lora_rank > 0)")
         from peft import LoraConfig, PeftModel, get_peft_model
 
         if adapter_dir is not None:

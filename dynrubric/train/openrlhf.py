@@ -12,9 +12,14 @@
 GRPO maps onto OpenRLHF as: `--algo.advantage.estimator group_norm` (advantage (r - mean) / std within
 the n samples of a prompt), `--rollout.n_samples_per_prompt K`, `--algo.kl.use_loss --algo.kl.estimator
 k3 --algo.kl.init_coef beta` (KL to the reference in the loss), `--actor.eps_clip_low_high low high`,
-and `--reward.remote_url` pointing at our reward server, whose group barrier scores each prompt's n
-samples as one candidate set. `run` submits it (Ray and GPUs required), waits, and registers the HF
-checkpoint OpenRLHF saves in `--ckpt.output_dir`.
+`--train.max_epochs` = `grpo.updates_per_batch`, and `--reward.remote_url` pointing at our reward
+server, whose group barrier scores each prompt's n samples as one candidate set.
+
+The round's prompts and the watermark after them are taken when the job is emitted (job start): prompts
+that arrive while it runs are left for the next round, never marked consumed untrained. Held-out prompts
+are split off as in the embedded rounds and left out of the shard. `run` submits the job (Ray and GPUs
+required), waits, and `finish` puts the HF checkpoint OpenRLHF saves in `--ckpt.output_dir` through
+the same guards as an embedded round before registering it (a candidate, or rejected with the reason).
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ import yaml
 from dynrubric import atomic
 from dynrubric.config import Settings
 from dynrubric.errors import DynrubricError
-from dynrubric.registry import Checkpoint, Registry
+from dynrubric.registry import Checkpoint, CheckpointState, Registry
 from dynrubric.train.prompts import PromptSource, TrainPrompt
+from dynrubric.train.rounds import RoundRunner
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,9 @@ class Emitted:
     prompts: int
     parent: Checkpoint
     output_dir: Path
+    heldout: list[TrainPrompt]
+    watermark_before: str | None
+    watermark_after: str | None
 
 
 def reward_url(settings: Settings) -> str:
@@ -70,7 +79,7 @@ def train_ppo_ray_argv(settings: Settings, model_path: str, prompts_path: str, o
         "--rollout.top_p", str(t.top_p),
         "--train.batch_size", str(o.train_batch_size),
         "--train.micro_batch_size", str(o.micro_batch_size),
-        "--train.max_epochs", "1",
+        "--train.max_epochs", str(g.updates_per_batch),
         "--train.num_episodes", "1",
         "--train.seed", str(t.seed),
         "--algo.advantage.estimator", "group_norm",
@@ -115,12 +124,17 @@ def rayjob(name: str, entrypoint: list[str]) -> dict:
     }
 
 
-def emit(settings: Settings, registry: Registry, source: PromptSource, round_id: int, parent: Checkpoint,
+def emit(settings: Settings, runner: RoundRunner, source: PromptSource, round_id: int, parent: Checkpoint,
          watermark: str | None) -> Emitted:
-    """Write the round's prompt shard, command line, submit script and RayJob spec (atomically)."""
-    prompts, _ = source.new_prompts(watermark, settings.train.max_prompts_per_round)
+    """Take the round's prompts and watermark now, split off the held-out prompts, and write the
+    training shard, command line, submit script and RayJob spec (atomically)."""
+    prompts, watermark_after = source.new_prompts(watermark, settings.train.max_prompts_per_round)
     if not prompts:
         raise DynrubricError(f"no new prompts since watermark {watermark!r}", "add prompts, then emit again")
+    prompts, heldout = runner.split_heldout(prompts)
+    if not prompts:
+        raise DynrubricError("every new prompt is held out, none is left to train on",
+                             "add prompts, or set train.heldout_file to a separate held-out set")
     from dynrubric.train.rounds import run_dir_of
 
     target = run_dir_of(settings) / "openrlhf" / f"round-{round_id:04d}"
@@ -131,15 +145,17 @@ def emit(settings: Settings, registry: Registry, source: PromptSource, round_id:
         shutil.rmtree(target)
     with atomic.directory(target) as tmp:
         (tmp / "prompts.jsonl").write_text("".join(_shard_line(p) for p in prompts))
+        (tmp / "heldout.jsonl").write_text("".join(_shard_line(p) for p in heldout))
         (tmp / "command.json").write_text(json.dumps({"round": round_id, "parent": parent.version,
-                                                      "watermark_before": watermark, "argv": argv}, indent=2))
+                                                      "watermark_before": watermark,
+                                                      "watermark_after": watermark_after, "argv": argv}, indent=2))
         address = settings.train.openrlhf.ray_address
         (tmp / "submit.sh").write_text(
             "#!/bin/sh\nset -e\n" + shlex.join(["ray", "job", "submit", "--address", address, "--", *argv]) + "\n"
         )
         (tmp / "submit.sh").chmod(0o755)
         (tmp / "rayjob.yaml").write_text(yaml.safe_dump(rayjob(f"dynrubric-round-{round_id}", argv), sort_keys=False))
-    return Emitted(round_id, target, argv, len(prompts), parent, output_dir)
+    return Emitted(round_id, target, argv, len(prompts), parent, output_dir, heldout, watermark, watermark_after)
 
 
 def _shard_line(p: TrainPrompt) -> str:
@@ -163,8 +179,8 @@ def check_cluster() -> None:
                              "submit the emitted rayjob.yaml to a GPU cluster, or use `dynrubric train round`")
 
 
-def run(settings: Settings, registry: Registry, emitted: Emitted) -> Checkpoint:
-    """Submit the emitted job to Ray, wait for it, and register the checkpoint it saved."""
+def run(emitted: Emitted) -> None:
+    """Submit the emitted job to Ray and wait for the HF checkpoint it saves."""
     check_cluster()
     proc = subprocess.run(["sh", str(emitted.dir / "submit.sh")])
     if proc.returncode != 0:
@@ -173,6 +189,59 @@ def run(settings: Settings, registry: Registry, emitted: Emitted) -> Checkpoint:
     if not (emitted.output_dir / "config.json").is_file():
         raise DynrubricError(f"the OpenRLHF job finished but left no HF checkpoint in {emitted.output_dir}",
                              "check --ckpt.save_hf and --ckpt.output_dir in command.json")
-    return registry.register(emitted.output_dir, parent=emitted.parent.version, round=emitted.round,
-                             metrics={"trainer": "openrlhf", "prompts": emitted.prompts},
-                             version=f"{settings.train.version_prefix}{emitted.round}")
+
+
+def finish(settings: Settings, runner: RoundRunner, emitted: Emitted) -> dict:
+    """Guard the job's checkpoint against its parent on the held-out prompts (the embedded rounds'
+    guards and evaluation), register it as a candidate or rejected, and write the round's summary
+    with the watermark taken at job start."""
+    from transformers import AutoTokenizer
+
+    from dynrubric import modelcache
+    from dynrubric.train import guards
+    from dynrubric.train.heldout import evaluate_candidate
+    from dynrubric.train.rounds import GUARDED
+
+    cfg = settings.train
+    registry: Registry = runner.registry
+    parent = emitted.parent
+    tok = AutoTokenizer.from_pretrained(parent.path)
+    home = settings.paths.resolved_home()
+    policy = runner.engines("policy", emitted.output_dir)
+    verifier = runner.engines("verifier", modelcache.resolve(home, settings.models.verifier))
+    two_models = not cfg.coevolve.single_model
+    generator = runner.engines("generator", runner.generator_dir()) if two_models else None
+    try:
+        evaluation = evaluate_candidate(
+            settings, candidate_dir=emitted.output_dir, candidate_version=f"{cfg.version_prefix}{emitted.round}",
+            candidate_model=None, parent=parent, base=runner.base_of(parent), heldout=emitted.heldout,
+            policy_engine=policy, generator_engine=generator, previous_generator=None, verifier_engine=verifier,
+            pad_id=int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id),
+            seed=(cfg.seed * 1_000_003 + emitted.round * 10_007 + 10_000 * 101) % (2**31),
+        )
+    finally:
+        for engine in (policy, verifier, generator):
+            if engine is not None:
+                engine.close()
+    verdict = guards.check(
+        nonfinite_steps=[], kl=evaluation["kl_to_parent"], max_kl=cfg.max_kl,
+        kl_to_base=evaluation["kl_to_base"], max_kl_to_base=cfg.max_kl_to_base,
+        reward_parent=evaluation["reward_parent"], reward_new=evaluation["reward_new"],
+        max_reward_drop=cfg.max_reward_drop,
+    )
+    ckpt = registry.register(
+        emitted.output_dir, parent=parent.version, round=emitted.round,
+        metrics={"trainer": "openrlhf", "prompts": emitted.prompts, "heldout_reward": evaluation["reward_new"],
+                 "heldout_reward_parent": evaluation["reward_parent"], "kl": evaluation["kl_to_parent"],
+                 "kl_to_base": evaluation["kl_to_base"], GUARDED: "accepted" if verdict.accepted else verdict.reason},
+        version=f"{cfg.version_prefix}{emitted.round}",
+        state=CheckpointState.candidate if verdict.accepted else CheckpointState.rejected,
+        reason=None if verdict.accepted else f"{verdict.reason}: {verdict.detail}",
+    )
+    summary = {"round": emitted.round, "trainer": "openrlhf", "parent": parent.version, "version": ckpt.version,
+               "state": ckpt.state.value,
+               "guard": {"accepted": verdict.accepted, "reason": verdict.reason, "detail": verdict.detail},
+               "eval": evaluation, "refresh": None, "collapse": {"fired": False, "note": None},
+               "watermark_before": emitted.watermark_before, "watermark_after": emitted.watermark_after}
+    atomic.write_text(runner.round_dir(emitted.round) / "summary.json", json.dumps(summary, indent=2))
+    return summary

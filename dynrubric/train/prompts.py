@@ -10,7 +10,6 @@ and hands it back next round, and never interprets it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import defaultdict
 from collections.abc import Sequence
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from dynrubric.errors import DynrubricError
+from dynrubric.prompt_key import prompt_key
 
 
 @dataclass(frozen=True)
@@ -33,10 +33,6 @@ class TrainPrompt:
 
     def chat(self) -> list[dict[str, str]]:
         return [{"role": r, "content": c} for r, c in self.messages]
-
-
-def prompt_key(messages: Sequence[tuple[str, str]]) -> str:
-    return hashlib.sha256(json.dumps(list(messages), ensure_ascii=False).encode()).hexdigest()[:24]
 
 
 def make_prompt(messages: Sequence[tuple[str, str]] | str) -> TrainPrompt:

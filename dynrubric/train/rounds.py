@@ -11,10 +11,16 @@ checkpoint is registered under a deterministic version id (registration is idemp
 
 Layout under `train.run_dir` (default `<state_dir>/train`):
 
-    rounds/NNNN/plan.json  steps/NNNN/{policy/, generator/, history.json}  eval.json  summary.json
+    rounds/NNNN/plan.json  steps/NNNN/{policy/, generator/, history.json, collapse.json}  eval.json
+                 summary.json
     runlog.jsonl     one record per step and per round (deduplicated by key on resume)
     rollouts.jsonl   responses sampled per prompt and policy version (temporal-contrast anchors)
+    collapse.json    the collapse detector's window of sets, carried from round to round
     generator/       the generator's weights between rounds (two-model mode)
+
+A round builds on the last ACCEPTED version (promoted, or a candidate that passed the guards), its KL
+penalty pulls toward the base of the lineage, and the guards bound both the round's KL to its parent
+and the total KL to the base. Held-out prompts are split off by prompt key and never trained on.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from dynrubric import atomic
 from dynrubric.config import Settings
-from dynrubric.engines.base import Engine, GenerationRequest, SamplingParams
+from dynrubric.engines.base import Engine
 from dynrubric.errors import DynrubricError
 from dynrubric.rubric.evaluator import Evaluator, EvaluatorMetrics
 from dynrubric.registry import Checkpoint, CheckpointState, Registry
@@ -46,8 +52,19 @@ from dynrubric.train.coevolve import (
 )
 from dynrubric.train.prompts import PromptSource, RolloutHistory, TrainPrompt, read_prompt_file
 
-PLAN, SUMMARY, EVAL = "plan.json", "summary.json", "eval.json"
-LIVE_STATES = (CheckpointState.candidate, CheckpointState.canary, CheckpointState.stable)
+PLAN, SUMMARY, EVAL, COLLAPSE = "plan.json", "summary.json", "eval.json", "collapse.json"
+GUARDED = "guard"  # metrics key: "accepted" on a candidate whose round passed the guards
+
+
+def is_accepted(ckpt: Checkpoint) -> bool:
+    if ckpt.state in (CheckpointState.canary, CheckpointState.stable):
+        return True
+    return ckpt.state == CheckpointState.candidate and ckpt.metrics.get(GUARDED) == "accepted"
+
+
+def heldout_bucket(key: str) -> float:
+    """Where a prompt key falls in [0, 1): prompts below `train.heldout_share` are held out, never trained."""
+    return int(key[:8], 16) / 16**8
 
 #: builds an engine for a role ("policy", "generator", "verifier") over a model dir
 EngineFactory = Callable[[str, Path], Engine]
@@ -55,6 +72,25 @@ EngineFactory = Callable[[str, Path], Engine]
 
 def run_dir_of(settings: Settings) -> Path:
     return (settings.train.run_dir or settings.paths.resolved_state() / "train").expanduser().resolve()
+
+
+def check_frozen_judges(settings: Settings) -> None:
+    """Over HTTP each role's engine is a server; publishing a step reloads the policy's (and, with two
+    models, the generator's) weights. A judge on a reloaded server would judge with the weights being
+    trained, so such a config is refused before anything runs, naming both keys."""
+    engine = settings.engine
+    if engine.kind != "openai-http":
+        return  # in-process engines: every role holds its own weights
+    reloaded = ["policy"] if settings.train.coevolve.single_model else ["policy", "generator"]
+    judges = ["verifier"] if settings.train.coevolve.single_model else ["verifier", "generator"]
+    for judge in judges:
+        for trained in reloaded:
+            if judge != trained and engine.url_for(judge) == engine.url_for(trained):
+                raise DynrubricError(
+                    f"{engine.url_key(judge)} and {engine.url_key(trained)} both point at {engine.url_for(judge)}: "
+                    f"each training step reloads the {trained}'s weights there, so the {judge} would not be frozen",
+                    f"give the {judge} its own server: set engine.{judge}_url (and engine.{trained}_url)",
+                )
 
 
 def rollout_history(settings: Settings) -> RolloutHistory:
@@ -77,7 +113,7 @@ class TrainMetrics:
                                  registry=registry)
         for outcome in ("completed", "failed"):
             self.rounds.labels(outcome=outcome)
-        for reason in ("kl", "reward_drop", "nonfinite"):
+        for reason in ("kl", "kl_to_base", "reward_drop", "nonfinite"):
             self.guard_rejections.labels(reason=reason)
 
 
@@ -152,6 +188,7 @@ class RoundRunner:
         progress: Progress | None = None,
         heldout: Sequence[TrainPrompt] | None = None,
     ):
+        check_frozen_judges(settings)
         self.settings = settings
         self.cfg = settings.train
         self.registry = registry
@@ -199,15 +236,34 @@ class RoundRunner:
         return self.registry.promote(ckpt.version)
 
     def head(self) -> Checkpoint:
-        """The newest live (candidate, canary or stable) version: what the next round builds on."""
+        """The newest ACCEPTED version, what the next round builds on: one a person promoted (canary,
+        stable), or a candidate whose round passed the guards. A candidate registered without them
+        (by hand) is not built on until promoted."""
         self.ensure_base()
-        live = [c for c in self.registry.list() if c.state in LIVE_STATES]
-        if not live:
+        accepted = [c for c in self.registry.list() if is_accepted(c)]
+        if not accepted:
             raise DynrubricError(
-                "the registry has no live checkpoint to train from (all rejected or retired)",
+                "the registry has no accepted checkpoint to train from (all rejected, retired or unguarded)",
                 "promote a version with `dynrubric registry promote VERSION`",
             )
-        return live[-1]
+        return accepted[-1]
+
+    def generator_dir(self) -> Path:
+        """The generator's weights as the last accepted round left them (two-model mode)."""
+        current = self.run_dir / "generator"
+        if (current / "model" / "config.json").is_file():
+            return current / "model"
+        from dynrubric import modelcache
+
+        return modelcache.resolve(self.settings.paths.resolved_home(), self.settings.models.generator)
+
+    def base_of(self, ckpt: Checkpoint) -> Checkpoint:
+        """The root of `ckpt`'s lineage: the model all drift is measured from."""
+        seen = {ckpt.version}
+        while ckpt.parent is not None and ckpt.parent not in seen:
+            ckpt = self.registry.get(ckpt.parent)
+            seen.add(ckpt.version)
+        return ckpt
 
     # ------------------------------------------------------------ plan
     def schedule(self, round_id: int, steps: int, refresh: bool) -> list[str]:
@@ -235,10 +291,12 @@ class RoundRunner:
                 f"no new prompts since watermark {watermark!r} for round {round_id}",
                 "add prompts to the replay store / prompt file, then run the round again",
             )
-        heldout = self.heldout_override or (
-            read_prompt_file(self.cfg.heldout_file) if self.cfg.heldout_file else prompts
-        )
-        heldout = heldout[: self.cfg.heldout_prompts]
+        prompts, heldout = self.split_heldout(prompts)
+        if not prompts:
+            raise DynrubricError(
+                f"round {round_id}: every new prompt is held out, none is left to train on",
+                "add prompts, or set train.heldout_file to a separate held-out set",
+            )
         refresh = None
         if last and last.get("collapse", {}).get("fired") and self.cfg.coevolve.enabled:
             refresh = f"collapse detected in round {last['round']}: starting with a generator phase"
@@ -256,6 +314,24 @@ class RoundRunner:
         }
         _write_json(path, plan)
         return plan
+
+    def split_heldout(self, prompts: list[TrainPrompt]) -> tuple[list[TrainPrompt], list[TrainPrompt]]:
+        """(training prompts, held-out prompts), disjoint. The held-out set is `train.heldout_file`, or
+        the prompts whose key falls under `train.heldout_share` (a deterministic split by prompt key),
+        gathered across rounds: the last round's held-out set, then this round's held-out prompts. With
+        none yet, the new prompt lowest in that order is held out. Held-out prompts are never trained."""
+        n = self.cfg.heldout_prompts
+        if self.heldout_override is not None or self.cfg.heldout_file:
+            held = self.heldout_override if self.heldout_override is not None else read_prompt_file(self.cfg.heldout_file)
+        else:
+            plans = [self.round_dir(r) / PLAN for r in self.completed_rounds() if (self.round_dir(r) / PLAN).is_file()]
+            held = _prompts_of(_read_json(plans[-1])["heldout"]) if plans else []
+            held += [p for p in prompts if heldout_bucket(p.key) < self.cfg.heldout_share]
+            if not held and prompts:
+                held = [min(prompts, key=lambda p: heldout_bucket(p.key))]
+        keys = {p.key for p in held}
+        unique = list({p.key: p for p in held}.values())
+        return [p for p in prompts if p.key not in keys], unique[:n]
 
     # ------------------------------------------------------------ the round
     def run(self, round_id: int | None = None) -> dict[str, Any]:
@@ -306,7 +382,11 @@ class _Round:
             policy_dir / "model" if policy_dir and adapter is None else self.parent.path, gcfg, adapter
         )
         self.tokenizer = self.load_tokenizer(self.parent.path)
-        self.policy = GRPOTrainer(model, load_reference(self.parent.path, gcfg), gcfg, self.pad_id(self.tokenizer))
+        tie_eps = self.r.settings.rubric.eps
+        # the KL penalty pulls toward the base of the lineage, not the parent, so that it bounds the drift
+        # the rounds add up (with LoRA the reference is the adapter-free parent; the guard still bounds it)
+        self.policy = GRPOTrainer(model, load_reference(self.r.base_of(self.parent).path, gcfg), gcfg,
+                                  self.pad_id(self.tokenizer), tie_eps)
         if policy_dir:
             self.policy.load_optimizer(policy_dir / "optimizer.pt")
         self.policy_engine = self.r.engines("policy", policy_dir / "model" if policy_dir else self.parent.path)
@@ -321,7 +401,7 @@ class _Round:
             gmodel = load_policy(gen_dir / "model" if gen_dir and gadapter is None else gen_base, gen_cfg, gadapter)
             self.gen_tokenizer = self.load_tokenizer(gen_base)
             self.generator = GRPOTrainer(gmodel, load_reference(gen_base, gen_cfg), gen_cfg,
-                                         self.pad_id(self.gen_tokenizer))
+                                         self.pad_id(self.gen_tokenizer), tie_eps)
             if gen_dir:
                 self.generator.load_optimizer(gen_dir / "optimizer.pt")
             self.generator_engine = self.r.engines("generator", gen_dir / "model" if gen_dir else gen_base)
@@ -332,6 +412,10 @@ class _Round:
         self.evaluator = Evaluator(
             self.generator_engine, self.verifier_engine, self.r.settings.rubric, self.r.evaluator_metrics
         )
+        # the collapse window spans rounds: continue from this round's last step, else the last round
+        window = latest / COLLAPSE if latest and (latest / COLLAPSE).is_file() else self.r.run_dir / COLLAPSE
+        if window.is_file():
+            self.evaluator.collapse.restore(_read_json(window))
         self.anchor_file = (
             read_anchor_file(self.cfg.coevolve.anchors_file)
             if self.cfg.coevolve.anchors == "file" and self.cfg.coevolve.anchors_file
@@ -342,12 +426,7 @@ class _Round:
                                  "set train.coevolve.anchors_file to a JSONL of ranked responses")
 
     def generator_base(self) -> Path:
-        current = self.r.run_dir / "generator"
-        if (current / "model" / "config.json").is_file():
-            return current / "model"
-        from dynrubric import modelcache
-
-        return modelcache.resolve(self.r.settings.paths.resolved_home(), self.r.settings.models.generator)
+        return self.r.generator_dir()
 
     @staticmethod
     def load_tokenizer(model_dir: Path) -> Any:
@@ -380,11 +459,9 @@ class _Round:
         return [self.prompts[(start + i) % len(self.prompts)] for i in range(n)]
 
     def sample_sets(self, engine: Engine, prompts: Sequence[TrainPrompt], k: int, seed: int):
-        texts = [engine.render_chat(p.chat()) for p in prompts]
-        # one seed for the whole batch: requests with equal params are generated together
-        params = SamplingParams(max_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature,
-                                top_p=self.cfg.top_p, n=k, seed=seed)
-        return texts, engine.generate([GenerationRequest(t, params) for t in texts])
+        from dynrubric.train.heldout import sample_sets
+
+        return sample_sets(self.r.settings, engine, prompts, k, seed)
 
     def policy_step(self, step: int) -> dict[str, Any]:
         from dynrubric.train.grpo import Group, Rollout
@@ -400,7 +477,8 @@ class _Round:
         groups = []
         for text, cs, sc in zip(texts, outs, scored, strict=True):
             prompt_ids = tuple(tok.encode(text, add_special_tokens=False))
-            groups.append(Group(tuple(Rollout(prompt_ids, completion_ids(c, tok)) for c in cs), tuple(sc.scores)))
+            groups.append(Group(tuple(Rollout(prompt_ids, completion_ids(c, tok)) for c in cs), tuple(sc.scores),
+                                temperature=self.cfg.temperature))
         stats = self.policy.step(groups)
         self.r.rollouts.append([(p.key, self.parent.version, rs) for p, rs in zip(prompts, responses, strict=True)])
         n = len(scored)
@@ -447,6 +525,7 @@ class _Round:
             co,
             self.r.settings.rubric.max_items,
             self.r.settings.rubric.generator_temperature,
+            self.r.settings.rubric.eps,
             self.seed(step, 13),
         )
         stats = self.generator.step(groups)
@@ -463,6 +542,7 @@ class _Round:
                 self.generator.save(tmp / "generator")
                 self.gen_tokenizer.save_pretrained(tmp / "generator" / "model")
             (tmp / "history.json").write_text(json.dumps(self.history, allow_nan=False, default=float))
+            (tmp / COLLAPSE).write_text(json.dumps(self.evaluator.collapse.state()))
         for old in self.steps_dir.iterdir():
             if old.name.isdigit() and old.name < target.name:
                 shutil.rmtree(old, ignore_errors=True)
@@ -479,56 +559,24 @@ class _Round:
         path = self.dir / EVAL
         if path.is_file():
             return _read_json(path)
-        from dynrubric.train.grpo import Rollout, collate, k3, response_logprobs
+        from dynrubric.train.heldout import evaluate_candidate
 
-        k = self.cfg.candidates
-        judge = Evaluator(self.generator_engine, self.verifier_engine, self.r.settings.rubric, metrics=None)
-        seed = self.seed(10_000)
         final = self.latest_step()
-        texts, new = self.sample_sets(self.policy_engine, self.heldout, k, seed)
-        self.policy_engine.load_weights(self.parent.path, self.parent.version)
-        _, old = self.sample_sets(self.policy_engine, self.heldout, k, seed)
-        if final is not None:
-            self.policy_engine.load_weights(final / "policy" / "model", self.version)
-        sets = [[c.text for c in o] + [c.text for c in n] for o, n in zip(old, new, strict=True)]
-        scored = judge.score_sets([p.question for p in self.heldout], sets)
-        reward_parent = sum(sum(s.scores[:k]) / k for s in scored) / len(scored)
-        reward_new = sum(sum(s.scores[k:]) / k for s in scored) / len(scored)
-
-        tok = self.policy_engine.tokenizer
-        rollouts = [Rollout(tuple(tok.encode(t, add_special_tokens=False)), completion_ids(c, tok))
-                    for t, cs in zip(texts, new, strict=True) for c in cs]
-        rollouts = [r for r in rollouts if r.response_ids]
-        kl = 0.0
-        if rollouts:
-            import torch
-
-            from dynrubric.train.grpo import load_reference
-
-            ref = self.policy.ref_model or load_reference(self.parent.path, self.cfg.grpo.model_copy(
-                update={"kl_beta": 1.0, "lora_rank": 0}))
-            self.policy.model.eval()
-            total = tokens = 0.0
-            with torch.no_grad():
-                for start in range(0, len(rollouts), self.cfg.grpo.micro_batch_size):
-                    ids, attn, mask = collate(rollouts[start : start + self.cfg.grpo.micro_batch_size],
-                                              self.policy.pad_token_id)
-                    lp_new = response_logprobs(self.policy.model, ids, attn)
-                    if ref is None:
-                        with self.policy.model.disable_adapter():
-                            lp_ref = response_logprobs(self.policy.model, ids, attn)
-                    else:
-                        lp_ref = response_logprobs(ref, ids, attn)
-                    total += float((k3(lp_new, lp_ref) * mask).sum())
-                    tokens += float(mask.sum())
-            kl = total / tokens if tokens else 0.0
-        result = {
-            "heldout_prompts": len(self.heldout),
-            "reward_parent": reward_parent,
-            "reward_new": reward_new,
-            "kl_to_parent": kl,
-            "mean_gap": sum(s.gaps.mean_abs_gap for s in scored) / len(scored),
-        }
+        result = evaluate_candidate(
+            self.r.settings,
+            candidate_dir=final / "policy" / "model" if final else self.parent.path,
+            candidate_version=self.version,
+            candidate_model=self.policy.model,
+            parent=self.parent,
+            base=self.r.base_of(self.parent),
+            heldout=self.heldout,
+            policy_engine=self.policy_engine,
+            generator_engine=None if self.single else self.generator_engine,
+            previous_generator=None if self.single else self.generator_base(),
+            verifier_engine=self.verifier_engine,
+            pad_id=self.policy.pad_token_id,
+            seed=self.seed(10_000),
+        )
         _write_json(path, result)
         return result
 
@@ -569,6 +617,8 @@ class _Round:
             nonfinite_steps=[h["step"] for h in self.history if h["nonfinite"]],
             kl=evaluation["kl_to_parent"],
             max_kl=self.cfg.max_kl,
+            kl_to_base=evaluation["kl_to_base"],
+            max_kl_to_base=self.cfg.max_kl_to_base,
             reward_parent=evaluation["reward_parent"],
             reward_new=evaluation["reward_new"],
             max_reward_drop=self.cfg.max_reward_drop,
@@ -580,6 +630,8 @@ class _Round:
             "heldout_reward": evaluation["reward_new"],
             "heldout_reward_parent": evaluation["reward_parent"],
             "kl": evaluation["kl_to_parent"],
+            "kl_to_base": evaluation["kl_to_base"],
+            GUARDED: "accepted" if verdict.accepted else verdict.reason,
             "mean_gap": (sum(h["mean_gap"] for h in policy_steps) / len(policy_steps)) if policy_steps else None,
             "tie_rate": (sum(h["tie_rate"] for h in policy_steps) / len(policy_steps)) if policy_steps else None,
             "tied_sets": sum(h["tied_sets"] for h in self.history),
@@ -598,6 +650,7 @@ class _Round:
             shutil.rmtree(gen_current, ignore_errors=True)
             with atomic.directory(gen_current) as tmp:
                 shutil.copytree(final / "generator", tmp, dirs_exist_ok=True)
+        _write_json(self.r.run_dir / COLLAPSE, self.evaluator.collapse.state())
         summary = {
             "round": self.id,
             "parent": self.parent.version,

@@ -14,6 +14,9 @@ Service that has the named port; ConfigMaps, PVCs, HPA targets, Argo templates a
 reward URL of the RayJob exist; KafkaTopics name an existing Kafka; no Secret is inlined: no Secret
 objects, secret-like env vars come from secretKeyRef to the documented Secret and keys.
 
+Least reach: every Deployment, Rollout and other long-running workload is selected by an ingress
+NetworkPolicy, and the in-namespace peers the policies admit are pods that exist.
+
     python k8s/tools/validate.py k8s/overlays/prod k8s/jobs/rollout-start.yaml
 """
 
@@ -26,12 +29,15 @@ import sys
 from functools import cache
 from pathlib import Path
 
-import jsonschema
-import kubernetes_validate
-from kubernetes_validate.utils import SchemaNotFoundError
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import render  # noqa: E402
+
+try:
+    import jsonschema
+    import kubernetes_validate
+    from kubernetes_validate.utils import SchemaNotFoundError
+except ImportError as e:
+    sys.exit(f"error: {e.name} is not installed: {render.INSTALL_FIX}")
 
 # kubernetes-validate re-reads its (multi-MB) definitions file on every call; read each file once.
 kubernetes_validate.utils.schema_contents = cache(kubernetes_validate.utils.schema_contents)
@@ -39,9 +45,10 @@ kubernetes_validate.utils.schema_contents = cache(kubernetes_validate.utils.sche
 K8S_VERSION = "1.30"
 CRD_SCHEMAS = Path(__file__).resolve().parents[1] / "crd-schemas"
 SECRET_NAME = "dynrubric-secrets"
-SECRET_KEYS = {"serving-token", "reward-token", "registry-url"}  # k8s/README.md lists them
+SECRET_KEYS = {"serving-token", "reward-token", "registry-url", "vllm-api-key"}  # k8s/README.md lists them
 SECRETISH = re.compile(r"TOKEN|PASSWORD|SECRET|API_KEY|CREDENTIAL|REGISTRY__URL", re.I)
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job", "Rollout", "ReplicaSet"}
+SERVING_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Rollout", "ReplicaSet"}  # long-running: reachable
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
 
@@ -142,6 +149,28 @@ def _selects(selector: dict, labels: dict) -> bool:
     return False
 
 
+def network_problems(objs: list[dict]) -> list[str]:
+    """Least reach: every long-running workload's pods are selected by an ingress NetworkPolicy, and every
+    in-namespace peer a policy admits is some pod template (a typo there silently blocks the caller)."""
+    policies = [o for o in objs if o["kind"] == "NetworkPolicy" and "Ingress" in o["spec"].get("policyTypes", ["Ingress"])]
+    pods = _pod_labels(objs) + [t.get("metadata", {}).get("labels", {}) for o in objs for _, t in _pod_templates(o)
+                                if o["kind"] not in WORKLOAD_KINDS]
+    problems = []
+    for o in objs:
+        if o["kind"] in SERVING_KINDS:
+            labels = o.get("spec", {}).get("template", {}).get("metadata", {}).get("labels", {})
+            if not any(p["spec"]["podSelector"] == {} or _selects(p["spec"]["podSelector"], labels) for p in policies):
+                problems.append(f"{_name(o)}: no NetworkPolicy selects its pods, so any pod may call it "
+                                "(add one to k8s/base/network/policies.yaml)")
+    for p in policies:
+        for rule in p["spec"].get("ingress", []):
+            for peer in rule.get("from", []):
+                if "podSelector" in peer and "namespaceSelector" not in peer and not any(
+                        _selects(peer["podSelector"], labels) for labels in pods):
+                    problems.append(f"{_name(p)}: ingress peer {peer['podSelector']} matches no pod template")
+    return problems
+
+
 def reference_problems(objs: list[dict]) -> list[str]:
     problems = []
     by_kind: dict[str, dict[str, dict]] = {}
@@ -213,7 +242,7 @@ def reference_problems(objs: list[dict]) -> list[str]:
 
 def validate(objs: list[dict]) -> list[str]:
     objs = copy.deepcopy(objs)
-    return [p for o in objs for p in schema_problems(o)] + reference_problems(objs)
+    return [p for o in objs for p in schema_problems(o)] + reference_problems(objs) + network_problems(objs)
 
 
 def load(target: Path) -> list[dict]:

@@ -1,0 +1,85 @@
+"""The child processes the project runs (Tansu broker, engine fleet, vLLM server, Prometheus): started with
+their output in a log file, polled until they answer, stopped with SIGTERM and then SIGKILL.
+
+A child started in its own session (`own_group=True`, the default) leads a process group, and signals go
+to the whole group: vLLM forks engine-core workers that must not outlive it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+
+
+def spawn(cmd: Sequence[str], log_path: Path | None, *, env: Mapping[str, str] | None = None,
+          own_group: bool = True) -> subprocess.Popen:
+    """Start `cmd` with stdout and stderr appended to `log_path` (discarded when None), stdin closed."""
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
+    try:
+        return subprocess.Popen(list(cmd), env=None if env is None else dict(env), stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=own_group)
+    finally:
+        if log is not subprocess.DEVNULL:
+            log.close()  # the child holds its own descriptor
+
+
+def wait_until(proc: subprocess.Popen, ready: Callable[[], bool], timeout_s: float, poll_s: float) -> bool:
+    """Poll `ready()` every `poll_s` until it is true (True), or the process exits or `timeout_s` passes
+    (False; `proc.poll()` tells which)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        if ready():
+            return True
+        time.sleep(poll_s)
+    return False
+
+
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    """True when GET `url` answers 200."""
+    import httpx  # not at module scope: the CLI imports this module and should start fast
+
+    try:
+        return httpx.get(url, timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def terminate(procs: subprocess.Popen | Iterable[subprocess.Popen], timeout_s: float) -> None:
+    """SIGTERM every running process (its group when it leads one), wait up to `timeout_s` for all of
+    them together, then SIGKILL the rest."""
+    procs = [procs] if isinstance(procs, subprocess.Popen) else list(procs)
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        _signal(p, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in running:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal(p, signal.SIGKILL)
+            p.wait()
+
+
+def log_tail(path: Path | None, lines: int = 5) -> str:
+    """The last lines of a child's log, joined with ' | ' (for a one-line error)."""
+    if path is None or not path.is_file():
+        return ""
+    return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])

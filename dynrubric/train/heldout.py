@@ -1,0 +1,130 @@
+"""The guards' evidence: a candidate policy evaluated against its parent on held-out prompts.
+
+Both the embedded rounds and the OpenRLHF path call `evaluate_candidate` before registering:
+
+    reward_new, reward_parent   mean score of the candidate's and the parent's K samples per held-out
+                                prompt, judged together as ONE set of 2K (paired, one rubric)
+    kl_to_parent, kl_to_base    per-token k3 estimate of KL(candidate || parent) and KL(candidate || base)
+                                on the candidate's samples, log-probs at the sampling temperature
+
+The judge is the frozen verifier with the previous rubric generator: the parent's weights in
+single-model mode (the policy engine is switched to them before scoring), else the generator as it was
+before the round. The engine versions that judged are recorded under `judge`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dynrubric.config import Settings
+from dynrubric.engines.base import Engine, GenerationRequest, SamplingParams
+from dynrubric.registry import Checkpoint
+from dynrubric.rubric.evaluator import Evaluator
+from dynrubric.train.prompts import TrainPrompt
+
+
+def sample_sets(settings: Settings, engine: Engine, prompts: Sequence[TrainPrompt], k: int, seed: int):
+    """(rendered prompts, K completions each) at the training sampling parameters."""
+    cfg = settings.train
+    texts = [engine.render_chat(p.chat()) for p in prompts]
+    # one seed for the whole batch: requests with equal params are generated together
+    params = SamplingParams(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, n=k,
+                            seed=seed)
+    return texts, engine.generate([GenerationRequest(t, params) for t in texts])
+
+
+def kl_per_token(model: Any, reference: Any, rollouts: Sequence[Any], settings: Settings, pad_id: int) -> float:
+    """Mean per-token k3 KL(model || reference) over the response tokens of `rollouts`."""
+    import torch
+
+    from dynrubric.train.grpo import collate, k3, loss_temperature, response_logprobs
+
+    if not rollouts:
+        return 0.0
+    t = loss_temperature(settings.train.temperature)
+    mb = settings.train.grpo.micro_batch_size
+    total = tokens = 0.0
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(rollouts), mb):
+            ids, attn, mask = collate(rollouts[start : start + mb], pad_id)
+            lp = response_logprobs(model, ids, attn, t)
+            lp_ref = response_logprobs(reference, ids, attn, t)
+            total += float((k3(lp, lp_ref) * mask).sum())
+            tokens += float(mask.sum())
+    return total / tokens if tokens else 0.0
+
+
+def load_frozen(model_dir: Path) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def evaluate_candidate(
+    settings: Settings,
+    *,
+    candidate_dir: Path,
+    candidate_version: str,
+    candidate_model: Any | None,
+    parent: Checkpoint,
+    base: Checkpoint,
+    heldout: Sequence[TrainPrompt],
+    policy_engine: Engine,
+    generator_engine: Engine | None,
+    previous_generator: Path | None,
+    verifier_engine: Engine,
+    pad_id: int,
+    seed: int,
+) -> dict[str, Any]:
+    """The guards' inputs for `candidate_dir` vs `parent`. `generator_engine` None: single-model mode
+    (the policy engine at the parent's weights writes the rubrics). `candidate_model`: the candidate's
+    torch model when the caller holds it (else loaded from `candidate_dir`). Leaves the policy engine
+    at the parent's weights."""
+    from dynrubric.train.coevolve import completion_ids
+    from dynrubric.train.grpo import Rollout
+
+    k = settings.train.candidates
+    policy_engine.load_weights(candidate_dir, candidate_version)
+    texts, new = sample_sets(settings, policy_engine, heldout, k, seed)
+    policy_engine.load_weights(parent.path, parent.version)
+    _, old = sample_sets(settings, policy_engine, heldout, k, seed)
+    if generator_engine is None:
+        rubric_writer = policy_engine
+    else:
+        rubric_writer = generator_engine
+        if previous_generator is not None:
+            rubric_writer.load_weights(previous_generator, "previous-generator")
+    judge = Evaluator(rubric_writer, verifier_engine, settings.rubric, metrics=None)
+    judged_by = {"generator": rubric_writer.policy_version, "verifier": verifier_engine.policy_version}
+    sets = [[c.text for c in o] + [c.text for c in n] for o, n in zip(old, new, strict=True)]
+    scored = judge.score_sets([p.question for p in heldout], sets)
+
+    tok = policy_engine.tokenizer
+    rollouts = [Rollout(tuple(tok.encode(t, add_special_tokens=False)), completion_ids(c, tok))
+                for t, cs in zip(texts, new, strict=True) for c in cs]
+    rollouts = [r for r in rollouts if r.response_ids]
+    model = candidate_model if candidate_model is not None else load_frozen(candidate_dir)
+    parent_model = load_frozen(parent.path)
+    kl_parent = kl_per_token(model, parent_model, rollouts, settings, pad_id)
+    if base.version == parent.version:
+        kl_base = kl_parent
+    else:
+        del parent_model
+        kl_base = kl_per_token(model, load_frozen(base.path), rollouts, settings, pad_id)
+    return {
+        "heldout_prompts": len(heldout),
+        "heldout_keys": [p.key for p in heldout],
+        "reward_parent": sum(sum(s.scores[:k]) / k for s in scored) / len(scored),
+        "reward_new": sum(sum(s.scores[k:]) / k for s in scored) / len(scored),
+        "kl_to_parent": kl_parent,
+        "kl_to_base": kl_base,
+        "base": base.version,
+        "judge": judged_by,
+        "mean_gap": sum(s.gaps.mean_abs_gap for s in scored) / len(scored),
+    }

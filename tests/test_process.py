@@ -1,0 +1,92 @@
+"""The one process supervisor (dynrubric.process) on real child processes, and the loopback-only rule for
+every engine started with an unauthenticated /collective_rpc."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from dynrubric.config import VllmConfig
+from dynrubric.engines.vllm_server import VllmServer, free_port
+from dynrubric.process import spawn, terminate, wait_until
+from serving.fleet import EngineSpec, Fleet
+
+# a child that ignores SIGTERM, leaves a grandchild in its process group, logs, and writes a ready file
+STUBBORN = textwrap.dedent(
+    """
+    import signal, subprocess, sys, time
+    from pathlib import Path
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(f"grandchild {grandchild.pid}", flush=True)
+    Path(sys.argv[1]).write_text("ready")
+    time.sleep(600)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_spawn_waits_logs_and_terminate_kills_the_whole_group(tmp_path):
+    ready, log = tmp_path / "ready", tmp_path / "logs" / "child.log"
+    proc = spawn([sys.executable, "-c", STUBBORN, str(ready)], log)
+    try:
+        assert wait_until(proc, ready.exists, timeout_s=60, poll_s=0.05)
+        grandchild = int(log.read_text().split()[1])
+        assert _alive(grandchild)
+        started = time.monotonic()
+        terminate(proc, timeout_s=0.5)  # SIGTERM is ignored: SIGKILL after the timeout
+        assert proc.returncode == -9 and time.monotonic() - started >= 0.5
+        deadline = time.monotonic() + 10  # killed with its group, then reaped by init
+        while _alive(grandchild) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(grandchild)
+    finally:
+        terminate(proc, timeout_s=0)
+
+
+def test_wait_until_reports_a_child_that_exits_before_ready(tmp_path):
+    proc = spawn([sys.executable, "-c", "import sys; print('bad config', file=sys.stderr); sys.exit(3)"], tmp_path / "log")
+    assert wait_until(proc, lambda: False, timeout_s=60, poll_s=0.05) is False
+    assert proc.returncode == 3 and "bad config" in (tmp_path / "log").read_text()
+
+
+def _listen_addresses(port: int) -> set[str]:
+    """Local addresses of the IPv4/IPv6 sockets listening on `port` (from /proc/net/tcp*)."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, port_hex = local.split(":")
+            if state == "0A" and int(port_hex, 16) == port:  # 0A: LISTEN
+                out.add(address)
+    return out
+
+
+def test_dev_mode_engines_listen_on_loopback_only(tmp_path, tiny_model_dir):
+    """vLLM's --api-key does not guard /collective_rpc (dev mode), nor does our engine server: neither may
+    be reachable from another host. The fleet's transformers engine is started for real and its listening
+    socket read from the kernel; the vLLM command (a real vLLM start takes a minute) is checked as built."""
+    server = VllmServer(tmp_path, VllmConfig(), port=8123)
+    cmd = server.command()
+    assert server.environment()["VLLM_SERVER_DEV_MODE"] == "1"
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and server.base_url == "http://127.0.0.1:8123"
+    vllm_cmd = EngineSpec("e", "stable", "vllm", 8124, tmp_path, "v0").command()
+    assert vllm_cmd[vllm_cmd.index("--host") + 1] == "127.0.0.1"
+
+    port = free_port()
+    spec = EngineSpec("tiny", "stable", "transformers", port, tiny_model_dir, "v0")
+    with Fleet([spec], tmp_path / "logs", CollectorRegistry()) as fleet:
+        fleet.start(timeout_s=120)
+        assert _listen_addresses(port) == {"0100007F"}  # 127.0.0.1, and nothing else
