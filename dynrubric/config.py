@@ -145,8 +145,25 @@ class RubricConfig(Section):
         "generator pass inside the reward server's time budget",
     )
     prompt_only_retries: int = Field(default=0, ge=0, le=20, description="extra prompt-only tries before the generic rubric")
-    mode: Literal["set", "prompt_only"] = Field(
-        default="set", description="'prompt_only' skips the candidates in the generator prompt (for comparison)"
+    mode: Literal["set", "prompt_only", "generic"] = Field(
+        default="set",
+        description="'prompt_only' skips the candidates in the generator prompt, 'generic' the generator (for comparison)",
+    )
+    constrained: bool = Field(
+        default=True, description="decode rubric generation under the rubric's JSON Schema (xgrammar / vLLM structured outputs)"
+    )
+    prompt_constraints: bool = Field(
+        default=True, description="add checkable items for the constraints the question states (word limits, ...)"
+    )
+    consensus: bool = Field(
+        default=True, description="set mode: add a final-number item for the answer a clear plurality of candidates reaches"
+    )
+    check_weight: float = Field(
+        default=1.0, ge=0.0, le=1.0,
+        description="checked items: 1 = the check alone; below 1 blends check*w + P(yes)*(1-w)",
+    )
+    anchors: bool = Field(
+        default=True, description="judge known-bad anchors with every set: de-bias verdicts, distrust sets they outrank"
     )
     generic_rubric: list[GenericRubricItem] = Field(
         default_factory=_default_generic_rubric, min_length=2, max_length=12,

@@ -22,7 +22,10 @@ set-conditioned reward needs the whole set, so:
   `replica_urls`); a replica that is not the owner forwards the sample there, so a group's samples
   meet whichever replica the client picked;
 - the reply is always `{"rewards": [float], "scores": [float], "extra_logs": {name: [float]}}` with
-  finite floats: OpenRLHF reads a missing or null reward as None and crashes its training step.
+  finite floats: OpenRLHF reads a missing or null reward as None and crashes its training step;
+- an untrusted set (a calibration anchor outranked a candidate: the judge cannot tell them from
+  garbage) gets the set's mean as every reward, so OpenRLHF's group normalisation gives it zero
+  advantage; `scores` keep the judge's scores and `rubric_untrusted` says which sets these were.
 """
 
 from __future__ import annotations
@@ -152,7 +155,8 @@ def owner_of(key: str, replicas: Sequence[str]) -> str:
 # ---------------------------------------------------------------- the barrier
 @dataclass
 class SampleResult:
-    reward: float
+    reward: float  # what training sees: the set's mean for every sample of an untrusted set
+    score: float  # the judge's score
     logs: dict[str, float]
 
 
@@ -360,9 +364,13 @@ class GroupBarrier:
             "rubric_group_size": float(len(group.slots)),
             "rubric_partial_group": 1.0 if group.partial else 0.0,
             "rubric_collapse": 1.0 if self.evaluator.collapse.collapsed else 0.0,
+            "rubric_untrusted": 0.0 if scored.trusted else 1.0,
         }
         self.recent.append({"key": group.key, "partial": group.partial, **scored.as_dict()})
-        group.answers = [SampleResult(reward=finite(score), logs=logs) for score in scored.scores]
+        mean = sum(scored.scores) / len(scored.scores)
+        rewards = scored.scores if scored.trusted else [mean] * len(scored.scores)
+        group.answers = [SampleResult(reward=finite(r), score=finite(s), logs=logs)
+                         for r, s in zip(rewards, scored.scores, strict=True)]
         for slot, answer in zip(group.slots, group.answers, strict=True):
             for w in slot.waiters:
                 if not w.done():
@@ -427,6 +435,7 @@ def create_app(
                     body = await forward(owner, {"query": [query], "prompts": [key], "labels": [label]})
                     return SampleResult(
                         reward=finite(body["rewards"][0]),
+                        score=finite(body.get("scores", body["rewards"])[0]),
                         logs={k: finite(v[0]) for k, v in body.get("extra_logs", {}).items()},
                     )
                 except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as e:
@@ -466,11 +475,10 @@ def create_app(
             return JSONResponse({"detail": f"scoring failed: {type(e).__name__}: {e}"}, status_code=503)
         metrics.requests.labels(outcome="ok").inc()
         names = sorted({k for r in results for k in r.logs})
-        rewards = [r.reward for r in results]
         return JSONResponse(
             {
-                "rewards": rewards,
-                "scores": rewards,
+                "rewards": [r.reward for r in results],
+                "scores": [r.score for r in results],
                 "extra_logs": {k: [r.logs.get(k, 0.0) for r in results] for k in names},
             }
         )

@@ -113,12 +113,14 @@ def _metric(registry: CollectorRegistry, name: str, labels: dict[str, str] | Non
 
 def test_invalid_generator_output_walks_the_whole_ladder_and_counts_it(engine):
     registry = CollectorRegistry()
-    cfg = RubricConfig(retries=1, prompt_only_retries=1, generator_max_tokens=24)
-    spy = Spy(engine)  # the tiny random model writes noise: every try fails to parse
+    cfg = RubricConfig(retries=1, prompt_only_retries=1, generator_max_tokens=24, constrained=False)
+    spy = Spy(engine)  # unconstrained, the tiny random model writes noise: every try fails to parse
     ev = Evaluator(spy, engine, cfg, EvaluatorMetrics(registry))
     [scored] = ev.score_sets([QUESTION], [RESPONSES])
     assert scored.rubric_source == "generic"
-    assert [i.text for i in scored.rubric.items] == [g.text for g in cfg.generic_rubric]
+    # the generic rubric, joined by the item the question itself implies (7 * 6 = 42, checked)
+    assert [i.text for i in scored.rubric.items if i.check is None] == [g.text for g in cfg.generic_rubric]
+    assert scored.rubric.items[0].check is not None and scored.rubric.items[0].check.value == 42
     assert len(spy.generate_requests) == 4  # 2 set-conditioned + 2 prompt-only tries
     seeds = [r.params.seed for r in spy.generate_requests]
     assert len(set(seeds)) == 4  # every retry has its own seed
@@ -142,16 +144,18 @@ def test_set_conditioned_prompt_shows_every_candidate_within_budget_and_retry_su
     cfg = RubricConfig(response_token_budget=32, retries=1)  # the retry is what this test exercises
     ev = Evaluator(spy, engine, cfg)
     [scored] = ev.score_sets([QUESTION], [RESPONSES + [long_response]])
-    assert scored.rubric_source == "set" and [i.id for i in scored.rubric.items] == ["ans", "wrong"]
+    # the generated items, after the checked item the question implies
+    assert scored.rubric_source == "set" and [i.id for i in scored.rubric.items] == ["p1", "ans", "wrong"]
     assert ev.counts.parse_failures == 1 and ev.counts.generic_fallbacks == 0
     prompt = spy.generate_requests[0].prompt
     for n, r in enumerate(RESPONSES, 1):
         assert f"[Candidate {n}]\n{r}" in prompt
     assert "[Candidate 5]" in prompt and long_response not in prompt
-    assert len(engine.tokenizer.encode(prompt)) < 32 * 5 + 600
+    overhead = len(engine.tokenizer.encode(ev.rubric_generator.set_prompt(QUESTION, [""] * 5)))
+    assert len(engine.tokenizer.encode(prompt)) <= overhead + 5 * (32 + 8)  # 32 tokens a candidate, an ellipsis
     assert spy.generate_requests[0].params.seed != spy.generate_requests[1].params.seed
     assert scored.generator_raw.startswith("Here:")
-    assert scored.gaps.item_split and len(scored.verdicts) == 2 and len(scored.scores) == 5
+    assert scored.gaps.item_split and len(scored.verdicts) == 3 and len(scored.scores) == 5
 
 
 def test_prompt_only_mode_never_shows_candidates(engine):
@@ -167,12 +171,14 @@ def test_prompt_only_mode_never_shows_candidates(engine):
 def test_hard_verdicts_when_logprobs_are_missing_are_counted(engine):
     registry = CollectorRegistry()
     spy = Spy(engine, no_logprobs=True)
-    ev = Evaluator(engine, spy, RubricConfig(retries=0, prompt_only_retries=0, generator_max_tokens=16), EvaluatorMetrics(registry))
+    cfg = RubricConfig(retries=0, prompt_only_retries=0, generator_max_tokens=16, constrained=False)
+    ev = Evaluator(engine, spy, cfg, EvaluatorMetrics(registry))
     [scored] = ev.score_sets([QUESTION], [RESPONSES[:2]])
-    m = len(scored.rubric.items)
-    assert scored.hard_verdict_fallbacks == m * 2
-    assert all(v in (0.0, 0.5, 1.0) for row in scored.verdicts for v in row)
-    assert _metric(registry, "dynrubric_rubric_fallbacks_total", {"kind": "hard_verdict"}) == m * 2
+    asked = sum(i.check is None for i in scored.rubric.items)  # checked items never reach the verifier
+    judged = 2 + 3  # the two candidates and the three calibration anchors
+    assert scored.hard_verdict_fallbacks == asked * judged
+    assert all(v in (0.0, 0.5, 1.0) for row in scored.raw_verdicts for v in row)
+    assert _metric(registry, "dynrubric_rubric_fallbacks_total", {"kind": "hard_verdict"}) == asked * judged
 
 
 def test_apply_rubric_matches_score_sets_for_the_same_rubric(engine):
@@ -183,14 +189,37 @@ def test_apply_rubric_matches_score_sets_for_the_same_rubric(engine):
     assert ev.apply_rubric(QUESTION, scored.rubric, []) == []
 
 
-def test_a_rubric_that_copies_the_format_example_is_a_counted_failure(engine):
-    from dynrubric.rubric.generate import EXAMPLE_ITEMS
-
-    copied = json.dumps({"items": [{"text": EXAMPLE_ITEMS[0], "weight": 5}, {"text": "Is concise", "weight": 1}]})
-    good = json.dumps([{"text": "Says 42", "weight": 2}, {"text": "Is rude", "weight": 1, "polarity": -1}])
-    spy = Spy(engine, script=[copied, good])
+def test_the_generator_prompt_carries_no_literal_example_to_copy(engine):
+    spy = Spy(engine, script=[json.dumps([{"text": "Says 42", "weight": 2}, {"text": "Is rude", "weight": 1}])])
     ev = Evaluator(spy, engine, RubricConfig())
-    [scored] = ev.score_sets([QUESTION], [RESPONSES])
-    assert [i.text for i in scored.rubric.items] == ["Says 42", "Is rude"]
-    assert ev.counts.parse_failures == 1
-    assert "format example" in ev.counts.reasons[0]
+    ev.score_sets([QUESTION], [RESPONSES])
+    prompt = spy.generate_requests[0].prompt
+    assert "{" not in prompt.replace(QUESTION, "")  # the format is described in words, never shown as JSON
+    assert spy.generate_requests[0].params.json_schema is not None  # decoding is constrained instead
+
+
+def test_anchors_debias_verdicts_and_distrust_a_set_they_outrank(engine):
+    """A verifier that says Yes to everything (scripted: cannot be produced on demand) is de-biased to
+    zero by the anchors, and a checked item the anchors pass while a candidate fails makes the set
+    untrusted."""
+
+    class YesToAll(Spy):
+        def score_next_token(self, prompts, candidates):
+            return [{c: (0.0 if c.strip().lower() == "yes" else -9.0) for c in candidates} for _ in prompts]
+
+    rubric = Rubric(items=[
+        RubricItem(id="a", text="Is helpful", weight=2),
+        RubricItem(id="b", text="Uses no commas", weight=1, check={"kind": "no_commas"}),
+    ])
+    ev = Evaluator(engine, YesToAll(engine), RubricConfig())
+    judged = ev.judge(QUESTION, rubric, ["It is 42.", "Well, 42."])
+    assert judged.raw_verdicts[0][:2] == pytest.approx([1.0, 1.0], abs=1e-3)
+    assert judged.verdicts[0] == [0.0, 0.0]  # no better than the known-bad answers: no credit
+    assert judged.verdicts[1] == [1.0, 0.0]
+    assert judged.scores == pytest.approx([1 / 3, 0.0])
+    assert judged.anchor_scores[0] == 0.0  # the empty answer meets no check
+    assert judged.anchor_scores[1] == 0.0  # the off-topic anchor has commas
+    assert judged.anchor_scores[2] == pytest.approx(1 / 3)  # the echoed question has none: it outranks "Well, 42."
+    assert not judged.trusted
+    trusted = ev.judge(QUESTION, rubric, ["It is 42.", "Forty two."])
+    assert trusted.trusted and trusted.scores == pytest.approx([1 / 3, 1 / 3])

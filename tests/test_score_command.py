@@ -21,6 +21,7 @@ def run(args: list[str], tiny_model_dir: Path, cwd: Path) -> subprocess.Complete
         "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": "16",
         "DYNRUBRIC_RUBRIC__RETRIES": "0",
         "DYNRUBRIC_RUBRIC__PROMPT_ONLY_RETRIES": "0",
+        "DYNRUBRIC_RUBRIC__CONSTRAINED": "false",  # unconstrained, the tiny random model writes noise
         "COLUMNS": "200",
     }
     return subprocess.run([sys.executable, "-m", "dynrubric", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from dynrubric.engines.base import Completion, Engine, GenerationRequest, SamplingParams
+from dynrubric.engines.grammar import SchemaGrammars
 
 MIN_SHARED_TOKENS = 8  # a cluster shares at least this much beyond the global prefix
 
@@ -87,6 +88,14 @@ class TransformersEngine(Engine):
         if self._tokenizer.eos_token_id is not None:
             eos_ids.add(self._tokenizer.eos_token_id)
         self._eos_ids = eos_ids
+        self._grammars: SchemaGrammars | None = None  # bound to the model's vocabulary size and stop tokens
+
+    def grammars(self) -> SchemaGrammars:
+        if self._grammars is None:
+            self._grammars = SchemaGrammars(
+                self._tokenizer, self._model.config.vocab_size, self._eos_ids, torch.get_num_threads()
+            )
+        return self._grammars
 
     def load_weights(self, path: Path, version: str) -> None:
         self._load_model(Path(path))
@@ -252,9 +261,13 @@ class TransformersEngine(Engine):
         logps: list[list[float]] = [[] for _ in range(total)]
         finish = ["length"] * total
         done = torch.zeros(total, dtype=torch.bool)
+        grammar = self.grammars().rows(params.json_schema, total) if params.json_schema else None
         for _ in range(params.max_tokens):
-            next_ids = self._sample(rows.last_logits, params, gen)
-            step_logp = torch.log_softmax(rows.last_logits, dim=-1).gather(-1, next_ids[:, None]).squeeze(-1)
+            logits = rows.last_logits
+            if grammar is not None:  # like vLLM, logprobs are those of the masked distribution
+                logits = grammar.mask_(logits.clone(), [i for i in range(total) if not done[i]])
+            next_ids = self._sample(logits, params, gen)
+            step_logp = torch.log_softmax(logits, dim=-1).gather(-1, next_ids[:, None]).squeeze(-1)
             for i in range(total):
                 if done[i]:
                     continue
@@ -264,6 +277,9 @@ class TransformersEngine(Engine):
                     continue
                 tokens[i].append(t)
                 logps[i].append(float(step_logp[i]))
+                if grammar is not None and grammar.accept(i, t):
+                    done[i], finish[i] = True, "stop"
+                    continue
                 if params.stop:
                     text = self._tokenizer.decode(tokens[i], skip_special_tokens=True)
                     if any(s in text for s in params.stop):

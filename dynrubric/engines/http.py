@@ -11,6 +11,7 @@ spellings queued 100k prompt tokens), so the verifier leaves it off.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -102,6 +103,10 @@ class OpenAIHTTPEngine(Engine):
             body["seed"] = p.seed
         if p.logprobs:
             body["logprobs"] = 0  # the sampled token's own logprob
+        if p.json_schema is not None:
+            # vLLM's structured outputs; compact JSON (as the in-process engine) when the server runs
+            # with disable_any_whitespace, as `VllmServer` starts it
+            body["structured_outputs"] = {"json": json.loads(p.json_schema)}
         choices = sorted(self._request("POST", "/v1/completions", json=body)["choices"], key=lambda c: c["index"])
         out = []
         for c in choices:

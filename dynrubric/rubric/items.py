@@ -8,13 +8,18 @@ raises anything else. What it tolerates, in order:
 2. repairs of near-JSON: trailing commas, single quotes, Python literals (`True`, `None`), smart quotes;
 3. an object `{"items": [...]}` (also `rubric`/`criteria`), or a bare list of items;
 4. per item: `text` (also `criterion`/`description`/`item`), `weight` as int, float or string,
-   `polarity` as `1`/`-1`/`"+1"`/`"positive"`/`"negative"` (missing = +1), `id` (missing = generated).
+   `polarity` as `1`/`-1`/`"+1"`/`"positive"`/`"negative"` (missing = +1), `id` (missing = generated),
+   and an optional deterministic `check` (checks.py); a malformed check is dropped with its reason and
+   the item stays, judged by the verifier.
 
 Weight rule: a numeric weight is rounded to the nearest integer and clamped into 1..5 (a generator that
 writes 10 means "very important", not "invalid"); a weight that is not a finite number drops the item.
-Items whose text is empty are dropped. Duplicates and near-duplicates (same normalised text, or word
-overlap >= 0.8 Jaccard) with the same polarity merge into the first one, keeping the larger weight; a
-near-duplicate with the opposite polarity contradicts the first and is dropped. More than `max_items`
+Items whose text is empty are dropped. Duplicates and near-duplicates merge into the first one, keeping
+the larger weight. Two texts are near-duplicates when, with negation words set aside, their word sets
+overlap >= 0.8 (Jaccard) AND they name the same numbers ("is 42" and "is 24" are different items). The
+negation decides the meaning: an item's effective polarity is its polarity, flipped once if its text is
+negated ("is not X" with +1 means what "is X" with -1 means). Same effective polarity -> merge; opposite
+-> the second contradicts the first and is dropped. Items with different checks are never merged. More than `max_items`
 keeps the heaviest ones (stable); fewer than 2 valid items is an error.
 """
 
@@ -27,6 +32,8 @@ import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dynrubric.rubric.checks import Check, CheckError, parse_check
 
 MAX_ITEMS = 12
 MIN_ITEMS = 2
@@ -48,6 +55,7 @@ class RubricItem(BaseModel):
     text: str = Field(min_length=1, max_length=MAX_TEXT_CHARS)
     weight: int = Field(ge=1, le=5)
     polarity: Literal[1, -1] = 1
+    check: Check | None = None  # answered by running the check instead of (or blended with) the verifier
 
     @field_validator("text")
     @classmethod
@@ -74,7 +82,7 @@ class Rubric(BaseModel):
         return [i.weight for i in self.items]
 
     def to_json(self) -> str:
-        return json.dumps({"items": [i.model_dump() for i in self.items]}, ensure_ascii=False)
+        return json.dumps({"items": [i.model_dump(exclude_none=True) for i in self.items]}, ensure_ascii=False)
 
 
 # ---------------------------------------------------------------- finding JSON in free text
@@ -205,11 +213,15 @@ def _text(entry: dict[Any, Any]) -> str:
     return ""
 
 
-def _raw_item(entry: Any, index: int) -> tuple[str, str, int, Literal[1, -1]] | None:
-    """(id, text, weight, polarity) or None when the entry is not a usable item."""
+RawItem = tuple[str, str, int, Literal[1, -1], Check | None]  # id, text, weight, polarity, check
+
+
+def _raw_item(entry: Any, index: int, notes: list[str]) -> RawItem | None:
+    """(id, text, weight, polarity, check) or None when the entry is not a usable item. A malformed
+    check is dropped (its reason appended to `notes`) and the item kept without it."""
     if isinstance(entry, str):
         text = _clean(entry, MAX_TEXT_CHARS)
-        return (f"i{index + 1}", text, 1, 1) if text else None
+        return (f"i{index + 1}", text, 1, 1, None) if text else None
     if not isinstance(entry, dict):
         return None
     text = _text(entry)
@@ -219,58 +231,82 @@ def _raw_item(entry: Any, index: int) -> tuple[str, str, int, Literal[1, -1]] | 
         return None
     raw_id = entry.get("id")
     item_id = _clean(str(raw_id), 64) if isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool) else ""
-    return (item_id or f"i{index + 1}", text, weight, polarity)
+    check = None
+    if entry.get("check") is not None:
+        try:
+            check = parse_check(entry["check"])
+        except CheckError as e:
+            notes.append(f"check dropped: {e.reason}")
+    return (item_id or f"i{index + 1}", text, weight, polarity, check)
 
 
 # ---------------------------------------------------------------- dedupe / merge
-_WORD = re.compile(r"[a-z0-9]+")
+_WORD = re.compile(r"[a-z0-9]+(?:[.,][0-9]+)*")
+_NUMBER_WORD = re.compile(r"[0-9]")
+NEGATIONS = frozenset({"not", "no", "never", "without", "none", "nor", "cannot", "neither", "nothing"})
 
 
-def _words(text: str) -> frozenset[str]:
-    return frozenset(_WORD.findall(text.lower()))
+def _tokens(text: str) -> list[str]:
+    # "isn't" / "doesn't": the contraction is a negation word of its own
+    return _WORD.findall(re.sub(r"n['\u2019]t\b", " not", text.lower()))
+
+
+def _negated(text: str) -> bool:
+    """True when the text negates its claim (an odd number of negation words)."""
+    return sum(t in NEGATIONS for t in _tokens(text)) % 2 == 1
+
+
+def _content(text: str) -> tuple[frozenset[str], frozenset[str]]:
+    """(words without negations, numbers) of a text."""
+    tokens = [t for t in _tokens(text) if t not in NEGATIONS]
+    numbers = frozenset(t.replace(",", "") for t in tokens if _NUMBER_WORD.search(t))
+    return frozenset(tokens), numbers
 
 
 def near_duplicate(a: str, b: str, threshold: float = 0.8) -> bool:
-    wa, wb = _words(a), _words(b)
+    """Same claim up to wording and negation: >= `threshold` word overlap and the same numbers."""
+    (wa, na), (wb, nb) = _content(a), _content(b)
     if not wa or not wb:
         return a.strip().lower() == b.strip().lower()
-    return len(wa & wb) / len(wa | wb) >= threshold
+    return na == nb and len(wa & wb) / len(wa | wb) >= threshold
 
 
-def merge_items(
-    raw: list[tuple[str, str, int, Literal[1, -1]]], max_items: int = MAX_ITEMS
-) -> list[RubricItem]:
-    kept: list[list[Any]] = []  # [id, text, weight, polarity]
-    for item_id, text, weight, polarity in raw:
-        twin = next((k for k in kept if near_duplicate(k[1], text)), None)
+def merge_items(raw: list[RawItem], max_items: int = MAX_ITEMS) -> list[RubricItem]:
+    kept: list[list[Any]] = []  # [id, text, weight, polarity, check]
+    for item_id, text, weight, polarity, check in raw:
+        twin = next((k for k in kept if k[4] == check and near_duplicate(k[1], text)), None)
         if twin is None:
-            kept.append([item_id, text, weight, polarity])
-        elif twin[3] == polarity:
+            kept.append([item_id, text, weight, polarity, check])
+            continue
+        effective = polarity * (-1 if _negated(text) else 1)
+        if twin[3] * (-1 if _negated(twin[1]) else 1) == effective:
             twin[2] = max(twin[2], weight)
-        # an opposite-polarity twin contradicts the first item: the first one stands
+        # an opposite effective polarity contradicts the first item: the first one stands
     if len(kept) > max_items:
         order = sorted(range(len(kept)), key=lambda i: -kept[i][2])[:max_items]
         kept = [kept[i] for i in sorted(order)]
     seen: set[str] = set()
     items = []
-    for n, (item_id, text, weight, polarity) in enumerate(kept):
+    for n, (item_id, text, weight, polarity, check) in enumerate(kept):
         if item_id in seen:
             item_id = f"i{n + 1}"
             while item_id in seen:
                 item_id += "_"
         seen.add(item_id)
-        items.append(RubricItem(id=item_id, text=text, weight=weight, polarity=polarity))
+        items.append(RubricItem(id=item_id, text=text, weight=weight, polarity=polarity, check=check))
     return items
 
 
-def parse_rubric(raw_text: str, max_items: int = MAX_ITEMS) -> Rubric:
-    """The rubric in a generator's raw output, or RubricParseError saying why there is none."""
+def parse_rubric(raw_text: str, max_items: int = MAX_ITEMS, notes: list[str] | None = None) -> Rubric:
+    """The rubric in a generator's raw output, or RubricParseError saying why there is none.
+    Reasons for dropped checks are appended to `notes` when given."""
     if not isinstance(raw_text, str):
         raise RubricParseError(f"generator output is {type(raw_text).__name__}, not text")
     if not raw_text.strip():
         raise RubricParseError("generator output is empty")
     entries = _find_items(raw_text)
-    raw = [r for n, e in enumerate(entries) if (r := _raw_item(e, n)) is not None]
+    dropped: list[str] = []
+    raw = [r for n, e in enumerate(entries) if (r := _raw_item(e, n, dropped)) is not None]
     if not raw:
         raise RubricParseError(f"none of the {len(entries)} entries is a valid item (text, weight 1..5, polarity)")
     try:
@@ -279,11 +315,14 @@ def parse_rubric(raw_text: str, max_items: int = MAX_ITEMS) -> Rubric:
             raise RubricParseError(
                 f"only {len(items)} distinct valid item(s) after validation and merging; need at least {MIN_ITEMS}"
             )
-        return Rubric(items=items)
+        rubric = Rubric(items=items)
     except ValidationError as e:  # a repair above missed a case: still the typed error, never a crash
         raise RubricParseError(f"rubric failed validation: {e.errors()[0]['msg']}") from None
+    if notes is not None:
+        notes.extend(dropped)
+    return rubric
 
 
 def rubric_from_items(items: list[tuple[str, int, Literal[1, -1]]]) -> Rubric:
     """A rubric from (text, weight, polarity) triples (the configured generic rubric)."""
-    return Rubric(items=merge_items([(f"g{n + 1}", t, w, p) for n, (t, w, p) in enumerate(items)]))
+    return Rubric(items=merge_items([(f"g{n + 1}", t, w, p, None) for n, (t, w, p) in enumerate(items)]))

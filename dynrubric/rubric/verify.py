@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dynrubric.engines.base import Engine, GenerationRequest, SamplingParams
-from dynrubric.rubric.items import Rubric
+from dynrubric.rubric.items import Rubric, RubricItem
 
 YES_SPELLINGS = (" Yes", "Yes", " yes", "yes", " YES", "YES")
 NO_SPELLINGS = (" No", "No", " no", "no", " NO", "NO")
@@ -121,18 +121,25 @@ class Verifier:
         self.response_token_budget = response_token_budget
         self.answers = AnswerTokens.of(engine)
 
-    def prompts(self, question: str, responses: Sequence[str], rubric: Rubric) -> list[str]:
+    def prompts(self, question: str, responses: Sequence[str], items: Rubric | Sequence[RubricItem]) -> list[str]:
         """M*K prompts, response-major: index k*M + m is (item m, response k)."""
+        items = items.items if isinstance(items, Rubric) else items
         out = []
         for response in responses:
             cut = truncate_tokens(self.engine, response, self.response_token_budget)
-            out.extend(verifier_prompt(self.engine, question, cut, item.text) for item in rubric.items)
+            out.extend(verifier_prompt(self.engine, question, cut, item.text) for item in items)
         return out
 
     def verify(self, question: str, responses: Sequence[str], rubric: Rubric) -> tuple[list[list[float]], int]:
-        """(M x K raw P(yes) verdicts, number of hard fallback verdicts)."""
-        m, k = len(rubric.items), len(responses)
-        prompts = self.prompts(question, responses, rubric)
+        """(M x K raw P(yes) verdicts, number of hard fallback verdicts) for every item of `rubric`."""
+        return self.verify_items(question, responses, rubric.items)
+
+    def verify_items(
+        self, question: str, responses: Sequence[str], items: Sequence[RubricItem]
+    ) -> tuple[list[list[float]], int]:
+        """(M x K raw P(yes) verdicts, number of hard fallback verdicts) for `items`."""
+        m, k = len(items), len(responses)
+        prompts = self.prompts(question, responses, items)
         scored = self.engine.score_next_token(prompts, self.answers.all)
         flat: list[float | None] = [verdict_from_logprobs(lp, self.answers) for lp in scored]
         missing = [i for i, v in enumerate(flat) if v is None]

@@ -1,0 +1,243 @@
+"""The judge benchmark: how well an evaluator ranks candidate sets whose order is known.
+
+Input (JSONL), one set a line: `{"prompt", "responses", "order": [indices best..worst], "kind"}` for an
+ordered set, `{"prompt", "responses", "collapsed": true, "kind"}` for a set of equal quality.
+
+Per mode and kind, on ordered sets (s = scores, `eps` the rubric's tie threshold):
+- pairwise accuracy: over pairs (a better than b), 1 when s_a - s_b >= eps, 1/2 when |s_a - s_b| < eps;
+- Kendall tau-b between the known ranks and the scores (ties within eps count as ties);
+- ordered gap: s_best - s_worst;
+- empty on top: sets where an empty response scores at least as high as every other response;
+- score-length correlation: Pearson r between scores and response length in words (a judge that
+  follows length, not quality, shows here);
+- untrusted: sets where a calibration anchor outranked a real candidate.
+The collapse detector runs over the ordered sets in order (its false alarm rate: alarms / decisions)
+and over the equal-quality sets (its alarm rate), with the configured window, or the number of sets
+when there are fewer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from itertools import combinations
+from pathlib import Path
+
+from dynrubric.errors import DynrubricError
+from dynrubric.rubric.gaps import CollapseDetector, GapStats
+
+
+@dataclass(frozen=True)
+class JudgeSet:
+    prompt: str
+    responses: list[str]
+    kind: str
+    order: list[int] | None  # indices best..worst; None for an equal-quality set
+
+    @property
+    def collapsed(self) -> bool:
+        return self.order is None
+
+
+def read_judge_sets(path: Path) -> list[JudgeSet]:
+    """The benchmark's sets; a bad line is an error naming its number and what is wrong."""
+    try:
+        lines = path.read_text().splitlines()
+    except (FileNotFoundError, IsADirectoryError):
+        raise DynrubricError(f"benchmark file {path} does not exist", "pass a JSONL file of judge sets") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise DynrubricError(f"{path}:{n} is not valid JSON ({e})", "write one JSON object per line") from None
+        if not isinstance(obj, dict):
+            raise DynrubricError(f"{path}:{n} is not a JSON object", "write one {prompt, responses, ...} object per line")
+        prompt, responses, order = obj.get("prompt"), obj.get("responses"), obj.get("order")
+        if not isinstance(prompt, str) or not isinstance(responses, list) or len(responses) < 2 or not all(
+            isinstance(r, str) for r in responses
+        ):
+            raise DynrubricError(f"{path}:{n} needs 'prompt' (text) and 'responses' (2 or more texts)", "fix that line")
+        if obj.get("collapsed") is True:
+            order = None
+        elif not (isinstance(order, list) and sorted(order) == list(range(len(responses)))):
+            raise DynrubricError(
+                f"{path}:{n} needs 'order' (every response index once, best first) or 'collapsed': true",
+                "fix that line",
+            )
+        out.append(JudgeSet(prompt, responses, str(obj.get("kind", "all")), order))
+    if not out:
+        raise DynrubricError(f"benchmark file {path} holds no sets", "write one set per line")
+    return out
+
+
+def pairwise_accuracy(scores: Sequence[float], order: Sequence[int], eps: float) -> float:
+    total = 0.0
+    pairs = list(combinations(order, 2))  # (better, worse)
+    for better, worse in pairs:
+        gap = scores[better] - scores[worse]
+        total += 1.0 if gap >= eps else 0.5 if abs(gap) < eps else 0.0
+    return total / len(pairs)
+
+
+def kendall_tau(scores: Sequence[float], order: Sequence[int], eps: float) -> float:
+    """Kendall tau-b of scores against the known ranking (score ties within eps are ties)."""
+    rank = {idx: -pos for pos, idx in enumerate(order)}  # higher is better
+    concordant = discordant = tied_scores = 0
+    for i, j in combinations(range(len(scores)), 2):
+        gap = scores[i] - scores[j]
+        if abs(gap) < eps:
+            tied_scores += 1
+            continue
+        if (gap > 0) == (rank[i] > rank[j]):
+            concordant += 1
+        else:
+            discordant += 1
+    n_pairs = len(scores) * (len(scores) - 1) // 2
+    denominator = math.sqrt(n_pairs * (n_pairs - tied_scores))
+    return (concordant - discordant) / denominator if denominator else 0.0
+
+
+def _pearson(xs: Sequence[float], ys: Sequence[float]) -> float:
+    n = len(xs)
+    if n < 3:
+        return 0.0
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    sx = math.sqrt(sum((x - mx) ** 2 for x in xs))
+    sy = math.sqrt(sum((y - my) ** 2 for y in ys))
+    return sxy / (sx * sy) if sx > 0 and sy > 0 else 0.0
+
+
+def alarm_rate(stats: Sequence[GapStats], window: int, min_mean_gap: float, max_nonsplit: float) -> tuple[float, int]:
+    """(share of the detector's decisions that fire, number of decisions) over `stats` in order."""
+    detector = CollapseDetector(max(1, min(window, len(stats))), min_mean_gap, max_nonsplit)
+    fired = decisions = 0
+    for n, s in enumerate(stats, 1):
+        alarm = detector.update(s)
+        if n >= detector.window:
+            decisions += 1
+            fired += alarm
+    return (fired / decisions if decisions else 0.0), decisions
+
+
+@dataclass(frozen=True)
+class KindResult:
+    sets: int
+    pairwise_accuracy: float
+    kendall_tau: float
+    ordered_gap: float
+    empty_top: int
+    untrusted: int
+
+
+@dataclass(frozen=True)
+class ModeResult:
+    mode: str
+    by_kind: dict[str, KindResult]  # "all" included
+    score_length_r: float
+    collapse_alarm_rate: float  # on equal-quality sets
+    collapse_false_alarm_rate: float  # on ordered sets
+    collapse_decisions: tuple[int, int]  # (equal-quality, ordered)
+    rubric_sources: dict[str, int]
+    parse_failures: int
+    generation_tries: int
+    prompt_only_fallbacks: int
+    generic_fallbacks: int
+    dropped_checks: int
+    hard_verdicts: int
+    seconds: float
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def summarise_mode(
+    mode: str,
+    sets: Sequence[JudgeSet],
+    scores: Sequence[Sequence[float]],
+    gaps: Sequence[GapStats],
+    trusted: Sequence[bool],
+    *,
+    eps: float,
+    window: int,
+    min_mean_gap: float,
+    max_nonsplit: float,
+    rubric_sources: dict[str, int],
+    parse_failures: int,
+    generation_tries: int,
+    prompt_only_fallbacks: int,
+    generic_fallbacks: int,
+    dropped_checks: int,
+    hard_verdicts: int,
+    seconds: float,
+) -> ModeResult:
+    ordered = [i for i, s in enumerate(sets) if not s.collapsed]
+    kinds = sorted({sets[i].kind for i in ordered})
+    by_kind = {}
+    for kind in [*kinds, "all"]:
+        members = [i for i in ordered if kind in ("all", sets[i].kind)]
+        if not members:
+            continue
+        acc = [pairwise_accuracy(scores[i], sets[i].order or [], eps) for i in members]
+        tau = [kendall_tau(scores[i], sets[i].order or [], eps) for i in members]
+        gap = [scores[i][sets[i].order[0]] - scores[i][sets[i].order[-1]] for i in members]  # type: ignore[index]
+        empty_top = 0
+        for i in members:
+            empties = [j for j, r in enumerate(sets[i].responses) if not r.strip()]
+            others = [scores[i][j] for j in range(len(scores[i])) if j not in empties]
+            empty_top += any(others and scores[i][j] >= max(others) for j in empties)
+        by_kind[kind] = KindResult(
+            sets=len(members), pairwise_accuracy=sum(acc) / len(acc), kendall_tau=sum(tau) / len(tau),
+            ordered_gap=sum(gap) / len(gap), empty_top=empty_top,
+            untrusted=sum(not trusted[i] for i in members),
+        )
+    lengths = [float(len(r.split())) for i in ordered for r in sets[i].responses]
+    flat = [x for i in ordered for x in scores[i]]
+    collapsed_stats = [gaps[i] for i, s in enumerate(sets) if s.collapsed]
+    ordered_stats = [gaps[i] for i in ordered]
+    alarm, n_alarm = alarm_rate(collapsed_stats, window, min_mean_gap, max_nonsplit)
+    false_alarm, n_false = alarm_rate(ordered_stats, window, min_mean_gap, max_nonsplit)
+    return ModeResult(
+        mode=mode, by_kind=by_kind, score_length_r=_pearson(flat, lengths),
+        collapse_alarm_rate=alarm, collapse_false_alarm_rate=false_alarm, collapse_decisions=(n_alarm, n_false),
+        rubric_sources=rubric_sources, parse_failures=parse_failures, generation_tries=generation_tries,
+        prompt_only_fallbacks=prompt_only_fallbacks, generic_fallbacks=generic_fallbacks,
+        dropped_checks=dropped_checks, hard_verdicts=hard_verdicts, seconds=seconds,
+    )
+
+
+def plot(results: Sequence[ModeResult], path: Path) -> None:
+    """Pairwise accuracy per mode and kind (chance = 0.5 dashed), and the collapse detector's rates."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = [k for k in results[0].by_kind if k != "all"] + ["all"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1.3]})
+    width = 0.8 / len(results)
+    for n, r in enumerate(results):
+        xs = [k + n * width for k in range(len(kinds))]
+        ax1.bar(xs, [r.by_kind[k].pairwise_accuracy if k in r.by_kind else 0 for k in kinds], width, label=r.mode)
+    ax1.axhline(0.5, color="grey", linestyle="--", linewidth=1, label="chance")
+    ax1.set_xticks([k + width * (len(results) - 1) / 2 for k in range(len(kinds))], kinds)
+    ax1.set_ylim(0, 1)
+    ax1.set_ylabel("pairwise accuracy (ties = 1/2)")
+    ax1.set_title("ranking of ordered sets")
+    ax1.legend(loc="lower right", fontsize=8)
+    xs = range(len(results))
+    ax2.bar([x - 0.2 for x in xs], [r.collapse_alarm_rate for r in results], 0.4, label="alarm, equal-quality")
+    ax2.bar([x + 0.2 for x in xs], [r.collapse_false_alarm_rate for r in results], 0.4, label="false alarm, ordered")
+    ax2.set_xticks(list(xs), [r.mode for r in results])
+    ax2.set_ylim(0, 1)
+    ax2.set_title("collapse detector")
+    ax2.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

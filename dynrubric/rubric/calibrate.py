@@ -1,0 +1,51 @@
+"""Calibration anchors: known-bad answers judged beside every set, to de-bias and to distrust the verifier.
+
+Each set is judged together with A synthetic answers that no rubric should prefer to a real attempt:
+the empty answer, an off-topic paragraph, and the question echoed back. They serve twice:
+
+1. De-biasing, per verifier-judged item m. A small verifier says "Yes" to some criteria whatever the
+   response (length, echoed words); the anchors measure that floor. With `z` the polarity-oriented
+   verdict (`v`, or `1 - v` for a flaw) and `a_m` the anchors' mean `z` on item m:
+
+       z'_m(y) = max(0, z_m(y) - a_m) / (1 - a_m)          (z'_m = 0 for all y when a_m >= 1)
+
+   so an item credits a response only for what it gives beyond a known-bad answer. Checked items are
+   exact and are not calibrated.
+2. Trust. With the same rubric and calibrated verdicts, every anchor must score no higher than every
+   real candidate (up to the tie threshold `eps`). When an anchor outranks a real candidate, the judge
+   cannot tell that candidate from garbage, and the set's scores are untrusted: the trainer gives it
+   zero advantage, and it is counted, plotted and alerted on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+OFF_TOPIC = (
+    "The weather was mild today, and the park was full of people walking their dogs. Later we had "
+    "soup for dinner and watched an old film."
+)
+
+
+def anchor_responses(question: str) -> list[str]:
+    """The known-bad answers judged with every set: empty, off-topic, the question echoed."""
+    return ["", OFF_TOPIC, question]
+
+
+def calibrate_row(z: Sequence[float], n_real: int) -> list[float]:
+    """One verifier-judged item's oriented verdicts, real candidates first then anchors, de-biased
+    against the anchors' mean (module docstring). Returns the same layout."""
+    anchors = z[n_real:]
+    if not anchors:
+        return list(z)
+    floor = sum(anchors) / len(anchors)
+    if floor >= 1.0:
+        return [0.0] * len(z)
+    return [max(0.0, x - floor) / (1.0 - floor) for x in z]
+
+
+def anchors_outrank(real_scores: Sequence[float], anchor_scores: Sequence[float], eps: float) -> bool:
+    """True when some anchor scores above some real candidate by at least `eps`."""
+    if not real_scores or not anchor_scores:
+        return False
+    return max(anchor_scores) - min(real_scores) >= eps

@@ -1,0 +1,197 @@
+"""Checkable items, items derived from the prompt and the set, calibration anchors, and the judge
+benchmark's metrics and command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dynrubric.rubric.benchmark import kendall_tau, pairwise_accuracy, read_judge_sets
+from dynrubric.rubric.calibrate import anchors_outrank, calibrate_row
+from dynrubric.rubric.checks import Check, CheckError, parse_check, run_check
+from dynrubric.rubric.derived import consensus_items, prompt_items
+from dynrubric.rubric.items import parse_rubric
+
+REPO = Path(__file__).resolve().parents[1]
+BENCHMARK = REPO / "dynrubric" / "data" / "judge_benchmark.jsonl"
+
+
+@pytest.mark.parametrize(
+    ("check", "response", "met"),
+    [
+        ({"kind": "contains", "value": "Paris"}, "The capital is paris.", 1.0),
+        ({"kind": "contains", "value": "Paris"}, "The capital is Lyon.", 0.0),
+        ({"kind": "not_contains", "value": "very"}, "A fine day.", 1.0),
+        ({"kind": "not_contains", "value": "very"}, "A very fine day.", 0.0),
+        ({"kind": "regex", "value": r"^\d+$"}, "42", 1.0),
+        ({"kind": "max_words", "value": 3}, "one two three", 1.0),
+        ({"kind": "max_words", "value": 3}, "one two three four", 0.0),
+        ({"kind": "min_words", "value": "4"}, "one two three four", 1.0),
+        ({"kind": "starts_with", "value": "Dear"}, "dear reader, hello", 1.0),
+        ({"kind": "ends_with", "value": "peace"}, "We wish you peace.", 1.0),
+        ({"kind": "ends_with", "value": "peace"}, "Peace to you.", 0.0),
+        ({"kind": "bullet_count", "value": 2}, "Intro\n- a\n* b\nend", 1.0),
+        ({"kind": "bullet_count", "value": 2}, "- a\n- b\n1. c", 0.0),
+        ({"kind": "final_number", "value": 1000}, "5 x 200 = 1,000", 1.0),
+        ({"kind": "final_number", "value": 42}, "42 is not it, 24 is", 0.0),
+        ({"kind": "no_commas", "value": None}, "no commas here", 1.0),
+        ({"kind": "lowercase"}, "Not lower", 0.0),
+        # an empty answer meets no check, not even the ones it passes on a technicality
+        ({"kind": "max_words", "value": 50}, "  ", 0.0),
+        ({"kind": "no_commas"}, "", 0.0),
+    ],
+)
+def test_check_vocabulary(check, response, met):
+    assert run_check(parse_check(check), response) == met
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        ({"kind": "run_python", "value": "import os"}, "unknown check kind"),
+        ({"kind": "contains"}, "non-empty text"),
+        ({"kind": "max_words", "value": 2.5}, "whole number"),
+        ({"kind": "final_number", "value": "NaN"}, "finite"),
+        ({"kind": "regex", "value": "(unclosed"}, "does not compile"),
+        ("contains 42", "must be an object"),
+    ],
+)
+def test_malformed_checks_are_refused_with_a_reason(raw, reason):
+    with pytest.raises(CheckError, match=reason):
+        parse_check(raw)
+
+
+def test_a_catastrophic_regex_is_cut_off_not_hung():
+    check = Check(kind="regex", value=r"(a+)+$")
+    assert run_check(check, "a" * 40 + "b") == 0.0  # backtracking would take hours; the timeout ends it
+
+
+def test_a_malformed_check_drops_the_check_not_the_item_and_is_reported():
+    notes: list[str] = []
+    rubric = parse_rubric(json.dumps({"items": [
+        {"text": "Gives the answer 42", "weight": 5, "check": {"kind": "final_number", "value": 42}},
+        {"text": "Explains the method", "weight": 2, "check": {"kind": "exec", "value": "x"}},
+    ]}), notes=notes)
+    assert rubric.items[0].check == Check(kind="final_number", value=42.0)
+    assert rubric.items[1].check is None and rubric.items[1].text == "Explains the method"
+    assert notes == ["check dropped: unknown check kind 'exec'"]
+
+
+def test_near_duplicate_merging_respects_numbers_and_negation():
+    def texts(items):
+        return [(i.text, i.weight, i.polarity) for i in parse_rubric(json.dumps({"items": items})).items]
+
+    # different numbers are different claims
+    assert len(texts([{"text": "The final answer is 42", "weight": 3}, {"text": "The final answer is 24", "weight": 3}])) == 2
+    # "is not X" rewarded contradicts "is X" rewarded: the first stands
+    assert texts([
+        {"text": "The response is polite", "weight": 3}, {"text": "The response is not polite", "weight": 2},
+        {"text": "Mentions the cost", "weight": 1},
+    ]) == [("The response is polite", 3, 1), ("Mentions the cost", 1, 1)]
+    # "is not X" penalised means "is X" rewarded: the same item, merged with the larger weight
+    assert texts([
+        {"text": "The response isn't polite", "weight": 4, "polarity": -1}, {"text": "The response is polite", "weight": 2},
+        {"text": "Mentions the cost", "weight": 1},
+    ]) == [("The response isn't polite", 4, -1), ("Mentions the cost", 1, 1)]
+    # same words, same numbers, same meaning: merged
+    assert texts([{"text": "States that 7 * 6 is 42", "weight": 2}, {"text": "states that 7*6 is 42.", "weight": 5},
+                  {"text": "Is short", "weight": 1}])[0] == ("States that 7 * 6 is 42", 5, 1)
+
+
+def test_prompt_constraints_become_checked_items():
+    q = (
+        "Describe the sea in no more than 30 words. Include the word \"tide\". Do not use the word 'blue'. "
+        "Start your response with the word 'Waves' and end your answer with the word calm. Use no commas."
+    )
+    checks = {i.check.kind: i.check.value for i in prompt_items(q)}
+    assert checks == {
+        "max_words": 30.0, "contains": "tide", "not_contains": "blue", "starts_with": "Waves", "ends_with": "calm",
+        "no_commas": None,
+    }
+    assert {i.check.kind for i in prompt_items("Answer in at least five words, all in lowercase letters.")} == {
+        "min_words", "lowercase"}
+    assert [i.check.value for i in prompt_items("Give exactly 3 bullet points about tea.")] == [3.0]
+    [item] = prompt_items("What is (12 + 3) * 4? Answer with the number only.")
+    assert item.check == Check(kind="final_number", value=60.0) and item.weight == 5
+    assert prompt_items("What is the capital of France?") == []
+    assert prompt_items("What is __import__('os').system('true')?") == []  # nothing but arithmetic is evaluated
+
+
+def test_consensus_needs_a_clear_plurality():
+    [item] = consensus_items(["= 42", "It is 42.", "41", "I think 40", ""])
+    assert item.check == Check(kind="final_number", value=42.0)
+    assert consensus_items(["42", "41", "40"]) == []  # no number reached twice
+    assert consensus_items(["42", "42", "41", "41"]) == []  # a tie is no plurality
+    assert consensus_items(["no numbers", "at all"]) == []
+
+
+def test_calibration_against_the_anchor_mean_and_the_trust_rule():
+    # 3 real candidates, then 2 anchors with mean 0.4
+    assert calibrate_row([0.7, 0.4, 0.1, 0.3, 0.5], 3) == pytest.approx([0.5, 0.0, 0.0, 0.0, 1 / 6])
+    assert calibrate_row([0.9, 1.0, 1.0], 1) == [0.0, 0.0, 0.0]  # anchors at 1: the item says nothing
+    assert anchors_outrank([0.5, 0.3], [0.31], eps=0.02) is False  # within the tie threshold
+    assert anchors_outrank([0.5, 0.3], [0.35], eps=0.02) is True
+
+
+def test_pairwise_accuracy_and_kendall_tau():
+    order = [2, 0, 1]  # response 2 best, then 0, then 1
+    assert pairwise_accuracy([0.5, 0.1, 0.9], order, eps=0.02) == 1.0
+    assert pairwise_accuracy([0.5, 0.9, 0.1], order, eps=0.02) == 0.0
+    assert pairwise_accuracy([0.5, 0.5, 0.5], order, eps=0.02) == 0.5  # ties count half
+    assert kendall_tau([0.5, 0.1, 0.9], order, eps=0.02) == pytest.approx(1.0)
+    assert kendall_tau([0.5, 0.9, 0.1], order, eps=0.02) == pytest.approx(-1.0)
+
+
+def test_the_shipped_benchmark_is_what_its_script_generates():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from make_judge_benchmark import build
+    finally:
+        sys.path.pop(0)
+    shipped = [json.loads(line) for line in BENCHMARK.read_text().splitlines()]
+    assert shipped == build(0)
+    sets = read_judge_sets(BENCHMARK)
+    assert sum(not s.collapsed for s in sets) >= 60 and sum(s.collapsed for s in sets) >= 20
+    assert {s.kind for s in sets} == {"arithmetic", "instruction", "factual"}
+
+
+def test_instruction_sets_rank_by_the_constraints_they_meet():
+    """The benchmark's ground truth for instructions is the number of constraints met; the checks the
+    prompt implies must count exactly that (a broken generator would show here first)."""
+    for s in read_judge_sets(BENCHMARK):
+        if s.kind != "instruction" or s.collapsed:
+            continue
+        checks = [i.check for i in prompt_items(s.prompt)]
+        met = [sum(run_check(c, r) for c in checks) for r in s.responses]
+        assert [met[i] for i in s.order] == [5, 4, 3, 2, 1, 0], s.prompt
+
+
+def test_eval_judge_through_the_console_script(tiny_model_dir, tmp_path):
+    sets = tmp_path / "sets.jsonl"
+    lines = BENCHMARK.read_text().splitlines()
+    picked = [line for line in lines if '"collapsed"' not in line][:2] + [line for line in lines if '"collapsed"' in line][:2]
+    sets.write_text("\n".join(picked) + "\n")
+    env = {
+        **os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200",
+        "DYNRUBRIC_MODELS__GENERATOR": str(tiny_model_dir), "DYNRUBRIC_MODELS__VERIFIER": str(tiny_model_dir),
+        "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": "64", "DYNRUBRIC_RUBRIC__RETRIES": "0",
+        "DYNRUBRIC_RUBRIC__PROMPT_ONLY_RETRIES": "0",
+    }
+    script = Path(sys.executable).parent / "dynrubric"
+    r = subprocess.run([str(script), "eval-judge", str(sets), "--modes", "set,generic", "--out", str(tmp_path / "out")],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    tail = r.stdout.strip().splitlines()[-2:]
+    assert [line.split(":")[0] for line in tail] == ["pairwise_accuracy[set]", "pairwise_accuracy[generic]"]
+    assert all(0.0 <= float(line.split(":")[1]) <= 1.0 for line in tail)
+    report = json.loads((tmp_path / "out" / "eval_judge.json").read_text())
+    assert [r["mode"] for r in report["results"]] == ["set", "generic"]
+    assert len(report["sets"]) == 2 * 4 and (tmp_path / "out" / "eval_judge.png").read_bytes()[:4] == b"\x89PNG"
+    bad = subprocess.run([str(script), "eval-judge", str(sets), "--modes", "best"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown mode" in bad.stderr and "Traceback" not in bad.stderr
