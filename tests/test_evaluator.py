@@ -163,7 +163,8 @@ def test_prompt_only_mode_never_shows_candidates(engine):
     spy = Spy(engine, script=[good])
     ev = Evaluator(spy, engine, RubricConfig(mode="prompt_only"))
     rubric, source, raw = ev.generate_rubric(QUESTION, RESPONSES, seed=7)
-    assert source == "prompt_only" and raw == good and len(rubric.items) == 2
+    assert source == "prompt_only" and raw == good
+    assert [i.text for i in rubric.items] == ["The response's final number is 42.", "Says 42", "Is rude"]
     prompt = spy.generate_requests[0].prompt
     assert QUESTION in prompt and "[Candidate" not in prompt and RESPONSES[1] not in prompt
 

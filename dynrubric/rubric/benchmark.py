@@ -213,9 +213,9 @@ def summarise_mode(
 
 def plot(results: Sequence[ModeResult], path: Path) -> None:
     """Pairwise accuracy per mode and kind (chance = 0.5 dashed), and the collapse detector's rates."""
-    import matplotlib
+    from dynrubric.extras import require
 
-    matplotlib.use("Agg")
+    require("matplotlib", "report", "the eval-judge plot").use("Agg")
     import matplotlib.pyplot as plt
 
     kinds = [k for k in results[0].by_kind if k != "all"] + ["all"]

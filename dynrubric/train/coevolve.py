@@ -150,13 +150,20 @@ def generator_groups(
     temperature: float,
     tie_eps: float,
     seed: int,
+    json_schema: str | None = None,
 ) -> tuple[list[Group], GeneratorBatchStats]:
-    """Sample `rubric_samples` rubrics per set at `temperature`, reward them, and return GRPO groups
-    for the generator (whose loss takes log-probs at that temperature). `tie_eps`: the rubric's tie
-    threshold, below which a reward's spread within a set is no signal."""
+    """Sample `rubric_samples` rubrics per set at `temperature` (decoded under `json_schema` when
+    given, as the evaluator decodes them), reward them, and return GRPO groups for the generator
+    (whose loss takes log-probs at that temperature). `tie_eps`: the rubric's tie threshold, below
+    which a reward's spread within a set is no signal.
+
+    Under a grammar the sampled tokens come from the masked distribution while the loss takes the
+    model's unmasked log-probs (as vLLM-sampled structured outputs are trained elsewhere): masked-out
+    tokens are never sampled, so the update only reweights choices the grammar allowed."""
     prompts = [set_prompt(p.question, responses) for p, responses in sets]
     params = SamplingParams(
-        max_tokens=config.generator_max_tokens, temperature=temperature, n=config.rubric_samples, seed=seed
+        max_tokens=config.generator_max_tokens, temperature=temperature, n=config.rubric_samples, seed=seed,
+        json_schema=json_schema,
     )
     outputs = generator.generate([GenerationRequest(p, params) for p in prompts])
     tok = generator.tokenizer

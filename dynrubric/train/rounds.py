@@ -41,6 +41,7 @@ from dynrubric.config import Settings
 from dynrubric.engines.base import Engine
 from dynrubric.errors import DynrubricError
 from dynrubric.rubric.evaluator import Evaluator, EvaluatorMetrics
+from dynrubric.rubric.generate import RUBRIC_SCHEMA_JSON
 from dynrubric.registry import Checkpoint, CheckpointState, Registry
 from dynrubric.train import guards
 from dynrubric.train.coevolve import (
@@ -477,8 +478,10 @@ class _Round:
         groups = []
         for text, cs, sc in zip(texts, outs, scored, strict=True):
             prompt_ids = tuple(tok.encode(text, add_special_tokens=False))
+            # an untrusted set (a known-bad anchor outranks a candidate) teaches nothing: zero advantage
+            untrusted = None if sc.trusted else tuple(0.0 for _ in cs)
             groups.append(Group(tuple(Rollout(prompt_ids, completion_ids(c, tok)) for c in cs), tuple(sc.scores),
-                                temperature=self.cfg.temperature))
+                                advantages=untrusted, temperature=self.cfg.temperature))
         stats = self.policy.step(groups)
         self.r.rollouts.append([(p.key, self.parent.version, rs) for p, rs in zip(prompts, responses, strict=True)])
         n = len(scored)
@@ -487,6 +490,7 @@ class _Round:
             "mean_gap": sum(s.gaps.mean_abs_gap for s in scored) / n,
             "tie_rate": sum(s.gaps.tie_rate for s in scored) / n,
             "nonsplit_share": sum(s.gaps.nonsplit_share for s in scored) / n,
+            "untrusted_sets": sum(not s.trusted for s in scored),
             "rubric_sources": {src: sum(s.rubric_source == src for s in scored) for src in ("set", "prompt_only", "generic")},
             "fallbacks": {
                 "parse_failures": self.evaluator.counts.parse_failures - counts_before["parse_failures"],
@@ -518,7 +522,8 @@ class _Round:
         groups, gstats = generator_groups(
             self.generator_engine,
             self.evaluator.rubric_generator.set_prompt,
-            lambda q, rs, rubric: self.evaluator.verifier.verify(q, rs, rubric)[0],
+            # the verdicts the evaluator scores with: checks run, verifier de-biased by the anchors
+            lambda q, rs, rubric: self.evaluator.judge(q, rubric, rs).verdicts,
             self.evaluator.apply_rubric,
             list(zip(prompts, responses, strict=True)),
             anchors,
@@ -527,6 +532,7 @@ class _Round:
             self.r.settings.rubric.generator_temperature,
             self.r.settings.rubric.eps,
             self.seed(step, 13),
+            RUBRIC_SCHEMA_JSON if self.r.settings.rubric.constrained else None,
         )
         stats = self.generator.step(groups)
         return {**stats.as_dict(), **{f"gen_{k}": v for k, v in gstats.as_dict().items()},
