@@ -172,14 +172,18 @@ def test_instruction_sets_rank_by_the_constraints_they_meet():
 
 
 def test_eval_judge_through_the_console_script(tiny_model_dir, tmp_path):
+    # short sets: the tiny model's byte-level tokenizer makes the benchmark's sets thousands of tokens
     sets = tmp_path / "sets.jsonl"
-    lines = BENCHMARK.read_text().splitlines()
-    picked = [line for line in lines if '"collapsed"' not in line][:2] + [line for line in lines if '"collapsed"' in line][:2]
-    sets.write_text("\n".join(picked) + "\n")
+    sets.write_text("".join(json.dumps(s) + "\n" for s in [
+        {"prompt": "What is 2 + 3?", "responses": ["5", "It is 6.", ""], "order": [0, 1, 2], "kind": "arithmetic"},
+        {"prompt": "Say hi in at most 2 words.", "responses": ["hello there friend", "hi"], "order": [1, 0], "kind": "instruction"},
+        {"prompt": "What is 2 + 2?", "responses": ["4", "4."], "collapsed": True, "kind": "arithmetic"},
+        {"prompt": "Say hi.", "responses": ["hi", "hi!"], "collapsed": True, "kind": "instruction"},
+    ]))
     env = {
         **os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200",
         "DYNRUBRIC_MODELS__GENERATOR": str(tiny_model_dir), "DYNRUBRIC_MODELS__VERIFIER": str(tiny_model_dir),
-        "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": "64", "DYNRUBRIC_RUBRIC__RETRIES": "0",
+        "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": "48", "DYNRUBRIC_RUBRIC__RETRIES": "0",
         "DYNRUBRIC_RUBRIC__PROMPT_ONLY_RETRIES": "0",
     }
     script = Path(sys.executable).parent / "dynrubric"
