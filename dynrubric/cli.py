@@ -170,6 +170,9 @@ def up(
             setattr(settings.train, key, min(getattr(settings.train, key), cap))
         for key, cap in {"generator_max_tokens": 256, "retries": 1, "prompt_only_retries": 0}.items():
             setattr(settings.rubric, key, min(getattr(settings.rubric, key), cap))
+        # one policy step then one generator step: the demo shows both halves of co-evolution
+        for key, cap in {"k_alt": 1, "sets_per_step": 2, "rubric_samples": 2}.items():
+            setattr(settings.train.coevolve, key, min(getattr(settings.train.coevolve, key), cap))
     settings.train.prompt_source = "replay"
     state = settings.paths.resolved_state()
     state.mkdir(parents=True, exist_ok=True)

@@ -37,4 +37,10 @@ def test_up_runs_the_loop_from_traffic_to_checkpoint_and_report(tiny_model_dir, 
 
     summary = json.loads((tmp_path / "var" / "train" / "rounds" / "0001" / "summary.json").read_text())
     assert summary["prompts"] > 0 and summary["watermark_after"] not in (None, "0")
+    # the demo round co-evolves: one policy step, then one generator step
+    assert summary["phases"] == {"policy": 1, "generator": 1}
+    steps = [json.loads(line) for line in (tmp_path / "var" / "train" / "runlog.jsonl").read_text().splitlines()]
+    [policy] = [s for s in steps if s.get("kind") == "step" and s.get("phase") == "policy"]
+    # a set whose anchors outrank a candidate contributes no advantage: it is counted among the tied sets
+    assert 0 <= policy["untrusted_sets"] <= policy["tied_sets"]
     assert (tmp_path / "var" / "report" / "run.png").read_bytes()[:4] == b"\x89PNG"
