@@ -189,10 +189,12 @@ class TransformersEngine(Engine):
             cluster_prefix.append(n)
 
         result = torch.empty((len(encoded), self._model.config.vocab_size))
-        # clusters are processed in chunks so that the expanded leaf caches stay bounded
+        # clusters are processed in chunks so that the expanded leaf caches stay bounded; taken
+        # shortest first, a chunk's clusters have similar lengths and little padding
         chunk: list[int] = []
         size = 0
-        for c, members in enumerate(clusters):
+        for c in sorted(range(len(clusters)), key=lambda c: cluster_prefix[c]):
+            members = clusters[c]
             if chunk and size + len(members) > self.max_batch_size:
                 self._score_clusters(root, tails, clusters, cluster_prefix, chunk, result)
                 chunk, size = [], 0
