@@ -75,7 +75,7 @@ RUBRIC_SCHEMA = {
     "properties": {"items": {"type": "array", "minItems": 3, "maxItems": 8, "items": {
         "type": "object",
         "properties": {
-            "text": json_text(8, 160),
+            "text": json_text(8, 120),
             "weight": {"type": "integer", "minimum": 1, "maximum": 5},
             "polarity": {"enum": [1, -1]},
         },
