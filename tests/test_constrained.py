@@ -112,3 +112,8 @@ def test_vllm_constrained_output_validates_and_matches_in_process(vllm_server, s
     [[b]] = local.generate([GenerationRequest(prompt, greedy)])
     assert valid(a.text) and a.text == b.text and a.token_ids == b.token_ids
     remote.close()
+
+
+def test_json_text_refuses_bounds_xgrammar_cannot_compile():
+    with pytest.raises(ValueError, match="<= 128"):
+        json_text(1, 129)

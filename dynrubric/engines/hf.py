@@ -7,6 +7,7 @@ Two places reuse a computed prefix instead of re-running it:
   prompt's own tail (the rubric item). Each level runs once per node and its cache is expanded to the
   level below, so every response is encoded once however many items are asked about it.
 `tokens_processed` counts the tokens that actually went through the model, for benchmarks.
+`SamplingParams.json_schema` constrains generation with xgrammar (`dynrubric.engines.grammar`).
 """
 
 from __future__ import annotations
@@ -189,10 +190,12 @@ class TransformersEngine(Engine):
             cluster_prefix.append(n)
 
         result = torch.empty((len(encoded), self._model.config.vocab_size))
-        # clusters are processed in chunks so that the expanded leaf caches stay bounded
+        # clusters are processed in chunks so that the expanded leaf caches stay bounded; taken
+        # shortest first, a chunk's clusters have similar lengths and little padding
         chunk: list[int] = []
         size = 0
-        for c, members in enumerate(clusters):
+        for c in sorted(range(len(clusters)), key=lambda c: cluster_prefix[c]):
+            members = clusters[c]
             if chunk and size + len(members) > self.max_batch_size:
                 self._score_clusters(root, tails, clusters, cluster_prefix, chunk, result)
                 chunk, size = [], 0
@@ -261,7 +264,7 @@ class TransformersEngine(Engine):
         logps: list[list[float]] = [[] for _ in range(total)]
         finish = ["length"] * total
         done = torch.zeros(total, dtype=torch.bool)
-        grammar = self.grammars().rows(params.json_schema, total) if params.json_schema else None
+        grammar = self.grammars().rows(params.json_schema, total) if params.json_schema is not None else None
         for _ in range(params.max_tokens):
             logits = rows.last_logits
             if grammar is not None:  # like vLLM, logprobs are those of the masked distribution
