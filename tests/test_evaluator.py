@@ -220,7 +220,7 @@ def test_anchors_debias_verdicts_and_distrust_a_set_they_outrank(engine):
     assert judged.scores == pytest.approx([1 / 3, 0.0])
     assert judged.anchor_scores[0] == 0.0  # the empty answer meets no check
     assert judged.anchor_scores[1] == 0.0  # the off-topic anchor has commas
-    assert judged.anchor_scores[2] == pytest.approx(1 / 3)  # the echoed question has none: it outranks "Well, 42."
-    assert not judged.trusted
-    trusted = ev.judge(QUESTION, rubric, ["It is 42.", "Forty two."])
-    assert trusted.trusted and trusted.scores == pytest.approx([1 / 3, 1 / 3])
+    assert judged.anchor_scores[2] == pytest.approx(1 / 3)  # the echoed question has none
+    assert judged.trusted  # the echo outranks "Well, 42." but not the best answer: the judge still works
+    garbage_wins = ev.judge(QUESTION, rubric, ["Well, 42.", "So, 42."])
+    assert garbage_wins.scores == [0.0, 0.0] and not garbage_wins.trusted

@@ -11,10 +11,12 @@ the empty answer, an off-topic paragraph, and the question echoed back. They ser
 
    so an item credits a response only for what it gives beyond a known-bad answer. Checked items are
    exact and are not calibrated.
-2. Trust. With the same rubric and calibrated verdicts, every anchor must score no higher than every
-   real candidate (up to the tie threshold `eps`). When an anchor outranks a real candidate, the judge
-   cannot tell that candidate from garbage, and the set's scores are untrusted: the trainer gives it
-   zero advantage, and it is counted, plotted and alerted on.
+2. Trust. With the same rubric and calibrated verdicts, no anchor may score above the set's best real
+   candidate (by the tie threshold `eps` or more). When one does, the judge prefers garbage to every
+   answer the policy wrote: it cannot see what makes an answer good, and the set's scores are
+   untrusted: the trainer gives it zero advantage, and it is counted. An anchor above a *weak*
+   candidate is not enough: a bad answer scoring like garbage is the judge working, and that set is
+   exactly where the policy must learn (the issue's stricter per-candidate rule would silence it).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def calibrate_row(z: Sequence[float], n_real: int) -> list[float]:
 
 
 def anchors_outrank(real_scores: Sequence[float], anchor_scores: Sequence[float], eps: float) -> bool:
-    """True when some anchor scores above some real candidate by at least `eps`."""
+    """True when some anchor scores above the best real candidate by at least `eps`."""
     if not real_scores or not anchor_scores:
         return False
-    return max(anchor_scores) - min(real_scores) >= eps
+    return max(anchor_scores) - max(real_scores) >= eps
