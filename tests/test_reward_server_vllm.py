@@ -63,6 +63,10 @@ def test_openrlhf_rollout_against_vllm_backed_replicas(vllm_server, tmp_path: Pa
         assert out["extra_logs"]["rubric_group_size"] == [float(N)]
         group = by_prompt[prompts[i // N]]
         assert sorted(group["responses"]) == sorted(r.rstrip() for r in responses[i // N])
-        assert reward == pytest.approx(group["scores"][group["responses"].index(responses[i // N][i % N].rstrip())], abs=1e-6)
+        score = group["scores"][group["responses"].index(responses[i // N][i % N].rstrip())]
+        # an untrusted set (an anchor outranks its best answer) gives every sample the set's mean: no advantage
+        expected = score if group["trusted"] else sum(group["scores"]) / len(group["scores"])
+        assert reward == pytest.approx(expected, abs=1e-6)
+        assert out["extra_logs"]["rubric_untrusted"] == [0.0 if group["trusted"] else 1.0]
     for g in groups:  # soft verdicts from logprobs, not hard 0/1
-        assert any(0.0 < v < 1.0 for row in g["verdicts"] for v in row)
+        assert any(0.0 < v < 1.0 for row in g["raw_verdicts"] for v in row)

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 # short steps and small sample minimums so each rollout ends in a few minutes on 2 CPUs
 ROLLOUT = RolloutConfig(steps=[0.3, 0.5], poll_interval_s=2.0, max_step_s=600)
-GATE = GateConfig(min_requests_per_arm=10, min_rated_per_arm=10, positive_rate_margin=0.6,
+GATE = GateConfig(min_users_per_arm=5, min_requests_per_arm=10, min_rated_per_arm=10, positive_rate_margin=0.6,
                   regenerate_rate_margin=0.6, mixture_tau=0.3, error_rate_margin=0.2, latency_p95_margin=1.0)
 
 
