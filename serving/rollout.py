@@ -310,10 +310,10 @@ class Controller:
         return r
 
     def _promoting(self, r: Rollout) -> Rollout:
-        self.router.traffic(1.0, r.id)  # the canary carries everyone while stable replicas reload
         try:
+            self.router.traffic(1.0, r.id)  # the canary carries everyone while stable replicas reload
             self.router.load("stable", r.version, r.version_path)
-        except DynrubricError as e:
+        except DynrubricError as e:  # e.g. the canary died after the last gate: never promote a dead arm
             return self.store.update(r.id, status="rolling_back", reason=f"promotion failed: {e.problem}")
         self.router.traffic(0.0, r.id)
         self.registry.promote(r.version)
