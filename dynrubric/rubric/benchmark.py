@@ -18,7 +18,6 @@ when there are fewer.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -26,6 +25,7 @@ from itertools import combinations
 from pathlib import Path
 
 from dynrubric.errors import DynrubricError
+from dynrubric.jsonl import jsonl_lines
 from dynrubric.rubric.gaps import CollapseDetector, GapStats
 
 
@@ -43,18 +43,8 @@ class JudgeSet:
 
 def read_judge_sets(path: Path) -> list[JudgeSet]:
     """The benchmark's sets; a bad line is an error naming its number and what is wrong."""
-    try:
-        lines = path.read_text().splitlines()
-    except (FileNotFoundError, IsADirectoryError):
-        raise DynrubricError(f"benchmark file {path} does not exist", "pass a JSONL file of judge sets") from None
     out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError as e:
-            raise DynrubricError(f"{path}:{n} is not valid JSON ({e})", "write one JSON object per line") from None
+    for n, obj in jsonl_lines(path, "benchmark file", "pass a JSONL file of judge sets"):
         if not isinstance(obj, dict):
             raise DynrubricError(f"{path}:{n} is not a JSON object", "write one {prompt, responses, ...} object per line")
         prompt, responses, order = obj.get("prompt"), obj.get("responses"), obj.get("order")

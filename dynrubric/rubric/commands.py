@@ -13,6 +13,7 @@ import typer
 from dynrubric.console import make_console
 from dynrubric.context import settings_of
 from dynrubric.errors import DynrubricError
+from dynrubric.jsonl import jsonl_lines
 from dynrubric.progress import Bars, status
 
 console = make_console()
@@ -20,20 +21,8 @@ console = make_console()
 
 def read_sets(path: Path) -> list[tuple[str, list[str]]]:
     """(prompt, responses) per line of a JSONL file; a bad line is an error naming its number."""
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        raise DynrubricError(f"sets file {path} does not exist", "pass a JSONL file of {prompt, responses}") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
-        raise DynrubricError(f"sets file {path} cannot be read ({e})", "pass a JSONL file of {prompt, responses}") from None
     sets = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError as e:
-            raise DynrubricError(f"{path}:{n} is not valid JSON ({e})", "write one JSON object per line") from None
+    for n, obj in jsonl_lines(path, "sets file", "pass a JSONL file of {prompt, responses}"):
         prompt, responses = (obj.get("prompt"), obj.get("responses")) if isinstance(obj, dict) else (None, None)
         if not isinstance(prompt, str) or not prompt.strip():
             raise DynrubricError(f"{path}:{n} field 'prompt' must be a non-empty string", "fix that line")
