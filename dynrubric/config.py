@@ -84,6 +84,11 @@ class EngineConfig(Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     threads: int = Field(default=0, ge=0, description="torch threads; 0 = torch's default")
     max_batch_size: int = Field(default=32, ge=1)
+    device: str = Field(
+        default="cpu",
+        pattern=r"^(cpu|cuda(:[0-9]+)?)$",
+        description="transformers only: where the in-process engine runs (cpu, cuda, cuda:N)",
+    )
 
     def url_key(self, role: Literal["policy", "generator", "verifier"]) -> str:
         """The config key that sets `role`'s server, saying when it falls back to base_url."""
@@ -139,6 +144,11 @@ class RubricConfig(Section):
         default=2048, ge=256, description="the generator's context; candidates are cut so the prompt fits"
     )
     generator_temperature: float = Field(default=0.7, ge=0.0, description="first try; retries keep it")
+    generator_frequency_penalty: float = Field(
+        default=0.5, ge=0.0, le=2.0,
+        description="subtracted from a token's logit per earlier use in the same rubric: a small generator "
+        "otherwise writes one item four times (the copies merge into one, too few to be a rubric)",
+    )
     retries: int = Field(
         default=0, ge=0, le=20,
         description="extra set-conditioned tries (each with a new seed) before prompt-only; each is one more "

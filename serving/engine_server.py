@@ -33,6 +33,7 @@ class _Sampling(BaseModel):
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     seed: int | None = None
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     stop: list[str] | str | None = None
     stream: bool = False
 
@@ -60,7 +61,7 @@ def build_app(engine: Any, model_name: str) -> FastAPI:
     def run(prompt: str, body: _Sampling) -> tuple[str, str, int, int]:
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         params = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                seed=body.seed, stop=stop)
+                                seed=body.seed, stop=stop, frequency_penalty=body.frequency_penalty)
         with lock:
             [[completion]] = engine.generate([GenerationRequest(prompt, params)])
             prompt_tokens = len(engine.tokenizer.encode(prompt, add_special_tokens=False))

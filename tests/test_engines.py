@@ -91,6 +91,30 @@ def test_stop_strings_cut_the_text(tiny_engine):
     assert cut[0][0].finish_reason == "stop"
 
 
+def test_frequency_penalty_stops_a_completion_repeating_its_tokens(tiny_engine):
+    def greedy(penalty: float) -> tuple[int, ...]:
+        params = SamplingParams(max_tokens=24, temperature=0.0, frequency_penalty=penalty)
+        [[c]] = tiny_engine.generate([GenerationRequest("hello there", params)])
+        return c.token_ids
+
+    plain, penalised = greedy(0.0), greedy(1e4)
+    assert len(set(plain)) < len(plain)  # the random tiny model loops without a penalty
+    assert len(penalised) == 24 and len(set(penalised)) == len(penalised)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (engine.device=cuda)")
+def test_a_cuda_engine_scores_and_generates_like_the_cpu_engine(tiny_model_dir):
+    cpu = TransformersEngine(tiny_model_dir, max_batch_size=5)
+    gpu = TransformersEngine(tiny_model_dir, max_batch_size=5, device="cuda")
+    prompts = judge_prompts()
+    for a, b in zip(cpu.score_next_token(prompts, CANDIDATES), gpu.score_next_token(prompts, CANDIDATES), strict=True):
+        for c in CANDIDATES:
+            assert a[c] == pytest.approx(b[c], abs=1e-3)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    [[a]], [[b]] = (e.generate([GenerationRequest("hello there", params)]) for e in (cpu, gpu))
+    assert a.token_ids[:4] == b.token_ids[:4]  # greedy; later tokens may flip on float differences
+
+
 def test_load_weights_swaps_the_model(tiny_model_dir, tmp_path):
     from tests.tinymodel import build_tiny_model
 

@@ -224,3 +224,17 @@ def test_anchors_debias_verdicts_and_distrust_a_set_they_outrank(engine):
     assert judged.trusted  # the echo outranks "Well, 42." but not the best answer: the judge still works
     garbage_wins = ev.judge(QUESTION, rubric, ["Well, 42.", "So, 42."])
     assert garbage_wins.scores == [0.0, 0.0] and not garbage_wins.trusted
+
+
+def test_an_empty_response_earns_no_checked_item_of_either_polarity(engine):
+    """A flaw check ("does not contain X" is good, so "contains X" at polarity -1) that no real answer
+    avoids must not lift the empty answer above them: on the judge benchmark it put the empty response
+    on top of 3 of 66 ordered sets."""
+    rubric = Rubric(items=[
+        RubricItem(id="a", text="The response's final number is 42", weight=3, check={"kind": "final_number", "value": 42}),
+        RubricItem(id="b", text="The response has at least one word", weight=3, polarity=-1,
+                   check={"kind": "min_words", "value": 0}),
+    ])
+    judged = Evaluator(engine, engine, RubricConfig()).judge(QUESTION, rubric, ["It is 42.", "It is 41.", ""])
+    assert judged.scores == pytest.approx([0.5, 0.0, 0.0])
+    assert judged.verdicts[1] == [1.0, 1.0, 1.0]  # the flaw is "present" in the empty answer too

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from dynrubric.rubric.items import Rubric, RubricItem, RubricParseError, parse_rubric
+from dynrubric.rubric.items import MAX_ITEMS, MIN_ITEMS, Rubric, RubricItem, RubricParseError, parse_rubric
 
 
 def test_reasoning_fences_trailing_commas_single_quotes_and_string_weights():
@@ -79,7 +79,6 @@ def test_duplicate_ids_are_renamed():
         ("", "empty"),
         ("I cannot write a rubric.", "no JSON"),
         ('{"items": []}', "no list of rubric items"),
-        ('{"items": [{"text": "only one", "weight": 3}]}', "only 1 distinct"),
         ('[{"text": "", "weight": 3}, {"weight": 2}]', "none of the 2 entries"),
     ],
 )
@@ -96,7 +95,7 @@ def test_schema_rejects_out_of_range_and_too_many_items():
         RubricItem(id="a", text="x", weight=1, polarity=0)
     item = RubricItem(id="a", text="x", weight=1, polarity=1)
     with pytest.raises(ValidationError):
-        Rubric(items=[item])
+        Rubric(items=[])
     with pytest.raises(ValidationError):
         Rubric(items=[item, item])  # duplicate ids
 
@@ -125,7 +124,7 @@ item_like = st.fixed_dictionaries(
 
 
 def _check(rubric: Rubric) -> None:
-    assert 2 <= len(rubric.items) <= 12
+    assert MIN_ITEMS <= len(rubric.items) <= MAX_ITEMS
     for i in rubric.items:
         assert 1 <= i.weight <= 5 and i.polarity in (1, -1) and i.text.strip()
 
@@ -166,3 +165,9 @@ def test_item_junk_never_gives_an_invalid_rubric(items, wrap, damage):
     except RubricParseError:
         return
     assert all(math.isfinite(i.weight) for i in rubric.items)
+
+
+def test_an_item_written_four_times_is_a_one_item_rubric():
+    item = {"text": "The response gives the final answer 42.", "weight": 3, "polarity": 1}
+    rubric = parse_rubric(json.dumps({"items": [item] * 4}))
+    assert [(i.text, i.weight) for i in rubric.items] == [(item["text"], 3)]

@@ -23,6 +23,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     logprobs: bool = False  # return the logprob of each sampled token
+    # subtracted from a token's logit once per time the completion already holds it (OpenAI's and
+    # vLLM's frequency_penalty); the prompt's tokens are not counted
+    frequency_penalty: float = 0.0
     # a JSON Schema serialised as JSON text: every completion is JSON valid for it when it finishes
     # within max_tokens (finish_reason "stop"); a string keeps the params hashable
     json_schema: str | None = None

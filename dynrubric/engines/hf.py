@@ -7,7 +7,8 @@ Two places reuse a computed prefix instead of re-running it:
   prompt's own tail (the rubric item). Each level runs once per node and its cache is expanded to the
   level below, so every response is encoded once however many items are asked about it.
 `tokens_processed` counts the tokens that actually went through the model, for benchmarks.
-`SamplingParams.json_schema` constrains generation with xgrammar (`dynrubric.engines.grammar`).
+`SamplingParams.json_schema` constrains generation with xgrammar (`dynrubric.engines.grammar`); logprobs are
+those of the distribution sampled from (frequency penalty and grammar mask applied, before temperature).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class TransformersEngine(Engine):
         max_batch_size: int = 32,
         policy_version: str | None = None,
         share_prefix: bool = True,
+        device: str = "cpu",
     ):
         from transformers import AutoTokenizer
 
@@ -64,6 +66,7 @@ class TransformersEngine(Engine):
             torch.set_num_threads(threads)
         self.model_dir = Path(model_dir)
         self.dtype = getattr(torch, dtype)
+        self.device = torch.device(device)
         self.max_batch_size = max_batch_size
         self.share_prefix = share_prefix
         self.tokens_processed = 0
@@ -83,7 +86,7 @@ class TransformersEngine(Engine):
     def _load_model(self, path: Path) -> None:
         from transformers import AutoModelForCausalLM
 
-        self._model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).eval()
+        self._model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
         eos = self._model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self._tokenizer.eos_token_id is not None:
@@ -131,12 +134,14 @@ class TransformersEngine(Engine):
         last = (lengths - 1).clamp(min=0)
         # only each row's last position needs logits: the LM head over every position was ~1/5 of the work
         keep = torch.unique(last)  # sorted
+        # bookkeeping stays on the CPU; the model, its KV cache and the forward pass are on self.device
+        dev = self.device
         out = self._model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=rows.cache, use_cache=True,
-            logits_to_keep=keep,
+            input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=positions.to(dev),
+            past_key_values=rows.cache, use_cache=True, logits_to_keep=keep.to(dev),
         )
         self.tokens_processed += int(lengths.sum())
-        logits = out.logits[torch.arange(len(segments)), torch.searchsorted(keep, last)].float()
+        logits = out.logits[torch.arange(len(segments)), torch.searchsorted(keep, last)].float().cpu()
         unchanged = (lengths == 0)[:, None]
         logits = torch.where(unchanged, rows.last_logits, logits)
         return _Rows(out.past_key_values, mask, rows.next_pos + lengths, logits)
@@ -265,8 +270,12 @@ class TransformersEngine(Engine):
         finish = ["length"] * total
         done = torch.zeros(total, dtype=torch.bool)
         grammar = self.grammars().rows(params.json_schema, total) if params.json_schema is not None else None
+        penalty = params.frequency_penalty
+        counts = torch.zeros_like(rows.last_logits) if penalty else None  # (rows, V) tokens generated so far
         for _ in range(params.max_tokens):
             logits = rows.last_logits
+            if counts is not None:
+                logits = logits - penalty * counts
             if grammar is not None:  # like vLLM, logprobs are those of the masked distribution
                 logits = grammar.mask_(logits.clone(), [i for i in range(total) if not done[i]])
             next_ids = self._sample(logits, params, gen)
@@ -280,6 +289,8 @@ class TransformersEngine(Engine):
                     continue
                 tokens[i].append(t)
                 logps[i].append(float(step_logp[i]))
+                if counts is not None:
+                    counts[i, t] += 1
                 if grammar is not None and grammar.accept(i, t):
                     done[i], finish[i] = True, "stop"
                     continue

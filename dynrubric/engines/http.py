@@ -101,6 +101,8 @@ class OpenAIHTTPEngine(Engine):
         }
         if p.seed is not None:
             body["seed"] = p.seed
+        if p.frequency_penalty:
+            body["frequency_penalty"] = p.frequency_penalty
         if p.logprobs:
             body["logprobs"] = 0  # the sampled token's own logprob
         if p.json_schema is not None:

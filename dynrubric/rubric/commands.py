@@ -147,6 +147,7 @@ def eval_judge(
     modes: Annotated[str, typer.Option("--modes", help="comma-separated rubric modes to compare")] = ",".join(MODES),
     out: Annotated[Path, typer.Option("--out", "-o", help="directory for eval_judge.json and eval_judge.png")] = Path("eval-judge"),
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="only the first N sets of each kind and quality")] = None,
+    batch: Annotated[int, typer.Option("--batch", min=1, help="sets per evaluator call (their rubrics are generated as one batch: more is faster on a GPU)")] = EVAL_CHUNK,
 ) -> None:
     """Measure the judge on sets with a known order: pairwise accuracy, Kendall tau, gaps, collapse alarms."""
     import time
@@ -185,8 +186,8 @@ def eval_judge(
             bars.start(phase, len(sets))
             start = time.perf_counter()
             scored = []
-            for i in range(0, len(sets), EVAL_CHUNK):
-                chunk = sets[i : i + EVAL_CHUNK]
+            for i in range(0, len(sets), batch):
+                chunk = sets[i : i + batch]
                 scored += evaluator.score_sets(
                     [s.prompt for s in chunk], [s.responses for s in chunk], progress=lambda n: bars.advance(phase, n)
                 )

@@ -4,7 +4,7 @@
 from the question and all K candidates, joined by the items derived without a model), then per set:
 
 1. checked items are answered by their deterministic check (checks.py), blended with the verifier's
-   P(yes) when `rubric.check_weight` < 1;
+   P(yes) when `rubric.check_weight` < 1; an empty response earns no checked item, whatever its polarity;
 2. the other items get P(yes) from the verifier, one batched call for the K candidates and the A
    calibration anchors (calibrate.py), and are de-biased against the anchors;
 3. scores `E(y|C) = sum w z / sum w`; the anchors are scored with the same rubric, and a set where an
@@ -49,6 +49,7 @@ class ScoredSet:
     verify_seconds: float = 0.0
     raw_verdicts: list[list[float]] | None = None  # M x K verifier P(yes) before checks and calibration
     anchor_scores: list[float] | None = None  # the calibration anchors' scores under the same rubric
+    anchor_raw_verdicts: list[list[float]] | None = None  # M x A verifier P(yes) of the anchors
     trusted: bool = True  # False: an anchor outranks the best candidate, so the scores carry no signal
 
     def as_dict(self) -> dict[str, object]:
@@ -65,6 +66,7 @@ class ScoredSet:
             "verify_seconds": self.verify_seconds,
             "raw_verdicts": self.raw_verdicts,
             "anchor_scores": self.anchor_scores,
+            "anchor_raw_verdicts": self.anchor_raw_verdicts,
             "trusted": self.trusted,
         }
 
@@ -75,6 +77,7 @@ class Judgement:
 
     verdicts: list[list[float]]  # M x K, as ScoredSet.verdicts
     raw_verdicts: list[list[float]]  # M x K verifier P(yes); 0.5 where the verifier was not asked
+    anchor_raw_verdicts: list[list[float]]  # M x A, the same for the calibration anchors
     scores: list[float]
     anchor_scores: list[float]
     trusted: bool
@@ -178,7 +181,9 @@ class Evaluator:
             z = calibrate_row(z, k) if self.config.anchors else z
             if item.check is not None:
                 checked = [run_check(item.check, r) for r in judged]
-                checked = [c if item.polarity == 1 else 1.0 - c for c in checked]
+                # an empty response meets no check and earns no credit for avoiding a flaw either
+                # ("not_contains X" at polarity -1 would otherwise score an empty answer above the rest)
+                checked = [0.0 if not r.strip() else c if item.polarity == 1 else 1.0 - c for c, r in zip(checked, judged, strict=True)]
                 z = [cw * c + (1.0 - cw) * x for c, x in zip(checked, z, strict=True)] if cw < 1.0 else checked
             effective.append([x if item.polarity == 1 else 1.0 - x for x in z])
         all_scores = aggregate(effective, rubric)
@@ -186,6 +191,7 @@ class Evaluator:
         return Judgement(
             verdicts=[row[:k] for row in effective],
             raw_verdicts=[row[:k] for row in raw],
+            anchor_raw_verdicts=[row[k:] for row in raw],
             scores=scores,
             anchor_scores=anchor_scores,
             trusted=not anchors_outrank(scores, anchor_scores, self.config.eps),
@@ -226,6 +232,7 @@ class Evaluator:
                 verify_seconds=elapsed,
                 raw_verdicts=judged.raw_verdicts,
                 anchor_scores=judged.anchor_scores,
+                anchor_raw_verdicts=judged.anchor_raw_verdicts,
                 trusted=judged.trusted,
             )
             collapsed = self.collapse.update(scored.gaps)

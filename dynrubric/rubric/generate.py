@@ -149,6 +149,7 @@ class RubricGenerator:
                     temperature=self.config.generator_temperature,
                     seed=s,
                     json_schema=schema,
+                    frequency_penalty=self.config.generator_frequency_penalty,
                 ),
             )
             for p, s in zip(prompts, seeds, strict=True)

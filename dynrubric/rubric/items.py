@@ -36,7 +36,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from dynrubric.rubric.checks import Check, CheckError, parse_check
 
 MAX_ITEMS = 12
-MIN_ITEMS = 2
+# A generator that writes one item four times has written one item: its copies merge and the rubric
+# stands (the derived items join it). The schema still asks for 2..4 (generate.GENERATED_ITEMS).
+MIN_ITEMS = 1
 MAX_TEXT_CHARS = 500
 
 
