@@ -179,6 +179,9 @@ def up(
         took = "" if r.registered_to_canary_s is None else f"; registered -> canary {r.registered_to_canary_s:.1f} s"
         console.print(f"cycle {r.cycle}: round {r.round} {r.version} {r.round_state}; rollout {r.decision}; "
                       f"serving {r.serving}{took}", markup=False, highlight=False, soft_wrap=True)
+    restarts = ", ".join(f"{k} {v}" for k, v in sorted(loop.supervisor.restart_counts().items())) or "none"
+    console.print(f"restarts: {restarts}; user requests answered {loop.traffic.answered}, failed {loop.traffic.failed}",
+                  markup=False, highlight=False, soft_wrap=True)
     report(ctx, out=None)
 
 

@@ -67,6 +67,14 @@ class Supervisor:
         self.restarts.labels(component).inc()
         self.log(f"restart: {component} ({reason})")
 
+    def record_pid(self, name: str, pid: int) -> None:
+        """`<log_dir>/<name>.pid`: what an operator, or a fault test, signals."""
+        atomic.write_text(self.log_dir / f"{name}.pid", f"{pid}\n")
+
+    def restart_counts(self) -> dict[str, int]:
+        return {s.labels["component"]: int(s.value) for m in self.restarts.collect() for s in m.samples
+                if s.name.endswith("_total")}
+
     # ------------------------------------------------------------ services
     def start(self, spec: ChildSpec) -> None:
         """Start a service and wait until its health URL answers (or it has started, without one)."""
@@ -79,9 +87,8 @@ class Supervisor:
             self._watcher.start()
 
     def _spawn(self, spec: ChildSpec) -> subprocess.Popen:
-        """Start a child; its pid goes to `<log_dir>/<name>.pid` (what an operator, or a fault test, kills)."""
         proc = spawn(spec.command, self.log_path(spec.name), env=spec.env)
-        atomic.write_text(self.log_dir / f"{spec.name}.pid", f"{proc.pid}\n")
+        self.record_pid(spec.name, proc.pid)
         return proc
 
     def _wait_ready(self, child: _Child) -> None:

@@ -98,7 +98,7 @@ class Fleet:
     def __init__(self, specs: list[EngineSpec], log_dir: Path, metrics: CollectorRegistry,
                  health_interval_s: float = 5.0, max_restarts: int = 5,
                  on_restart: Callable[[str, str], None] | None = None):
-        """`on_restart(engine, reason)`: called on every restart (the main job logs and counts it)."""
+        """`on_restart(engine, reason)`: called after every restart (the main job logs and counts it)."""
         names = [s.name for s in specs]
         if len(set(names)) != len(names) or len({s.port for s in specs}) != len(specs):
             raise DynrubricError("fleet engines need unique names and ports", "fix serving.engines")
@@ -153,9 +153,9 @@ class Fleet:
                 if not alive and not self._stop.is_set() and self._restarts[spec.name] < self.max_restarts:
                     self._restarts[spec.name] += 1
                     self._restarted.labels(spec.name).inc()
+                    self._spawn(spec)
                     if self.on_restart is not None:
                         self.on_restart(spec.name, f"exited with code {proc.returncode}")
-                    self._spawn(spec)
 
     def process(self, name: str) -> subprocess.Popen:
         return self._procs[name]

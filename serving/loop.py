@@ -27,6 +27,8 @@ and the gate's online-metrics state (offsets into the old topics) is discarded a
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import secrets
 import signal
@@ -93,18 +95,25 @@ def child_env() -> dict[str, str]:
 
 
 class UserTraffic:
-    """Simulated users sending one request at a time at `rps`, with feedback, until stopped."""
+    """Simulated users sending one request at a time at `rps`, with feedback, until stopped; each
+    answered request is appended to `outcomes_path` (JSON lines: request id, arm, version, check, feedback)."""
 
-    def __init__(self, users: Any, rps: float):
+    def __init__(self, users: Any, rps: float, outcomes_path: Path):
         self.users = users
         self.period_s = 1.0 / rps
-        self.answered = 0
+        self.outcomes_path = outcomes_path
+        self.answered_ids: list[str] = []
         self.failed = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="users", daemon=True)
 
+    @property
+    def answered(self) -> int:
+        return len(self.answered_ids)
+
     def _run(self) -> None:
-        with httpx.Client(timeout=self.users.timeout_s) as client:
+        self.outcomes_path.parent.mkdir(parents=True, exist_ok=True)
+        with httpx.Client(timeout=self.users.timeout_s) as client, open(self.outcomes_path, "a") as out:
             while not self._stop.is_set():
                 started = time.monotonic()
                 try:
@@ -114,7 +123,9 @@ class UserTraffic:
                 if outcome is None:
                     self.failed += 1
                 else:
-                    self.answered += 1
+                    self.answered_ids.append(outcome.request_id)
+                    out.write(json.dumps(dataclasses.asdict(outcome) | {"ts": time.time()}) + "\n")
+                    out.flush()
                 self._stop.wait(max(0.0, self.period_s - (time.monotonic() - started)))
 
     def start(self) -> None:
@@ -199,7 +210,6 @@ class ClosedLoop:
         s.train.prompt_source = "replay"
         registry = open_registry(s)
         with ExitStack() as stack:
-            stack.callback(self.supervisor.stop)
             if s.loop.metrics_port:
                 from dynrubric.service import make_app
 
@@ -207,6 +217,7 @@ class ClosedLoop:
                                                   s.loop.metrics_port))
             broker = stack.enter_context(EmbeddedBroker(port=0, log_path=self.dir / "logs" / "broker.log"))
             s.kafka.bootstrap_servers = broker.bootstrap_servers
+            stack.callback(self.supervisor.stop)  # children stop before the broker does
             online_state = self.state / "rollout" / f"online-{s.rollout.consumer_group}.json"
             online_state.unlink(missing_ok=True)  # offsets into the previous run's (memory) topics
             config = self._write_config()
@@ -222,12 +233,14 @@ class ClosedLoop:
             stable = registry.stable() or runner.ensure_base()
             specs = specs_from_settings(s, stable.path, stable.version)
             fleet = Fleet(specs, self.dir / "logs", self.metrics, s.serving.health_interval_s, s.serving.max_restarts,
-                          on_restart=lambda name, why: self.supervisor.record_restart(name, why))
+                          on_restart=self._engine_restarted)
             stack.callback(fleet.stop)
             self.log(f"starting {len(specs)} engine(s) on {stable.version}: "
                      + ", ".join(f"{x.name} ({x.kind}, {x.variant})" for x in specs))
-            fleet.start(s.vllm.start_timeout_s)
             self.fleet = fleet
+            fleet.start(s.vllm.start_timeout_s)
+            for spec in specs:
+                self.supervisor.record_pid(spec.name, fleet.process(spec.name).pid)
 
             producer = EventProducer(s.kafka, self.metrics)
             stack.callback(producer.close)
@@ -238,7 +251,8 @@ class ClosedLoop:
             controller, _ = build_controller(s, log=lambda line: self.log(f"  {line}"))
             users = SimulatedUsers(f"http://{s.serving.host}:{s.serving.port}", load_checkable(), n_users=s.loop.users,
                                    max_tokens=s.loop.users_max_tokens, seed=int(time.time()))
-            self.traffic = UserTraffic(users, s.loop.users_rps)
+            self.traffic = UserTraffic(users, s.loop.users_rps, self.dir / "users.jsonl")
+            stack.callback(self._drain, producer)  # runs after the users stopped
             self.traffic.start()
             stack.callback(self.traffic.stop)
             self.log(f"{s.loop.users} simulated users at {s.loop.users_rps:g} request/s")
@@ -254,6 +268,31 @@ class ClosedLoop:
                 cycle += 1
                 self.results.append(self.cycle(cycle, config, runner, controller, registry))
         return self.results
+
+    def _drain(self, producer: Any, timeout_s: float = 60.0) -> None:
+        """Before anything stops: every answered request reaches the replay store (the embedded broker's
+        topics die with it, so what ingest has not consumed by then would be lost)."""
+        from streaming.store import ReplayStore, store_root
+
+        producer.flush()
+        want = set(self.traffic.answered_ids)
+        deadline = time.monotonic() + timeout_s
+        missing = want
+        while time.monotonic() < deadline:
+            try:
+                with ReplayStore(store_root(self.settings)) as store:
+                    missing = want - set(store.table().column("request_id").to_pylist())
+            except DynrubricError:
+                missing = want
+            if not missing:
+                self.log(f"drained: all {len(want)} answered requests are in the replay store")
+                return
+            time.sleep(1.0)
+        self.log(f"drain timed out: {len(missing)} of {len(want)} answered requests not in the replay store")
+
+    def _engine_restarted(self, name: str, reason: str) -> None:
+        self.supervisor.record_pid(name, self.fleet.process(name).pid)
+        self.supervisor.record_restart(name, reason)
 
     # ------------------------------------------------------------ one cycle
     def _wait_for_prompts(self, runner: Any, cycle: int) -> None:
