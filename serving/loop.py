@@ -155,11 +155,14 @@ def thread_server(app: Any, host: str, port: int) -> Iterator[None]:
         thread.join(timeout=30)
 
 
-def _sigterm_as_interrupt() -> None:
+def _stop_signals_interrupt() -> None:
+    """SIGTERM and SIGINT raise KeyboardInterrupt, which stops everything in order (also when the shell
+    that started us in the background ignored SIGINT)."""
     if threading.current_thread() is threading.main_thread():
         def handler(*_: object) -> None:
             raise KeyboardInterrupt
         signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
 
 
 class ClosedLoop:
@@ -200,7 +203,7 @@ class ClosedLoop:
         from streaming.producer import EventProducer
 
         s = self.settings
-        _sigterm_as_interrupt()
+        _stop_signals_interrupt()
         self.dir.mkdir(parents=True, exist_ok=True)
         if s.serving.token is None:  # the control endpoints need one; this run's components share it
             s.serving.token = SecretStr(secrets.token_urlsafe(24))
@@ -242,9 +245,10 @@ class ClosedLoop:
             for spec in specs:
                 self.supervisor.record_pid(spec.name, fleet.process(spec.name).pid)
 
-            producer = EventProducer(s.kafka, self.metrics)
+            router_metrics = CollectorRegistry()  # the router's own /metrics, scraped as dynrubric-router
+            producer = EventProducer(s.kafka, router_metrics)
             stack.callback(producer.close)
-            self.router = build_router(s, producer, self.metrics)
+            self.router = build_router(s, producer, router_metrics)
             stack.enter_context(thread_server(self.router.app, s.serving.host, s.serving.port))
             self.log(f"router at http://{s.serving.host}:{s.serving.port}")
 
@@ -264,9 +268,14 @@ class ClosedLoop:
                 self.log(f"resumed rollout {final.id}: {final.status} {final.reason or ''}")
 
             cycle = 0
-            while cycles is None or cycle < cycles:
-                cycle += 1
-                self.results.append(self.cycle(cycle, config, runner, controller, registry))
+            try:
+                while cycles is None or cycle < cycles:
+                    cycle += 1
+                    self.results.append(self.cycle(cycle, config, runner, controller, registry))
+            except KeyboardInterrupt:
+                self.log("interrupted: stopping users, draining, stopping every component "
+                         "(a re-run resumes from the registry, the replay store and the rounds)")
+                raise
         return self.results
 
     def _drain(self, producer: Any, timeout_s: float = 60.0) -> None:
