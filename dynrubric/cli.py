@@ -153,6 +153,9 @@ def up(
     engine_kind: Annotated[
         str | None, typer.Option(help="vllm | transformers: the kind of every fleet engine (default: serving.engines)")
     ] = None,
+    prometheus: Annotated[
+        bool, typer.Option(help="start Debian's Prometheus scraping the run's services with the shipped rules")
+    ] = True,
     demo: Annotated[
         bool, typer.Option(help="small rounds and a small-traffic gate sized for a 2-core CPU (off: the configured "
                                 "train.*/rubric.*/gate.*/rollout.* values)")
@@ -173,7 +176,7 @@ def up(
     if cycles < 1:
         raise DynrubricError(f"--cycles {cycles} runs nothing", "pass --cycles 1 or more, or --forever")
     loop = ClosedLoop(settings, log=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
-    results = loop.run(None if forever else cycles)
+    results = loop.run(None if forever else cycles, prometheus=prometheus)
     heading(console, f"{len(results)} cycle(s)")
     for r in results:
         took = "" if r.registered_to_canary_s is None else f"; registered -> canary {r.registered_to_canary_s:.1f} s"

@@ -191,7 +191,7 @@ class ClosedLoop:
     def _cli(self, config: Path, *args: str) -> list[str]:
         return [sys.executable, "-m", "dynrubric", "-c", str(config), *args]
 
-    def run(self, cycles: int | None) -> list[CycleResult]:
+    def run(self, cycles: int | None, prometheus: bool = True) -> list[CycleResult]:
         """Start everything, run `cycles` cycles (None: until interrupted), stop everything."""
         from dynrubric.registry import open_registry
         from dynrubric.train.commands import engine_factory
@@ -252,7 +252,14 @@ class ClosedLoop:
             stack.enter_context(thread_server(self.router.app, s.serving.host, s.serving.port))
             self.log(f"router at http://{s.serving.host}:{s.serving.port}")
 
-            controller, _ = build_controller(s, log=lambda line: self.log(f"  {line}"))
+            controller, controller_metrics = build_controller(s, log=lambda line: self.log(f"  {line}"))
+            if s.rollout.port:
+                from serving.rollout import build_controller_app
+
+                stack.enter_context(thread_server(build_controller_app(controller, controller_metrics),
+                                                  s.serving.host, s.rollout.port))
+            if prometheus:
+                self._start_prometheus(stack)
             users = SimulatedUsers(f"http://{s.serving.host}:{s.serving.port}", load_checkable(), n_users=s.loop.users,
                                    max_tokens=s.loop.users_max_tokens, seed=int(time.time()))
             self.traffic = UserTraffic(users, s.loop.users_rps, self.dir / "users.jsonl")
@@ -277,6 +284,19 @@ class ClosedLoop:
                          "(a re-run resumes from the registry, the replay store and the rounds)")
                 raise
         return self.results
+
+    def _start_prometheus(self, stack: ExitStack) -> None:
+        """Debian's Prometheus scraping this run's services, with the shipped rules (alerts fire during the run)."""
+        from dynrubric.monitor import local_targets, render_config, rule_files, start_prometheus
+
+        s = self.settings
+        served = {"dynrubric-router", "dynrubric-ingest", "dynrubric-up", "dynrubric-rollout"}
+        targets = {job: a for job, a in local_targets(s).items() if job in served or job in s.monitoring.targets}
+        m = s.monitoring
+        running = start_prometheus(render_config(targets, rule_files(), m.scrape_interval_s, m.evaluation_interval_s),
+                                   self.dir / "prometheus", m.prometheus_host, m.prometheus_port, m.retention)
+        stack.callback(running.stop)
+        self.log(f"Prometheus at {running.url} scraping {', '.join(sorted(targets))}")
 
     def _drain(self, producer: Any, timeout_s: float = 60.0) -> None:
         """Before anything stops: every answered request reaches the replay store (the embedded broker's

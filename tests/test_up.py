@@ -49,7 +49,9 @@ def up_env(tiny_model_dir: Path, state: Path) -> dict[str, str]:
         "DYNRUBRIC_SERVING__PORT": str(free_port()),
         "DYNRUBRIC_SERVING__HEALTH_INTERVAL_S": "1",
         "DYNRUBRIC_INGEST__METRICS_PORT": "0",
-        "DYNRUBRIC_LOOP__METRICS_PORT": "0",
+        "DYNRUBRIC_LOOP__METRICS_PORT": str(free_port()),
+        "DYNRUBRIC_ROLLOUT__PORT": str(free_port()),
+        "DYNRUBRIC_MONITORING__PROMETHEUS_PORT": str(free_port()),
         "DYNRUBRIC_LOOP__USERS_RPS": "4",
         "DYNRUBRIC_LOOP__USERS_MAX_TOKENS": "8",
         "DYNRUBRIC_LOOP__MIN_NEW_PROMPTS": "8",
@@ -96,12 +98,14 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
     finally:
         timer.cancel()
     text = "".join(out)
+    print(text)  # the main job's log, shown with -rP or on failure
     assert rc == 0, text[-5000:]
     assert set(killed) == {"ingest", "trainer", "engine-1"} and all(killed.values()), (killed, text[-3000:])
 
     # both cycles ran, each ends in a rollout decision and names the serving version
     assert "cycle 1: rollout of r1: " in text and "cycle 2: rollout of r2: " in text, text[-5000:]
     assert "cycle 1: candidate registered -> canary serving it in" in text
+    assert "Prometheus at http://" in text
     assert "cycle 2: rollout of r2: rolled_back" in text, text[-5000:]
     assert "restarts: engine-1 1, ingest 1, trainer 1;" in text, text[-3000:]
     assert "failed 0" in text  # the stable arm answered every user, canary down or not
