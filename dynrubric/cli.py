@@ -164,7 +164,7 @@ def up(
     """The main job, the closed loop on embedded defaults: broker, ingest, engine fleet (stable + canary),
     router, simulated users; each cycle trains a round on the new logged prompts, rolls the candidate out
     to the canary in place, gates it on live online metrics and promotes it or rolls it back."""
-    from serving.loop import ClosedLoop
+    from serving.loop import ClosedLoop, write_run_page
 
     settings = settings_of(ctx)
     if engine_kind is not None:
@@ -186,6 +186,7 @@ def up(
     console.print(f"restarts: {restarts}; user requests answered {loop.traffic.answered}, failed {loop.traffic.failed}",
                   markup=False, highlight=False, soft_wrap=True)
     report(ctx, out=None)
+    console.print(f"run page: {write_run_page(settings, results)}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _demo_caps(settings) -> None:

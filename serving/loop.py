@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -52,6 +53,7 @@ from dynrubric.errors import DynrubricError
 from dynrubric.supervisor import ChildSpec, Supervisor
 
 ROOT = Path(__file__).resolve().parent.parent
+GATE_LINE = re.compile(r"^(ro-\S+) step (\d+) \([^)]*\): (pass|fail|inconclusive): ")
 
 
 @dataclass
@@ -252,7 +254,7 @@ class ClosedLoop:
             stack.enter_context(thread_server(self.router.app, s.serving.host, s.serving.port))
             self.log(f"router at http://{s.serving.host}:{s.serving.port}")
 
-            controller, controller_metrics = build_controller(s, log=lambda line: self.log(f"  {line}"))
+            controller, controller_metrics = build_controller(s, log=self._controller_log)
             if s.rollout.port:
                 from serving.rollout import build_controller_app
 
@@ -296,7 +298,33 @@ class ClosedLoop:
         running = start_prometheus(render_config(targets, rule_files(), m.scrape_interval_s, m.evaluation_interval_s),
                                    self.dir / "prometheus", m.prometheus_host, m.prometheus_port, m.retention)
         stack.callback(running.stop)
+        stack.callback(self._save_alerts, running.url, time.time())  # runs before Prometheus stops
         self.log(f"Prometheus at {running.url} scraping {', '.join(sorted(targets))}")
+
+    def _save_alerts(self, url: str, since: float) -> None:
+        """The alerts that fired during the run (from the ALERTS series) -> `<state_dir>/up/alerts.json`."""
+        step = self.settings.monitoring.evaluation_interval_s
+        try:
+            r = httpx.get(f"{url}/api/v1/query_range", timeout=10, params={
+                "query": 'ALERTS{alertstate="firing"}', "start": since, "end": time.time(), "step": step})
+            series = r.json()["data"]["result"]
+        except (httpx.HTTPError, KeyError, ValueError) as e:
+            self.log(f"could not read the alerts from Prometheus: {e}")
+            return
+        alerts = [{"alertname": x["metric"].get("alertname", "?"), "severity": x["metric"].get("severity", ""),
+                   "first": time.strftime("%H:%M:%S", time.localtime(float(x["values"][0][0]))),
+                   "last": time.strftime("%H:%M:%S", time.localtime(float(x["values"][-1][0])))} for x in series]
+        atomic.write_text(self.dir / "alerts.json", json.dumps(alerts))
+        self.log(f"alerts fired during the run: {', '.join(a['alertname'] for a in alerts) or 'none'}")
+
+    def _controller_log(self, line: str) -> None:
+        """The controller's lines, printed, and its gate verdicts kept for the run page (`up/gate.jsonl`)."""
+        self.log(f"  {line}")
+        m = GATE_LINE.match(line)
+        if m:
+            record = {"ts": time.time(), "rollout": m[1], "step": int(m[2]), "verdict": m[3], "line": line}
+            with open(self.dir / "gate.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
 
     def _drain(self, producer: Any, timeout_s: float = 60.0) -> None:
         """Before anything stops: every answered request reaches the replay store (the embedded broker's
@@ -408,3 +436,38 @@ class ClosedLoop:
         reason = final.reason or (final.last_gate or {}).get("reason") or ""
         load_s = loaded["at"] - created if "at" in loaded else None
         return final.status, f"{final.id}: {reason}", load_s
+
+
+def write_run_page(settings: Settings, results: list[CycleResult]) -> Path:
+    """Gather what the run left (cycles, rollouts, gate verdicts, logged requests and feedback, alerts,
+    lineage, the training panels) into `<state_dir>/report/run.html`."""
+    from dynrubric.registry import open_registry
+    from dynrubric.run_page import RunPage, render_html
+    from serving.rollout import RolloutStore
+    from streaming.store import FEEDBACK, ReplayStore, store_root
+
+    state = settings.paths.resolved_state()
+    page = RunPage(cycles=[dataclasses.asdict(r) for r in results], training_png=state / "report" / "run.png",
+                   lineage=[c.to_json() for c in open_registry(settings).list()])
+    rollouts = state / "rollout" / "rollouts.sqlite"
+    if rollouts.is_file():
+        page.rollouts = [r.to_json() for r in RolloutStore(rollouts).list()]
+    for name, attr in (("gate.jsonl", "gate_log"), ("alerts.json", "alerts")):
+        path = state / "up" / name
+        if path.is_file():
+            text = path.read_text()
+            setattr(page, attr, json.loads(text) if name.endswith(".json") else [json.loads(x) for x in text.splitlines()])
+    try:
+        with ReplayStore(store_root(settings)) as store:
+            cols = ["request_id", "ts", "variant", "policy_version", "latency_ms", "shadow"]
+            page.requests = [r | {"ts": _epoch(r["ts"])} for r in store.table().select(cols).to_pylist()]
+            page.feedback = store.table(FEEDBACK).select(["request_id", "kind"]).to_pylist()
+    except DynrubricError:  # no store yet
+        pass
+    return render_html(page, state / "report" / "run.html")
+
+
+def _epoch(ts: Any) -> float:
+    from datetime import datetime
+
+    return ts.timestamp() if isinstance(ts, datetime) else float(ts)
