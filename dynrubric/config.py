@@ -465,6 +465,8 @@ class ServingConfig(Section):
         description="the fleet: which engine serves which variant on which port",
     )
     request_timeout_s: float = Field(default=120.0, gt=0, description="router -> engine timeout")
+    default_max_tokens: int = Field(default=256, ge=1, description="max_tokens the router sends (and logs) for a "
+                                    "request that names none")
     health_interval_s: float = Field(default=5.0, gt=0, description="fleet health-check period")
     max_restarts: int = Field(default=5, ge=0, description="restarts of a dying engine before giving up")
     shadow_rate: float = Field(
