@@ -131,3 +131,5 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
         keys = [p["key"] for p in plan["prompts"]]
         assert len(keys) == len(set(keys)) and not set(keys) & {p["key"] for p in plan["heldout"]}
     assert (state / "report" / "run.png").read_bytes()[:4] == b"\x89PNG"
+    page = (state / "report" / "run.html").read_text()
+    assert "ro-r2-" in page and "rolled_back" in page and page.count("data:image/png;base64,") >= 3
