@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import sys
-from importlib.resources import files
 from pathlib import Path
 from typing import Annotated
 
@@ -24,9 +23,9 @@ from dynrubric.errors import DynrubricError
 from dynrubric.monitor import app as monitor_app
 from dynrubric.progress import quiet_model_loading, status
 from dynrubric.rubric import commands as rubric_commands
-from dynrubric.train.commands import registry_app, train_app, train_round
+from dynrubric.train.commands import registry_app, train_app
 from serving.commands import register as register_serving
-from streaming.commands import broker_app, ingest, traffic_app, traffic_replay
+from streaming.commands import broker_app, ingest, traffic_app
 
 app = typer.Typer(
     name="dynrubric",
@@ -149,44 +148,67 @@ def generate(
 @app.command()
 def up(
     ctx: typer.Context,
-    rounds: Annotated[int, typer.Option(help="training rounds to run")] = 1,
-    traffic: Annotated[
-        Path | None, typer.Option(help="JSONL traffic to replay (default: the shipped prompt file)")
+    cycles: Annotated[int, typer.Option(help="cycles to run: train a round, roll its candidate out, gate, decide")] = 2,
+    forever: Annotated[bool, typer.Option("--forever", help="run cycles until Ctrl-C (a standing deployment)")] = False,
+    engine_kind: Annotated[
+        str | None, typer.Option(help="vllm | transformers: the kind of every fleet engine (default: serving.engines)")
     ] = None,
+    prometheus: Annotated[
+        bool, typer.Option(help="start Debian's Prometheus scraping the run's services with the shipped rules")
+    ] = True,
     demo: Annotated[
-        bool, typer.Option(help="small rounds sized for a 2-core CPU (off: the configured train.*/rubric.* sizes)")
+        bool, typer.Option(help="small rounds and a small-traffic gate sized for a 2-core CPU (off: the configured "
+                                "train.*/rubric.*/gate.*/rollout.* values)")
     ] = True,
 ) -> None:
-    """The main job on embedded defaults: broker, traffic -> Kafka, ingest -> replay store, training
-    rounds (set-conditioned rubrics, GRPO, guards, registry), then the run report."""
-    from streaming.broker import EmbeddedBroker
+    """The main job, the closed loop on embedded defaults: broker, ingest, engine fleet (stable + canary),
+    router, simulated users; each cycle trains a round on the new logged prompts, rolls the candidate out
+    to the canary in place, gates it on live online metrics and promotes it or rolls it back."""
+    from serving.loop import ClosedLoop, write_run_page
 
     settings = settings_of(ctx)
-    traffic = traffic or Path(str(files("dynrubric") / "data" / "prompts.jsonl"))
+    if engine_kind is not None:
+        if engine_kind not in ("vllm", "transformers"):
+            raise DynrubricError(f"unknown --engine-kind {engine_kind!r}", "use --engine-kind vllm or transformers")
+        settings.serving.engines = [e.model_copy(update={"kind": engine_kind}) for e in settings.serving.engines]
     if demo:  # caps, so a config that asks for less keeps it
-        caps = {"steps_per_round": 2, "prompts_per_step": 4, "candidates": 4, "max_new_tokens": 48,
-                "heldout_prompts": 4}
-        for key, cap in caps.items():
-            setattr(settings.train, key, min(getattr(settings.train, key), cap))
-        for key, cap in {"generator_max_tokens": 256, "retries": 1, "prompt_only_retries": 0}.items():
-            setattr(settings.rubric, key, min(getattr(settings.rubric, key), cap))
-        # one policy step then one generator step: the demo shows both halves of co-evolution
-        for key, cap in {"k_alt": 1, "sets_per_step": 2, "rubric_samples": 2}.items():
-            setattr(settings.train.coevolve, key, min(getattr(settings.train.coevolve, key), cap))
-    settings.train.prompt_source = "replay"
-    state = settings.paths.resolved_state()
-    state.mkdir(parents=True, exist_ok=True)
-    with EmbeddedBroker(port=0, log_path=state / "broker.log") as broker:
-        settings.kafka.bootstrap_servers = broker.bootstrap_servers
-        settings.ingest.metrics_port = 0
-        heading(console, f"1/4 traffic -> Kafka at {broker.bootstrap_servers}")
-        traffic_replay(ctx, traffic, rate=0.0, policy_version="base", repeat=1, raw=False)
-        heading(console, "2/4 ingest -> replay store")
-        ingest(ctx, until_idle=5.0, store=None, metrics_port=None)
-    heading(console, f"3/4 training: {rounds} round(s)")
-    train_round(ctx, round_id=None, rounds=rounds, metrics_port=None)
-    heading(console, "4/4 run report")
+        _demo_caps(settings)
+    if cycles < 1:
+        raise DynrubricError(f"--cycles {cycles} runs nothing", "pass --cycles 1 or more, or --forever")
+    loop = ClosedLoop(settings, log=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
+    results = loop.run(None if forever else cycles, prometheus=prometheus)
+    heading(console, f"{len(results)} cycle(s)")
+    for r in results:
+        took = "" if r.registered_to_canary_s is None else f"; registered -> canary {r.registered_to_canary_s:.1f} s"
+        console.print(f"cycle {r.cycle}: round {r.round} {r.version} {r.round_state}; rollout {r.decision}; "
+                      f"serving {r.serving}{took}", markup=False, highlight=False, soft_wrap=True)
+    restarts = ", ".join(f"{k} {v}" for k, v in sorted(loop.supervisor.restart_counts().items())) or "none"
+    console.print(f"restarts: {restarts}; user requests answered {loop.traffic.answered}, failed {loop.traffic.failed}",
+                  markup=False, highlight=False, soft_wrap=True)
     report(ctx, out=None)
+    console.print(f"run page: {write_run_page(settings, results)}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _demo_caps(settings) -> None:
+    """Round sizes and gate sample sizes a 2-core CPU gets through in minutes (caps: lower configs stay)."""
+    caps = {"steps_per_round": 2, "prompts_per_step": 4, "candidates": 4, "max_new_tokens": 48, "heldout_prompts": 4}
+    for key, cap in caps.items():
+        setattr(settings.train, key, min(getattr(settings.train, key), cap))
+    for key, cap in {"generator_max_tokens": 256, "retries": 1, "prompt_only_retries": 0}.items():
+        setattr(settings.rubric, key, min(getattr(settings.rubric, key), cap))
+    # one policy step then one generator step: the demo shows both halves of co-evolution
+    for key, cap in {"k_alt": 1, "sets_per_step": 2, "rubric_samples": 2}.items():
+        setattr(settings.train.coevolve, key, min(getattr(settings.train.coevolve, key), cap))
+    # a gate that decides on tens of users instead of hundreds, with margins as wide as that traffic allows
+    for key, cap in {"min_users_per_arm": 5, "min_requests_per_arm": 8, "min_rated_per_arm": 6}.items():
+        setattr(settings.gate, key, min(getattr(settings.gate, key), cap))
+    for key, floor in {"positive_rate_margin": 0.5, "regenerate_rate_margin": 0.5, "mixture_tau": 0.3,
+                       "error_rate_margin": 0.2}.items():
+        setattr(settings.gate, key, max(getattr(settings.gate, key), floor))
+    if len(settings.rollout.steps) > 2:
+        settings.rollout.steps = [0.3, 0.6]
+    settings.rollout.poll_interval_s = min(settings.rollout.poll_interval_s, 2.0)
+    settings.rollout.max_step_s = min(settings.rollout.max_step_s, 300.0)
 
 
 @app.command()

@@ -475,6 +475,8 @@ class ServingConfig(Section):
         description="the fleet: which engine serves which variant on which port",
     )
     request_timeout_s: float = Field(default=120.0, gt=0, description="router -> engine timeout")
+    default_max_tokens: int = Field(default=256, ge=1, description="max_tokens the router sends (and logs) for a "
+                                    "request that names none")
     health_interval_s: float = Field(default=5.0, gt=0, description="fleet health-check period")
     max_restarts: int = Field(default=5, ge=0, description="restarts of a dying engine before giving up")
     shadow_rate: float = Field(
@@ -537,6 +539,20 @@ class GateConfig(Section):
     mixture_tau: float = Field(default=0.05, gt=0, description="mSPRT mixture scale: the effect size it is tuned to")
 
 
+# ---------------------------------------------------------------- the closed loop (`dynrubric up`)
+class LoopConfig(Section):
+    """`dynrubric up`: the main job's cycles (serving/loop.py) and its simulated users."""
+
+    min_new_prompts: int = Field(default=12, ge=1, description="distinct new prompts in the replay store before a round")
+    wait_timeout_s: float = Field(default=900.0, gt=0, description="a cycle waiting longer for new prompts fails")
+    users: int = Field(default=40, ge=1, description="distinct simulated users sending traffic through the router")
+    users_rps: float = Field(default=1.0, gt=0, description="simulated requests per second (one at a time)")
+    users_max_tokens: int = Field(default=48, ge=1, description="max_tokens of a simulated request")
+    metrics_port: int = Field(default=8220, ge=0, le=65535, description="the main job's /metrics (restarts); 0 = off")
+    health_interval_s: float = Field(default=2.0, gt=0, description="how often children are checked")
+    max_restarts: int = Field(default=5, ge=0, description="restarts of one child before the main job gives up")
+
+
 # ---------------------------------------------------------------- monitoring/
 class MonitoringConfig(Section):
     """`dynrubric monitor up`: a local Prometheus on loopback scraping the local services.
@@ -573,6 +589,7 @@ class Settings(BaseSettings):
     serving: ServingConfig = ServingConfig()
     rollout: RolloutConfig = RolloutConfig()
     gate: GateConfig = GateConfig()
+    loop: LoopConfig = LoopConfig()
     monitoring: MonitoringConfig = MonitoringConfig()
 
     def train_run_dir(self) -> Path:

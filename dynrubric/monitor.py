@@ -52,6 +52,7 @@ LOCAL_SERVICES = {
     "dynrubric-rollout": ("rollout", "port"),
     "dynrubric-ingest": ("ingest", "metrics_port"),
     "dynrubric-trainer": ("train", "metrics_port"),
+    "dynrubric-up": ("loop", "metrics_port"),  # the main job: restarts, cycles, the fleet's engines
 }
 
 

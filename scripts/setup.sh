@@ -32,6 +32,11 @@ if ! compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null; then
     $SUDO service postgresql stop >/dev/null 2>&1 || true
 fi
 
+if ! command -v chromium >/dev/null; then
+    echo "setup: installing Debian's chromium (the run report's headless rendering test)"
+    apt_install chromium
+fi
+
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "setup: creating .venv and installing dynrubric with extras $EXTRAS (a few minutes the first time)"
     [ -x .venv/bin/python ] || "$PY" -m venv .venv

@@ -92,7 +92,7 @@ def build_router(settings, producer, metrics):
     s = settings.serving
     return Router(state, producer, metrics, token=s.token, engine_api_key=s.engine_api_key,
                   timeout_s=s.request_timeout_s, health_interval_s=s.health_interval_s, shadow_rate=s.shadow_rate,
-                  shadow_max_inflight=s.shadow_max_inflight)
+                  shadow_max_inflight=s.shadow_max_inflight, default_max_tokens=s.default_max_tokens)
 
 
 def serve_router(ctx: typer.Context) -> None:

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,7 +96,9 @@ class Fleet:
     """Start, watch and stop the engine processes. Use as a context manager."""
 
     def __init__(self, specs: list[EngineSpec], log_dir: Path, metrics: CollectorRegistry,
-                 health_interval_s: float = 5.0, max_restarts: int = 5):
+                 health_interval_s: float = 5.0, max_restarts: int = 5,
+                 on_restart: Callable[[str, str], None] | None = None):
+        """`on_restart(engine, reason)`: called after every restart (the main job logs and counts it)."""
         names = [s.name for s in specs]
         if len(set(names)) != len(names) or len({s.port for s in specs}) != len(specs):
             raise DynrubricError("fleet engines need unique names and ports", "fix serving.engines")
@@ -103,6 +106,7 @@ class Fleet:
         self.log_dir = log_dir
         self.health_interval_s = health_interval_s
         self.max_restarts = max_restarts
+        self.on_restart = on_restart
         self._procs: dict[str, subprocess.Popen] = {}
         self._restarts: dict[str, int] = {s.name: 0 for s in specs}
         self._stop = threading.Event()
@@ -150,6 +154,8 @@ class Fleet:
                     self._restarts[spec.name] += 1
                     self._restarted.labels(spec.name).inc()
                     self._spawn(spec)
+                    if self.on_restart is not None:
+                        self.on_restart(spec.name, f"exited with code {proc.returncode}")
 
     def process(self, name: str) -> subprocess.Popen:
         return self._procs[name]

@@ -154,12 +154,16 @@ class EngineFailure(Exception):
 class Router:
     def __init__(self, state: RouterState, producer: Any, metrics: CollectorRegistry, *, token: SecretStr | None,
                  engine_api_key: SecretStr | None = None, timeout_s: float = 120.0, health_interval_s: float = 5.0,
-                 shadow_rate: float = 0.0, shadow_max_inflight: int = 4, seed: int | None = None):
+                 shadow_rate: float = 0.0, shadow_max_inflight: int = 4, seed: int | None = None,
+                 default_max_tokens: int = 256):
         """`producer`: an EventProducer whose metrics are registered in `metrics` (the router's /metrics).
-        `engine_api_key`: sent as a bearer token on every call to an engine (vLLM's --api-key)."""
+        `engine_api_key`: sent as a bearer token on every call to an engine (vLLM's --api-key).
+        `default_max_tokens`: sent to the engine when a request names no max_tokens, so the logged
+        sampling is what the engine used (engines' own defaults differ: vLLM's is the rest of the context)."""
         self.state = state
         self.shadow_rate = shadow_rate
         self.shadow_max_inflight = shadow_max_inflight
+        self.default_max_tokens = default_max_tokens
         self._shadows: set[asyncio.Task] = set()
         self._rng = random.Random(seed)
         self.producer = producer
@@ -260,7 +264,7 @@ class Router:
             variant=variant, policy_version=policy_version, model=model,
             messages=messages, response=response, finish_reason=finish_reason or "stop",
             sampling={"temperature": float(body.get("temperature", 1.0)), "top_p": float(body.get("top_p", 1.0)),
-                      "max_tokens": int(body.get("max_tokens") or 16)},
+                      "max_tokens": int(body["max_tokens"])},
             latency_ms=latency_s * 1000.0, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
             experiment_id=experiment_id, assigned_variant=assigned_variant, pair_id=pair_id, shadow=shadow,
         )
@@ -295,6 +299,8 @@ class Router:
         session_id = request.headers.get("x-session-id")
         variant = self.assign(user_hash)
         stream = bool(body.get("stream"))
+        if body.get("max_tokens") is None:
+            body["max_tokens"] = body.get("max_completion_tokens") or self.default_max_tokens
         upstream = dict(body)
         if stream:
             upstream["stream_options"] = {"include_usage": True}

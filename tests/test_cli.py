@@ -44,7 +44,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) ->
 # upgrade that changes them brings tracebacks back here first (pyproject pins the tested range)
 USAGE_ERRORS = {
     "unknown option": (["score", "--foo", "x"], ["No such option: --foo", "dynrubric score --help"]),
-    "misspelt option": (["up", "--round", "2"], ["--round", "--rounds", "dynrubric up --help"]),
+    "misspelt option": (["up", "--cycle", "2"], ["--cycle", "--cycles", "dynrubric up --help"]),
     "unknown command": (["scor", "x"], ["No such command 'scor'", "'score'", "dynrubric --help"]),
     "missing argument": (["score"], ["Missing argument", "sets_file", "dynrubric score --help"]),
     "bad value": (["train", "round", "--rounds", "abc"], ["'--rounds'", "integer", "dynrubric train round --help"]),

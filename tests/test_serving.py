@@ -97,6 +97,17 @@ def test_streaming_is_relayed_and_logged(stack):
     assert logged["stream-1"]["completion_tokens"] > 0
 
 
+def test_a_request_without_max_tokens_logs_what_the_engine_used(stack):
+    """The router sends its default max_tokens and logs it (it used to log 16 while the engine used its own 64)."""
+    r = httpx.post(f"{stack.router_url}/v1/chat/completions", headers={"x-request-id": "no-max-1"}, timeout=120,
+                   json={"messages": [{"role": "user", "content": "hi"}], "temperature": 0})
+    assert r.status_code == 200
+    stack.producer.flush()
+    logged = {e["request_id"]: e for e in read_topic(stack.bootstrap, "dynrubric.query-log")}["no-max-1"]
+    assert logged["sampling"]["max_tokens"] == stack.router.default_max_tokens
+    assert logged["completion_tokens"] == r.json()["usage"]["completion_tokens"] <= logged["sampling"]["max_tokens"]
+
+
 def test_feedback_is_produced_and_malformed_feedback_refused(stack):
     r = httpx.post(f"{stack.router_url}/v1/feedback", json={"request_id": "fb-1", "kind": "thumbs_up"},
                    headers={"x-user-key": "u"})

