@@ -11,10 +11,10 @@ What this judge can and cannot do, measured: on its own, SmolLM2-135M prefers th
 word salad to its own answers (generic rubric, six prompts, 6 of 6 pairs in either order); the
 derived answer item is what lets it judge, so the users ask the two questions whose answer the
 evaluator derives and SmolLM2 gets right at temperature 0 ("7 + 5 = 12.", "... is 4."), and the
-judge prefers stable on every pair. The rubric is the configured generic one (`mode: generic`):
-SmolLM2's set-conditioned rubric did not parse within 128 tokens (the ladder fell back to the generic
-rubric anyway) at ~30 s a set on a loaded 2-core machine, against ~5 s a set without it. How well a
-judge judges open questions is the evaluator's business (benchmarks/judge.py).
+judge prefers stable on every pair. The rubric is a generic one (`mode: generic`, two of the default
+items): SmolLM2's set-conditioned rubric did not parse within 128 tokens (the ladder fell back to the
+generic rubric anyway) at ~30 s a set on a loaded 2-core machine, against ~5 s a set without it. How
+well a judge judges open questions is the evaluator's business (benchmarks/judge.py).
 """
 
 from __future__ import annotations
@@ -49,7 +49,12 @@ def test_damaged_canary_is_failed_by_the_judged_check(kafka_broker, smollm_dir, 
         assert all(any(i.check and i.check.kind == "final_number" for i in prompt_items(p.messages[-1].content))
                    for p in prompts)  # the evaluator derives each one's answer
         with TransformersEngine(smollm_dir) as judge_engine:
-            rubric = RubricConfig(mode="generic")  # with its default calibration anchors and derived items
+            # the default anchors and derived items; of the generic rubric, the two items a word salad fails most
+            # plainly (each verifier item costs 5 forward passes a pair: 2 answers and 3 anchors)
+            rubric = RubricConfig(mode="generic", generic_rubric=[
+                item for item in RubricConfig().generic_rubric if item.text.startswith(("The response directly",
+                                                                                        "The response contains"))])
+            assert len(rubric.generic_rubric) == 2
             judge = PairJudge(Evaluator(judge_engine, judge_engine, rubric), eps=rubric.eps)
             controller = stack.controller(RolloutConfig(steps=[0.5], poll_interval_s=0.5, max_step_s=600, judge=True,
                                                         judge_pairs_per_poll=8), GATE, judge=judge, metrics=metrics)
