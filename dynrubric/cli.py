@@ -216,16 +216,30 @@ def report(
     ctx: typer.Context,
     out: Annotated[Path | None, typer.Option(help="PNG to write (default <state_dir>/report/run.png)")] = None,
 ) -> None:
-    """Plot the training run log: reward, KL, score gaps vs the collapse thresholds, fallbacks, rounds."""
-    from dynrubric.report import Thresholds, read_runlog, render
+    """Plot the training run log (reward, KL, score gaps vs the collapse thresholds, fallbacks, rounds) and
+    the rollouts' rubric-judged online check."""
+    from dynrubric.report import Thresholds, judged_rollouts, read_runlog, render
 
     settings = settings_of(ctx)
     log = read_runlog(settings.train_run_dir() / "runlog.jsonl")
     out = out or settings.paths.resolved_state() / "report" / "run.png"
     r = settings.rubric
+    judged = judged_rollouts(rollout_rows(settings.paths.resolved_state() / "rollout" / "rollouts.sqlite"))
     render(log, out, Thresholds(r.collapse_min_mean_gap, r.collapse_max_nonsplit_share, r.collapse_window,
-                                settings.train.max_kl))
-    console.print(f"report: {out} ({len(log.rounds)} rounds, {len(log.steps)} policy steps)")
+                                settings.train.max_kl), judged)
+    console.print(f"report: {out} ({len(log.rounds)} rounds, {len(log.steps)} policy steps, "
+                  f"{len(judged)} rollouts with judged pairs)")
+    for j in judged:
+        console.print(f"  {j.line()}")
+
+
+def rollout_rows(path: Path) -> list[dict]:
+    """The rollouts recorded under the state dir (none when nothing was rolled out here)."""
+    if not path.is_file():
+        return []
+    from serving.rollout import RolloutStore
+
+    return [r.to_json() for r in RolloutStore(path).list()]
 
 
 def main() -> None:

@@ -1,13 +1,16 @@
 """The run report: the training run log as plots people look at.
 
 Reads `runlog.jsonl` (one record per step and per round, written by train/rounds.py) and draws one
-PNG: reward, KL, the score-gap diagnostics against the collapse thresholds, fallbacks, and the
-per-round held-out reward with each checkpoint's verdict.
+PNG: reward, KL, the score-gap diagnostics against the collapse thresholds, fallbacks, the
+per-round held-out reward with each checkpoint's verdict, and the rollouts' rubric-judged online
+check (serving/judged.py): each rollout's judged win rate with its always-valid bounds against the
+bar, and the decisions.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,11 +80,75 @@ def sets_scored(steps: list[dict[str, Any]]) -> int:
     return sum(sum((s.get("rubric_sources") or {}).values()) for s in steps)
 
 
-def render(log: RunLog, out: Path, thresholds: Thresholds) -> Path:
+@dataclass(frozen=True)
+class JudgedRollout:
+    """A rollout's judged online check as its last gate evaluation left it (`serving.gate._judged`'s numbers)."""
+
+    rollout_id: str
+    version: str
+    status: str  # the rollout's: promoted, rolled_back, ...
+    reason: str | None  # the rollout's (why it was rolled back)
+    verdict: str  # the judged check's: pass or fail
+    pairs: int
+    win_rate: float
+    lower: float
+    upper: float
+    bar: float  # 1/2 - judge_margin: an upper bound below it fails the canary
+
+    def line(self) -> str:
+        return (f"{self.rollout_id} ({self.version}): {self.status}; judged {self.verdict}: canary win rate "
+                f"{self.win_rate:.2f} over {self.pairs} pairs, bounds [{max(self.lower, 0.0):.2f}, "
+                f"{min(self.upper, 1.0):.2f}], fails below {self.bar:.2f}")
+
+
+def judged_rollouts(rollouts: Iterable[dict[str, Any]]) -> list[JudgedRollout]:
+    """The rollouts (`serving.rollout.Rollout.to_json()`) whose last gate evaluation had judged pairs."""
+    out = []
+    for r in rollouts:
+        checks = (r.get("last_gate") or {}).get("checks", [])
+        check = next((c for c in checks if c.get("name") == "judged_win_rate"), None)
+        n = (check or {}).get("numbers", {})
+        if n.get("pairs"):
+            out.append(JudgedRollout(r["id"], r["version"], r["status"], r.get("reason"), check["verdict"],
+                                     int(n["pairs"]), float(n["win_rate"]), float(n["lower"]), float(n["upper"]),
+                                     float(n["bar"])))
+    return out
+
+
+def draw_judged(plot, table, judged: Sequence[JudgedRollout]) -> None:
+    """Win rate with its bounds per rollout against the bar (`plot`), and the decisions as text (`table`)."""
+    plot.set(title="rollouts: rubric-judged canary win rate (shadow pairs)", xlabel="rollout",
+             ylabel="canary win rate (0..1)", ylim=UNIT)
+    table.set_title("rollout decisions and the judged check")
+    table.axis("off")
+    if not judged:
+        for ax in (plot, table):
+            ax.text(0.5, 0.5, "no rollout with judged pairs\n(serving.shadow_rate, rollout.judge)", ha="center",
+                    va="center", transform=ax.transAxes, color="grey")
+        return
+    xs = list(range(len(judged)))
+    for verdict, color in (("pass", "tab:green"), ("fail", "tab:red")):
+        mine = [(x, j) for x, j in zip(xs, judged) if j.verdict == verdict]
+        if mine:  # bounds clipped to 0..1, where a win rate lives
+            plot.errorbar([x for x, _ in mine], [j.win_rate for _, j in mine],
+                          yerr=[[j.win_rate - max(j.lower, 0.0) for _, j in mine],
+                                [min(j.upper, 1.0) - j.win_rate for _, j in mine]],
+                          fmt="o", capsize=4, color=color, zorder=3, label=f"judged check: {verdict}")
+    for bar in sorted({j.bar for j in judged}):
+        plot.axhline(bar, label=f"fail: upper bound < {bar:.2f}", **THRESHOLD)
+    plot.set_xticks(xs, [j.version for j in judged])
+    plot.set_xlim(-0.5, len(judged) - 0.5)
+    handles, labels = plot.get_legend_handles_labels()
+    plot.legend(handles, labels, fontsize=8, loc="best", framealpha=0.6)
+    table.text(0.0, 1.0, "\n".join(j.line() for j in judged), ha="left", va="top", transform=table.transAxes,
+               fontsize=8, wrap=True)
+
+
+def render(log: RunLog, out: Path, thresholds: Thresholds, judged: Sequence[JudgedRollout] = ()) -> Path:
     """Draw the report into `out` (PNG, written atomically) and return it."""
     import io
 
-    fig = draw(log, thresholds)
+    fig = draw(log, thresholds, judged)
     import matplotlib.pyplot as plt
 
     buffer = io.BytesIO()
@@ -91,8 +158,8 @@ def render(log: RunLog, out: Path, thresholds: Thresholds) -> Path:
     return out
 
 
-def draw(log: RunLog, thresholds: Thresholds):
-    """The report's matplotlib figure: 4 x 2 panels.
+def draw(log: RunLog, thresholds: Thresholds, judged: Sequence[JudgedRollout] = ()):
+    """The report's matplotlib figure: 5 x 2 panels (the last row: the rollouts' judged check).
 
     Rates and shares are drawn on a fixed 0..1 axis, so noise does not look like a trend; thresholds
     are dashed black lines named in the legend; each panel has one unit; a series of one or two points
@@ -104,7 +171,7 @@ def draw(log: RunLog, thresholds: Thresholds):
     from matplotlib.ticker import MaxNLocator
 
     t = thresholds
-    fig, axes = plt.subplots(4, 2, figsize=(13, 14))
+    fig, axes = plt.subplots(5, 2, figsize=(13, 17.5))
     fig.suptitle(f"dynrubric run: {len(log.rounds)} rounds, {len(log.steps)} policy steps, "
                  f"{len(log.generator_steps)} generator steps")
 
@@ -214,5 +281,6 @@ def draw(log: RunLog, thresholds: Thresholds):
             ax.set_xlim(-0.5, len(log.steps) - 0.5)
     if ids:
         axes[3][1].set_xticks(ids)  # one tick per round (the locator has no integer to show for a single round)
+    draw_judged(axes[4][0], axes[4][1], judged)
     fig.tight_layout()
     return fig

@@ -10,14 +10,16 @@ underestimates the variance). Checks run in order and the first decisive one win
    itself is broken: fail);
 2. minimum samples per arm (users, requests this step, rated requests; fewer: inconclusive);
 3. guardrails, fail when the canary is confidently worse than stable by more than the margin:
-   error rate (user-level ratio, normal-mixture confidence sequence) and p95 latency (a confidence
+   error rate (per request, normal-mixture confidence sequence) and p95 latency (a confidence
    sequence for each arm's p95, see `quantile_cs`), each at half of `guardrail_alpha`;
 4. the judged win rate (`judge_alpha`): on shadow pairs the rubric judge scores, fail when the
    canary's win rate is confidently below 1/2 - `judge_margin` (sub-Gaussian mixture, exact);
 5. primary online metrics, positive-feedback rate and regenerate rate, at `alpha`/2 each: fail
    when the canary is significantly worse (at any step), pass when every metric is shown within
    its non-inferiority margin (required at the last step; earlier steps pass on no harm),
-   inconclusive otherwise.
+   inconclusive otherwise;
+6. at the last step only, the error rate shown within its margin (`_error_rate_within_margin`):
+   a canary whose engine fails is never promoted on too little evidence of harm.
 
 Every check that can fail is a confidence sequence: it holds at every look at once, so evaluating
 the gate after every batch does not inflate false rollbacks, and the false-rollback probability of
@@ -296,6 +298,26 @@ def _error_rate(stable: ArmStats, canary: ArmStats, cfg: GateConfig) -> Check:
     return Check(name="error_rate", verdict=Verdict.PASS, numbers=numbers, detail="not shown worse than the margin")
 
 
+def _error_rate_within_margin(stable: ArmStats, canary: ArmStats, cfg: GateConfig) -> Check:
+    """Before promotion the canary's error rate must be shown within the margin, not just "not shown worse".
+
+    A canary engine that dies just before the last look has a few failed requests (its users are
+    served by stable's fallback, so its user metrics look like stable's): far too few to show harm
+    at the guardrail's level, and it would be promoted. Upper bound < margin cannot hold while the
+    canary's error rate exceeds stable's by the margin, however many requests it saw. Same interval
+    as the error-rate guardrail (its half of `guardrail_alpha`).
+    """
+    harm, lo, hi = ratio_difference(canary.errors, stable.errors, cfg.guardrail_alpha / 2, cfg.mixture_tau)
+    numbers = {"stable_error_rate": stable.errors.rate, "canary_error_rate": canary.errors.rate,
+               "difference": harm, "lower": lo, "upper": hi, "margin": cfg.error_rate_margin}
+    if hi >= cfg.error_rate_margin:
+        return Check(name="error_rate_non_inferiority", verdict=Verdict.INCONCLUSIVE, numbers=numbers,
+                     detail=f"canary error rate {canary.errors.rate:.3f} (stable {stable.errors.rate:.3f}) not yet "
+                            f"shown within {cfg.error_rate_margin} of stable (upper bound {hi:.3f}); required to promote")
+    return Check(name="error_rate_non_inferiority", verdict=Verdict.PASS, numbers=numbers,
+                 detail=f"canary error rate within {cfg.error_rate_margin} of stable (upper bound {hi:.3f})")
+
+
 def latency_check(stable: LatencySketch, canary: LatencySketch, cfg: GateConfig) -> Check:
     """The p95 guardrail: canary's lower bound above stable's upper bound times (1 + margin) fails."""
     if stable.n == 0 or canary.n == 0:
@@ -365,7 +387,8 @@ def evaluate(stable: ArmStats, canary: ArmStats, canary_weight: float, cfg: Gate
 
     `require_non_inferiority=False` (the steps before the last) passes a primary test that shows
     no harm yet: early steps guard against harm on little traffic, and the last step, with the
-    most traffic, must show the canary within the margins before promotion. Harm fails at any step.
+    most traffic, must show the canary within the margins (primary metrics and error rate) before
+    promotion. Harm fails at any step.
     """
     checks: list[Check] = []
     for check in (
@@ -375,6 +398,7 @@ def evaluate(stable: ArmStats, canary: ArmStats, canary_weight: float, cfg: Gate
         lambda: latency_check(stable.latency, canary.latency, cfg),
         lambda: _judged(judge, cfg),
         lambda: _primary(stable, canary, cfg, require_non_inferiority),
+        *([lambda: _error_rate_within_margin(stable, canary, cfg)] if require_non_inferiority else []),
     ):
         result = check()
         checks.append(result)

@@ -46,6 +46,16 @@ def signal_prompts() -> list[PromptItem]:
                        constraint=Constraint(type="include_word", word=word)) for i, text, word in SIGNAL_PROMPTS]
 
 
+def wait_for(condition, timeout_s: float, what: str, every_s: float = 0.2):
+    """Poll `condition` until it returns something truthy (returned), or fail naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

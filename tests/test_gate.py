@@ -93,7 +93,31 @@ def test_checks_run_in_order_and_say_why():
     assert worse.checks[-1].numbers["canary_positive_rate"] == pytest.approx(0.4)
     undecided = evaluate(arm(), arm(), 0.5, cfg)
     assert undecided.verdict is Verdict.INCONCLUSIVE  # 500 users cannot show a 5-point margin yet
+    assert undecided.reason.startswith("primary")
     assert evaluate(arm(), arm(), 0.5, cfg, require_non_inferiority=False).verdict is Verdict.PASS
+
+
+def test_a_canary_whose_engine_dies_before_the_last_look_is_not_promoted():
+    """The serving test's race, in numbers: the canary engine died after a few requests; the router
+    served its users from stable (so its user metrics look like stable's) and counted 4 of the
+    canary's 20 requests as errors. Far too few to show harm at the guardrail's level, and the
+    margins of a small test gate pass the primary metrics: only the error rate's non-inferiority
+    keeps the last step from promoting it. Before the last step, no harm shown still moves on."""
+    cfg = GateConfig(min_users_per_arm=3, min_requests_per_arm=5, min_rated_per_arm=5, error_rate_margin=0.2,
+                     positive_rate_margin=0.9, regenerate_rate_margin=0.9, mixture_tau=0.3)
+    stable = arm(step_users=10, step_requests=20, users=10, requests=60, rated=20,
+                 errors=UserRates.per_request(0, 60))
+    dying = arm(step_users=8, step_requests=12, users=8, requests=20, rated=20,
+                errors=UserRates.per_request(4, 20))
+    gate = evaluate(stable, dying, 0.6, cfg)
+    assert gate.verdict is Verdict.INCONCLUSIVE and gate.reason.startswith("error_rate_non_inferiority"), gate.reason
+    assert "canary error rate 0.200" in gate.reason
+    check = gate.checks[-1].numbers
+    assert check["lower"] < cfg.error_rate_margin <= check["upper"]  # not shown worse, not shown within
+    assert evaluate(stable, dying, 0.6, cfg, require_non_inferiority=False).verdict is Verdict.PASS
+    healthy = arm(step_users=10, step_requests=200, users=10, requests=600, rated=20,
+                  errors=UserRates.per_request(0, 600))
+    assert evaluate(healthy, healthy, 0.6, cfg).verdict is Verdict.PASS  # a working canary is still promoted
 
 
 # ---------------------------------------------------------------- simulations (done-when)

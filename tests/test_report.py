@@ -86,3 +86,72 @@ def test_missing_or_corrupt_run_log_is_a_clear_error(tmp_path):
     (tmp_path / "runlog.jsonl").write_text('{"kind": "step"}\nnot json\n')
     with pytest.raises(DynrubricError, match="line 2"):
         read_runlog(tmp_path / "runlog.jsonl")
+
+
+def judged_store(path):
+    """A rollout store as the controller leaves it: one canary the judged check failed, one it passed
+    (the gate results are the real gate's, from the judge's tallies)."""
+    from dynrubric.config import GateConfig
+    from serving.gate import JudgeStats, evaluate
+    from serving.rollout import RolloutStore
+    from tests.test_gate import arm
+
+    store = RolloutStore(path)
+    for version, judge, status in (("r1", JudgeStats(pairs=60, canary_score=6.0), "rolled_back"),
+                                   ("r2", JudgeStats(pairs=40, canary_score=22.0), "promoted")):
+        gate = evaluate(arm(), arm(), 0.5, GateConfig(), require_non_inferiority=False, judge=judge)
+        r = store.create(version, f"/ckpt/{version}", "base", "/ckpt/base", [0.5])
+        reason = f"gate failed at step 0: {gate.reason}" if gate.verdict.value == "fail" else None
+        store.update(r.id, status=status, reason=reason, last_gate=gate.model_dump(mode="json"))
+    return store
+
+
+def test_the_judged_online_check_is_in_the_report(tmp_path):
+    from dynrubric.report import judged_rollouts
+
+    store = judged_store(tmp_path / "rollouts.sqlite")
+    failed, passed = judged_rollouts(r.to_json() for r in store.list())
+    assert (failed.version, failed.status, failed.verdict, failed.pairs) == ("r1", "rolled_back", "fail", 60)
+    assert failed.win_rate == pytest.approx(0.1) and failed.upper < failed.bar == pytest.approx(0.45)
+    assert (passed.version, passed.verdict, passed.pairs, passed.win_rate) == ("r2", "pass", 40, 0.55)
+    assert passed.lower < passed.win_rate < passed.upper
+
+    fig = draw(write_log(tmp_path / "runlog.jsonl", steps=2), THRESHOLDS, [failed, passed])
+    p = panels(fig)
+    plot = p["rollouts: rubric-judged canary win rate (shadow pairs)"]
+    assert plot.get_ylim() == UNIT and [t.get_text() for t in plot.get_xticklabels()] == ["r1", "r2"]
+    [bar] = [line for line in plot.get_lines() if line.get_linestyle() == "--"]
+    assert bar.get_label() == "fail: upper bound < 0.45" and bar.get_ydata()[0] == pytest.approx(0.45)
+    bars = {c.get_label(): c for c in plot.containers}  # errorbar containers: lines = (points, caps, intervals)
+    assert bars["judged check: fail"].lines[0].get_ydata() == pytest.approx([0.1])
+    assert bars["judged check: pass"].lines[0].get_ydata() == pytest.approx([0.55])
+    [[(_, low), (_, high)]] = bars["judged check: fail"].lines[2][0].get_segments()
+    assert (low, high) == pytest.approx((max(failed.lower, 0.0), failed.upper))  # clipped to 0..1
+    [table] = p["rollout decisions and the judged check"].texts
+    assert "(r1): rolled_back; judged fail: canary win rate 0.10 over 60 pairs" in table.get_text()
+    assert "(r2): promoted; judged pass: canary win rate 0.55 over 40 pairs" in table.get_text()
+    plt.close(fig)
+
+    empty = panels(draw(write_log(tmp_path / "other.jsonl", steps=2), THRESHOLDS))
+    assert "no rollout with judged pairs" in empty["rollouts: rubric-judged canary win rate (shadow pairs)"].texts[0].get_text()
+    plt.close("all")
+
+
+def test_report_command_reads_the_rollouts_of_the_state_dir(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    state = tmp_path / "state"
+    (state / "train").mkdir(parents=True)
+    write_log(state / "train" / "runlog.jsonl", steps=2)
+    judged_store(state / "rollout" / "rollouts.sqlite")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DYNRUBRIC_")}
+    env |= {"DYNRUBRIC_PATHS__STATE_DIR": str(state), "COLUMNS": "200"}
+    run = subprocess.run([sys.executable, "-m", "dynrubric", "report"], env=env, cwd=Path(__file__).parents[1],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "2 rollouts with judged pairs" in run.stdout
+    assert "(r1): rolled_back; judged fail: canary win rate 0.10 over 60 pairs" in run.stdout
+    assert (state / "report" / "run.png").read_bytes()[:4] == b"\x89PNG"

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -76,12 +78,29 @@ def test_three_rounds_move_the_policy_toward_the_rubric_preferred_behaviour(tmp_
 def _wait_for_steps(runlog: Path, n: int, proc: subprocess.Popen, timeout: float = 900) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if runlog.exists() and sum('"kind": "step"' in x for x in runlog.read_text().splitlines()) >= n:
+        if runlog.exists() and _steps_logged(runlog) >= n:
             return
         if proc.poll() is not None:
-            raise AssertionError(f"trainer exited early: {proc.stderr.read().decode()[-2000:]}")
+            raise AssertionError(f"trainer exited early (rc {proc.returncode})")
         time.sleep(0.2)
     raise AssertionError(f"no {n} steps within {timeout} s")
+
+
+def _wait_for_line(lines: queue.Queue, text: str, proc: subprocess.Popen, timeout: float = 900) -> None:
+    """Until the trainer prints `text` on a line of its own (tests.train_harness.PrintedPhases)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if lines.get(timeout=1.0).strip() == text:
+                return
+        except queue.Empty:
+            if proc.poll() is not None:
+                raise AssertionError(f"trainer exited (rc {proc.returncode}) before {text!r}") from None
+    raise AssertionError(f"no {text!r} within {timeout} s")
+
+
+def _steps_logged(runlog: Path) -> int:
+    return sum('"kind": "step"' in x for x in runlog.read_text().splitlines())
 
 
 @pytest.mark.slow
@@ -91,29 +110,43 @@ def test_kill_9_during_a_round_then_resume_applies_exactly_one_update_per_step(t
     runlog = state / "train" / "runlog.jsonl"
     cmd = [sys.executable, "-m", "tests.train_harness", str(state), str(tiny_model_dir), str(prompts), "1"]
 
-    def start() -> subprocess.Popen:
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stderr = (tmp_path / "trainer.err").open("wb")  # a file: an unread pipe could fill up and stall the trainer
 
-    kills = 0
-    n_steps = runner(state, tiny_model_dir, prompts).cfg.steps_per_round
-    # kill inside step 2 (after 1 step was published), then inside evaluation (after all steps)
-    for published in (1, n_steps):
-        proc = start()
-        _wait_for_steps(runlog, published, proc)
-        time.sleep(0.5)
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            kills += 1
+    def start() -> tuple[subprocess.Popen, queue.Queue]:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr)
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x.decode()) for x in proc.stdout], daemon=True).start()
+        return proc, lines
+
+    def kill(proc: subprocess.Popen, where: str) -> None:
+        assert proc.poll() is None, f"the trainer finished before the kill {where}"
+        os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-    proc = start()
-    out, err = proc.communicate(timeout=900)
-    assert proc.returncode == 0, err.decode()[-3000:]
-    assert kills >= 1
+
+    planned = runner(state, tiny_model_dir, prompts)
+    n_steps, eval_file = planned.cfg.steps_per_round, planned.round_dir(1) / "eval.json"
+    # kill inside step 2 (right after step 1 was published): step 2 never published
+    proc, _ = start()
+    _wait_for_steps(runlog, 1, proc)
+    kill(proc, "inside step 2")
+    assert _steps_logged(runlog) == 1
+    # kill inside evaluation: every step published, the evaluation begun and its result not written
+    proc, lines = start()
+    _wait_for_line(lines, "start evaluate", proc)
+    kill(proc, "inside evaluation")
+    assert _steps_logged(runlog) == n_steps and not eval_file.exists()
+    proc, _ = start()
+    proc.wait(timeout=900)
+    stderr.close()
+    assert proc.returncode == 0, (tmp_path / "trainer.err").read_text()[-3000:]
+    assert eval_file.is_file()
 
     r = runner(state, tiny_model_dir, prompts)
     summary = json.loads((r.round_dir(1) / "summary.json").read_text())
     steps = summary["steps"]
     assert [h["step"] for h in steps] == list(range(n_steps))
+    # the evaluation restarted after the kill judged the trained weights (the ones registered), not the parent's
+    assert summary["eval"]["kl_to_parent"] > 0
     # AdamW's own step counter after each policy step: exactly one more update per updating step
     policy = [h for h in steps if h["phase"] == "policy"]
     expected, count = [], 0

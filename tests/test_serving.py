@@ -3,7 +3,10 @@
 Router: sticky routing, logging, streaming, feedback, control auth, retry and reload of a dead replica.
 Rollout bad input (done-when 3): an unknown version, missing weights, an engine down mid-rollout,
 each with a clear error, the stable arm serving throughout and nothing half-applied; and a
-controller restarted mid-rollout resumes it. One stack for the module (engine start-up dominates).
+controller restarted mid-rollout resumes it. One stack for the module (engine start-up dominates);
+each test starts from a serving stack (`serving` below: every engine up with its variant's weights,
+no traffic on the canary) and registers its own versions on whatever is stable, so any test runs
+alone or in any order.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ from __future__ import annotations
 import json
 import shutil
 import threading
-import time
 
 import httpx
 import pytest
@@ -23,7 +25,7 @@ from dynrubric.errors import DynrubricError
 from dynrubric.registry import CheckpointState
 from serving.rollout import build_controller_app
 from serving.users import SimulatedUsers, load_checkable
-from tests.serving_harness import TOKEN, drive, read_topic, start_stack, stop_stack
+from tests.serving_harness import TOKEN, drive, read_topic, start_stack, stop_stack, wait_for
 
 ROLLOUT = RolloutConfig(steps=[0.3, 0.6], poll_interval_s=0.5, max_step_s=300)
 # the tiny random model fails every check on both arms: an A/A test with small samples and wide margins
@@ -38,6 +40,26 @@ def stack(kafka_broker, tiny_model_dir, tmp_path_factory):
                     health_interval_s=3.0)  # slower than the kill-then-request below
     yield s
     stop_stack(s)
+
+
+@pytest.fixture(autouse=True)
+def serving(stack):
+    """Every test starts here: all replicas healthy and serving their variant's weights, canary share 0.
+
+    A test that kills an engine or turns restarts off leaves that behind; the fleet restarts the
+    engine once restarts are back on, and the router reloads its variant's weights.
+    """
+    restarts = stack.fleet.max_restarts
+    set_traffic(stack, 0.0, "idle")
+
+    def ready() -> bool:
+        state = stack.router_state()
+        return all(r["healthy"] and r["policy_version"] == state["desired"][r["variant"]]["version"]
+                   for r in state["replicas"])
+
+    wait_for(ready, 180, "every engine healthy with its variant's weights")
+    yield
+    stack.fleet.max_restarts = restarts
 
 
 def auth() -> dict[str, str]:
@@ -57,6 +79,7 @@ def chat(stack, user: str, **kw) -> httpx.Response:
 
 def test_routes_sticky_logs_and_echoes(stack):
     set_traffic(stack, 0.5, "exp-sticky")
+    version = {r["variant"]: r["policy_version"] for r in stack.router_state()["replicas"]}
     seen: dict[str, set[str]] = {}
     ids = {}
     for i in range(3):
@@ -78,7 +101,7 @@ def test_routes_sticky_logs_and_echoes(stack):
     logged = {e["request_id"]: e for e in read_topic(stack.bootstrap, "dynrubric.query-log")}
     for rid, variant in ids.items():
         assert logged[rid]["variant"] == variant
-        assert logged[rid]["policy_version"] == "v0"
+        assert logged[rid]["policy_version"] == version[variant]
         assert logged[rid]["latency_ms"] > 0
     set_traffic(stack, 0.0, "exp-sticky")
 
@@ -157,19 +180,16 @@ def test_control_needs_token_and_metrics_follow_the_table(stack):
 def test_a_dead_replica_is_retried_then_reloaded_when_back(stack):
     """Kill the canary engine: canary users are served by stable; the fleet restarts it, the router reloads it."""
     set_traffic(stack, 1.0, "exp-dead")
-    stack.fleet.process("transformers-canary").kill()
+    engine = stack.fleet.process("transformers-canary")
+    engine.kill()
+    engine.wait(timeout=30)  # dead before the request; the router's probe (every 3 s) has not seen it yet
     r = chat(stack, "someone")
     assert r.status_code == 200
     assert r.headers["x-dynrubric-variant"] == "stable"
     assert stack.router_state()["counters"]["exp-dead"]["canary"]["errors"] >= 1
     # the fleet restarts it; the router reloads its variant's weights and routes to it again
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if chat(stack, "someone").headers["x-dynrubric-variant"] == "canary":
-            break
-        time.sleep(0.5)
-    else:
-        raise AssertionError("the restarted canary engine never served again")
+    wait_for(lambda: chat(stack, "someone").headers["x-dynrubric-variant"] == "canary", 120,
+             "the restarted canary engine to serve again", every_s=0.5)
     set_traffic(stack, 0.0, "exp-dead")
 
 
@@ -191,9 +211,10 @@ def assert_untouched(stack, before: dict) -> None:
 def test_unknown_version_changes_nothing(stack):
     before = stack.router_state()
     controller = stack.controller(ROLLOUT, GATE)
+    rollouts = controller.store.list()
     with pytest.raises(DynrubricError, match="'v404' is not in the registry"):
         controller.start("v404")
-    assert controller.store.list() == []
+    assert controller.store.list() == rollouts
     assert_untouched(stack, before)
 
 
@@ -210,48 +231,67 @@ def test_missing_weights_change_nothing(stack, tiny_model_dir):
     assert_untouched(stack, router_before)
 
 
+class ControllerDied(Exception):
+    pass
+
+
+def die(_: float) -> None:
+    raise ControllerDied
+
+
 def test_controller_restart_resumes_the_rollout(stack, tiny_model_dir):
-    stack.registry.register(tiny_model_dir, "v0", 1, {}, version="v1")
-    first = stack.controller(ROLLOUT, GATE)
-    rollout = first.start("v1")
-    first._loading(first.store.get(rollout.id))  # the first controller dies right after loading the canary
+    baseline = stack.registry.stable().version
+    stack.registry.register(tiny_model_dir, baseline, 1, {}, version="v-resumed")
+    # the first controller loads the canary, takes the first step, finds the gate inconclusive (no
+    # traffic yet) and dies where it would wait for the next poll
+    first = stack.controller(ROLLOUT, GATE, sleep=die)
+    rollout = first.start("v-resumed")
+    with pytest.raises(ControllerDied):
+        first.run(rollout.id)
     assert first.store.get(rollout.id).status == "stepping"
     assert stack.router_state()["canary_weight"] == 0.3
-    assert stack.registry.get("v1").state is CheckpointState.canary
+    assert stack.registry.get("v-resumed").state is CheckpointState.canary
 
     second = stack.controller(ROLLOUT, GATE)  # a new process: same tables, nothing in memory
     assert second.store.active().id == rollout.id
     done = drive(stack, second, rollout.id, users(stack, seed=3))
     assert done["rollout"].status == "promoted", done["rollout"].reason
-    assert stack.registry.get("v1").state is CheckpointState.stable
-    assert stack.registry.get("v0").state is CheckpointState.retired
+    assert stack.registry.get("v-resumed").state is CheckpointState.stable
+    assert stack.registry.get(baseline).state is CheckpointState.retired
     state = stack.router_state()
-    assert state["canary_weight"] == 0.0 and state["desired"]["stable"]["version"] == "v1"
-    assert {r["policy_version"] for r in state["replicas"]} == {"v1"}
+    assert state["canary_weight"] == 0.0 and state["desired"]["stable"]["version"] == "v-resumed"
+    assert {r["policy_version"] for r in state["replicas"]} == {"v-resumed"}
 
     app = TestClient(build_controller_app(second, CollectorRegistry()))
     gate = app.get(f"/gate/{rollout.id}").json()
     assert gate["verdict"] == "pass" and gate["status"] == "promoted"
-    assert {c["name"] for c in gate["checks"]} >= {"sample_ratio", "min_samples", "primary"}
+    assert {c["name"] for c in gate["checks"]} >= {"sample_ratio", "min_samples", "primary", "error_rate_non_inferiority"}
     assert app.get("/gate/ro-nope").status_code == 404
 
 
 def test_engine_down_mid_rollout_rolls_back_and_stable_keeps_serving(stack, tiny_model_dir):
-    stack.registry.register(tiny_model_dir, "v1", 2, {}, version="v2")
     baseline = stack.registry.stable().version
-    stack.fleet.max_restarts = 0  # keep it down while the controller looks
+    stack.registry.register(tiny_model_dir, baseline, 2, {}, version="v-down")
+    stack.fleet.max_restarts = 0  # keep it down while the controller looks (the `serving` fixture turns them back on)
     controller = stack.controller(ROLLOUT, GATE)
-    rollout = controller.start("v2")
+    rollout = controller.start("v-down")
     sim = users(stack, seed=4)
+    killed_at: dict = {}
 
-    def kill_soon() -> None:
-        time.sleep(2.0)
+    def kill_mid_rollout() -> None:
+        # the canary has answered a few of its users, fewer than one step's minimum (5): the gate cannot have passed
+        wait_for(lambda: stack.router_state()["counters"].get(rollout.id, {}).get("canary", {}).get("requests", 0) >= 3,
+                 120, "the canary to answer its first users")
+        killed_at["status"] = controller.store.get(rollout.id).status
         stack.fleet.process("transformers-canary").kill()
 
-    threading.Thread(target=kill_soon, daemon=True).start()
+    threading.Thread(target=kill_mid_rollout, daemon=True).start()
     done = drive(stack, controller, rollout.id, sim, batch=4)
     final = done["rollout"]
+    assert killed_at == {"status": "stepping"}  # the engine died mid-rollout
     assert final.status == "rolled_back"
+    # the gate never passed the last step with the dead canary (promoting would then be refused by the router)
+    assert "promotion failed" not in final.reason, final.reason
     # Which check trips first is a race: the fleet's health probe (3 s) marks the canary down, the error-rate
     # guardrail sees its failures, or - once the canary is marked down the router assigns its users to stable -
     # the sample-ratio check (users by assigned arm) sees the split drift. All three roll back.
@@ -262,7 +302,7 @@ def test_engine_down_mid_rollout_rolls_back_and_stable_keeps_serving(stack, tiny
         "sample_ratio" in final.reason
     ), final.reason
     assert done["outcomes"] and done["failed_requests"] == 0  # every request answered, by stable if need be
-    assert stack.registry.get("v2").state is CheckpointState.rejected
+    assert stack.registry.get("v-down").state is CheckpointState.rejected
     assert stack.registry.stable().version == baseline
     state = stack.router_state()
     assert state["canary_weight"] == 0.0

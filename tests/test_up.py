@@ -55,6 +55,15 @@ def up_env(tiny_model_dir: Path, state: Path) -> dict[str, str]:
         "DYNRUBRIC_LOOP__USERS_RPS": "4",
         "DYNRUBRIC_LOOP__USERS_MAX_TOKENS": "8",
         "DYNRUBRIC_LOOP__MIN_NEW_PROMPTS": "8",
+        # the tiny random model barely separates candidates (mean gap ~0.006): under the default tie
+        # threshold (0.02) every set is a tie and the policy step applies no update, so nothing here
+        # could show that the loop trains; with a lower threshold its small differences count
+        "DYNRUBRIC_RUBRIC__EPS": "0.0001",
+        # the held-out guard judges a random model's drift: bounds it passes, so both cycles roll out
+        # (the test still checks that its verdict is the one these bounds give)
+        "DYNRUBRIC_TRAIN__MAX_KL": "10",
+        "DYNRUBRIC_TRAIN__MAX_KL_TO_BASE": "10",
+        "DYNRUBRIC_TRAIN__MAX_REWARD_DROP": "1",
     })
     return env
 
@@ -119,6 +128,29 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
     assert [v for v, c in versions.items() if c["state"] == "stable"] == (["r1"] if r1_promoted else ["base"])
     for c in versions.values():
         assert c["parent"] is None or versions[c["parent"]]["created_at"] <= c["created_at"]
+
+    # round 1 trained: one policy step that updated the weights, one generator step, a guard verdict
+    # that is the one its bounds give on the held-out numbers
+    summary = json.loads((state / "train" / "rounds" / "0001" / "summary.json").read_text())
+    assert summary["phases"] == {"policy": 1, "generator": 1}
+    steps = [json.loads(line) for line in (state / "train" / "runlog.jsonl").read_text().splitlines()]
+    policy = [s for s in steps if s.get("kind") == "step" and s.get("phase") == "policy"][0]
+    # a set whose anchors outrank its best candidate contributes no advantage: it is counted among the tied
+    assert 0 <= policy["untrusted_sets"] <= policy["tied_sets"]
+    assert policy["updated"] is True and policy["updates"] == 1, policy
+    assert versions["r1"]["weights_sha256"] != versions["base"]["weights_sha256"]
+    held_out = summary["eval"]
+    assert held_out["kl_to_parent"] > 0 and held_out["kl_to_base"] > 0, held_out
+    shown = json.loads(subprocess.run([str(SCRIPT), "config", "show", "--format", "json"], env=env,
+                                      capture_output=True, text=True, timeout=120, check=True).stdout)["train"]
+    broken = [name for name, bad in (
+        ("kl", held_out["kl_to_parent"] > shown["max_kl"]),
+        ("kl_to_base", held_out["kl_to_base"] > shown["max_kl_to_base"]),
+        ("reward_drop", held_out["reward_parent"] - held_out["reward_new"] > shown["max_reward_drop"]),
+    ) if bad]
+    guard = summary["guard"]
+    assert guard["reason"] == (broken[0] if broken else None) and guard["accepted"] == (not broken), (guard, held_out)
+    assert "round 1: r1 candidate (parent base; guard accepted" in text
 
     # every answered request in the replay store exactly once; no prompt twice in a round, none held out trained
     answered = [json.loads(x)["request_id"] for x in (state / "up" / "users.jsonl").read_text().splitlines()]

@@ -123,13 +123,26 @@ def write_prompts(path: Path, n: int) -> Path:
     return path
 
 
-def runner(state_dir: Path, model_dir: Path, prompts_file: Path, **train):
+def runner(state_dir: Path, model_dir: Path, prompts_file: Path, progress=None, **train):
     from dynrubric.registry import open_registry
     from dynrubric.train.prompts import JsonlPromptSource
     from dynrubric.train.rounds import RoundRunner, rollout_history
 
     s = settings(state_dir, model_dir, prompts_file, **train)
-    return RoundRunner(s, open_registry(s), JsonlPromptSource(prompts_file, rollout_history(s)), engines)
+    return RoundRunner(s, open_registry(s), JsonlPromptSource(prompts_file, rollout_history(s)), engines,
+                       progress=progress)
+
+
+class PrintedPhases:
+    """A round's progress as lines on stdout (`start evaluate`), flushed: what a test can wait for."""
+
+    @staticmethod
+    def start(phase: str, total: int) -> None:
+        print(f"start {phase}", flush=True)
+
+    @staticmethod
+    def advance(phase: str, n: int) -> None:
+        pass
 
 
 def keyword_rate(model_dir: Path, prompts: Sequence[str], n: int, seed: int) -> float:
@@ -147,7 +160,7 @@ def keyword_rate(model_dir: Path, prompts: Sequence[str], n: int, seed: int) -> 
 
 if __name__ == "__main__":
     state, model, prompts, rounds = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
-    r = runner(state, model, prompts)
+    r = runner(state, model, prompts, progress=PrintedPhases())
     while len(r.completed_rounds()) < rounds:
         summary = r.run()
         print(f"round {summary['round']} -> {summary['version']} {summary['state']}", flush=True)
