@@ -160,7 +160,7 @@ class JudgeStats:
         return self.canary_score / self.pairs if self.pairs else math.nan
 
 
-class Check(BaseModel):
+class GateCheck(BaseModel):
     name: str
     verdict: Verdict
     detail: str
@@ -174,7 +174,7 @@ class GateResult(BaseModel):
     reason: str
     canary_weight: float
     experiment_id: str = ""
-    checks: list[Check]
+    checks: list[GateCheck]
 
 
 # ---------------------------------------------------------------- confidence sequences
@@ -257,7 +257,7 @@ def srm_chi2_boundary(n: int, canary_weight: float, alpha: float, tau: float) ->
 
 
 # ---------------------------------------------------------------- the checks
-def _srm(stable: ArmStats, canary: ArmStats, weight: float, cfg: GateConfig) -> Check:
+def _srm(stable: ArmStats, canary: ArmStats, weight: float, cfg: GateConfig) -> GateCheck:
     n = stable.step_users + canary.step_users
     p = srm_p_value(stable.step_users, canary.step_users, weight)
     numbers: dict[str, float | int | None] = {
@@ -265,18 +265,18 @@ def _srm(stable: ArmStats, canary: ArmStats, weight: float, cfg: GateConfig) -> 
         "p_value_fixed_n": p,
     }
     if n == 0 or not 0.0 < weight < 1.0:
-        return Check(name="sample_ratio", verdict=Verdict.PASS, numbers=numbers, detail="nothing to compare")
+        return GateCheck(name="sample_ratio", verdict=Verdict.PASS, numbers=numbers, detail="nothing to compare")
     chi2 = sum((o - e) ** 2 / e for o, e in zip((stable.step_users, canary.step_users), (n * (1 - weight), n * weight)))
     boundary = srm_chi2_boundary(n, weight, cfg.srm_alpha, cfg.mixture_tau)
     numbers |= {"chi2": chi2, "chi2_boundary": boundary}
     if chi2 > boundary:
-        return Check(name="sample_ratio", verdict=Verdict.FAIL, numbers=numbers,
+        return GateCheck(name="sample_ratio", verdict=Verdict.FAIL, numbers=numbers,
                      detail=f"users assigned per arm do not match the weight (chi2={chi2:.1f} > {boundary:.1f}, "
                             f"fixed-n p={p:.2g})")
-    return Check(name="sample_ratio", verdict=Verdict.PASS, numbers=numbers, detail=f"split matches the weight (chi2={chi2:.1f})")
+    return GateCheck(name="sample_ratio", verdict=Verdict.PASS, numbers=numbers, detail=f"split matches the weight (chi2={chi2:.1f})")
 
 
-def _min_samples(stable: ArmStats, canary: ArmStats, cfg: GateConfig) -> Check:
+def _min_samples(stable: ArmStats, canary: ArmStats, cfg: GateConfig) -> GateCheck:
     need = (("users", "users", cfg.min_users_per_arm), ("step_requests", "requests this step", cfg.min_requests_per_arm),
             ("rated", "rated requests", cfg.min_rated_per_arm))
     numbers: dict[str, float | int | None] = {f"{arm}_{attr}": getattr(s, attr) for arm, s in (("stable", stable), ("canary", canary))
@@ -284,21 +284,21 @@ def _min_samples(stable: ArmStats, canary: ArmStats, cfg: GateConfig) -> Check:
     short = [f"{arm} has {getattr(s, attr)} {what} of {n}" for arm, s in (("stable", stable), ("canary", canary))
              for attr, what, n in need if getattr(s, attr) < n]
     if short:
-        return Check(name="min_samples", verdict=Verdict.INCONCLUSIVE, numbers=numbers, detail="; ".join(short))
-    return Check(name="min_samples", verdict=Verdict.PASS, numbers=numbers, detail="enough samples on both arms")
+        return GateCheck(name="min_samples", verdict=Verdict.INCONCLUSIVE, numbers=numbers, detail="; ".join(short))
+    return GateCheck(name="min_samples", verdict=Verdict.PASS, numbers=numbers, detail="enough samples on both arms")
 
 
-def _error_rate(stable: ArmStats, canary: ArmStats, cfg: GateConfig) -> Check:
+def _error_rate(stable: ArmStats, canary: ArmStats, cfg: GateConfig) -> GateCheck:
     harm, lo, hi = ratio_difference(canary.errors, stable.errors, cfg.guardrail_alpha / 2, cfg.mixture_tau)
     numbers = {"stable_error_rate": stable.errors.rate, "canary_error_rate": canary.errors.rate,
                "difference": harm, "lower": lo, "upper": hi, "margin": cfg.error_rate_margin}
     if lo > cfg.error_rate_margin:
-        return Check(name="error_rate", verdict=Verdict.FAIL, numbers=numbers,
+        return GateCheck(name="error_rate", verdict=Verdict.FAIL, numbers=numbers,
                      detail=f"canary error rate exceeds stable by more than {cfg.error_rate_margin} (lower bound {lo:.3f})")
-    return Check(name="error_rate", verdict=Verdict.PASS, numbers=numbers, detail="not shown worse than the margin")
+    return GateCheck(name="error_rate", verdict=Verdict.PASS, numbers=numbers, detail="not shown worse than the margin")
 
 
-def _error_rate_within_margin(stable: ArmStats, canary: ArmStats, cfg: GateConfig) -> Check:
+def _error_rate_within_margin(stable: ArmStats, canary: ArmStats, cfg: GateConfig) -> GateCheck:
     """Before promotion the canary's error rate must be shown within the margin, not just "not shown worse".
 
     A canary engine that dies just before the last look has a few failed requests (its users are
@@ -311,17 +311,17 @@ def _error_rate_within_margin(stable: ArmStats, canary: ArmStats, cfg: GateConfi
     numbers = {"stable_error_rate": stable.errors.rate, "canary_error_rate": canary.errors.rate,
                "difference": harm, "lower": lo, "upper": hi, "margin": cfg.error_rate_margin}
     if hi >= cfg.error_rate_margin:
-        return Check(name="error_rate_non_inferiority", verdict=Verdict.INCONCLUSIVE, numbers=numbers,
+        return GateCheck(name="error_rate_non_inferiority", verdict=Verdict.INCONCLUSIVE, numbers=numbers,
                      detail=f"canary error rate {canary.errors.rate:.3f} (stable {stable.errors.rate:.3f}) not yet "
                             f"shown within {cfg.error_rate_margin} of stable (upper bound {hi:.3f}); required to promote")
-    return Check(name="error_rate_non_inferiority", verdict=Verdict.PASS, numbers=numbers,
+    return GateCheck(name="error_rate_non_inferiority", verdict=Verdict.PASS, numbers=numbers,
                  detail=f"canary error rate within {cfg.error_rate_margin} of stable (upper bound {hi:.3f})")
 
 
-def latency_check(stable: LatencySketch, canary: LatencySketch, cfg: GateConfig) -> Check:
+def latency_check(stable: LatencySketch, canary: LatencySketch, cfg: GateConfig) -> GateCheck:
     """The p95 guardrail: canary's lower bound above stable's upper bound times (1 + margin) fails."""
     if stable.n == 0 or canary.n == 0:
-        return Check(name="latency_p95", verdict=Verdict.PASS, numbers={}, detail="no successful requests to compare")
+        return GateCheck(name="latency_p95", verdict=Verdict.PASS, numbers={}, detail="no successful requests to compare")
     alpha = cfg.guardrail_alpha / 4  # half the guardrail budget, split over the two arms' sequences
     s, _, s_hi = quantile_cs(stable, 0.95, alpha, cfg.latency_tau)
     c, c_lo, _ = quantile_cs(canary, 0.95, alpha, cfg.latency_tau)
@@ -329,10 +329,10 @@ def latency_check(stable: LatencySketch, canary: LatencySketch, cfg: GateConfig)
     numbers = {"stable_p95_ms": s, "canary_p95_ms": c, "stable_p95_upper_ms": s_hi if math.isfinite(s_hi) else None,
                "canary_p95_lower_ms": c_lo, "margin": cfg.latency_p95_margin}
     if c_lo > limit:
-        return Check(name="latency_p95", verdict=Verdict.FAIL, numbers=numbers,
+        return GateCheck(name="latency_p95", verdict=Verdict.FAIL, numbers=numbers,
                      detail=f"canary p95 {c:.0f} ms is worse than stable {s:.0f} ms by more than {cfg.latency_p95_margin:.0%} "
                             f"(canary lower bound {c_lo:.0f} ms > {limit:.0f} ms)")
-    return Check(name="latency_p95", verdict=Verdict.PASS, numbers=numbers, detail="not shown worse than the margin")
+    return GateCheck(name="latency_p95", verdict=Verdict.PASS, numbers=numbers, detail="not shown worse than the margin")
 
 
 def judge_interval(judge: JudgeStats, alpha: float, tau: float) -> tuple[float, float]:
@@ -341,21 +341,21 @@ def judge_interval(judge: JudgeStats, alpha: float, tau: float) -> tuple[float, 
     return judge.win_rate - w, judge.win_rate + w
 
 
-def _judged(judge: JudgeStats, cfg: GateConfig) -> Check:
+def _judged(judge: JudgeStats, cfg: GateConfig) -> GateCheck:
     if judge.pairs == 0:
-        return Check(name="judged_win_rate", verdict=Verdict.PASS, numbers={"pairs": 0}, detail="no judged pairs")
+        return GateCheck(name="judged_win_rate", verdict=Verdict.PASS, numbers={"pairs": 0}, detail="no judged pairs")
     lo, hi = judge_interval(judge, cfg.judge_alpha, cfg.judge_tau)
     bar = 0.5 - cfg.judge_margin
     numbers = {"pairs": judge.pairs, "win_rate": judge.win_rate, "lower": lo, "upper": hi, "bar": bar}
     if hi < bar:
-        return Check(name="judged_win_rate", verdict=Verdict.FAIL, numbers=numbers,
+        return GateCheck(name="judged_win_rate", verdict=Verdict.FAIL, numbers=numbers,
                      detail=f"the rubric judge prefers stable: canary win rate {judge.win_rate:.2f} over {judge.pairs} "
                             f"pairs (upper bound {hi:.3f} < {bar:.3f})")
-    return Check(name="judged_win_rate", verdict=Verdict.PASS, numbers=numbers,
+    return GateCheck(name="judged_win_rate", verdict=Verdict.PASS, numbers=numbers,
                  detail=f"canary win rate {judge.win_rate:.2f} over {judge.pairs} pairs, bounds [{lo:.2f}, {hi:.2f}]")
 
 
-def _primary(stable: ArmStats, canary: ArmStats, cfg: GateConfig, require_non_inferiority: bool) -> Check:
+def _primary(stable: ArmStats, canary: ArmStats, cfg: GateConfig, require_non_inferiority: bool) -> GateCheck:
     alpha = cfg.alpha / 2  # Bonferroni over the two primary metrics
     pos_harm, pos_lo, pos_hi = ratio_difference(stable.positive, canary.positive, alpha, cfg.mixture_tau)
     reg_harm, reg_lo, reg_hi = ratio_difference(canary.regenerated, stable.regenerated, alpha, cfg.mixture_tau)
@@ -368,15 +368,15 @@ def _primary(stable: ArmStats, canary: ArmStats, cfg: GateConfig, require_non_in
     }
     worse = [name for name, lo in (("positive-feedback rate", pos_lo), ("regenerate rate", reg_lo)) if lo > 0.0]
     if worse:
-        return Check(name="primary", verdict=Verdict.FAIL, numbers=numbers,
+        return GateCheck(name="primary", verdict=Verdict.FAIL, numbers=numbers,
                      detail=f"canary is significantly worse on {' and '.join(worse)}")
     if pos_hi < cfg.positive_rate_margin and reg_hi < cfg.regenerate_rate_margin:
-        return Check(name="primary", verdict=Verdict.PASS, numbers=numbers,
+        return GateCheck(name="primary", verdict=Verdict.PASS, numbers=numbers,
                      detail="canary is within the non-inferiority margins on both metrics")
     if not require_non_inferiority:
-        return Check(name="primary", verdict=Verdict.PASS, numbers=numbers,
+        return GateCheck(name="primary", verdict=Verdict.PASS, numbers=numbers,
                      detail="no harm shown (non-inferiority is required at the last step)")
-    return Check(name="primary", verdict=Verdict.INCONCLUSIVE, numbers=numbers,
+    return GateCheck(name="primary", verdict=Verdict.INCONCLUSIVE, numbers=numbers,
                  detail="not yet shown within the margins nor worse")
 
 
@@ -390,7 +390,7 @@ def evaluate(stable: ArmStats, canary: ArmStats, canary_weight: float, cfg: Gate
     most traffic, must show the canary within the margins (primary metrics and error rate) before
     promotion. Harm fails at any step.
     """
-    checks: list[Check] = []
+    checks: list[GateCheck] = []
     for check in (
         lambda: _srm(stable, canary, canary_weight, cfg),
         lambda: _min_samples(stable, canary, cfg),

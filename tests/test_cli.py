@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dynrubric.engines.vllm_server import free_port
+from dynrubric.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).parent / "dynrubric"

@@ -12,10 +12,11 @@ from pydantic import SecretStr
 
 from dynrubric.config import KafkaConfig
 from dynrubric.engines.hf import TransformersEngine
+from dynrubric.ports import free_port
 from serving.engine_server import build_app
 from serving.router import Replica, Router, RouterState, Weights
 from streaming.producer import EventProducer
-from tests.serving_harness import ThreadServer, free_port
+from tests.serving_harness import ThreadServer
 
 KEY = "engine-key"
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}

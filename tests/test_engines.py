@@ -164,7 +164,7 @@ def test_vllm_and_transformers_agree(vllm_server, smollm_dir):
 
 def test_unreachable_engine_is_one_clear_error(smollm_dir):
     from dynrubric.engines.http import OpenAIHTTPEngine
-    from dynrubric.engines.vllm_server import free_port
+    from dynrubric.ports import free_port
     from dynrubric.errors import DynrubricError
 
     with pytest.raises(DynrubricError, match="unreachable") as info:

@@ -12,7 +12,8 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from dynrubric.config import VllmConfig
-from dynrubric.engines.vllm_server import VllmServer, free_port
+from dynrubric.engines.vllm_server import VllmServer
+from dynrubric.ports import free_port
 from dynrubric.process import spawn, terminate, wait_until
 from serving.fleet import EngineSpec, Fleet
 

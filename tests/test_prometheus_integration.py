@@ -26,6 +26,7 @@ import yaml
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
 from dynrubric.monitor import find_prometheus, render_config, start_prometheus
+from dynrubric.ports import free_port
 from tests.monitoring_support import ROOT, RULES, alerting_rules
 
 TIME_SCALE = 60
@@ -55,12 +56,6 @@ def time_scaled_rules(out_dir: Path) -> list[Path]:
         target.write_text(yaml.safe_dump(spec, sort_keys=False))
         out.append(target)
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class CollapsingExporter:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.serving_harness import free_port
+from dynrubric.ports import free_port
 
 SCRIPT = Path(sys.executable).parent / "dynrubric"
 REPO = Path(__file__).resolve().parent.parent

@@ -10,22 +10,16 @@ compact JSON, like the in-process engine (`dynrubric.engines.grammar`).
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from dynrubric.process import http_ok, spawn, terminate, wait_until
 from dynrubric.config import VllmConfig
 from dynrubric.errors import DynrubricError
+from dynrubric.ports import free_port
+from dynrubric.process import http_ok, spawn, terminate, wait_until
 
 LOOPBACK = "127.0.0.1"  # a dev-mode server reloads weights for anyone who can reach it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class VllmServer:
