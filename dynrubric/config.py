@@ -207,6 +207,11 @@ class RewardServerConfig(Section):
         description="from a group's first arrival; then the partial group is scored (OpenRLHF sends a prompt's "
         "n samples at once: a whole group is in within seconds)",
     )
+    batch_linger_s: float = Field(
+        default=0.5, ge=0.0, le=10.0,
+        description="how long the scorer waits after a group closes for other open groups to close too, so "
+        "that one batch judges them all (a batch costs about one rubric generation whatever its size)",
+    )
     max_body_bytes: int = Field(default=1_048_576, ge=1024, description="larger request bodies get 413")
     replica_urls: list[str] = Field(
         default_factory=list,

@@ -249,10 +249,11 @@ def finite(x: float) -> float:
 class GroupBarrier:
     """Holds samples per prompt until a group of n is complete or its deadline passes, then scores it."""
 
-    def __init__(self, evaluator: Evaluator, n: int, timeout_s: float, metrics: ServerMetrics):
+    def __init__(self, evaluator: Evaluator, n: int, timeout_s: float, metrics: ServerMetrics, linger_s: float = 0.0):
         self.evaluator = evaluator
         self.n = n
         self.timeout_s = timeout_s
+        self.linger_s = linger_s
         self.metrics = metrics
         self.open: dict[str, Group] = {}
         #: the last scored groups, for operators (GET /groups): rubric, verdicts, scores, gaps
@@ -335,9 +336,14 @@ class GroupBarrier:
         return scored
 
     async def _drain(self) -> None:
-        """Score every closed group; groups that close while a batch is scored form the next batch,
-        so rubric generation for concurrent groups is one batched engine call."""
+        """Score every closed group; groups that close within `linger_s` of the first, or while a batch is
+        scored, form one batch, so rubric generation for concurrent groups is one batched engine call."""
         while self._ready:
+            # OpenRLHF sends a whole batch of prompts at once, but their groups close one HTTP request at a
+            # time: without a short wait the first group alone would take a whole generation pass
+            deadline = time.monotonic() + self.linger_s
+            while self.open and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             batch, self._ready = self._ready, []
             started = time.monotonic()
             try:
@@ -401,7 +407,7 @@ def create_app(
         raise ValueError("reward_server.self_url must be one of reward_server.replica_urls")
     check_fits_client_timeout(config)
     metrics = ServerMetrics(registry)
-    barrier = GroupBarrier(evaluator, config.n_samples_per_prompt, config.group_timeout_s, metrics)
+    barrier = GroupBarrier(evaluator, config.n_samples_per_prompt, config.group_timeout_s, metrics, config.batch_linger_s)
     app = make_app("dynrubric reward server", registry)
     replicas = [u.rstrip("/") for u in config.replica_urls]
     self_url = (config.self_url or "").rstrip("/")

@@ -36,6 +36,8 @@ def replicas(tiny_model_dir: Path, tmp_path_factory):
         "DYNRUBRIC_REWARD_SERVER__N_SAMPLES_PER_PROMPT": str(N),
         "DYNRUBRIC_REWARD_SERVER__GROUP_TIMEOUT_S": "20",
         "DYNRUBRIC_REWARD_SERVER__MAX_BODY_BYTES": "4096",
+        # OpenRLHF's requests of one batch reach a busy test machine over a second or two
+        "DYNRUBRIC_REWARD_SERVER__BATCH_LINGER_S": "5",
     }
     with reward_replicas(2, env, tmp_path_factory.mktemp("reward")) as r:
         yield r
@@ -86,6 +88,10 @@ def test_openrlhf_client_gets_set_conditioned_rewards_across_two_replicas(replic
         ]
         assert matches and out["reward"][0] == pytest.approx(matches[0], abs=1e-6)
     assert sum(r.metric("dynrubric_reward_partial_groups_total") for r in replicas) == 0
+    # the groups a replica owns closed together and were judged in ONE batch (one generation pass):
+    # scored one at a time, SmolLM2 took 314 s for a 4 x 4 batch and OpenRLHF retried every request
+    batches = {n: r.metric("dynrubric_reward_scoring_seconds_count") for n, r in enumerate(replicas)}
+    assert batches == {n: (1.0 if any(n in o for o in owners.values()) else 0.0) for n in range(len(replicas))}
 
 
 def test_partial_group_is_scored_at_the_deadline_and_counted(replicas, tokenizer):
