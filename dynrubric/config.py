@@ -374,12 +374,48 @@ class OpenRLHFConfig(Section):
     extra_args: list[str] = Field(default_factory=list, description="appended verbatim to train_ppo_ray")
 
 
+class RayConfig(Section):
+    """The Ray cluster the round's stages run on when `train.executor` is `ray` (train/ray_executor.py)."""
+
+    address: str | None = Field(
+        default=None,
+        description="unset: start a local Ray on this machine; `auto` (the cluster this node belongs to), "
+        "`ray://host:port` (Ray Client) or `host:port` (a head's GCS) join a cluster",
+    )
+    num_cpus: int | None = Field(default=None, ge=1, description="CPUs of a local Ray (address unset); default all")
+    judges: int = Field(default=1, ge=1, description="judge actors; each holds its rubric writer and verifier once")
+    actor_cpus: float = Field(
+        default=0.0, ge=0, description="CPUs each actor reserves (0: place by spreading, without reserving)"
+    )
+    max_restarts: int = Field(
+        default=3, ge=0,
+        description="times a round resumes from its last published step after a worker (actor, node) died",
+    )
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str | None) -> str | None:
+        if v is None or v == "auto" or re.fullmatch(r"(ray://)?[A-Za-z0-9.\-]+:\d{1,5}", v):
+            return v
+        raise ValueError("expected unset (a local Ray), 'auto', 'ray://host:port' or 'host:port'")
+
+
 class TrainConfig(Section):
     """Training rounds (dynrubric/train/rounds.py)."""
 
     grpo: GRPOConfig = GRPOConfig()
     coevolve: CoevolveConfig = CoevolveConfig()
     openrlhf: OpenRLHFConfig = OpenRLHFConfig()
+    executor: Literal["inprocess", "ray"] = Field(
+        default="inprocess",
+        description="where the round's sampling, judging and policy update run: this process, or Ray actors "
+        "(see the ray section); both give the same round for the same seed",
+    )
+    judge_chunks: int = Field(
+        default=1, ge=1,
+        description="a step's candidate sets are judged in this many chunks, each with its own seed (Ray "
+        "spreads them over its judges; the scores do not depend on the executor)",
+    )
     prompt_source: Literal["jsonl", "replay"] = Field(
         default="jsonl", description="jsonl: prompts_file; replay: the streaming tier's replay store"
     )
@@ -559,6 +595,7 @@ class Settings(BaseSettings):
     broker: BrokerConfig = BrokerConfig()
     ingest: IngestConfig = IngestConfig()
     train: TrainConfig = TrainConfig()
+    ray: RayConfig = RayConfig()
     registry: RegistryConfig = RegistryConfig()
     serving: ServingConfig = ServingConfig()
     rollout: RolloutConfig = RolloutConfig()

@@ -62,6 +62,7 @@ from dynrubric.train.plan import (
     write_json,
 )
 from dynrubric.train.prompts import PromptSource, TrainPrompt
+from dynrubric.train.executor import Executor, InProcess
 from dynrubric.train.step import EngineFactory, RoundModels, generator_step, policy_step
 
 __all__ = ["COLLAPSE", "EVAL", "GUARDED", "PLAN", "SUMMARY", "EngineFactory", "Progress", "RoundRunner", "RunLog",
@@ -100,6 +101,10 @@ class TrainMetrics:
         self.kl = Gauge("dynrubric_train_kl", "KL to the reference policy of the last step", registry=registry)
         self.tied_sets = Counter("dynrubric_train_tied_sets", "sets whose scores were all tied (no gradient)",
                                  registry=registry)
+        self.worker_failures = Counter(
+            "dynrubric_train_worker_failures",
+            "round workers (Ray actors, nodes) that died; the round resumed from its last published step",
+            registry=registry)
         for outcome in ("completed", "failed"):
             self.rounds.labels(outcome=outcome)
         for reason in ("kl", "kl_to_base", "reward_drop", "nonfinite"):
@@ -136,29 +141,57 @@ class RoundRunner(RunState):
         self.evaluator_metrics = EvaluatorMetrics(self.metrics_registry)
 
     def run(self, round_id: int | None = None) -> dict[str, Any]:
+        """Run (or resume) a round. When one of its workers dies (a Ray actor or node), every worker is
+        dropped and the round resumes from its last published step, up to `ray.max_restarts` times;
+        each such failure is a run-log record and a counted metric."""
         round_id = self.next_round() if round_id is None else round_id
         done = self.round_dir(round_id) / SUMMARY
         if done.is_file():
             return read_json(done)
-        try:
-            summary = _Round(self, round_id, self.engines, self.metrics, self.evaluator_metrics, self.progress).run()
-        except Exception:
-            self.metrics.rounds.labels(outcome="failed").inc()
-            raise
+        failures = 0
+        while True:
+            executor = make_executor(self.settings, self.engines)
+            try:
+                summary = _Round(self, round_id, executor, self.metrics, self.evaluator_metrics, self.progress).run()
+                break
+            except executor.worker_failures as e:
+                failures += 1
+                self.metrics.worker_failures.inc()
+                self.runlog.append([{"key": f"round/{round_id}/worker-failure/{time.time_ns()}",
+                                     "kind": "worker_failure", "round": round_id, "time": time.time(),
+                                     "error": f"{type(e).__name__}: {str(e)[:500]}",
+                                     "resumed": failures <= self.settings.ray.max_restarts}])
+                if failures > self.settings.ray.max_restarts:
+                    self.metrics.rounds.labels(outcome="failed").inc()
+                    raise
+            except Exception:
+                self.metrics.rounds.labels(outcome="failed").inc()
+                raise
+            finally:
+                executor.close()
         self.metrics.rounds.labels(outcome="completed").inc()
         return summary
+
+
+def make_executor(settings: Settings, engines: EngineFactory) -> Executor:
+    """The executor `train.executor` names (Ray is imported only when it is asked for)."""
+    if settings.train.executor == "ray":
+        from dynrubric.train.ray_executor import RayExecutor
+
+        return RayExecutor(settings, engines)
+    return InProcess(settings, engines)
 
 
 class _Round:
     """One round while it runs: its plan, its models, the steps it publishes."""
 
-    def __init__(self, state: RunState, round_id: int, engines: EngineFactory, metrics: TrainMetrics,
+    def __init__(self, state: RunState, round_id: int, executor: Executor, metrics: TrainMetrics,
                  evaluator_metrics: EvaluatorMetrics, progress: Progress):
         self.state = state
         self.settings = state.settings
         self.cfg = state.cfg
         self.id = round_id
-        self.engines = engines
+        self.executor = executor
         self.metrics = metrics
         self.evaluator_metrics = evaluator_metrics
         self.progress = progress
@@ -175,12 +208,12 @@ class _Round:
         self.single = self.cfg.coevolve.single_model
         latest = self.latest_step()
         self.history: list[dict[str, Any]] = read_json(latest / "history.json") if latest else []
-        self.models = RoundModels(self.settings, self.engines, self.parent, self.state.base_of(self.parent),
+        self.models = RoundModels(self.settings, self.executor, self.parent, self.state.base_of(self.parent),
                                   self.state.generator_dir(), latest, self.evaluator_metrics)
         # the collapse window spans rounds: continue from this round's last step, else the last round
         window = latest / COLLAPSE if latest and (latest / COLLAPSE).is_file() else self.state.run_dir / COLLAPSE
         if window.is_file():
-            self.models.evaluator.collapse.restore(read_json(window))
+            self.models.collapse.restore(read_json(window))
         self.anchor_file = (
             read_anchor_file(self.cfg.coevolve.anchors_file)
             if self.cfg.coevolve.anchors == "file" and self.cfg.coevolve.anchors_file
@@ -224,9 +257,11 @@ class _Round:
                                   self.seed(step), self.anchors_for, lambda i: self.seed(step, i))
         prompts = self.batch(step, self.cfg.prompts_per_step)
         record, responses = policy_step(self.settings, self.models, prompts, self.seed(step),
+                                        lambda j: self.seed(step, 1000 + j),
                                         lambda n: self.progress.advance("score sets", n))
-        self.collapse_fired = self.collapse_fired or self.models.evaluator.collapse.collapsed
-        self.state.rollouts.append([(p.key, self.parent.version, rs) for p, rs in zip(prompts, responses, strict=True)])
+        self.collapse_fired = self.collapse_fired or self.models.collapse.collapsed
+        self.state.rollouts.append([(p.key, self.parent.version, rs) for p, rs in zip(prompts, responses, strict=True)],
+                                   origin=f"round/{self.id}/step/{step}")
         return record
 
     def publish_step(self, step: int, record: dict[str, Any]) -> None:
@@ -235,7 +270,7 @@ class _Round:
         with atomic.directory(target) as tmp:
             self.models.save(tmp)
             (tmp / "history.json").write_text(json.dumps(self.history, allow_nan=False, default=float))
-            (tmp / COLLAPSE).write_text(json.dumps(self.models.evaluator.collapse.state()))
+            (tmp / COLLAPSE).write_text(json.dumps(self.models.collapse.state()))
         for old in self.steps_dir.iterdir():
             if old.name.isdigit() and old.name < target.name:
                 shutil.rmtree(old, ignore_errors=True)
@@ -254,7 +289,7 @@ class _Round:
             settings=self.settings,
             candidate_dir=final / "policy" / "model" if final else self.parent.path,
             candidate_version=self.version,
-            candidate_model=m.policy.model,
+            candidate_model=m.trainers.candidate_model,
             parent=self.parent,
             base=self.state.base_of(self.parent),
             heldout=self.heldout,
@@ -262,7 +297,7 @@ class _Round:
             generator_engine=None if self.single else m.generator_engine,
             previous_generator=None if self.single else m.generator_base,
             verifier_engine=m.verifier_engine,
-            pad_id=m.policy.pad_token_id,
+            pad_id=m.trainers.pad_token_id,
             seed=self.seed(10_000),
         )
 
@@ -313,7 +348,7 @@ class _Round:
             shutil.rmtree(gen_current, ignore_errors=True)
             with atomic.directory(gen_current) as tmp:
                 shutil.copytree(final / "generator", tmp, dirs_exist_ok=True)
-        write_json(self.state.run_dir / COLLAPSE, self.models.evaluator.collapse.state())
+        write_json(self.state.run_dir / COLLAPSE, self.models.collapse.state())
         summary = {
             "round": self.id,
             "parent": self.parent.version,
