@@ -31,9 +31,11 @@ from dynrubric.train.executor import Judges
 from dynrubric.train.judging import ScoreChunk, ScoredChunk, score_chunk
 from dynrubric.train.step import EngineFactory, Trainers, TrainerSpec
 
-#: what a dead worker looks like to the driver: its actor died, its node died, or its process crashed
+#: what a dead worker looks like to the driver: its actor died or cannot be reached (actors here are
+#: never restarted, so an unreachable one is gone), its node died, or its process crashed
 WORKER_FAILURES: tuple[type[BaseException], ...] = (
     ray.exceptions.RayActorError,
+    ray.exceptions.ActorUnavailableError,
     ray.exceptions.NodeDiedError,
     ray.exceptions.WorkerCrashedError,
     ray.exceptions.ObjectLostError,
