@@ -187,6 +187,7 @@ def train_round(
             for line in round_report(summary, runner.round_dir(summary["round"]) / "summary.json"):
                 console.print(line, markup=False, highlight=False)
     finally:
+        runner.close()
         if server is not None:
             server.should_exit = True
 

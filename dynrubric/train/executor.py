@@ -46,6 +46,9 @@ class Executor(Protocol):
     def judges(self, writer: Engine, verifier: Engine, writer_role: str, writer_dir: Path,
                verifier_dir: Path) -> Judges: ...
 
+    def release(self) -> None:
+        """The round is over: its workers may serve the next round."""
+
     def close(self) -> None: ...
 
 
@@ -83,6 +86,9 @@ class InProcess:
     def judges(self, writer: Engine, verifier: Engine, writer_role: str, writer_dir: Path,
                verifier_dir: Path) -> Judges:
         return LocalJudges(self.settings, writer, verifier)
+
+    def release(self) -> None:
+        """Nothing outlives the round's engines."""
 
     def close(self) -> None:
         """Nothing outlives the round's engines."""

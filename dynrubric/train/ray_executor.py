@@ -12,7 +12,7 @@ judges land on different nodes. The driver keeps every state file: the trainer a
 weights into the directory the round is about to publish atomically, which on a cluster must be on a
 volume every node sees (the state dir, as for the registry). Actors are not restarted by Ray (a
 restarted actor would come back with its first weights): the round drops them all and resumes from its
-last published step (train/rounds.py).
+last published step (train/rounds.py). Between rounds the actors are kept and reset, not restarted.
 """
 
 from __future__ import annotations
@@ -56,6 +56,12 @@ def connect(settings: Settings) -> None:
 
 class EngineActor:
     def __init__(self, factory: EngineFactory, role: str, model_dir: Path):
+        self.reset(factory, role, model_dir)
+
+    def reset(self, factory: EngineFactory, role: str, model_dir: Path) -> None:
+        """A fresh engine in this process (a later round reuses the actor, not its engine)."""
+        if getattr(self, "engine", None) is not None:
+            self.engine.close()
         self.engine = factory(role, model_dir)
 
     def describe(self) -> tuple[Any, str]:
@@ -101,6 +107,13 @@ class JudgeActor:
 
     def __init__(self, settings: Settings, factory: EngineFactory, writer_role: str, writer_dir: Path,
                  verifier_dir: Path):
+        self.reset(settings, factory, writer_role, writer_dir, verifier_dir)
+
+    def reset(self, settings: Settings, factory: EngineFactory, writer_role: str, writer_dir: Path,
+              verifier_dir: Path) -> None:
+        for engine in (getattr(self, "writer", None), getattr(self, "verifier", None)):
+            if engine is not None:
+                engine.close()
         self.writer = factory(writer_role, writer_dir)
         self.verifier = factory("verifier", verifier_dir)
         self.evaluator = Evaluator(self.writer, self.verifier, settings.rubric, metrics=None)
@@ -131,6 +144,10 @@ class RayJudges:
 
 class TrainerActor:
     def __init__(self, spec: TrainerSpec):
+        self.reset(spec)
+
+    def reset(self, spec: TrainerSpec) -> None:
+        self.trainers = None  # the last round's models go before the next ones load
         self.trainers = Trainers(spec)
 
     def pad_token_id(self) -> int:
@@ -160,32 +177,46 @@ class RemoteTrainers:
 
 
 class RayExecutor:
+    """Starts the round's actors; between rounds they wait for the next round (`release`), which resets
+    them instead of paying for new processes (each imports torch and loads its model)."""
+
     worker_failures = WORKER_FAILURES
 
     def __init__(self, settings: Settings, engines: EngineFactory):
         connect(settings)
         self.settings = settings
         self.factory = engines
-        self.actors: list[Any] = []
+        self.idle: dict[str, list[Any]] = {}
+        self.in_use: list[tuple[str, Any]] = []
 
-    def _start(self, cls: type, *args: Any) -> Any:
-        actor = ray.remote(cls).options(num_cpus=self.settings.ray.actor_cpus, max_restarts=0,
-                                        scheduling_strategy="SPREAD").remote(*args)
-        self.actors.append(actor)
+    def _actor(self, kind: str, cls: type, *args: Any) -> Any:
+        idle = self.idle.setdefault(kind, [])
+        if idle:
+            actor = idle.pop()
+            ray.get(actor.reset.remote(*args))
+        else:
+            actor = ray.remote(cls).options(num_cpus=self.settings.ray.actor_cpus, max_restarts=0,
+                                            scheduling_strategy="SPREAD").remote(*args)
+        self.in_use.append((kind, actor))
         return actor
 
     def engine(self, role: str, model_dir: Path) -> Engine:
-        return RemoteEngine(self._start(EngineActor, self.factory, role, model_dir))
+        return RemoteEngine(self._actor(f"engine:{role}", EngineActor, self.factory, role, model_dir))
 
     def trainers(self, spec: TrainerSpec) -> RemoteTrainers:
-        return RemoteTrainers(self._start(TrainerActor, spec))
+        return RemoteTrainers(self._actor("trainer", TrainerActor, spec))
 
     def judges(self, writer: Engine, verifier: Engine, writer_role: str, writer_dir: Path,
                verifier_dir: Path) -> Judges:
-        return RayJudges([self._start(JudgeActor, self.settings, self.factory, writer_role, writer_dir, verifier_dir)
-                          for _ in range(self.settings.ray.judges)])
+        return RayJudges([self._actor("judge", JudgeActor, self.settings, self.factory, writer_role, writer_dir,
+                                      verifier_dir) for _ in range(self.settings.ray.judges)])
+
+    def release(self) -> None:
+        for kind, actor in self.in_use:
+            self.idle[kind].append(actor)
+        self.in_use = []
 
     def close(self) -> None:
-        for actor in self.actors:
+        for actor in [a for _, a in self.in_use] + [a for actors in self.idle.values() for a in actors]:
             ray.kill(actor)
-        self.actors = []
+        self.idle, self.in_use = {}, []

@@ -139,6 +139,7 @@ class RoundRunner(RunState):
         self.metrics = TrainMetrics(self.metrics_registry)
         self.progress = progress or Progress()
         self.evaluator_metrics = EvaluatorMetrics(self.metrics_registry)
+        self.executor: Executor | None = None
 
     def run(self, round_id: int | None = None) -> dict[str, Any]:
         """Run (or resume) a round. When one of its workers dies (a Ray actor or node), every worker is
@@ -150,11 +151,13 @@ class RoundRunner(RunState):
             return read_json(done)
         failures = 0
         while True:
-            executor = make_executor(self.settings, self.engines)
+            executor = self.executor = self.executor or make_executor(self.settings, self.engines)
             try:
                 summary = _Round(self, round_id, executor, self.metrics, self.evaluator_metrics, self.progress).run()
+                executor.release()
                 break
             except executor.worker_failures as e:
+                self.close()
                 failures += 1
                 self.metrics.worker_failures.inc()
                 self.runlog.append([{"key": f"round/{round_id}/worker-failure/{time.time_ns()}",
@@ -165,12 +168,17 @@ class RoundRunner(RunState):
                     self.metrics.rounds.labels(outcome="failed").inc()
                     raise
             except Exception:
+                self.close()
                 self.metrics.rounds.labels(outcome="failed").inc()
                 raise
-            finally:
-                executor.close()
         self.metrics.rounds.labels(outcome="completed").inc()
         return summary
+
+    def close(self) -> None:
+        """Stop the rounds' workers (Ray actors wait between rounds until then)."""
+        if self.executor is not None:
+            self.executor.close()
+            self.executor = None
 
 
 def make_executor(settings: Settings, engines: EngineFactory) -> Executor:
