@@ -26,6 +26,7 @@ from ray.util import ActorPool
 
 from dynrubric.config import Settings
 from dynrubric.engines.base import Completion, Engine, GenerationRequest
+from dynrubric.ray_cluster import connect
 from dynrubric.rubric.evaluator import Evaluator
 from dynrubric.train.executor import Judges
 from dynrubric.train.judging import ScoreChunk, ScoredChunk, score_chunk
@@ -40,18 +41,6 @@ WORKER_FAILURES: tuple[type[BaseException], ...] = (
     ray.exceptions.WorkerCrashedError,
     ray.exceptions.ObjectLostError,
 )
-
-
-def connect(settings: Settings) -> None:
-    """Join `ray.address`, or start a local Ray when it is unset (once per process)."""
-    if ray.is_initialized():
-        return
-    cfg = settings.ray
-    if cfg.address is None:
-        ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
-    else:
-        ray.init(address=cfg.address, log_to_driver=False, configure_logging=False)
 
 
 class EngineActor:
