@@ -191,7 +191,6 @@ class RewardServerConfig(Section):
     token: SecretStr | None = Field(
         default=None, description="required on /reward and /score_sets (bearer header or ?token=)"
     )
-    n_samples_per_prompt: int = Field(default=4, ge=1, description="OpenRLHF's n_samples_per_prompt: group size")
     group_timeout_s: float = Field(
         default=30.0, gt=0,
         description="from a group's first arrival; then the partial group is scored (OpenRLHF sends a prompt's "
@@ -431,7 +430,11 @@ class TrainConfig(Section):
         description="share of new prompts held out (by prompt key, deterministic) when heldout_file is unset",
     )
     heldout_prompts: int = Field(default=8, ge=1, description="held-out prompts evaluated per round")
-    candidates: int = Field(default=4, ge=2, description="K: responses sampled per prompt (one candidate set)")
+    candidates: int = Field(
+        default=4, ge=2,
+        description="K: responses sampled per prompt (one candidate set); the one group size: OpenRLHF's "
+        "--rollout.n_samples_per_prompt and the reward server's group barrier use it too",
+    )
     prompts_per_step: int = Field(default=8, ge=1, description="candidate sets per policy step")
     steps_per_round: int = Field(default=4, ge=1)
     max_prompts_per_round: int = Field(default=256, ge=1, description="new prompts taken per round")

@@ -46,8 +46,9 @@ def differences(a: Any, b: Any, path: str = "") -> list[str]:
 
 def comparable(summary: dict[str, Any]) -> dict[str, Any]:
     """The summary without its clock readings."""
-    out = {k: v for k, v in summary.items() if k != "seconds"}
-    out["steps"] = [{k: v for k, v in s.items() if k != "time"} for s in summary["steps"]]
+    clocks = ("seconds", "time", "stage_seconds")
+    out = {k: v for k, v in summary.items() if k not in clocks}
+    out["steps"] = [{k: v for k, v in s.items() if k not in clocks} for s in summary["steps"]]
     return out
 
 

@@ -105,7 +105,7 @@ def file_sets(path: Path, read_jsonl: Callable[[Path], list[tuple[str, list[str]
     return ray.data.read_parquet(str(path), columns=["prompt", "responses"])
 
 
-def score_dataset(settings: Settings, sets: Any, total: int, advance: Callable[[int], None]) -> Iterator[dict]:
+def score_dataset(settings: Settings, sets: Any, advance: Callable[[int], None]) -> Iterator[dict]:
     """Scored rows of `sets` (a Dataset), in input order, scored on `ray.judges` actors; `advance(1)`
     per set as its row arrives."""
     scored = sets.map_batches(SetScorer, fn_constructor_args=(settings,), batch_size=1,

@@ -178,7 +178,7 @@ def score_on_ray(settings, source: Path, out: Path | None) -> None:
         total = sets.count()
     with Bars(console) as bars:
         bars.start("sets scored", total)
-        rows = list(bulk.score_dataset(settings, sets, total, lambda n: bars.advance("sets scored", n)))
+        rows = list(bulk.score_dataset(settings, sets, lambda n: bars.advance("sets scored", n)))
     bulk.write_scored(out, rows)
     sources = Counter(r["rubric_source"] for r in rows)
     console.print(f"{len(rows)} sets scored on {settings.ray.judges} judge actor(s) -> {out}; rubric sources: "

@@ -212,6 +212,9 @@ def round_report(summary: dict, path: Path) -> list[str]:
         f"{fallbacks['prompt_only']}, to the generic rubric {fallbacks['generic']}; "
         f"hard verdicts {fallbacks['hard_verdict']}",
     ]
+    stages = summary.get("stage_seconds")
+    if stages:
+        lines.append("  time: " + ", ".join(f"{stage} {seconds:.0f}s" for stage, seconds in stages.items()))
     if summary.get("refresh"):
         lines.append(f"  refresh: {summary['refresh']}")
     if summary["collapse"]["fired"]:

@@ -333,7 +333,9 @@ class _Round:
                     self.metrics.tied_sets.inc(record["tied_sets"])
                 self.progress.advance(f"round {self.id}", 1)
             self.progress.start("evaluate", 1)
+            t0 = time.perf_counter()
             evaluation = self.evaluate()
+            self.evaluate_seconds = time.perf_counter() - t0
             self.progress.advance("evaluate", 1)
             return self.finish(evaluation, started)
         finally:
@@ -378,6 +380,13 @@ class _Round:
             "watermark_before": self.plan["watermark_before"],
             "watermark_after": self.plan["watermark_after"],
             "seconds": time.time() - started,
+            # where the round's time went: the steps' stages (this run's steps; a resumed round's
+            # earlier steps included) and its evaluation
+            "stage_seconds": {
+                **{stage: sum(h.get("stage_seconds", {}).get(stage, 0.0) for h in self.history)
+                   for stage in ("sample", "judge", "update")},
+                "evaluate": self.evaluate_seconds,
+            },
         }
         write_json(self.dir / SUMMARY, summary)
         self.state.runlog.append([{"key": f"round/{self.id}", "kind": "round", **{k: v for k, v in summary.items()

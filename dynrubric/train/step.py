@@ -12,6 +12,7 @@ batch; a generator step samples rubrics for candidate sets and takes one GRPO ba
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,9 +191,12 @@ def policy_step(settings: Settings, models: RoundModels, prompts: Sequence[Train
 
     cfg = settings.train
     tok = models.policy_engine.tokenizer
+    t0 = time.perf_counter()
     texts, outs = sample_sets(settings, models.policy_engine, prompts, cfg.candidates, seed)
     responses = [[c.text for c in cs] for cs in outs]
+    t1 = time.perf_counter()
     scored, counts = models.score([p.question for p in prompts], responses, seed_of, progress)
+    t2 = time.perf_counter()
     groups = []
     for text, cs, sc in zip(texts, outs, scored, strict=True):
         prompt_ids = tuple(tok.encode(text, add_special_tokens=False))
@@ -203,6 +207,7 @@ def policy_step(settings: Settings, models: RoundModels, prompts: Sequence[Train
     stats = models.trainers.step("policy", groups)
     n = len(scored)
     record = {
+        "stage_seconds": {"sample": t1 - t0, "judge": t2 - t1, "update": time.perf_counter() - t2},
         **stats,
         "mean_gap": sum(s.gaps.mean_abs_gap for s in scored) / n,
         "tie_rate": sum(s.gaps.tie_rate for s in scored) / n,
@@ -226,7 +231,9 @@ def generator_step(settings: Settings, models: RoundModels, prompts: Sequence[Tr
     step's i-th derived seed."""
     co = settings.train.coevolve
     evaluator = models.evaluator
+    t0 = time.perf_counter()
     _, outs = sample_sets(settings, models.policy_engine, prompts, settings.train.candidates, seed)
+    t1 = time.perf_counter()
     responses = [[c.text for c in cs] for cs in outs]
     rng = random.Random(seed_of(7))
     anchors = [anchors_for(p, rs, rng) for p, rs in zip(prompts, responses, strict=True)]
@@ -245,6 +252,8 @@ def generator_step(settings: Settings, models: RoundModels, prompts: Sequence[Tr
         seed_of(13),
         RUBRIC_SCHEMA_JSON if settings.rubric.constrained else None,
     )
+    t2 = time.perf_counter()
     stats = models.trainers.step("generator", groups)
     updates = stats.pop("updates")
-    return {**stats, **{f"gen_{k}": v for k, v in gstats.as_dict().items()}, "updates": updates}
+    return {"stage_seconds": {"sample": t1 - t0, "judge": t2 - t1, "update": time.perf_counter() - t2},
+            **stats, **{f"gen_{k}": v for k, v in gstats.as_dict().items()}, "updates": updates}
