@@ -390,6 +390,11 @@ class RayConfig(Section):
         default=3, ge=0,
         description="times a round resumes from its last published step after a worker (actor, node) died",
     )
+    restart_wait_s: float = Field(
+        default=10.0, ge=0,
+        description="wait before the n-th resume: n times this (the cluster needs seconds to declare a killed "
+        "node dead; until then new actors may still be placed on it)",
+    )
 
     @field_validator("address")
     @classmethod

@@ -140,6 +140,7 @@ def test_ray_round_survives_a_killed_worker_node(tmp_path: Path, tiny_model_dir:
 
     records = cluster.runlog.records()
     failures = [r for r in records if r["kind"] == "worker_failure"]
+    print("worker failures:", [(r["error"][:100], r["resumed"]) for r in failures])
     assert failures and all(r["resumed"] for r in failures), records
     keys = [r["key"] for r in records if r["kind"] != "worker_failure"]
     assert sorted(keys) == sorted(set(keys)) == sorted(["round/1", "round/1/step/0", "round/1/step/1"])

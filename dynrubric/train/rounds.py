@@ -167,6 +167,7 @@ class RoundRunner(RunState):
                 if failures > self.settings.ray.max_restarts:
                     self.metrics.rounds.labels(outcome="failed").inc()
                     raise
+                time.sleep(self.settings.ray.restart_wait_s * failures)
             except Exception:
                 self.close()
                 self.metrics.rounds.labels(outcome="failed").inc()
