@@ -90,7 +90,11 @@ def two_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     port = free_port()
     # the nodes and this driver are one trusted process tree on loopback: no token to hand around
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
+    # the head declares a killed node dead after ~3 s of failed health checks (default: tens of seconds,
+    # during which new actors may still be placed on it and die before starting)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
+           "RAY_health_check_failure_threshold": "3"}
     temp = Path("/tmp") / f"ray-t{os.getpid()}"  # its own session dir; a socket path must stay short
     head = ray_start("--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={temp}",
                      '--resources={"head": 1}', env=env, log=tmp_path / "head.log")

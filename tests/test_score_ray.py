@@ -27,11 +27,12 @@ def replay_store_of_shipped_traffic(root: Path, limit: int) -> int:
     lines = [json.loads(line) for line in SHIPPED.read_text().splitlines() if line.strip()][:limit]
     writer = StoreWriter(root)
     offset = 0
-    for version, response in (("base", None), ("v1", UNSURE)):
+    for k, (version, response) in enumerate((("base", None), ("v1", UNSURE))):
         stored = []
         for n, line in enumerate(lines):
             line = {**line, "response": response} if response else line
-            for event in events_of_line(line, policy_version=version, fresh_ids=True, now=1_790_000_000.0 + n):
+            now = 1_790_000_000.0 + 1000 * k + n  # v1 answered after base
+            for event in events_of_line(line, policy_version=version, fresh_ids=True, now=now):
                 stored.append(Stored(event, 0, offset))
                 offset += 1
         writer.commit(stored)
