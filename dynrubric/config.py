@@ -201,7 +201,6 @@ class RewardServerConfig(Section):
     token: SecretStr | None = Field(
         default=None, description="required on /reward and /score_sets (bearer header or ?token=)"
     )
-    n_samples_per_prompt: int = Field(default=4, ge=1, description="OpenRLHF's n_samples_per_prompt: group size")
     group_timeout_s: float = Field(
         default=30.0, gt=0,
         description="from a group's first arrival; then the partial group is scored (OpenRLHF sends a prompt's "
@@ -228,7 +227,8 @@ class RewardServerConfig(Section):
     scoring_time_s: float = Field(
         default=140.0, gt=0,
         description="the longest a closed group waits for its score (measure: benchmarks/reward_group.py; "
-        "SmolLM2-135M on 2 CPU cores, defaults: ~120 s for a batch of 4 groups of 4); "
+        "SmolLM2-135M on 2 CPU cores, defaults: 70-110 s for a batch of 4 groups of 4, judged as one batch: "
+        "see batch_linger_s); "
         "group_timeout_s + scoring_time_s must be below client_timeout_s",
     )
 
@@ -389,12 +389,53 @@ class OpenRLHFConfig(Section):
     extra_args: list[str] = Field(default_factory=list, description="appended verbatim to train_ppo_ray")
 
 
+class RayConfig(Section):
+    """The Ray cluster the round's stages run on when `train.executor` is `ray` (train/ray_executor.py)."""
+
+    address: str | None = Field(
+        default=None,
+        description="unset: start a local Ray on this machine; `auto` (the cluster this node belongs to), "
+        "`ray://host:port` (Ray Client) or `host:port` (a head's GCS) join a cluster",
+    )
+    num_cpus: int | None = Field(default=None, ge=1, description="CPUs of a local Ray (address unset); default all")
+    judges: int = Field(default=1, ge=1, description="judge actors; each holds its rubric writer and verifier once")
+    actor_cpus: float = Field(
+        default=0.0, ge=0, description="CPUs each actor reserves (0: place by spreading, without reserving)"
+    )
+    max_restarts: int = Field(
+        default=3, ge=0,
+        description="times a round resumes from its last published step after a worker (actor, node) died",
+    )
+    restart_wait_s: float = Field(
+        default=10.0, ge=0,
+        description="wait before the n-th resume: n times this (the cluster needs seconds to declare a killed "
+        "node dead; until then new actors may still be placed on it)",
+    )
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str | None) -> str | None:
+        if v is None or v == "auto" or re.fullmatch(r"(ray://)?[A-Za-z0-9.\-]+:\d{1,5}", v):
+            return v
+        raise ValueError("expected unset (a local Ray), 'auto', 'ray://host:port' or 'host:port'")
+
+
 class TrainConfig(Section):
     """Training rounds (dynrubric/train/rounds.py)."""
 
     grpo: GRPOConfig = GRPOConfig()
     coevolve: CoevolveConfig = CoevolveConfig()
     openrlhf: OpenRLHFConfig = OpenRLHFConfig()
+    executor: Literal["inprocess", "ray"] = Field(
+        default="inprocess",
+        description="where the round's sampling, judging and policy update run: this process, or Ray actors "
+        "(see the ray section); both give the same round for the same seed",
+    )
+    judge_chunks: int = Field(
+        default=1, ge=1,
+        description="a step's candidate sets are judged in this many chunks, each with its own seed (Ray "
+        "spreads them over its judges; the scores do not depend on the executor)",
+    )
     prompt_source: Literal["jsonl", "replay"] = Field(
         default="jsonl", description="jsonl: prompts_file; replay: the streaming tier's replay store"
     )
@@ -410,7 +451,11 @@ class TrainConfig(Section):
         description="share of new prompts held out (by prompt key, deterministic) when heldout_file is unset",
     )
     heldout_prompts: int = Field(default=8, ge=1, description="held-out prompts evaluated per round")
-    candidates: int = Field(default=4, ge=2, description="K: responses sampled per prompt (one candidate set)")
+    candidates: int = Field(
+        default=4, ge=2,
+        description="K: responses sampled per prompt (one candidate set); the one group size: OpenRLHF's "
+        "--rollout.n_samples_per_prompt and the reward server's group barrier use it too",
+    )
     prompts_per_step: int = Field(default=8, ge=1, description="candidate sets per policy step")
     steps_per_round: int = Field(default=4, ge=1)
     max_prompts_per_round: int = Field(default=256, ge=1, description="new prompts taken per round")
@@ -590,6 +635,7 @@ class Settings(BaseSettings):
     broker: BrokerConfig = BrokerConfig()
     ingest: IngestConfig = IngestConfig()
     train: TrainConfig = TrainConfig()
+    ray: RayConfig = RayConfig()
     registry: RegistryConfig = RegistryConfig()
     serving: ServingConfig = ServingConfig()
     rollout: RolloutConfig = RolloutConfig()

@@ -6,7 +6,8 @@ while it generates the n samples of a prompt concurrently, cycling its reward UR
 set-conditioned reward needs the whole set, so:
 
 - each sample joins the open group of its prompt (the group key); a group closes when it holds
-  `n_samples_per_prompt` samples (the same prompt twice in a batch = two groups, split by arrival), or
+  `group_size` samples (`train.candidates`, OpenRLHF's n_samples_per_prompt; the same prompt twice in
+  a batch = two groups, split by arrival), or
   when its deadline, fixed at its FIRST arrival, passes (a partial group, counted); retries re-enter
   the barrier and can never extend a deadline;
 - a retry is the same sample again (same prompt, same response text) after its first request went
@@ -401,13 +402,15 @@ def create_app(
     config: RewardServerConfig,
     registry: CollectorRegistry,
     special_tokens: Sequence[str],
+    group_size: int,
 ) -> FastAPI:
-    """The reward server over an evaluator whose metrics are registered on `registry`."""
+    """The reward server over an evaluator whose metrics are registered on `registry`; a group closes
+    at `group_size` samples."""
     if config.replica_urls and config.self_url not in config.replica_urls:
         raise ValueError("reward_server.self_url must be one of reward_server.replica_urls")
     check_fits_client_timeout(config)
     metrics = ServerMetrics(registry)
-    barrier = GroupBarrier(evaluator, config.n_samples_per_prompt, config.group_timeout_s, metrics, config.batch_linger_s)
+    barrier = GroupBarrier(evaluator, group_size, config.group_timeout_s, metrics, config.batch_linger_s)
     app = make_app("dynrubric reward server", registry)
     replicas = [u.rstrip("/") for u in config.replica_urls]
     self_url = (config.self_url or "").rstrip("/")
@@ -538,4 +541,4 @@ def build_app(settings: Any) -> FastAPI:
     registry = CollectorRegistry()
     evaluator = Evaluator(generator, verifier, settings.rubric, EvaluatorMetrics(registry))
     specials = [t for t in generator.tokenizer.all_special_tokens if t]
-    return create_app(evaluator, settings.reward_server, registry, specials)
+    return create_app(evaluator, settings.reward_server, registry, specials, settings.train.candidates)

@@ -410,13 +410,18 @@ class ReplayStore:
             items.sort(key=lambda f: f.ts)
         return dict(out)
 
+    def shard_paths(self, kind: str = QUERY_LOG) -> list[Path]:
+        """The shards of one kind the manifest lists (readers must not see any other file), oldest first."""
+        return [self.root / row[0] for row in
+                self.db.execute("SELECT path FROM shards WHERE kind = ? ORDER BY shard_id", (kind,))]
+
     def table(self, kind: str = QUERY_LOG) -> pa.Table:
         """Everything of one kind the manifest lists, as one Arrow table (analysis, tests, export)."""
-        paths = [row[0] for row in self.db.execute("SELECT path FROM shards WHERE kind = ? ORDER BY shard_id", (kind,))]
+        paths = self.shard_paths(kind)
         schema = QUERY_LOG_SCHEMA if kind == QUERY_LOG else FEEDBACK_SCHEMA
         if not paths:
             return schema.empty_table()
-        return pa.concat_tables(pq.read_table(self.root / p, schema=schema) for p in paths)
+        return pa.concat_tables(pq.read_table(p, schema=schema) for p in paths)
 
     def shard_count(self) -> int:
         return self.db.execute("SELECT COUNT(*) FROM shards").fetchone()[0]

@@ -133,3 +133,26 @@ def _top_level_imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
             tops.add(node.module.split(".")[0])
     return tops
+
+
+def test_the_report_command_does_not_import_torch(tmp_path: Path):
+    """`dynrubric report` only reads the run log and draws it: run in a fresh interpreter over a one-step
+    run log, it must leave torch (seconds to import, gigabytes in a GPU image) unloaded."""
+    import json
+    import subprocess
+
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "runlog.jsonl").write_text(
+        json.dumps({"key": "round/1/step/0", "kind": "step", "phase": "policy", "step": 0, "reward_mean": 0.5}) + "\n")
+    code = ("import sys\n"
+            "from dynrubric.cli import main\n"
+            "sys.argv = ['dynrubric', 'report']\n"
+            "try:\n"
+            "    main()\n"
+            "finally:\n"
+            "    print('torch loaded:', 'torch' in sys.modules)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DYNRUBRIC_PATHS__STATE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "report: " in done.stdout, done.stdout + done.stderr
+    assert "torch loaded: False" in done.stdout, done.stdout + done.stderr
+    assert (tmp_path / "report" / "run.png").is_file()

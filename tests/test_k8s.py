@@ -191,19 +191,26 @@ def test_trainer_is_openrlhf_on_kuberay_with_our_reward_server():
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_group_size_is_one_number_for_trainer_and_reward_server(overlay, tmp_path):
-    """OpenRLHF sends n samples per prompt; the reward server's barrier closes a group at its own
-    n_samples_per_prompt, so a mismatch scores every group as a wrong-sized set. The reward server's value
-    is read as it will run: the rendered ConfigMap's settings plus its Deployment's env."""
-    objs = rendered(overlay)
-    n = int(re.search(r"--rollout\.n_samples_per_prompt (\d+)", find(objs, "RayJob")["spec"]["entrypoint"]).group(1))
+    """OpenRLHF sends n samples per prompt; the reward server's barrier closes a group at train.candidates,
+    so a mismatch scores every group as a wrong-sized set. One config value, train.candidates, must
+    reach: the RayJob manifest's --rollout.n_samples_per_prompt, the flags `dynrubric train openrlhf`
+    emits, and the reward server as it will run (the rendered ConfigMap's settings plus its
+    Deployment's env)."""
     from dynrubric.config import load_settings
+    from dynrubric.train.openrlhf import train_ppo_ray_argv
 
+    objs = rendered(overlay)
+    manifest = int(re.search(r"--rollout\.n_samples_per_prompt (\d+)", find(objs, "RayJob")["spec"]["entrypoint"]).group(1))
     config = tmp_path / "dynrubric.yaml"
     config.write_text(find(objs, "ConfigMap", "dynrubric-config")["data"]["dynrubric.yaml"])
     container = find(objs, "Deployment", "dynrubric-reward-server")["spec"]["template"]["spec"]["containers"][0]
-    settings = load_settings(config, environ={e["name"]: e["value"] for e in container["env"] if "value" in e})
-    assert settings.reward_server.n_samples_per_prompt == n, "reward_server.n_samples_per_prompt != the RayJob's"
-    assert settings.train.candidates == n, "train.candidates (what `dynrubric train openrlhf` passes) != the RayJob's"
+    reward_server = load_settings(config, environ={e["name"]: e["value"] for e in container["env"] if "value" in e})
+    trainer = load_settings(config, environ={})
+    argv = train_ppo_ray_argv(trainer, "/models/policy/current", "/prompts.jsonl", "/out")
+    emitted = int(argv[argv.index("--rollout.n_samples_per_prompt") + 1])
+    sizes = {"manifest": manifest, "emitted flags": emitted, "reward server (train.candidates)":
+             reward_server.train.candidates, "trainer (train.candidates)": trainer.train.candidates}
+    assert len(set(sizes.values())) == 1, f"group sizes disagree: {sizes}"
 
 
 def test_analysis_template_maps_gate_verdicts():

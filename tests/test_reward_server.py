@@ -33,7 +33,7 @@ def replicas(tiny_model_dir: Path, tmp_path_factory):
         "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": "16",
         "DYNRUBRIC_RUBRIC__RETRIES": "0",
         "DYNRUBRIC_RUBRIC__PROMPT_ONLY_RETRIES": "0",
-        "DYNRUBRIC_REWARD_SERVER__N_SAMPLES_PER_PROMPT": str(N),
+        "DYNRUBRIC_TRAIN__CANDIDATES": str(N),
         "DYNRUBRIC_REWARD_SERVER__GROUP_TIMEOUT_S": "20",
         "DYNRUBRIC_REWARD_SERVER__MAX_BODY_BYTES": "4096",
         # OpenRLHF's requests of one batch reach a busy test machine over a second or two

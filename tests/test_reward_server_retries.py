@@ -62,7 +62,7 @@ def test_openrlhf_retries_join_their_slot_and_every_sample_is_scored_once(tiny_m
         "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": "16",
         "DYNRUBRIC_RUBRIC__RETRIES": "0",
         "DYNRUBRIC_RUBRIC__PROMPT_ONLY_RETRIES": "0",
-        "DYNRUBRIC_REWARD_SERVER__N_SAMPLES_PER_PROMPT": str(N),
+        "DYNRUBRIC_TRAIN__CANDIDATES": str(N),
         "DYNRUBRIC_REWARD_SERVER__GROUP_TIMEOUT_S": "30",
     }
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)

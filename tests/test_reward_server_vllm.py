@@ -43,7 +43,7 @@ def test_openrlhf_rollout_against_vllm_backed_replicas(vllm_server, tmp_path: Pa
         "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": "96",
         "DYNRUBRIC_RUBRIC__RETRIES": "0",
         "DYNRUBRIC_RUBRIC__PROMPT_ONLY_RETRIES": "0",
-        "DYNRUBRIC_REWARD_SERVER__N_SAMPLES_PER_PROMPT": str(N),
+        "DYNRUBRIC_TRAIN__CANDIDATES": str(N),
         "DYNRUBRIC_REWARD_SERVER__GROUP_TIMEOUT_S": "60",
         "DYNRUBRIC_REWARD_SERVER__SCORING_TIME_S": "100",  # 60 + 100 fits OpenRLHF's 180 s
     }

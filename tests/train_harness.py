@@ -73,7 +73,7 @@ def engines(role: str, model_dir: Path) -> Engine:
     return TransformersEngine(model_dir, max_batch_size=64)
 
 
-def settings(state_dir: Path, model_dir: Path, prompts_file: Path, **train) -> Settings:
+def settings(state_dir: Path, model_dir: Path, prompts_file: Path, ray: dict | None = None, **train) -> Settings:
     """Small settings for the task (measured: ~2 min per round on the shared 2-core machine at load 17),
     with the guards at their defaults."""
     train_cfg = {
@@ -109,6 +109,7 @@ def settings(state_dir: Path, model_dir: Path, prompts_file: Path, **train) -> S
             ],
         },
         "train": train_cfg,
+        "ray": ray or {},
     })
 
 
@@ -123,12 +124,12 @@ def write_prompts(path: Path, n: int) -> Path:
     return path
 
 
-def runner(state_dir: Path, model_dir: Path, prompts_file: Path, progress=None, **train):
+def runner(state_dir: Path, model_dir: Path, prompts_file: Path, ray: dict | None = None, progress=None, **train):
     from dynrubric.registry import open_registry
     from dynrubric.train.prompts import JsonlPromptSource
     from dynrubric.train.rounds import RoundRunner, rollout_history
 
-    s = settings(state_dir, model_dir, prompts_file, **train)
+    s = settings(state_dir, model_dir, prompts_file, ray, **train)
     return RoundRunner(s, open_registry(s), JsonlPromptSource(prompts_file, rollout_history(s)), engines,
                        progress=progress)
 

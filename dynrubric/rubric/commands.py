@@ -77,6 +77,10 @@ def score(
     mode: Annotated[
         str | None, typer.Option("--mode", help="set | prompt_only rubric generation (default: rubric.mode)")
     ] = None,
+    on_ray: Annotated[
+        bool, typer.Option("--ray", help="score on Ray Data with ray.judges judge actors; SETS may also be Parquet "
+                           "({prompt, responses}) or a replay store directory; writes Parquet")
+    ] = False,
 ) -> None:
     """Score candidate sets with set-conditioned rubrics; write rubrics, verdicts, scores and gaps."""
     from rich.table import Table
@@ -93,6 +97,12 @@ def score(
             settings.rubric.mode = mode  # type: ignore[assignment]
     except ValueError as e:
         raise DynrubricError(f"bad option: {e.errors()[0]['msg']}", "use --engine transformers|openai-http, --mode set|prompt_only") from None  # type: ignore[attr-defined]
+    if on_ray:
+        score_on_ray(settings, sets_file, out)
+        return
+    if sets_file.suffix != ".jsonl" and (sets_file.is_dir() or sets_file.suffix == ".parquet"):
+        raise DynrubricError(f"{sets_file} is Parquet or a directory; without --ray, score reads JSONL sets",
+                             f"dynrubric score {sets_file} --ray")
     sets = read_sets(sets_file)
     out = out or Path(sets_file.stem + ".scored.jsonl")  # in the working directory, not beside the input
     with status(console, f"loading the {settings.engine.kind} engine"):
@@ -135,6 +145,44 @@ def score(
     generator.close()
     if verifier is not generator:
         verifier.close()
+
+
+def score_on_ray(settings, source: Path, out: Path | None) -> None:
+    """`dynrubric score --ray`: the sets of `source` through Ray Data and a pool of judge actors (rubric/bulk.py)."""
+    import ray
+
+    from dynrubric.rubric import bulk
+    from dynrubric.ray_cluster import connect
+
+    if not source.exists():
+        raise DynrubricError(f"{source} does not exist", "pass a JSONL or Parquet sets file, or a replay store directory")
+    out = out or Path(source.name.removesuffix(source.suffix) + ".scored.parquet")
+    with status(console, "starting Ray" if settings.ray.address is None else f"joining Ray at {settings.ray.address}"):
+        connect(settings)
+        ray.data.DataContext.get_current().enable_progress_bars = False  # ours below, one line per set when piped
+    if (source / "index.sqlite").is_file():
+        try:
+            from streaming.store import QUERY_LOG, ReplayStore
+        except ImportError:
+            raise DynrubricError("reading a replay store needs the streaming tier, which is not installed",
+                                 "export the sets as Parquet {prompt, responses}") from None
+        with ReplayStore(source) as store:
+            shards = store.shard_paths(QUERY_LOG)
+        if not shards:
+            raise DynrubricError(f"the replay store {source} holds no query-log shards", "ingest traffic first")
+        sets = bulk.replay_sets(shards)
+    else:
+        sets = bulk.file_sets(source, read_sets)
+    with status(console, "reading the sets"):
+        sets = sets.materialize()
+        total = sets.count()
+    with Bars(console) as bars:
+        bars.start("sets scored", total)
+        rows = list(bulk.score_dataset(settings, sets, lambda n: bars.advance("sets scored", n)))
+    bulk.write_scored(out, rows)
+    sources = Counter(r["rubric_source"] for r in rows)
+    console.print(f"{len(rows)} sets scored on {settings.ray.judges} judge actor(s) -> {out}; rubric sources: "
+                  + ", ".join(f"{k} {v}" for k, v in sorted(sources.items())), markup=False)
 
 
 MODES = ("set", "prompt_only", "generic")

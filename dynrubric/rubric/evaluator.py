@@ -203,15 +203,17 @@ class Evaluator:
         prompts: Sequence[str],
         candidate_sets: Sequence[Sequence[str]],
         progress: Callable[[int], None] | None = None,
+        seed: int | None = None,
     ) -> list[ScoredSet]:
-        """Score each set with its own rubric. `progress(n)` is called after every n sets scored."""
+        """Score each set with its own rubric. `progress(n)` is called after every n sets scored.
+        `seed`: the rubric generator's seed block (default: a new block per call)."""
         if len(prompts) != len(candidate_sets):
             raise ValueError(f"{len(prompts)} prompts but {len(candidate_sets)} candidate sets")
         if any(len(c) == 0 for c in candidate_sets):
             raise ValueError("every candidate set needs at least one response")
-        # a new seed block per call: retries within it add 1, 2, ... (at most 1000 tries per call)
-        seed = self.config.seed + 1000 * self._calls
-        self._calls += 1
+        if seed is None:  # a new seed block per call: retries within it add 1, 2, ... (at most 1000 tries per call)
+            seed = self.config.seed + 1000 * self._calls
+            self._calls += 1
         generated, counts = self.rubric_generator.generate_many(prompts, candidate_sets, seed)
         self._record_generation(counts)
         out = []

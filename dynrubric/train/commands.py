@@ -187,6 +187,7 @@ def train_round(
             for line in round_report(summary, runner.round_dir(summary["round"]) / "summary.json"):
                 console.print(line, markup=False, highlight=False)
     finally:
+        runner.close()
         if server is not None:
             server.should_exit = True
 
@@ -211,6 +212,9 @@ def round_report(summary: dict, path: Path) -> list[str]:
         f"{fallbacks['prompt_only']}, to the generic rubric {fallbacks['generic']}; "
         f"hard verdicts {fallbacks['hard_verdict']}",
     ]
+    stages = summary.get("stage_seconds")
+    if stages:
+        lines.append("  time: " + ", ".join(f"{stage} {seconds:.0f}s" for stage, seconds in stages.items()))
     if summary.get("refresh"):
         lines.append(f"  refresh: {summary['refresh']}")
     if summary["collapse"]["fired"]:

@@ -163,6 +163,49 @@ class _Micro:
     temps: torch.Tensor
 
 
+def micro_batches(rows: Sequence[tuple[Rollout, float, float]], pad_id: int, size: int) -> list[_Micro]:
+    """(rollout, advantage, loss temperature) rows collated into micro-batches of `size`."""
+    micros = []
+    for start in range(0, len(rows), size):
+        chunk = rows[start : start + size]
+        ids, attn, mask = collate([r for r, _, _ in chunk], pad_id)
+        micros.append(_Micro(ids, attn, mask,
+                             torch.tensor([a for _, a, _ in chunk], dtype=torch.float32).unsqueeze(-1),
+                             torch.tensor([t for _, _, t in chunk], dtype=torch.float32)))
+    return micros
+
+
+def reference_logprobs(model: torch.nn.Module, reference: torch.nn.Module | None, m: _Micro) -> torch.Tensor:
+    """The reference's response log-probs of a micro-batch, without gradient; `reference` None: the
+    model's LoRA base weights (the adapter disabled) are the reference."""
+    with torch.no_grad():
+        if reference is not None:
+            return response_logprobs(reference, m.ids, m.attn, m.temps)
+        with model.disable_adapter():
+            return response_logprobs(model, m.ids, m.attn, m.temps)
+
+
+def masked_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token k3, its sum over the response tokens `mask` selects)."""
+    kl = k3(logprobs, ref_logprobs)
+    return kl, (kl.detach() * mask).sum()
+
+
+def mean_kl(model: torch.nn.Module, reference: torch.nn.Module | None, rollouts: Sequence[Rollout],
+            temperature: float, pad_id: int, micro_batch_size: int) -> float:
+    """Mean per-token k3 KL(model || reference) over the response tokens of `rollouts`, log-probs at
+    the loss temperature of samples drawn at `temperature` (the trainer's KL term, without gradient)."""
+    rows = [(r, 0.0, loss_temperature(temperature)) for r in rollouts if r.response_ids]
+    total = tokens = 0.0
+    model.eval()
+    with torch.no_grad():
+        for m in micro_batches(rows, pad_id, micro_batch_size):
+            logp = response_logprobs(model, m.ids, m.attn, m.temps)
+            total += float(masked_k3(logp, reference_logprobs(model, reference, m), m.mask)[1])
+            tokens += float(m.mask.sum())
+    return total / tokens if tokens else 0.0
+
+
 class GRPOTrainer:
     """Owns the trainable policy, the frozen reference and the AdamW state.
 
@@ -205,13 +248,6 @@ class GRPOTrainer:
                     return int(state["step"])
         return 0
 
-    def _ref_logprobs(self, m: _Micro) -> torch.Tensor:
-        with torch.no_grad():
-            if self.ref_model is not None:
-                return response_logprobs(self.ref_model, m.ids, m.attn, m.temps)
-            with self.model.disable_adapter():  # LoRA: the base weights are the reference
-                return response_logprobs(self.model, m.ids, m.attn, m.temps)
-
     def _batch(self, groups: Sequence[Group]) -> tuple[list[_Micro], int, int, int]:
         """(micro-batches, tied sets, samples, response tokens) of the non-tied sets."""
         cfg = self.config
@@ -227,13 +263,7 @@ class GRPOTrainer:
                 continue
             t = loss_temperature(g.temperature)
             rows.extend((r, a, t) for r, a in zip(g.rollouts, adv, strict=True) if r.response_ids)
-        micros = []
-        for start in range(0, len(rows), cfg.micro_batch_size):
-            chunk = rows[start : start + cfg.micro_batch_size]
-            ids, attn, mask = collate([r for r, _, _ in chunk], self.pad_token_id)
-            micros.append(_Micro(ids, attn, mask,
-                                 torch.tensor([a for _, a, _ in chunk], dtype=torch.float32).unsqueeze(-1),
-                                 torch.tensor([t for _, _, t in chunk], dtype=torch.float32)))
+        micros = micro_batches(rows, self.pad_token_id, cfg.micro_batch_size)
         return micros, tied, len(rows), sum(len(r.response_ids) for r, _, _ in rows)
 
     def _backward(
@@ -256,9 +286,9 @@ class GRPOTrainer:
                                             cfg.clip_low, cfg.clip_high)
             per_token = pg
             if ref is not None:
-                kl = k3(logp, ref[i])
+                kl, kl_tokens = masked_k3(logp, ref[i], m.mask)
                 per_token = pg + cfg.kl_beta * kl
-                kl_sum += float((kl.detach() * m.mask).sum())
+                kl_sum += float(kl_tokens)
             loss = (per_token * m.mask).sum() / tokens
             loss.backward()
             loss_sum += float(loss.detach())
@@ -289,7 +319,7 @@ class GRPOTrainer:
         """The gradient of the first update over the batch, summed over micro-batches into `.grad`
         (no optimiser step)."""
         micros, tied, samples, tokens = self._batch(groups)
-        ref = [self._ref_logprobs(m) for m in micros] if self.config.kl_beta > 0 and tokens else None
+        ref = [reference_logprobs(self.model, self.ref_model, m) for m in micros] if self.config.kl_beta > 0 and tokens else None
         sums = self._backward(micros, tokens, None, ref) if tokens else (0.0, 0.0, 0.0, 0.0)
         return self._stats(groups, tied, samples, tokens, sums)
 
@@ -301,7 +331,7 @@ class GRPOTrainer:
         if not tokens:
             self.optimizer.zero_grad(set_to_none=True)
             return self._stats(groups, tied, samples, tokens, (0.0, 0.0, 0.0, 0.0))
-        ref = [self._ref_logprobs(m) for m in micros] if cfg.kl_beta > 0 else None
+        ref = [reference_logprobs(self.model, self.ref_model, m) for m in micros] if cfg.kl_beta > 0 else None
         old = None
         if cfg.updates_per_batch > 1:
             # pi_old: the sampling policy's log-probs, taken once before the first update and detached,

@@ -35,28 +35,6 @@ def sample_sets(settings: Settings, engine: Engine, prompts: Sequence[TrainPromp
     return texts, engine.generate([GenerationRequest(t, params) for t in texts])
 
 
-def kl_per_token(model: Any, reference: Any, rollouts: Sequence[Any], settings: Settings, pad_id: int) -> float:
-    """Mean per-token k3 KL(model || reference) over the response tokens of `rollouts`."""
-    import torch
-
-    from dynrubric.train.grpo import collate, k3, loss_temperature, response_logprobs
-
-    if not rollouts:
-        return 0.0
-    t = loss_temperature(settings.train.temperature)
-    mb = settings.train.grpo.micro_batch_size
-    total = tokens = 0.0
-    model.eval()
-    with torch.no_grad():
-        for start in range(0, len(rollouts), mb):
-            ids, attn, mask = collate(rollouts[start : start + mb], pad_id)
-            lp = response_logprobs(model, ids, attn, t)
-            lp_ref = response_logprobs(reference, ids, attn, t)
-            total += float((k3(lp, lp_ref) * mask).sum())
-            tokens += float(mask.sum())
-    return total / tokens if tokens else 0.0
-
-
 def load_frozen(model_dir: Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
@@ -87,7 +65,7 @@ def evaluate_candidate(
     torch model when the caller holds it (else loaded from `candidate_dir`). Leaves the policy engine
     at the parent's weights."""
     from dynrubric.train.coevolve import completion_ids
-    from dynrubric.train.grpo import Rollout
+    from dynrubric.train.grpo import Rollout, mean_kl
 
     k = settings.train.candidates
     policy_engine.load_weights(candidate_dir, candidate_version)
@@ -108,15 +86,18 @@ def evaluate_candidate(
     tok = policy_engine.tokenizer
     rollouts = [Rollout(tuple(tok.encode(t, add_special_tokens=False)), completion_ids(c, tok))
                 for t, cs in zip(texts, new, strict=True) for c in cs]
-    rollouts = [r for r in rollouts if r.response_ids]
     model = candidate_model if candidate_model is not None else load_frozen(candidate_dir)
     parent_model = load_frozen(parent.path)
-    kl_parent = kl_per_token(model, parent_model, rollouts, settings, pad_id)
+    def kl_to(reference: Any) -> float:
+        return mean_kl(model, reference, rollouts, settings.train.temperature, pad_id,
+                       settings.train.grpo.micro_batch_size)
+
+    kl_parent = kl_to(parent_model)
     if base.version == parent.version:
         kl_base = kl_parent
     else:
         del parent_model
-        kl_base = kl_per_token(model, load_frozen(base.path), rollouts, settings, pad_id)
+        kl_base = kl_to(load_frozen(base.path))
     return {
         "heldout_prompts": len(heldout),
         "heldout_keys": [p.key for p in heldout],

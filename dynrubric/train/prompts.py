@@ -98,14 +98,15 @@ class RolloutHistory:
     def __init__(self, path: Path):
         self.path = Path(path)
 
-    def append(self, records: Sequence[tuple[str, str, list[str]]]) -> None:
-        """(prompt_key, policy_version, responses) records, flushed and fsynced together."""
+    def append(self, records: Sequence[tuple[str, str, list[str]]], origin: str | None = None) -> None:
+        """(prompt_key, policy_version, responses) records, flushed and fsynced together. `origin` names
+        the step that sampled them: a step re-run after a crash appends them again, and reads count them once."""
         import os
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
             for key, version, responses in records:
-                f.write(json.dumps({"key": key, "version": version, "responses": responses}) + "\n")
+                f.write(json.dumps({"key": key, "version": version, "responses": responses, "origin": origin}) + "\n")
             f.flush()
             os.fsync(f.fileno())
 
@@ -113,13 +114,17 @@ class RolloutHistory:
         out: dict[str, list[str]] = defaultdict(list)
         if not self.path.exists():
             return {}
+        seen: set[str] = set()
         for line in self.path.read_text().splitlines():
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:  # a torn last line after a crash
                 continue
-            if rec.get("key") == key:
-                out[rec["version"]].extend(rec["responses"])
+            if rec.get("key") != key or rec.get("origin") in seen:
+                continue
+            if rec.get("origin") is not None:
+                seen.add(rec["origin"])
+            out[rec["version"]].extend(rec["responses"])
         return dict(out)
 
 
