@@ -48,7 +48,7 @@ def make_batch(vocab: int, prompts: int, group: int, prompt_len: int, completion
 
 def time_ours(model_dir: Path, batch, group: int, steps: int, lr: float, beta: float) -> list[float]:
     from dynrubric.config import GRPOConfig, RubricConfig
-    from dynrubric.train.grpo import GRPOTrainer, Group, Rollout, load_policy, load_reference
+    from dynrubric.train.grpo import CandidateSet, GRPOTrainer, SampledResponse, load_policy, load_reference
 
     prompt_ids, completion_ids, rewards = batch
     cfg = GRPOConfig(lr=lr, kl_beta=beta, micro_batch_size=completion_ids.size(0), clip_high=0.2)
@@ -57,8 +57,8 @@ def time_ours(model_dir: Path, batch, group: int, steps: int, lr: float, beta: f
     groups = []
     for p in range(prompt_ids.size(0)):
         rows = range(p * group, (p + 1) * group)
-        groups.append(Group(
-            tuple(Rollout(tuple(prompt_ids[p].tolist()), tuple(completion_ids[r].tolist())) for r in rows),
+        groups.append(CandidateSet(
+            tuple(SampledResponse(tuple(prompt_ids[p].tolist()), tuple(completion_ids[r].tolist())) for r in rows),
             tuple(rewards[p].tolist()),
         ))
     times = []

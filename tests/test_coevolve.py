@@ -24,8 +24,8 @@ from dynrubric.train.coevolve import (
     read_anchor_file,
     temporal_anchors,
 )
-from dynrubric.train.prompts import JsonlPromptSource, RolloutHistory, make_prompt, read_prompt_file
-from dynrubric.train.rounds import RunLog
+from dynrubric.train.prompts import JsonlPromptSource, ResponseHistory, make_prompt, read_prompt_file
+from dynrubric.train.rounds import RunLogWriter
 
 RUBRIC = Rubric(items=[RubricItem(id="a", text="x", weight=3), RubricItem(id="b", text="y", weight=1)])
 
@@ -153,7 +153,7 @@ def test_prompt_file_errors_name_the_line_and_the_watermark_advances(tmp_path: P
         read_prompt_file(bad)
     good = tmp_path / "p.jsonl"
     good.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(5)))
-    source = JsonlPromptSource(good, RolloutHistory(tmp_path / "h.jsonl"))
+    source = JsonlPromptSource(good, ResponseHistory(tmp_path / "h.jsonl"))
     first, w1 = source.new_prompts(None, 3)
     second, w2 = source.new_prompts(w1, 3)
     third, w3 = source.new_prompts(w2, 3)
@@ -172,7 +172,7 @@ def test_anchor_file_is_validated(tmp_path: Path) -> None:
 
 
 def test_run_log_appends_each_key_once(tmp_path: Path) -> None:
-    log = RunLog(tmp_path / "runlog.jsonl")
+    log = RunLogWriter(tmp_path / "runlog.jsonl")
     log.append([{"key": "a", "v": 1}, {"key": "b", "v": 2}])
     log.append([{"key": "b", "v": 3}, {"key": "c", "v": 4}])
     with open(log.path, "a") as f:

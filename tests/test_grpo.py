@@ -11,9 +11,9 @@ import torch
 
 from dynrubric.config import GRPOConfig, RubricConfig
 from dynrubric.train.grpo import (
+    CandidateSet,
     GRPOTrainer,
-    Group,
-    Rollout,
+    SampledResponse,
     clipped_surrogate,
     collate,
     group_advantages,
@@ -45,7 +45,7 @@ def test_a_set_that_differs_only_by_engine_noise_is_tied_and_gives_no_gradient(t
     assert group_advantages((0.5, 0.5, 0.5, 0.5 + 1.5 * TIE), 1e-6, TIE) is not None  # a real tie-breaker
     trainer = make_trainer(tiny_model_dir)
     before = copy.deepcopy(trainer.model.state_dict())
-    stats = trainer.step([Group(g.rollouts, noisy) for g in groups(6)])
+    stats = trainer.step([CandidateSet(g.rollouts, noisy) for g in groups(6)])
     assert stats.tied_sets == 3 and stats.samples == 0 and not stats.updated
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
 
@@ -55,7 +55,7 @@ def test_the_loss_takes_log_probs_of_the_sampling_temperature(tiny_model_dir: Pa
     logits by the sampling temperature: the gradient is that of -A log p_0.7(y), not of log p_1(y)."""
     [g] = groups(7, n_sets=1)
     trainer = make_trainer(tiny_model_dir, kl_beta=0.0, micro_batch_size=64)
-    trainer.accumulate([Group(g.rollouts, g.scores, temperature=0.7)])
+    trainer.accumulate([CandidateSet(g.rollouts, g.scores, temperature=0.7)])
     got = [p.grad.clone() for p in trainer.params]
 
     def manual(t: float) -> list[torch.Tensor]:
@@ -115,16 +115,16 @@ def test_loss_and_gradients_match_openrlhf(clip_high: float) -> None:
     assert torch.allclose(k3(base, ref).double(), utils.compute_approx_kl(base, ref, kl_estimator="k3").double())
 
 
-def groups(seed: int, n_sets: int = 3, k: int = 4) -> list[Group]:
+def groups(seed: int, n_sets: int = 3, k: int = 4) -> list[CandidateSet]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for s in range(n_sets):
         prompt = tuple(int(x) for x in torch.randint(5, 200, (5 + s,), generator=g))
         rollouts = tuple(
-            Rollout(prompt, tuple(int(x) for x in torch.randint(5, 200, (3 + j,), generator=g))) for j in range(k)
+            SampledResponse(prompt, tuple(int(x) for x in torch.randint(5, 200, (3 + j,), generator=g))) for j in range(k)
         )
         scores = tuple(float(x) for x in torch.rand(k, generator=g))
-        out.append(Group(rollouts, scores))
+        out.append(CandidateSet(rollouts, scores))
     return out
 
 
@@ -142,7 +142,7 @@ def test_the_second_update_clips_against_the_sampling_policy_like_openrlhf(tiny_
     from tests.openrlhf_shim import loss_modules
 
     utils, loss_mod = loss_modules()
-    batch = [Group(g.rollouts, g.scores, temperature=0.8) for g in groups(8)]
+    batch = [CandidateSet(g.rollouts, g.scores, temperature=0.8) for g in groups(8)]
     cfg = {"lr": 0.05, "kl_beta": 0.05, "micro_batch_size": 5, "clip_low": 0.2, "clip_high": 0.28}
     two = make_trainer(tiny_model_dir, updates_per_batch=2, **cfg)
     one = make_trainer(tiny_model_dir, updates_per_batch=1, **cfg)  # stops where `two` starts update 2
@@ -181,7 +181,7 @@ def test_gradient_accumulation_equals_the_full_batch(tiny_model_dir: Path) -> No
 def test_tied_sets_give_no_gradient_and_are_counted(tiny_model_dir: Path) -> None:
     trainer = make_trainer(tiny_model_dir)
     before = copy.deepcopy(trainer.model.state_dict())
-    tied = [Group(g.rollouts, (0.5,) * len(g.rollouts)) for g in groups(2)]
+    tied = [CandidateSet(g.rollouts, (0.5,) * len(g.rollouts)) for g in groups(2)]
     stats = trainer.step(tied)
     assert stats.tied_sets == 3 and stats.samples == 0 and not stats.updated
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())

@@ -10,7 +10,7 @@ from dynrubric.config import RubricConfig, Settings
 from dynrubric.registry import CheckpointState, Registry
 from dynrubric.rubric.gaps import CollapseDetector, gap_stats
 from dynrubric.rubric.items import Rubric, RubricItem
-from dynrubric.train.prompts import JsonlPromptSource, RolloutHistory
+from dynrubric.train.prompts import JsonlPromptSource, ResponseHistory
 from dynrubric.train.rounds import PLAN, SUMMARY, RoundRunner, heldout_bucket
 from tests.train_harness import write_prompts
 
@@ -22,7 +22,7 @@ def runner_at(state: Path, model_dir: Path, prompts: Path, **train) -> RoundRunn
         "train": {"prompts_file": str(prompts), "max_prompts_per_round": 16, "heldout_prompts": 4, **train},
     })
     return RoundRunner(settings, Registry(state / "registry.sqlite", state / "checkpoints"),
-                       JsonlPromptSource(prompts, RolloutHistory(state / "h.jsonl")), None)  # type: ignore[arg-type]
+                       JsonlPromptSource(prompts, ResponseHistory(state / "h.jsonl")), None)  # type: ignore[arg-type]
 
 
 def complete(runner: RoundRunner, plan: dict) -> None:

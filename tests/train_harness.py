@@ -127,10 +127,10 @@ def write_prompts(path: Path, n: int) -> Path:
 def runner(state_dir: Path, model_dir: Path, prompts_file: Path, ray: dict | None = None, progress=None, **train):
     from dynrubric.registry import open_registry
     from dynrubric.train.prompts import JsonlPromptSource
-    from dynrubric.train.rounds import RoundRunner, rollout_history
+    from dynrubric.train.rounds import RoundRunner, response_history
 
     s = settings(state_dir, model_dir, prompts_file, ray, **train)
-    return RoundRunner(s, open_registry(s), JsonlPromptSource(prompts_file, rollout_history(s)), engines,
+    return RoundRunner(s, open_registry(s), JsonlPromptSource(prompts_file, response_history(s)), engines,
                        progress=progress)
 
 

@@ -37,7 +37,7 @@ from dynrubric.config import CoevolveConfig
 from dynrubric.engines.base import Engine, GenerationRequest, SamplingParams
 from dynrubric.errors import DynrubricError
 from dynrubric.rubric.items import Rubric, RubricParseError, parse_rubric
-from dynrubric.train.grpo import Group, Rollout
+from dynrubric.train.grpo import CandidateSet, SampledResponse
 from dynrubric.train.prompts import TrainPrompt, make_prompt
 
 
@@ -151,7 +151,7 @@ def generator_groups(
     tie_eps: float,
     seed: int,
     json_schema: str | None = None,
-) -> tuple[list[Group], GeneratorBatchStats]:
+) -> tuple[list[CandidateSet], GeneratorBatchStats]:
     """Sample `rubric_samples` rubrics per set at `temperature` (decoded under `json_schema` when
     given, as the evaluator decodes them), reward them, and return GRPO groups for the generator
     (whose loss takes log-probs at that temperature). `tie_eps`: the rubric's tie threshold, below
@@ -167,7 +167,7 @@ def generator_groups(
     )
     outputs = generator.generate([GenerationRequest(p, params) for p in prompts])
     tok = generator.tokenizer
-    groups: list[Group] = []
+    groups: list[CandidateSet] = []
     parsed_total = anchored = 0
     disc_all: list[float] = []
     anchor_all: list[float] = []
@@ -196,8 +196,8 @@ def generator_groups(
                                strict=True)
         ]
         prompt_ids = tuple(tok.encode(gen_prompt, add_special_tokens=False))
-        rollouts = tuple(Rollout(prompt_ids, completion_ids(c, tok)) for c in completions)
-        groups.append(Group(rollouts, tuple(disc), tuple(adv), temperature))
+        rollouts = tuple(SampledResponse(prompt_ids, completion_ids(c, tok)) for c in completions)
+        groups.append(CandidateSet(rollouts, tuple(disc), tuple(adv), temperature))
     stats = GeneratorBatchStats(
         sets=len(sets),
         rubrics=sum(len(c) for c in outputs),

@@ -111,14 +111,14 @@ def registry_reject(
 def prompt_source(settings):
     """The composition root's choice of prompt source (ARCHITECTURE section 5)."""
     from dynrubric.train.prompts import JsonlPromptSource
-    from dynrubric.train.rounds import rollout_history
+    from dynrubric.train.rounds import response_history
 
     cfg = settings.train
     if cfg.prompt_source == "jsonl":
         if cfg.prompts_file is None:
             raise DynrubricError("train.prompt_source is 'jsonl' but train.prompts_file is not set",
                                  "set train.prompts_file (or DYNRUBRIC_TRAIN__PROMPTS_FILE) to a JSONL file")
-        return JsonlPromptSource(cfg.prompts_file, rollout_history(settings))
+        return JsonlPromptSource(cfg.prompts_file, response_history(settings))
     try:
         from streaming.store import replay_prompt_source
     except ImportError:

@@ -39,7 +39,7 @@ from dynrubric.config import GRPOConfig
 
 
 @dataclass(frozen=True)
-class Rollout:
+class SampledResponse:
     """One sampled response: the prompt's token ids (chat template applied) and the response's."""
 
     prompt_ids: tuple[int, ...]
@@ -47,14 +47,14 @@ class Rollout:
 
 
 @dataclass(frozen=True)
-class Group:
+class CandidateSet:
     """One candidate set: K rollouts of the same prompt and their set-conditioned scores.
 
     `advantages`, when given, replace the group-normalised scores (the generator combines several
     normalised rewards at the advantage level); all of them zero counts as a tied set. `temperature`
     is the one the rollouts were sampled at: the loss takes log-probs of that distribution."""
 
-    rollouts: tuple[Rollout, ...]
+    rollouts: tuple[SampledResponse, ...]
     scores: tuple[float, ...]
     advantages: tuple[float, ...] | None = None
     temperature: float = 1.0
@@ -136,7 +136,7 @@ def loss_temperature(t: float) -> float:
     return t if t > 0 else 1.0
 
 
-def collate(rollouts: Sequence[Rollout], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def collate(rollouts: Sequence[SampledResponse], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ids, attention mask and the response-token mask aligned with `response_logprobs`."""
     width = max(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
     ids = torch.full((len(rollouts), width), pad_id, dtype=torch.long)
@@ -163,7 +163,7 @@ class _Micro:
     temps: torch.Tensor
 
 
-def micro_batches(rows: Sequence[tuple[Rollout, float, float]], pad_id: int, size: int) -> list[_Micro]:
+def micro_batches(rows: Sequence[tuple[SampledResponse, float, float]], pad_id: int, size: int) -> list[_Micro]:
     """(rollout, advantage, loss temperature) rows collated into micro-batches of `size`."""
     micros = []
     for start in range(0, len(rows), size):
@@ -191,7 +191,7 @@ def masked_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Te
     return kl, (kl.detach() * mask).sum()
 
 
-def mean_kl(model: torch.nn.Module, reference: torch.nn.Module | None, rollouts: Sequence[Rollout],
+def mean_kl(model: torch.nn.Module, reference: torch.nn.Module | None, rollouts: Sequence[SampledResponse],
             temperature: float, pad_id: int, micro_batch_size: int) -> float:
     """Mean per-token k3 KL(model || reference) over the response tokens of `rollouts`, log-probs at
     the loss temperature of samples drawn at `temperature` (the trainer's KL term, without gradient)."""
@@ -248,10 +248,10 @@ class GRPOTrainer:
                     return int(state["step"])
         return 0
 
-    def _batch(self, groups: Sequence[Group]) -> tuple[list[_Micro], int, int, int]:
+    def _batch(self, groups: Sequence[CandidateSet]) -> tuple[list[_Micro], int, int, int]:
         """(micro-batches, tied sets, samples, response tokens) of the non-tied sets."""
         cfg = self.config
-        rows: list[tuple[Rollout, float, float]] = []
+        rows: list[tuple[SampledResponse, float, float]] = []
         tied = 0
         for g in groups:
             if g.advantages is not None:
@@ -296,7 +296,7 @@ class GRPOTrainer:
             clip_sum += float((clipped * m.mask).sum())
         return loss_sum, pg_sum, kl_sum, clip_sum
 
-    def _stats(self, groups: Sequence[Group], tied: int, samples: int, tokens: int,
+    def _stats(self, groups: Sequence[CandidateSet], tied: int, samples: int, tokens: int,
                sums: tuple[float, float, float, float]) -> StepStats:
         all_scores = [s for g in groups for s in g.scores]
         loss, pg, kl, clipped = sums
@@ -315,7 +315,7 @@ class GRPOTrainer:
             nonfinite=not math.isfinite(loss),
         )
 
-    def accumulate(self, groups: Sequence[Group]) -> StepStats:
+    def accumulate(self, groups: Sequence[CandidateSet]) -> StepStats:
         """The gradient of the first update over the batch, summed over micro-batches into `.grad`
         (no optimiser step)."""
         micros, tied, samples, tokens = self._batch(groups)
@@ -323,7 +323,7 @@ class GRPOTrainer:
         sums = self._backward(micros, tokens, None, ref) if tokens else (0.0, 0.0, 0.0, 0.0)
         return self._stats(groups, tied, samples, tokens, sums)
 
-    def step(self, groups: Sequence[Group]) -> StepStats:
+    def step(self, groups: Sequence[CandidateSet]) -> StepStats:
         """`updates_per_batch` optimiser updates over the batch (stats of the last one); no update when
         all sets are tied, and none from the first non-finite loss or gradient norm on."""
         cfg = self.config

@@ -65,7 +65,7 @@ def evaluate_candidate(
     torch model when the caller holds it (else loaded from `candidate_dir`). Leaves the policy engine
     at the parent's weights."""
     from dynrubric.train.coevolve import completion_ids
-    from dynrubric.train.grpo import Rollout, mean_kl
+    from dynrubric.train.grpo import SampledResponse, mean_kl
 
     k = settings.train.candidates
     policy_engine.load_weights(candidate_dir, candidate_version)
@@ -84,7 +84,7 @@ def evaluate_candidate(
     scored = judge.score_sets([p.question for p in heldout], sets)
 
     tok = policy_engine.tokenizer
-    rollouts = [Rollout(tuple(tok.encode(t, add_special_tokens=False)), completion_ids(c, tok))
+    rollouts = [SampledResponse(tuple(tok.encode(t, add_special_tokens=False)), completion_ids(c, tok))
                 for t, cs in zip(texts, new, strict=True) for c in cs]
     model = candidate_model if candidate_model is not None else load_frozen(candidate_dir)
     parent_model = load_frozen(parent.path)

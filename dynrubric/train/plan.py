@@ -28,7 +28,7 @@ from dynrubric import atomic
 from dynrubric.config import Settings
 from dynrubric.errors import DynrubricError
 from dynrubric.registry import Checkpoint, CheckpointState, Registry
-from dynrubric.train.prompts import PromptSource, RolloutHistory, TrainPrompt, read_prompt_file
+from dynrubric.train.prompts import PromptSource, ResponseHistory, TrainPrompt, read_prompt_file
 
 PLAN, SUMMARY, EVAL, COLLAPSE = "plan.json", "summary.json", "eval.json", "collapse.json"
 GUARDED = "guard"  # metrics key: "accepted" on a candidate whose round passed the guards
@@ -49,9 +49,9 @@ def run_dir_of(settings: Settings) -> Path:
     return settings.train_run_dir()
 
 
-def rollout_history(settings: Settings) -> RolloutHistory:
+def response_history(settings: Settings) -> ResponseHistory:
     """The trainer's own log of sampled responses (the JSONL prompt source's temporal-contrast anchors)."""
-    return RolloutHistory(run_dir_of(settings) / "rollouts.jsonl")
+    return ResponseHistory(run_dir_of(settings) / "rollouts.jsonl")
 
 
 def read_json(path: Path) -> Any:
@@ -66,7 +66,7 @@ def prompts_of(records: Sequence[dict[str, Any]]) -> list[TrainPrompt]:
     return [TrainPrompt(key=r["key"], messages=tuple((m[0], m[1]) for m in r["messages"])) for r in records]
 
 
-class RunLog:
+class RunLogWriter:
     """Append-only JSONL of step and round records; `append` skips keys already present, so a
     resumed round never logs a step twice."""
 
@@ -120,8 +120,8 @@ class RunState:
         self.source = source
         self.heldout_override = list(heldout) if heldout is not None else None
         self.run_dir = run_dir_of(settings)
-        self.runlog = RunLog(self.run_dir / "runlog.jsonl")
-        self.rollouts = rollout_history(settings)
+        self.runlog = RunLogWriter(self.run_dir / "runlog.jsonl")
+        self.rollouts = response_history(settings)
 
     def round_dir(self, round_id: int) -> Path:
         return self.run_dir / "rounds" / f"{round_id:04d}"

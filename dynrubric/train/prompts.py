@@ -89,7 +89,7 @@ def read_prompt_file(path: Path) -> list[TrainPrompt]:
     return out
 
 
-class RolloutHistory:
+class ResponseHistory:
     """Responses the trainer itself sampled, by prompt and policy version (JSONL, append-only).
 
     With the JSONL prompt source there is no serving log, so temporal contrast reads the trainer's own
@@ -131,7 +131,7 @@ class RolloutHistory:
 class JsonlPromptSource:
     """Prompts from a JSONL file, in file order; the watermark is the number of prompts consumed."""
 
-    def __init__(self, path: Path, history: RolloutHistory):
+    def __init__(self, path: Path, history: ResponseHistory):
         self.path = Path(path)
         self.history = history
 

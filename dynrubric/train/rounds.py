@@ -51,13 +51,13 @@ from dynrubric.train.plan import (
     GUARDED,
     PLAN,
     SUMMARY,
-    RunLog,
+    RunLogWriter,
     RunState,
     heldout_bucket,
     is_accepted,
     prompts_of,
     read_json,
-    rollout_history,
+    response_history,
     run_dir_of,
     write_json,
 )
@@ -65,8 +65,8 @@ from dynrubric.train.prompts import PromptSource, TrainPrompt
 from dynrubric.train.executor import Executor, InProcess
 from dynrubric.train.step import EngineFactory, RoundModels, generator_step, policy_step
 
-__all__ = ["COLLAPSE", "EVAL", "GUARDED", "PLAN", "SUMMARY", "EngineFactory", "Progress", "RoundRunner", "RunLog",
-           "TrainMetrics", "check_frozen_judges", "heldout_bucket", "is_accepted", "rollout_history", "run_dir_of"]
+__all__ = ["COLLAPSE", "EVAL", "GUARDED", "PLAN", "SUMMARY", "EngineFactory", "Progress", "RoundRunner", "RunLogWriter",
+           "TrainMetrics", "check_frozen_judges", "heldout_bucket", "is_accepted", "response_history", "run_dir_of"]
 
 
 def check_frozen_judges(settings: Settings) -> None:
