@@ -33,7 +33,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import sys
 import threading
 import time
@@ -50,6 +49,7 @@ from pydantic import BaseModel, SecretStr
 from dynrubric import atomic
 from dynrubric.config import Settings
 from dynrubric.errors import DynrubricError
+from dynrubric.ports import free_port
 from dynrubric.supervisor import ChildSpec, Supervisor
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,12 +66,6 @@ class CycleResult:
     reason: str
     serving: str
     registered_to_canary_s: float | None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def plain_dump(value: Any) -> Any:

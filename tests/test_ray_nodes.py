@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,18 +21,13 @@ from pathlib import Path
 
 import pytest
 
+from dynrubric.ports import free_port
 from tests.test_ray import SMALL, comparable, differences
 from tests.train_harness import runner, write_prompts
 
 ray = pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).parent / "ray")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ray_start(*args: str, env: dict[str, str], log: Path) -> subprocess.Popen:
