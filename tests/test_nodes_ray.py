@@ -6,6 +6,11 @@ nodes. Once the round has published its first step, the whole worker node (its p
 raylet and every worker process below it) is killed with SIGKILL. The round must notice, resume on the head from its last
 published step, and finish with the summary of an undisturbed in-process run, each step and set counted
 once.
+
+The file is named to run BEFORE tests/test_ray.py: after that module's local Ray (started and shut down
+in the same suite, also when this test ran in a fresh interpreter) every resumed round's TrainerActor
+was cancelled before it started ("all references to the actor were removed") until the resumes ran out.
+Alone, or first, it passes. The cause is not found yet (Ray 2.60.0): a lead for whoever takes issue 15.
 """
 
 from __future__ import annotations
