@@ -39,8 +39,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout this file is in, not another install
 
 from dynrubric.engines.base import GenerationRequest, SamplingParams
-from dynrubric.engines.grammar import json_text
 from dynrubric.engines.hf import TransformersEngine
+from dynrubric.rubric.generate import rubric_schema
 from dynrubric.rubric.items import Rubric, RubricItem
 from dynrubric.rubric.verify import Verifier, hard_verdict
 
@@ -69,20 +69,8 @@ RUBRIC = Rubric(items=[
     RubricItem(id="filler", text="The response contains filler or repeated text.", weight=2, polarity=-1),
 ])
 
-# what constrained rubric generation is timed under (the generator's own schema has the same shape)
-RUBRIC_SCHEMA = {
-    "type": "object",
-    "properties": {"items": {"type": "array", "minItems": 3, "maxItems": 8, "items": {
-        "type": "object",
-        "properties": {
-            "text": json_text(8, 120),
-            "weight": {"type": "integer", "minimum": 1, "maximum": 5},
-            "polarity": {"enum": [1, -1]},
-        },
-        "required": ["text", "weight", "polarity"],
-    }}},
-    "required": ["items"],
-}  # fmt: skip
+# what constrained rubric generation is timed under: the generator's own schema
+RUBRIC_SCHEMA = rubric_schema()
 
 
 def candidate_sets(n_sets: int, k: int) -> list[tuple[str, list[str]]]:
