@@ -38,6 +38,10 @@ def vllm_server(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     with VllmServer(smollm_dir, VllmConfig(kv_cache_space_gib=1, max_model_len=2048), log_path=log) as server:
         yield server
+        if not server.is_alive():
+            # a test that failed on a dead server blames its own step; this says what killed the server
+            tail = log.read_text(errors="replace")[-4000:]
+            pytest.fail(f"the session's vLLM server died (exit code {server.process.returncode}); its log ends:\n{tail}")
 
 
 @pytest.fixture(scope="session")

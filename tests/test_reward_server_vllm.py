@@ -54,7 +54,8 @@ def test_openrlhf_rollout_against_vllm_backed_replicas(vllm_server, tmp_path: Pa
         partial = sum(r.metric("dynrubric_reward_partial_groups_total") for r in replicas)
         hard = sum(r.metric("dynrubric_rubric_fallbacks_total", 'kind="hard_verdict"') for r in replicas)
 
-    assert len(groups) == len(QUESTIONS) and partial == 0 and hard == 0
+    logs = "\n".join(f"--- {r.log.name}:\n{r.log.read_text(errors='replace')[-2000:]}" for r in replicas)
+    assert len(groups) == len(QUESTIONS) and partial == 0 and hard == 0, f"vLLM alive: {vllm_server.is_alive()}\n{logs}"
     by_prompt = {g["key"]: g for g in groups}
     for i, out in enumerate(outputs):
         assert out["reward"] is not None, "OpenRLHF got no reward (its training step would crash)"
