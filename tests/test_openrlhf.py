@@ -68,10 +68,27 @@ def test_emitted_command_parses_with_openrlhfs_own_parser(env: dict[str, str], t
     chats = {m["messages"][-1]["content"]: m["messages"] for m in lines + heldout}
     assert chats["Name a colour."][0] == {"role": "system", "content": "Be brief."}
     assert command["watermark_before"] is None and command["watermark_after"] == "2"  # taken at job start
-    # the RayJob and the submit script carry the same command
+    # the RayJob (the generator of k8s/base/trainer/rayjob.yaml, with its own Ray cluster) and the submit
+    # script carry the same command
+    from dynrubric.train.openrlhf import shell_join
+
     spec = yaml.safe_load((job / "rayjob.yaml").read_text())
-    assert spec["kind"] == "RayJob" and spec["spec"]["entrypoint"].split()[:3] == argv[:3]
+    assert spec["kind"] == "RayJob" and spec["spec"]["entrypoint"] == shell_join(argv)
+    assert spec["spec"]["suspend"] is False and "clusterSelector" not in spec["spec"]
+    workers = spec["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    assert workers[0]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "10"  # 8 + 2 engines
     assert "ray job submit" in (job / "submit.sh").read_text()
+
+
+def test_shell_join_leaves_only_env_references_to_the_shell(tmp_path: Path) -> None:
+    """The reward token stays `${DYNRUBRIC_REWARD_TOKEN}` in manifests and is expanded by the job's shell;
+    anything else in the argument is literal."""
+    from dynrubric.train.openrlhf import shell_join
+
+    argv = ["printf", "%s|", "http://h:1/reward?token=${TOKEN}", 'a"b`c$d\\e ${TOKEN}', "plain word"]
+    out = subprocess.run(["sh", "-c", shell_join(argv)], env={"TOKEN": "s3cret", "PATH": os.environ["PATH"]},
+                         capture_output=True, text=True, check=True).stdout
+    assert out == 'http://h:1/reward?token=s3cret|a"b`c$d\\e s3cret|plain word|'
 
 
 def test_run_without_ray_or_gpus_is_a_clear_error(env: dict[str, str]) -> None:

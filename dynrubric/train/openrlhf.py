@@ -7,7 +7,8 @@
                         (`--data.input_key messages --data.apply_chat_template`)
         command.json    the exact argv of `python -m openrlhf.cli.train_ppo_ray`
         submit.sh       `ray job submit` of that argv
-        rayjob.yaml     the same as a KubeRay RayJob (entrypoint = the argv)
+        rayjob.yaml     the same as a KubeRay RayJob (entrypoint = the argv) with its own Ray cluster: the
+                        one generator `rayjob` also writes k8s/base/trainer/rayjob.yaml
 
 GRPO maps onto OpenRLHF as: `--algo.advantage.estimator group_norm` (advantage (r - mean) / std within
 the n samples of a prompt), `--rollout.n_samples_per_prompt K`, `--algo.kl.use_loss --algo.kl.estimator
@@ -25,6 +26,7 @@ the same guards as an embedded round before registering it (a candidate, or reje
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -109,17 +111,110 @@ def train_ppo_ray_argv(settings: Settings, model_path: str, prompts_path: str, o
     return argv + list(o.extra_args)
 
 
-def rayjob(name: str, entrypoint: list[str]) -> dict:
-    """A KubeRay RayJob that runs the entrypoint on an existing cluster selected by label."""
+def entrypoint(settings: Settings, model_path: str, prompts_path: str, output_dir: str) -> list[str]:
+    """The command a round runs on Ray: `train_ppo_ray` with the round's flags."""
+    return ["python3", "-m", "openrlhf.cli.train_ppo_ray",
+            *train_ppo_ray_argv(settings, model_path, prompts_path, output_dir)]
+
+
+# `${NAME}` in an argument is left for the shell that runs the entrypoint to expand (the reward token
+# from the pod's Secret-backed env), so that no secret is written into a manifest or command.json
+_ENV_REF = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}")
+
+
+def shell_join(argv: list[str]) -> str:
+    """shlex.join, except that arguments holding `${NAME}` are double-quoted with only those expanded."""
+    def word(arg: str) -> str:
+        if not _ENV_REF.search(arg):
+            return shlex.quote(arg)
+        literal = lambda s: re.sub(r'([\\"`$])', r"\\\1", s)  # noqa: E731
+        parts, refs = _ENV_REF.split(arg), _ENV_REF.findall(arg)
+        return '"' + "".join(literal(p) + r for p, r in zip(parts, [*refs, ""])) + '"'
+
+    return " ".join(word(a) for a in argv)
+
+
+TRAIN_IMAGE = "dynrubric-train"  # k8s/base/kustomization.yaml `images:` maps it to a registry image
+MODELS_MOUNT = "/models"  # the dynrubric-models volume: policy, judge and the checkpoints OpenRLHF saves
+# the reward server admits only pods with these labels (k8s/base/network/policies.yaml)
+TRAINER_LABELS = {"app.kubernetes.io/name": "dynrubric-trainer", "app.kubernetes.io/component": "trainer"}
+RAY_VERSION = "2.48.0"  # the Ray of the dynrubric-train image
+
+
+def worker_gpus(settings: Settings) -> int:
+    """GPUs of one worker pod: the actor (colocated with the reference) on `gpus_per_node`, plus this
+    node's share of the vLLM engines."""
+    o = settings.train.openrlhf
+    return o.gpus_per_node + -(-o.vllm_engines * o.vllm_tensor_parallel_size // o.num_nodes)
+
+
+def rayjob(settings: Settings, name: str, argv: list[str], *, suspend: bool) -> dict:
+    """The KubeRay RayJob that runs `argv` on a Ray cluster of its own: a CPU head (the driver, with
+    the reward token and the state volume) and `num_nodes` GPU workers sized from train.openrlhf.
+    The one generator of this manifest: `emit` writes it per round, k8s/tools/generate.py writes
+    k8s/base/trainer/rayjob.yaml from the k8s ConfigMap's settings."""
+    gpus = str(worker_gpus(settings))
+    nodes = settings.train.openrlhf.num_nodes
+    # new dicts each time: YAML would otherwise write a shared one as an anchor and an alias
+    no_usage_stats = lambda: {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"}  # noqa: E731
+    models = lambda: {"name": "models", "persistentVolumeClaim": {"claimName": "dynrubric-models"}}  # noqa: E731
+    head = {
+        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0"},
+        "template": {
+            "metadata": {"labels": dict(TRAINER_LABELS)},
+            "spec": {
+                "containers": [{
+                    "name": "ray-head",
+                    "image": TRAIN_IMAGE,
+                    "env": [{"name": "DYNRUBRIC_REWARD_TOKEN",
+                             "valueFrom": {"secretKeyRef": {"name": "dynrubric-secrets", "key": "reward-token"}}},
+                            no_usage_stats()],
+                    "ports": [{"name": "gcs", "containerPort": 6379}, {"name": "dashboard", "containerPort": 8265},
+                              {"name": "client", "containerPort": 10001}],
+                    "resources": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "16Gi"}},
+                    "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT},
+                                     {"name": "replay", "mountPath": str(settings.paths.state_dir), "readOnly": True}],
+                }],
+                "volumes": [models(), {"name": "replay",
+                                     "persistentVolumeClaim": {"claimName": "dynrubric-replay", "readOnly": True}}],
+            },
+        },
+    }
+    worker = {
+        "groupName": "gpu",
+        "replicas": nodes,
+        "minReplicas": nodes,
+        "maxReplicas": nodes,
+        "rayStartParams": {},
+        "template": {
+            "metadata": {"labels": dict(TRAINER_LABELS)},
+            "spec": {
+                "containers": [{
+                    "name": "ray-worker",
+                    "image": TRAIN_IMAGE,
+                    "env": [no_usage_stats()],
+                    "resources": {"requests": {"cpu": "16", "memory": "128Gi", "nvidia.com/gpu": gpus},
+                                  "limits": {"memory": "128Gi", "nvidia.com/gpu": gpus}},
+                    "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT},
+                                     {"name": "shm", "mountPath": "/dev/shm"}],
+                }],
+                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                "volumes": [models(), {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}}],
+            },
+        },
+    }
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayJob",
-        "metadata": {"name": name},
+        "metadata": {"name": name, "labels": dict(TRAINER_LABELS)},
         "spec": {
-            "entrypoint": shlex.join(entrypoint),
-            "clusterSelector": {"ray.io/cluster": "dynrubric-train"},
-            "shutdownAfterJobFinishes": False,
+            "entrypoint": shell_join(argv),
+            "suspend": suspend,
+            "shutdownAfterJobFinishes": True,
+            "ttlSecondsAfterFinished": 3600,
+            "activeDeadlineSeconds": 86400,
             "submissionMode": "K8sJobMode",
+            "rayClusterSpec": {"rayVersion": RAY_VERSION, "headGroupSpec": head, "workerGroupSpecs": [worker]},
         },
     }
 
@@ -139,8 +234,7 @@ def emit(settings: Settings, runner: RoundRunner, source: PromptSource, round_id
 
     target = run_dir_of(settings) / "openrlhf" / f"round-{round_id:04d}"
     output_dir = target / "output"
-    argv = ["python3", "-m", "openrlhf.cli.train_ppo_ray",
-            *train_ppo_ray_argv(settings, str(parent.path), str(target / "prompts.jsonl"), str(output_dir))]
+    argv = entrypoint(settings, str(parent.path), str(target / "prompts.jsonl"), str(output_dir))
     if target.exists():
         shutil.rmtree(target)
     with atomic.directory(target) as tmp:
@@ -151,10 +245,11 @@ def emit(settings: Settings, runner: RoundRunner, source: PromptSource, round_id
                                                       "watermark_after": watermark_after, "argv": argv}, indent=2))
         address = settings.train.openrlhf.ray_address
         (tmp / "submit.sh").write_text(
-            "#!/bin/sh\nset -e\n" + shlex.join(["ray", "job", "submit", "--address", address, "--", *argv]) + "\n"
+            "#!/bin/sh\nset -e\n" + shell_join(["ray", "job", "submit", "--address", address, "--", *argv]) + "\n"
         )
         (tmp / "submit.sh").chmod(0o755)
-        (tmp / "rayjob.yaml").write_text(yaml.safe_dump(rayjob(f"dynrubric-round-{round_id}", argv), sort_keys=False))
+        job = rayjob(settings, f"dynrubric-round-{round_id}", argv, suspend=False)
+        (tmp / "rayjob.yaml").write_text(yaml.safe_dump(job, sort_keys=False, width=120))
     return Emitted(round_id, target, argv, len(prompts), parent, output_dir, heldout, watermark, watermark_after)
 
 
