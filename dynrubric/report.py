@@ -2,9 +2,9 @@
 
 Reads `runlog.jsonl` (one record per step and per round, written by train/rounds.py) and draws one
 PNG: reward, KL, the score-gap diagnostics against the collapse thresholds, fallbacks, the
-per-round held-out reward with each checkpoint's verdict, and the rollouts' rubric-judged online
-check (serving/judged.py): each rollout's judged win rate with its always-valid bounds against the
-bar, and the decisions.
+per-round held-out reward with each checkpoint's verdict, where each round's time went (seconds per
+stage, stacked), and the rollouts' rubric-judged online check (serving/judged.py): each rollout's
+judged win rate with its always-valid bounds against the bar, and the decisions.
 """
 
 from __future__ import annotations
@@ -72,6 +72,53 @@ class Thresholds:
 SOURCES = ("set", "prompt_only", "generic")
 THRESHOLD = {"color": "black", "linestyle": "--", "linewidth": 1.0, "zorder": 1}
 UNIT = (-0.03, 1.05)  # a 0..1 axis with room for markers drawn at 0 and at 1
+
+# a round's stages as train/rounds.py records them (`stage_seconds`), in the order the time is spent
+STAGES = {
+    "setup": ("setup: models, engines, actors", "tab:gray"),
+    "candidates": ("candidate generation", "tab:blue"),
+    "rubrics": ("rubric generation", "tab:orange"),
+    "verdicts": ("verification (verdicts)", "tab:green"),
+    "policy_update": ("policy update", "tab:red"),
+    "generator_rubrics": ("generator phase: rubric sampling + judging", "tab:olive"),
+    "generator_update": ("generator update", "tab:brown"),
+    "checkpoints": ("step checkpoints (save, reload engines)", "tab:pink"),
+    "evaluate": ("held-out evaluation", "tab:purple"),
+    "guard": ("guard + registration", "tab:cyan"),
+}
+
+
+def stage_times(rounds: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
+    """The rounds that recorded where their time went, and each stage's seconds per such round: the
+    known stages in order, then any other a run log holds (an older layout), under its own name."""
+    timed = [r for r in rounds if r.get("stage_seconds")]
+    names = [k for k in STAGES if any(k in r["stage_seconds"] for r in timed)]
+    names += list(dict.fromkeys(k for r in timed for k in r["stage_seconds"] if k not in STAGES))
+    return timed, {k: [float(r["stage_seconds"].get(k, 0.0)) for r in timed] for k in names}
+
+
+def draw_stage_times(ax, rounds: list[dict[str, Any]]) -> None:
+    """Per round, a bar of its stages' seconds stacked in the order they are spent, and the round's
+    wall-clock time as a mark (above the bar: time no stage accounts for, such as the run log)."""
+    timed, stages = stage_times(rounds)
+    ax.set(title="where each round's time went (seconds per stage)", xlabel="round", ylabel="seconds")
+    if not timed:
+        ax.text(0.5, 0.5, "no round recorded its stage times", ha="center", va="center", transform=ax.transAxes,
+                color="grey")
+        return
+    ids = [r["round"] for r in timed]
+    bottom = [0.0] * len(ids)
+    for name, values in stages.items():
+        label, color = STAGES.get(name, (name, None))
+        ax.bar(ids, values, bottom=bottom, color=color, label=label, width=0.6)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    walls = [(r["round"], float(r["seconds"])) for r in timed if isinstance(r.get("seconds"), (int, float))]
+    if walls:
+        ax.scatter([i for i, _ in walls], [w for _, w in walls], marker="_", s=500, color="black", zorder=3,
+                   label="round wall-clock time")
+    ax.set_xticks(ids)
+    ax.set_ylim(0, max([*bottom, *(w for _, w in walls)]) * 1.6 or 1)  # headroom for the legend
+    ax.legend(fontsize=8, loc="upper left", ncol=3, framealpha=0.6)
 
 
 def sets_scored(steps: list[dict[str, Any]]) -> int:
@@ -159,7 +206,8 @@ def render(log: RunLog, out: Path, thresholds: Thresholds, judged: Sequence[Judg
 
 
 def draw(log: RunLog, thresholds: Thresholds, judged: Sequence[JudgedRollout] = ()):
-    """The report's matplotlib figure: 5 x 2 panels (the last row: the rollouts' judged check).
+    """The report's matplotlib figure: 4 x 2 panels, a full-width panel of where each round's time
+    went, and the rollouts' judged check (the last row).
 
     Rates and shares are drawn on a fixed 0..1 axis, so noise does not look like a trend; thresholds
     are dashed black lines named in the legend; each panel has one unit; a series of one or two points
@@ -171,7 +219,10 @@ def draw(log: RunLog, thresholds: Thresholds, judged: Sequence[JudgedRollout] = 
     from matplotlib.ticker import MaxNLocator
 
     t = thresholds
-    fig, axes = plt.subplots(5, 2, figsize=(13, 17.5))
+    fig, axes = plt.subplots(6, 2, figsize=(13, 21))
+    for ax in axes[4]:
+        ax.remove()
+    times = fig.add_subplot(axes[4][0].get_gridspec()[4, :])
     fig.suptitle(f"dynrubric run: {len(log.rounds)} rounds, {len(log.steps)} policy steps, "
                  f"{len(log.generator_steps)} generator steps")
 
@@ -281,6 +332,7 @@ def draw(log: RunLog, thresholds: Thresholds, judged: Sequence[JudgedRollout] = 
             ax.set_xlim(-0.5, len(log.steps) - 0.5)
     if ids:
         axes[3][1].set_xticks(ids)  # one tick per round (the locator has no integer to show for a single round)
-    draw_judged(axes[4][0], axes[4][1], judged)
+    draw_stage_times(times, log.rounds)
+    draw_judged(axes[5][0], axes[5][1], judged)
     fig.tight_layout()
     return fig

@@ -70,3 +70,21 @@ def test_ray_rounds_equal_the_in_process_rounds(tmp_path: Path, tiny_model_dir: 
     assert a[1]["parent"] == ("r1" if a[0]["guard"]["accepted"] else "base")
     for x, y in zip(a, b, strict=True):
         assert differences(comparable(x), comparable(y)) == []
+    assert_stage_times(a, tmp_path / "inprocess")
+    assert_stage_times(b, tmp_path / "ray")
+
+
+def assert_stage_times(summaries: list[dict[str, Any]], state: Path) -> None:
+    """Both executors time the same stages (the report's panel of where a round's time went): the policy
+    round's judging split into rubrics and verdicts, the generator round's rubric sampling; together
+    they account for the round's wall-clock time, and the run log's round records carry them."""
+    from dynrubric.report import STAGES, read_runlog
+
+    policy, generator = (s["stage_seconds"] for s in summaries)
+    for stages, summary in ((policy, summaries[0]), (generator, summaries[1])):
+        assert list(stages) == list(STAGES) and all(v >= 0 for v in stages.values()), stages
+        assert 0.8 * summary["seconds"] <= sum(stages.values()) <= summary["seconds"], (stages, summary["seconds"])
+    assert policy["candidates"] > 0 and policy["rubrics"] > 0 and policy["verdicts"] > 0 and policy["policy_update"] > 0
+    assert policy["generator_rubrics"] == generator["rubrics"] == generator["verdicts"] == 0
+    assert generator["candidates"] > 0 and generator["generator_rubrics"] > 0
+    assert [r["stage_seconds"] for r in read_runlog(state / "train" / "runlog.jsonl").rounds] == [policy, generator]

@@ -80,6 +80,47 @@ def test_one_or_two_points_are_markers_not_a_line(tmp_path):
     plt.close(fig)
 
 
+def test_where_each_rounds_time_went_is_the_run_logs_stage_seconds(tmp_path):
+    """One stacked bar per round: each stage's segment spans exactly the seconds the run log recorded,
+    in the order the time is spent; the round's wall-clock time is marked; a round without stage times
+    (an OpenRLHF round) has no bar."""
+    from dynrubric.report import STAGES
+
+    stages = [{"setup": 3.0, "candidates": 10.0, "rubrics": 6.0, "verdicts": 4.0, "policy_update": 2.5,
+               "generator_rubrics": 0.0, "generator_update": 0.0, "checkpoints": 1.5, "evaluate": 5.0, "guard": 0.5},
+              {"setup": 1.0, "candidates": 8.0, "rubrics": 5.0, "verdicts": 3.0, "policy_update": 0.0,
+               "generator_rubrics": 7.0, "generator_update": 2.0, "checkpoints": 1.0, "evaluate": 4.0, "guard": 0.25}]
+    path = tmp_path / "runlog.jsonl"
+    records = [{"key": f"round/{i}", "kind": "round", "round": i, "version": f"r{i}", "guard": {"accepted": True},
+                "eval": {"reward_parent": 0.4, "reward_new": 0.5}, "seconds": sum(st.values()) + 0.5,
+                "stage_seconds": st} for i, st in ((1, stages[0]), (2, stages[1]))]
+    records.append({"key": "round/3", "kind": "round", "round": 3, "trainer": "openrlhf", "version": "r3",
+                    "guard": {"accepted": True}, "eval": {"reward_parent": 0.5, "reward_new": 0.5}})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    fig = draw(read_runlog(path), THRESHOLDS)
+    ax = panels(fig)["where each round's time went (seconds per stage)"]
+    assert ax.get_ylabel() == "seconds"
+    bars = {c.get_label(): c for c in ax.containers}
+    assert list(bars) == [label for label, _ in STAGES.values()]  # in the order the time is spent
+    bottom = [0.0, 0.0]
+    for key, (label, _) in STAGES.items():
+        rects = bars[label].patches
+        assert [r.get_x() + r.get_width() / 2 for r in rects] == pytest.approx([1, 2])  # round 3: no bar
+        assert [r.get_y() for r in rects] == pytest.approx(bottom), key
+        assert [r.get_height() for r in rects] == pytest.approx([stages[0][key], stages[1][key]]), key
+        bottom = [b + r.get_height() for b, r in zip(bottom, rects)]
+    [wall] = [c for c in ax.collections if c.get_label() == "round wall-clock time"]
+    assert [tuple(xy) for xy in wall.get_offsets().tolist()] == [(1, sum(stages[0].values()) + 0.5),
+                                                                 (2, sum(stages[1].values()) + 0.5)]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2"]
+    plt.close(fig)
+
+    # a run log without stage times says so instead of drawing an empty axis
+    empty = panels(draw(write_log(tmp_path / "other.jsonl", steps=2), THRESHOLDS))
+    assert "no round recorded its stage times" in empty["where each round's time went (seconds per stage)"].texts[0].get_text()
+    plt.close("all")
+
+
 def test_missing_or_corrupt_run_log_is_a_clear_error(tmp_path):
     with pytest.raises(DynrubricError, match="no run log"):
         read_runlog(tmp_path / "runlog.jsonl")

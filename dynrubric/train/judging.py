@@ -7,6 +7,7 @@ evaluator or a Ray judge actor) scores it, and however many judges share the chu
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 from dynrubric.rubric.evaluator import Evaluator, ScoredSet
@@ -26,16 +27,19 @@ class ScoreChunk:
 class ScoredChunk:
     sets: list[ScoredSet]
     counts: GenerationCounts = field(default_factory=GenerationCounts)  # the rubric ladder's, for this chunk
+    seconds: float = 0.0  # the judge's time on the chunk: its rubrics, then the sets' verify_seconds
 
 
 def score_chunk(evaluator: Evaluator, chunk: ScoreChunk) -> ScoredChunk:
     """Score one chunk; the counts are those of this chunk alone."""
     before = replace(evaluator.counts)
+    start = time.perf_counter()
     sets = evaluator.score_sets(chunk.questions, chunk.responses, seed=chunk.seed)
+    seconds = time.perf_counter() - start
     after = evaluator.counts
     return ScoredChunk(sets, GenerationCounts(
         parse_failures=after.parse_failures - before.parse_failures,
         prompt_only_fallbacks=after.prompt_only_fallbacks - before.prompt_only_fallbacks,
         generic_fallbacks=after.generic_fallbacks - before.generic_fallbacks,
         dropped_checks=after.dropped_checks - before.dropped_checks,
-    ))
+    ), seconds)

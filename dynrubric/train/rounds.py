@@ -315,7 +315,9 @@ class _Round:
         started = time.time()
         self.collapse_fired = False
         try:
+            t0 = time.perf_counter()
             self.setup()
+            self.clock = {"setup": time.perf_counter() - t0, "checkpoints": 0.0}
             self.log_steps()
             schedule = self.plan["schedule"]
             first = len(self.history)
@@ -326,7 +328,9 @@ class _Round:
                 if phase == "policy":
                     self.progress.start("score sets", self.cfg.prompts_per_step)
                 record = {"step": step, "phase": phase, "time": time.time(), **self.step(step, phase)}
+                t0 = time.perf_counter()
                 self.publish_step(step, record)
+                self.clock["checkpoints"] += time.perf_counter() - t0
                 self.log_steps()
                 if phase == "policy":
                     self.metrics.reward_mean.set(record["reward_mean"])
@@ -336,13 +340,35 @@ class _Round:
             self.progress.start("evaluate", 1)
             t0 = time.perf_counter()
             evaluation = self.evaluate()
-            self.evaluate_seconds = time.perf_counter() - t0
+            self.clock["evaluate"] = time.perf_counter() - t0
             self.progress.advance("evaluate", 1)
             return self.finish(evaluation, started)
         finally:
             self.close()
 
+    def stage_seconds(self) -> dict[str, float]:
+        """Where the round's time went, in the order it is spent. The steps' stages cover all the round's
+        steps (a resumed round's earlier ones too); setup (models, engines, actors), checkpoints (each
+        step published: weights saved, engines reloaded), the held-out evaluation and the guard
+        (verdict, registration) are this run's."""
+        def steps(phase: str, stage: str) -> float:
+            return sum((h.get("stage_seconds", {}).get(stage, 0.0) for h in self.history if h["phase"] == phase), 0.0)
+
+        return {
+            "setup": self.clock["setup"],
+            "candidates": steps("policy", "candidates") + steps("generator", "candidates"),
+            "rubrics": steps("policy", "rubrics"),
+            "verdicts": steps("policy", "verdicts"),
+            "policy_update": steps("policy", "update"),
+            "generator_rubrics": steps("generator", "rubrics"),
+            "generator_update": steps("generator", "update"),
+            "checkpoints": self.clock["checkpoints"],
+            "evaluate": self.clock["evaluate"],
+            "guard": self.clock["guard"],
+        }
+
     def finish(self, evaluation: dict[str, Any], started: float) -> dict[str, Any]:
+        t0 = time.perf_counter()
         verdict, metrics = round_verdict(self.cfg, self.history, evaluation)
         final = self.latest_step()
         collapse = self.collapse_fired or any(h.get("collapse") for h in self.history)
@@ -360,6 +386,7 @@ class _Round:
             with atomic.directory(gen_current) as tmp:
                 shutil.copytree(final / "generator", tmp, dirs_exist_ok=True)
         write_json(self.state.run_dir / COLLAPSE, self.models.collapse.state())
+        self.clock["guard"] = time.perf_counter() - t0
         summary = {
             "round": self.id,
             "parent": self.parent.version,
@@ -381,13 +408,7 @@ class _Round:
             "watermark_before": self.plan["watermark_before"],
             "watermark_after": self.plan["watermark_after"],
             "seconds": time.time() - started,
-            # where the round's time went: the steps' stages (this run's steps; a resumed round's
-            # earlier steps included) and its evaluation
-            "stage_seconds": {
-                **{stage: sum(h.get("stage_seconds", {}).get(stage, 0.0) for h in self.history)
-                   for stage in ("sample", "judge", "update")},
-                "evaluate": self.evaluate_seconds,
-            },
+            "stage_seconds": self.stage_seconds(),
         }
         write_json(self.dir / SUMMARY, summary)
         self.state.runlog.append([{"key": f"round/{self.id}", "kind": "round", **{k: v for k, v in summary.items()

@@ -143,14 +143,17 @@ class RoundModels:
                                       "policy" if self.single else "generator", writer_dir, verifier_dir)
 
     def score(self, questions: Sequence[str], responses: Sequence[Sequence[str]], seed_of: Callable[[int], int],
-              progress: Callable[[int], None]) -> tuple[list[ScoredSet], GenerationCounts]:
+              progress: Callable[[int], None]) -> tuple[list[ScoredSet], GenerationCounts, dict[str, float]]:
         """Judge the step's sets in `train.judge_chunks` chunks (chunk j with seed block `seed_of(j)`),
-        then update the collapse detector and the metrics with them in order."""
+        then update the collapse detector and the metrics with them in order. Also returns the wall
+        time split into rubric generation and verification (`judge_stages`)."""
+        start = time.perf_counter()
         n = len(questions)
         size = -(-n // min(self.settings.train.judge_chunks, n))
         chunks = [ScoreChunk(list(questions[i : i + size]), [list(r) for r in responses[i : i + size]], seed_of(j))
                   for j, i in enumerate(range(0, n, size))]
         results = self.judges.score(chunks)
+        wall = time.perf_counter() - start
         counts = GenerationCounts()
         scored: list[ScoredSet] = []
         for result in results:
@@ -164,7 +167,7 @@ class RoundModels:
             if self.metrics is not None:
                 self.metrics.record_set(s, collapsed)
             progress(1)
-        return scored, counts
+        return scored, counts, judge_stages(wall, sum(r.seconds for r in results), sum(s.verify_seconds for s in scored))
 
     def save(self, directory: Path) -> None:
         self.trainers.save(directory)
@@ -183,6 +186,15 @@ class RoundModels:
             engine.close()
 
 
+def judge_stages(wall: float, busy: float, verifying: float) -> dict[str, float]:
+    """The judging wall time as rubric generation and verification. The judges' own clocks (`busy`:
+    their time on the chunks, `verifying`: the part spent on verdicts) say how it divides; with several
+    judges working at once their times add up to more than the wall time, so the wall time is divided
+    in their proportion."""
+    share = min(verifying / busy, 1.0) if busy > 0 else 0.0
+    return {"rubrics": wall * (1.0 - share), "verdicts": wall * share}
+
+
 def policy_step(settings: Settings, models: RoundModels, prompts: Sequence[TrainPrompt], seed: int,
                 seed_of: Callable[[int], int], progress: Callable[[int], None]) -> tuple[dict[str, Any], list[list[str]]]:
     """One GRPO batch of the policy over `prompts`: (the step's record, the sampled responses).
@@ -195,7 +207,7 @@ def policy_step(settings: Settings, models: RoundModels, prompts: Sequence[Train
     texts, outs = sample_sets(settings, models.policy_engine, prompts, cfg.candidates, seed)
     responses = [[c.text for c in cs] for cs in outs]
     t1 = time.perf_counter()
-    scored, counts = models.score([p.question for p in prompts], responses, seed_of, progress)
+    scored, counts, judging = models.score([p.question for p in prompts], responses, seed_of, progress)
     t2 = time.perf_counter()
     groups = []
     for text, cs, sc in zip(texts, outs, scored, strict=True):
@@ -207,7 +219,8 @@ def policy_step(settings: Settings, models: RoundModels, prompts: Sequence[Train
     stats = models.trainers.step("policy", groups)
     n = len(scored)
     record = {
-        "stage_seconds": {"sample": t1 - t0, "judge": t2 - t1, "update": time.perf_counter() - t2},
+        # candidates, their rubrics and verdicts, the update; rubrics + verdicts is the judging's wall time
+        "stage_seconds": {"candidates": t1 - t0, **judging, "update": time.perf_counter() - t2},
         **stats,
         "mean_gap": sum(s.gaps.mean_abs_gap for s in scored) / n,
         "tie_rate": sum(s.gaps.tie_rate for s in scored) / n,
@@ -255,5 +268,6 @@ def generator_step(settings: Settings, models: RoundModels, prompts: Sequence[Tr
     t2 = time.perf_counter()
     stats = models.trainers.step("generator", groups)
     updates = stats.pop("updates")
-    return {"stage_seconds": {"sample": t1 - t0, "judge": t2 - t1, "update": time.perf_counter() - t2},
+    # the generator's rubrics: sampled for the candidate sets, judged and rewarded (t1..t2)
+    return {"stage_seconds": {"candidates": t1 - t0, "rubrics": t2 - t1, "update": time.perf_counter() - t2},
             **stats, **{f"gen_{k}": v for k, v in gstats.as_dict().items()}, "updates": updates}
