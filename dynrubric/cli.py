@@ -160,6 +160,10 @@ def up(
         bool, typer.Option(help="small rounds and a small-traffic gate sized for a 2-core CPU (off: the configured "
                                 "train.*/rubric.*/gate.*/rollout.* values)")
     ] = True,
+    drill_cycle: Annotated[
+        int | None, typer.Option(help="damage drill: roll out a copy of this cycle's candidate with NaN weights "
+                                      "instead of it; the gate must roll it back (loop.drill_cycle)")
+    ] = None,
 ) -> None:
     """The main job, the closed loop on embedded defaults: broker, ingest, engine fleet (stable + canary),
     router, simulated users; each cycle trains a round on the new logged prompts, rolls the candidate out
@@ -175,6 +179,11 @@ def up(
         _demo_caps(settings)
     if cycles < 1:
         raise DynrubricError(f"--cycles {cycles} runs nothing", "pass --cycles 1 or more, or --forever")
+    if drill_cycle is not None:
+        settings.loop.drill_cycle = drill_cycle
+    if not forever and settings.loop.drill_cycle is not None and settings.loop.drill_cycle > cycles:
+        raise DynrubricError(f"loop.drill_cycle {settings.loop.drill_cycle} is after the last of {cycles} cycle(s)",
+                             f"pass --cycles {settings.loop.drill_cycle} or more, or a smaller --drill-cycle")
     loop = ClosedLoop(settings, log=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
     results = loop.run(None if forever else cycles, prometheus=prometheus)
     heading(console, f"{len(results)} cycle(s)")
