@@ -233,7 +233,7 @@ def report(
     log = read_runlog(settings.train_run_dir() / "runlog.jsonl")
     out = out or settings.paths.resolved_state() / "report" / "run.png"
     r = settings.rubric
-    judged = judged_rollouts(rollout_rows(settings.paths.resolved_state() / "rollout" / "rollouts.sqlite"))
+    judged = judged_rollouts(rollout_rows(settings))
     render(log, out, Thresholds(r.collapse_min_mean_gap, r.collapse_max_nonsplit_share, r.collapse_window,
                                 settings.train.max_kl), judged)
     console.print(f"report: {out} ({len(log.rounds)} rounds, {len(log.steps)} policy steps, "
@@ -242,13 +242,15 @@ def report(
         console.print(f"  {j.line()}")
 
 
-def rollout_rows(path: Path) -> list[dict]:
-    """The rollouts recorded under the state dir (none when nothing was rolled out here)."""
-    if not path.is_file():
-        return []
-    from serving.rollout import RolloutStore
+def rollout_rows(settings) -> list[dict]:
+    """The rollouts recorded in the registry's database (none when there is no registry yet)."""
+    from dynrubric.registry import sqlite_path
+    from serving.rollout import legacy_store_path, open_rollout_store
 
-    return [r.to_json() for r in RolloutStore(path).list()]
+    path = sqlite_path(settings)
+    if path is not None and not path.is_file() and not legacy_store_path(settings).is_file():
+        return []  # reading must not create an empty registry
+    return [r.to_json() for r in open_rollout_store(settings).list()]
 
 
 def main() -> None:

@@ -24,7 +24,8 @@ as a YAML file (`<state_dir>/up/config.yaml`, mode 0600: it holds the control to
 DYNRUBRIC_* variables, so the file is the whole truth.
 
 State that survives a re-run: the registry, the replay store (ingest dedupes on request_id), the
-rounds (a started round resumes), the rollout table (an active rollout is resumed first). The
+rounds (a started round resumes), the rollouts table in the registry's database (an active rollout
+is resumed first). The
 embedded broker keeps topics in memory, so its topics and consumer offsets start empty on each run,
 and the gate's online-metrics state (offsets into the old topics) is discarded at start.
 """
@@ -487,15 +488,13 @@ def write_run_page(settings: Settings, results: list[CycleResult]) -> Path:
     lineage, the training panels) into `<state_dir>/report/run.html`."""
     from dynrubric.registry import open_registry
     from dynrubric.run_page import RunPage, render_html
-    from serving.rollout import RolloutStore
+    from serving.rollout import open_rollout_store
     from streaming.store import FEEDBACK, ReplayStore, store_root
 
     state = settings.paths.resolved_state()
     page = RunPage(cycles=[dataclasses.asdict(r) for r in results], training_png=state / "report" / "run.png",
                    lineage=[c.to_json() for c in open_registry(settings).list()])
-    rollouts = state / "rollout" / "rollouts.sqlite"
-    if rollouts.is_file():
-        page.rollouts = [r.to_json() for r in RolloutStore(rollouts).list()]
+    page.rollouts = [r.to_json() for r in open_rollout_store(settings).list()]
     for name, attr in (("gate.jsonl", "gate_log"), ("alerts.json", "alerts")):
         path = state / "up" / name
         if path.is_file():
