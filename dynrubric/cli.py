@@ -160,6 +160,10 @@ def up(
         bool, typer.Option(help="small rounds and a small-traffic gate sized for a 2-core CPU (off: the configured "
                                 "train.*/rubric.*/gate.*/rollout.* values)")
     ] = True,
+    drill_cycle: Annotated[
+        int | None, typer.Option(help="damage drill: roll out a copy of this cycle's candidate with NaN weights "
+                                      "instead of it; the gate must roll it back (loop.drill_cycle)")
+    ] = None,
 ) -> None:
     """The main job, the closed loop on embedded defaults: broker, ingest, engine fleet (stable + canary),
     router, simulated users; each cycle trains a round on the new logged prompts, rolls the candidate out
@@ -175,6 +179,11 @@ def up(
         _demo_caps(settings)
     if cycles < 1:
         raise DynrubricError(f"--cycles {cycles} runs nothing", "pass --cycles 1 or more, or --forever")
+    if drill_cycle is not None:
+        settings.loop.drill_cycle = drill_cycle
+    if not forever and settings.loop.drill_cycle is not None and settings.loop.drill_cycle > cycles:
+        raise DynrubricError(f"loop.drill_cycle {settings.loop.drill_cycle} is after the last of {cycles} cycle(s)",
+                             f"pass --cycles {settings.loop.drill_cycle} or more, or a smaller --drill-cycle")
     loop = ClosedLoop(settings, log=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
     results = loop.run(None if forever else cycles, prometheus=prometheus)
     heading(console, f"{len(results)} cycle(s)")
@@ -224,7 +233,7 @@ def report(
     log = read_runlog(settings.train_run_dir() / "runlog.jsonl")
     out = out or settings.paths.resolved_state() / "report" / "run.png"
     r = settings.rubric
-    judged = judged_rollouts(rollout_rows(settings.paths.resolved_state() / "rollout" / "rollouts.sqlite"))
+    judged = judged_rollouts(rollout_rows(settings))
     render(log, out, Thresholds(r.collapse_min_mean_gap, r.collapse_max_nonsplit_share, r.collapse_window,
                                 settings.train.max_kl), judged)
     console.print(f"report: {out} ({len(log.rounds)} rounds, {len(log.steps)} policy steps, "
@@ -233,13 +242,15 @@ def report(
         console.print(f"  {j.line()}")
 
 
-def rollout_rows(path: Path) -> list[dict]:
-    """The rollouts recorded under the state dir (none when nothing was rolled out here)."""
-    if not path.is_file():
-        return []
-    from serving.rollout import RolloutStore
+def rollout_rows(settings) -> list[dict]:
+    """The rollouts recorded in the registry's database (none when there is no registry yet)."""
+    from dynrubric.registry import sqlite_path
+    from serving.rollout import legacy_store_path, open_rollout_store
 
-    return [r.to_json() for r in RolloutStore(path).list()]
+    path = sqlite_path(settings)
+    if path is not None and not path.is_file() and not legacy_store_path(settings).is_file():
+        return []  # reading must not create an empty registry
+    return [r.to_json() for r in open_rollout_store(settings).list()]
 
 
 def main() -> None:

@@ -601,6 +601,10 @@ class LoopConfig(Section):
     metrics_port: int = Field(default=8220, ge=0, le=65535, description="the main job's /metrics (restarts); 0 = off")
     health_interval_s: float = Field(default=2.0, gt=0, description="how often children are checked")
     max_restarts: int = Field(default=5, ge=0, description="restarts of one child before the main job gives up")
+    drill_cycle: int | None = Field(
+        default=None, ge=1, description="damage drill: in this cycle a copy of the round's candidate with non-finite "
+        "values in its weight matrices is registered and rolled out instead of it (the gate must roll it back on "
+        "errors while stable answers every user; the next cycle trains from the last promoted version); none = off")
 
 
 # ---------------------------------------------------------------- monitoring/

@@ -1,6 +1,7 @@
 """The checkpoint registry: every policy version, its lineage, its weights and what happened to it.
 
 State lives in SQLite (default, one file) or PostgreSQL (a `postgresql://` URL, through psycopg).
+The same database holds the rollout controller's table (serving/rollout.py), through `transaction`.
 Weights live in a storage directory beside the database: `register` copies a model dir into a hidden
 `<storage>/.staging/` dir, fsyncs it, renames it to `<storage>/<version>/` and inserts the row in one
 transaction. A crash leaves either nothing visible, or an unreferenced complete directory that the
@@ -145,24 +146,30 @@ class Registry:
         self.storage_dir.mkdir(parents=True, exist_ok=True)
         self._staging = self.storage_dir / ".staging"
         self._staging.mkdir(exist_ok=True)
-        with self._tx(write=True, create=True) as cur:
+        with self._tx(write=True, lock=None) as cur:
             seq = "BIGSERIAL PRIMARY KEY" if self._pg else "INTEGER PRIMARY KEY AUTOINCREMENT"
             cur.execute(SCHEMA.format(seq=seq))
 
     # ------------------------------------------------------------ connections
     @contextmanager
-    def _tx(self, write: bool = False, create: bool = False) -> Iterator[Any]:
-        """One transaction (writes serialised across processes); commit on success, else roll back."""
+    def _tx(self, write: bool = False, lock: str | None = "checkpoints") -> Iterator[Any]:
+        """One transaction (writes serialised across processes); commit on success, else roll back.
+        PostgreSQL serialises writers by locking `lock`; SQLite's writers hold the database's write lock."""
         if self._pg:
             import psycopg
 
             with psycopg.connect(self._url) as conn, conn.cursor() as cur:  # commits on clean exit
-                if write and not create:
-                    cur.execute("LOCK TABLE checkpoints IN EXCLUSIVE MODE")
+                if write and lock:
+                    cur.execute(f"LOCK TABLE {lock} IN EXCLUSIVE MODE")
                 yield _PgCursor(cur)
             return
         with sqlite.transaction(self._db, write) as cur:
             yield cur
+
+    def transaction(self, write: bool = False, lock: str | None = None) -> Any:
+        """A transaction on the registry's database for the tables that live beside `checkpoints` (the
+        rollouts): `?` placeholders on both backends; `lock` names the table whose writers it serialises."""
+        return self._tx(write, lock)
 
     # ------------------------------------------------------------ reads
     def _row(self, row: tuple) -> Checkpoint:

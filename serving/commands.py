@@ -115,7 +115,7 @@ def build_controller(settings, log=console.print):
 
     from dynrubric.registry import open_registry
     from serving.online import OnlineMetrics
-    from serving.rollout import Controller, RolloutStore, RouterClient
+    from serving.rollout import Controller, RouterClient, open_rollout_store
     from streaming.events import FEEDBACK_TOPIC, QUERY_LOG_TOPIC
 
     metrics = CollectorRegistry()
@@ -132,8 +132,9 @@ def build_controller(settings, log=console.print):
         generator = build_engine(settings, "generator")
         verifier = generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
         judge = PairJudge(Evaluator(generator, verifier, settings.rubric), settings.rubric.eps)
+    registry = open_registry(settings)
     controller = Controller(
-        open_registry(settings), RolloutStore(settings.paths.resolved_state() / "rollout" / "rollouts.sqlite"),
+        registry, open_rollout_store(settings, registry),
         RouterClient(_router_url(settings), settings.serving.token), online, r, settings.gate,
         metrics=metrics, log=log, judge=judge,
     )
@@ -187,14 +188,17 @@ def rollout_status(
     rollout_id: Annotated[str | None, typer.Argument(help="one rollout (default: all)")] = None,
 ) -> None:
     """Rollouts with their status, step and last gate verdict (JSON lines)."""
-    from serving.rollout import RolloutStore
+    from dynrubric.registry import sqlite_path
+    from serving.rollout import legacy_store_path, open_rollout_store
 
-    path = settings_of(ctx).paths.resolved_state() / "rollout" / "rollouts.sqlite"
-    if not path.is_file():  # reading must not create an empty store in the wrong state dir
-        raise DynrubricError(f"no rollouts recorded at {path}",
+    settings = settings_of(ctx)
+    path = sqlite_path(settings)
+    if path is not None and not path.is_file() and not legacy_store_path(settings).is_file():
+        # reading must not create an empty registry in the wrong state dir
+        raise DynrubricError(f"no rollouts recorded: no registry database at {path}",
                              "start one with `dynrubric rollout start VERSION`, or point DYNRUBRIC_PATHS__STATE_DIR "
-                             "at the state dir the controller uses")
-    store = RolloutStore(path)
+                             "(or registry.path / registry.url) at the registry the controller uses")
+    store = open_rollout_store(settings)
     for r in [store.get(rollout_id)] if rollout_id else store.list():
         gate = r.last_gate or {}
         print(json.dumps({"id": r.id, "version": r.version, "baseline": r.baseline, "status": r.status,

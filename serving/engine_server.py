@@ -8,6 +8,10 @@ vLLM it has an unauthenticated `/collective_rpc`, so it listens on loopback only
 
 `/health` also reports the policy_version served: the model's directory name at start, then the
 name of the directory last reloaded (registry checkpoints live in `<storage>/<version>/`).
+
+Weights that yield NaN or infinite logits (a corrupt checkpoint) answer HTTP 500 "non-finite logits"
+(`NonFiniteLogits`) instead of sampling arbitrary tokens, so the router fails the request over to
+stable and counts it as an error of the arm the user was assigned to.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ class RpcBody(BaseModel):
 
 def build_app(engine: Any, model_name: str) -> FastAPI:
     """The HTTP app over one `Engine` (generation is serialised: the engine is not thread-safe)."""
-    from dynrubric.engines.base import GenerationRequest, SamplingParams
+    from dynrubric.engines.base import GenerationRequest, NonFiniteLogits, SamplingParams
 
     app = FastAPI(title="dynrubric transformers engine")
     lock = threading.Lock()
@@ -71,7 +75,10 @@ def build_app(engine: Any, model_name: str) -> FastAPI:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     async def answer(prompt: str, body: _Sampling, chat: bool) -> Any:
-        text, finish, p, c = await asyncio.to_thread(run, prompt, body)
+        try:
+            text, finish, p, c = await asyncio.to_thread(run, prompt, body)
+        except NonFiniteLogits as e:  # an error, not random tokens: the router retries elsewhere and counts it
+            raise HTTPException(500, f"non-finite logits: {e}") from e
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"

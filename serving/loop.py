@@ -15,12 +15,17 @@ Components (one machine, embedded defaults):
 
 A cycle waits until `loop.min_new_prompts` distinct prompts arrived in the replay store since the last
 round's watermark, runs the next round (from the newest accepted version: the last promoted one, since
-a rolled-back candidate is rejected), and rolls its candidate out. Children get the effective settings
+a rolled-back candidate is rejected), and rolls its candidate out. With `loop.drill_cycle` set, that
+cycle is a damage drill: a copy of the candidate with NaN in its weight matrices is registered and
+rolled out in its place (the candidate itself is rejected, never rolled out); its engine answers every
+request with an error, the router serves those users from stable and counts the canary's errors, and
+the gate's error-rate guardrail must roll it back. Children get the effective settings
 as a YAML file (`<state_dir>/up/config.yaml`, mode 0600: it holds the control token) and no
 DYNRUBRIC_* variables, so the file is the whole truth.
 
 State that survives a re-run: the registry, the replay store (ingest dedupes on request_id), the
-rounds (a started round resumes), the rollout table (an active rollout is resumed first). The
+rounds (a started round resumes), the rollouts table in the registry's database (an active rollout
+is resumed first). The
 embedded broker keeps topics in memory, so its topics and consumer offsets start empty on each run,
 and the gate's online-metrics state (offsets into the old topics) is discarded at start.
 """
@@ -32,6 +37,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import sys
 import threading
@@ -386,9 +392,14 @@ class ClosedLoop:
         for line in round_report(summary, runner.round_dir(summary["round"]) / "summary.json"):
             self.log(f"cycle {cycle}: {line}")
         version = summary["version"]
+        drill = cycle == self.settings.loop.drill_cycle
         if summary["state"] != CheckpointState.candidate.value:
+            if drill:
+                self.log(f"cycle {cycle}: damage drill not run: the round has no candidate to damage")
             decision, reason, load_s = "not rolled out", f"the round's guard rejected it: {summary['guard']['detail']}", None
         else:
+            if drill:
+                version = self._drill(cycle, version, registry)
             decision, reason, load_s = self._roll_out(version, controller, registry)
         stable = registry.stable()
         serving = stable.version if stable else "-"
@@ -401,6 +412,24 @@ class ClosedLoop:
         self.log(f"cycle {cycle}: serving policy version {serving} (stable engines report {', '.join(served)}); "
                  f"users answered {self.traffic.answered}, failed {self.traffic.failed}")
         return result
+
+    def _drill(self, cycle: int, version: str, registry: Any) -> str:
+        """Register a copy of `version` with non-finite weights and reject `version` (it is never rolled out);
+        returns the damaged version, which the cycle rolls out in its place."""
+        ckpt = registry.get(version)
+        damaged = f"{version}-damaged"
+        work = self.dir / "drill" / damaged
+        shutil.rmtree(work, ignore_errors=True)
+        damage_nonfinite(ckpt.path, work)
+        # no guard verdict in its metrics: a damaged copy is never a parent for training, even before its rollout
+        registry.register(work, parent=ckpt.parent, round=ckpt.round, version=damaged,
+                          metrics={"drill": f"copy of {version} with NaN in every row of every weight matrix"})
+        shutil.rmtree(work)
+        registry.reject(version, f"replaced by {damaged} in the damage drill (loop.drill_cycle = {cycle}); "
+                                 "never rolled out")
+        self.log(f"cycle {cycle}: damage drill: rolling out {damaged} (a copy of {version} with NaN in its weight "
+                 f"matrices) instead of {version}, which is rejected; the gate must roll {damaged} back")
+        return damaged
 
     def _roll_out(self, version: str, controller: Any, registry: Any) -> tuple[str, str, float | None]:
         created = registry.get(version).created_at
@@ -432,20 +461,40 @@ class ClosedLoop:
         return final.status, f"{final.id}: {reason}", load_s
 
 
+def damage_nonfinite(model_dir: Path, out: Path, seed: int = 0) -> Path:
+    """A copy of a model with NaN at one place in every row of every weight matrix, the way a corrupt or
+    diverged checkpoint looks: every forward pass yields NaN logits, which an engine answers with an error.
+    (Noise in the weights would only make it answer garbage, which no online metric of a small random
+    model's already-garbage answers can tell apart; non-finite values change the error rate for certain.)"""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise DynrubricError(f"{model_dir} has no .safetensors weights to damage", "turn the drill off (loop.drill_cycle)")
+    shutil.copytree(model_dir, out, dirs_exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    for f in files:
+        tensors = load_file(f)
+        for t in tensors.values():
+            if t.ndim == 2 and t.is_floating_point():
+                t[torch.arange(t.shape[0]), torch.randint(0, t.shape[1], (t.shape[0],), generator=g)] = float("nan")
+        save_file(tensors, out / f.name, metadata={"format": "pt"})
+    return out
+
+
 def write_run_page(settings: Settings, results: list[CycleResult]) -> Path:
     """Gather what the run left (cycles, rollouts, gate verdicts, logged requests and feedback, alerts,
     lineage, the training panels) into `<state_dir>/report/run.html`."""
     from dynrubric.registry import open_registry
     from dynrubric.run_page import RunPage, render_html
-    from serving.rollout import RolloutStore
+    from serving.rollout import open_rollout_store
     from streaming.store import FEEDBACK, ReplayStore, store_root
 
     state = settings.paths.resolved_state()
     page = RunPage(cycles=[dataclasses.asdict(r) for r in results], training_png=state / "report" / "run.png",
                    lineage=[c.to_json() for c in open_registry(settings).list()])
-    rollouts = state / "rollout" / "rollouts.sqlite"
-    if rollouts.is_file():
-        page.rollouts = [r.to_json() for r in RolloutStore(rollouts).list()]
+    page.rollouts = [r.to_json() for r in open_rollout_store(settings).list()]
     for name, attr in (("gate.jsonl", "gate_log"), ("alerts.json", "alerts")):
         path = state / "up" / name
         if path.is_file():

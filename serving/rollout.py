@@ -1,8 +1,10 @@
 """The rollout controller: a registry checkpoint -> canary -> traffic steps gated -> promoted or rolled back.
 
-A rollout is a row in its own SQLite table (`rollouts.sqlite` beside the registry's database) and
-moves through statuses; every action of a status is idempotent, so a controller restarted at any
-point redoes the current status's actions and carries on (`resume`).
+A rollout is a row in the `rollouts` table of the registry's database (SQLite or PostgreSQL, through
+`Registry.transaction`) and moves through statuses; every action of a status is idempotent, so a
+controller restarted at any point redoes the current status's actions and carries on (`resume`).
+Rollouts an older version kept in `<state_dir>/rollout/rollouts.sqlite` are copied into the table
+once by `open_rollout_store`, which then renames that file `rollouts.sqlite.migrated`.
 
     loading       load the version's weights on the canary replicas (all or none), mark it canary
     stepping      canary share = steps[step]; gate at every poll: pass -> next step (or promoting),
@@ -23,12 +25,10 @@ in the gate's checks and in `dynrubric_rollout_judge_*`.
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,10 +37,10 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import SecretStr
 
-from dynrubric.config import GateConfig, RolloutConfig
+from dynrubric import sqlite
+from dynrubric.config import GateConfig, RolloutConfig, Settings
 from dynrubric.errors import DynrubricError
-from dynrubric.sqlite import transaction
-from dynrubric.registry import Checkpoint, CheckpointState, Registry, weights_sha256
+from dynrubric.registry import Checkpoint, CheckpointState, Registry, open_registry, weights_sha256
 from serving.gate import GateResult, Verdict, evaluate, judge_interval
 
 ACTIVE = ("loading", "stepping", "promoting", "rolling_back")
@@ -71,7 +71,8 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS rollouts (
     id TEXT PRIMARY KEY, version TEXT NOT NULL, version_path TEXT NOT NULL, baseline TEXT NOT NULL,
     baseline_path TEXT NOT NULL, steps TEXT NOT NULL, status TEXT NOT NULL, step INTEGER NOT NULL,
-    step_started_at REAL NOT NULL, started_at REAL NOT NULL, updated_at REAL NOT NULL, reason TEXT,
+    step_started_at DOUBLE PRECISION NOT NULL, started_at DOUBLE PRECISION NOT NULL,
+    updated_at DOUBLE PRECISION NOT NULL, reason TEXT,
     last_gate TEXT
 )
 """
@@ -80,14 +81,28 @@ COLUMNS = ("id, version, version_path, baseline, baseline_path, steps, status, s
 
 
 class RolloutStore:
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._tx() as cur:
+    """The rollouts, in the registry's database (a rollout's version is a registry row)."""
+
+    def __init__(self, registry: Registry):
+        self.registry = registry
+        with registry.transaction(write=True) as cur:
             cur.execute(SCHEMA)
 
-    def _tx(self) -> AbstractContextManager[sqlite3.Cursor]:
-        return transaction(self.path)
+    def _tx(self, write: bool = True) -> Any:
+        return self.registry.transaction(write=write, lock="rollouts" if write else None)
+
+    def migrate(self, legacy: Path) -> None:
+        """Copy the rollouts of an older version's `rollouts.sqlite` into the table (ids already there are
+        kept as they are)."""
+        with sqlite.transaction(legacy, write=False) as old:
+            old.execute(f"SELECT {COLUMNS} FROM rollouts")
+            rows = old.fetchall()
+        with self._tx() as cur:
+            cur.execute("SELECT id FROM rollouts")
+            known = {r[0] for r in cur.fetchall()}
+            for row in rows:
+                if row[0] not in known:
+                    cur.execute(f"INSERT INTO rollouts ({COLUMNS}) VALUES ({','.join('?' * 13)})", tuple(row))
 
     @staticmethod
     def _row(row: tuple) -> Rollout:
@@ -111,7 +126,7 @@ class RolloutStore:
         return self.get(rid)
 
     def get(self, rollout_id: str) -> Rollout:
-        with self._tx() as cur:
+        with self._tx(write=False) as cur:
             cur.execute(f"SELECT {COLUMNS} FROM rollouts WHERE id = ?", (rollout_id,))
             row = cur.fetchone()
         if row is None:
@@ -119,7 +134,7 @@ class RolloutStore:
         return self._row(row)
 
     def list(self) -> list[Rollout]:
-        with self._tx() as cur:
+        with self._tx(write=False) as cur:
             cur.execute(f"SELECT {COLUMNS} FROM rollouts ORDER BY started_at")
             return [self._row(r) for r in cur.fetchall()]
 
@@ -134,6 +149,25 @@ class RolloutStore:
             cur.execute(f"UPDATE rollouts SET {', '.join(f'{k} = ?' for k in fields)} WHERE id = ?",
                         (*fields.values(), rollout_id))
         return self.get(rollout_id)
+
+
+def legacy_store_path(settings: Settings) -> Path:
+    """Where versions before the move to the registry's database kept the rollouts."""
+    return settings.paths.resolved_state() / "rollout" / "rollouts.sqlite"
+
+
+def open_rollout_store(settings: Settings, registry: Registry | None = None) -> RolloutStore:
+    """The rollouts table of the registry that `settings.registry` names, with the rollouts of a
+    legacy `<state_dir>/rollout/rollouts.sqlite` migrated into it (that file then renamed `*.migrated`)."""
+    store = RolloutStore(registry or open_registry(settings))
+    legacy = legacy_store_path(settings)
+    if legacy.is_file():
+        store.migrate(legacy)
+        try:
+            legacy.rename(legacy.with_name(legacy.name + ".migrated"))
+        except FileNotFoundError:  # another process migrated it at the same time: the ids are already in
+            pass
+    return store
 
 
 class RouterClient:

@@ -116,7 +116,7 @@ class Stack:
         """A controller as a new process would build it: its online metrics resume from the stack's state file."""
         online = OnlineMetrics(self.bootstrap, QUERY_LOG_TOPIC, FEEDBACK_TOPIC, group_id=f"gate-{self.state_dir.name}",
                                state_path=self.state_dir / "online.json")
-        return Controller(self.registry, RolloutStore(self.state_dir / "rollouts.sqlite"),
+        return Controller(self.registry, RolloutStore(self.registry),
                           RouterClient(self.router_url, TOKEN), online, rollout, gate, metrics=metrics, sleep=sleep,
                           log=print, judge=judge)
 

@@ -126,6 +126,23 @@ def test_load_weights_swaps_the_model(tiny_model_dir, tmp_path):
     assert engine.score_next_token(["hello"], ["Yes"])[0]["Yes"] != pytest.approx(before)
 
 
+def test_non_finite_weights_answer_an_error_not_random_tokens(tiny_model_dir, tmp_path):
+    """The drill's damaged copy (serving/loop.py) makes the engine raise, and its server answer 500."""
+    from fastapi.testclient import TestClient
+
+    from dynrubric.engines.base import NonFiniteLogits
+    from serving.engine_server import build_app
+    from serving.loop import damage_nonfinite
+
+    engine = TransformersEngine(tiny_model_dir)
+    engine.load_weights(damage_nonfinite(tiny_model_dir, tmp_path / "r1-damaged"), "r1-damaged")
+    for temperature in (0.0, 1.0):
+        with pytest.raises(NonFiniteLogits, match="r1-damaged: the model's logits are NaN"):
+            engine.generate([GenerationRequest("hello", SamplingParams(max_tokens=4, temperature=temperature))])
+    r = TestClient(build_app(engine, "policy")).post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+    assert r.status_code == 500 and r.json()["detail"].startswith("non-finite logits: r1-damaged"), r.text
+
+
 @pytest.mark.vllm
 def test_vllm_and_transformers_agree(vllm_server, smollm_dir):
     from dynrubric.engines.http import OpenAIHTTPEngine

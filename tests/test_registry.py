@@ -141,6 +141,28 @@ def test_promote_retires_previous_stable_and_reject_is_final(registry: Registry,
     assert again.stable().version == a.version
 
 
+def test_rollouts_live_in_the_registry_database(registry: Registry) -> None:
+    """The rollout controller's table is in the registry's database (SQLite or PostgreSQL): one active
+    rollout at a time, updates seen by a controller that opens the store afresh (a resume), times kept
+    to the sub-second (PostgreSQL's REAL would round a timestamp to minutes)."""
+    from serving.rollout import RolloutStore
+
+    store = RolloutStore(registry)
+    r = store.create("r1", "/ckpt/r1", "base", "/ckpt/base", [0.3, 0.6])
+    assert (r.status, r.step, r.steps, r.last_gate) == ("loading", 0, [0.3, 0.6], None)
+    with pytest.raises(DynrubricError, match=f"rollout {r.id} of r1 is still in progress"):
+        store.create("r2", "/ckpt/r2", "base", "/ckpt/base", [0.5])
+    at = 1_764_550_000.123456
+    store.update(r.id, status="stepping", step=1, step_started_at=at, last_gate={"verdict": "inconclusive"})
+    resumed = RolloutStore(registry)  # a restarted controller
+    active = resumed.active()
+    assert active is not None and active.id == r.id and active.step == 1 and active.status == "stepping"
+    assert active.step_started_at == pytest.approx(at, abs=1e-3) and active.last_gate == {"verdict": "inconclusive"}
+    resumed.update(r.id, status="rolled_back", reason="gate failed")
+    assert store.active() is None and [x.status for x in store.list()] == ["rolled_back"]
+    assert store.create("r2", "/ckpt/r2", "base", "/ckpt/base", [0.5]).version == "r2"
+
+
 def test_postgres_url_without_psycopg_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "psycopg", None)  # makes `import psycopg` raise ImportError
     with pytest.raises(DynrubricError, match="psycopg is not installed"):

@@ -129,15 +129,16 @@ def test_missing_or_corrupt_run_log_is_a_clear_error(tmp_path):
         read_runlog(tmp_path / "runlog.jsonl")
 
 
-def judged_store(path):
-    """A rollout store as the controller leaves it: one canary the judged check failed, one it passed
-    (the gate results are the real gate's, from the judge's tallies)."""
+def judged_store(registry_db):
+    """A rollout store (in the registry database `registry_db`) as the controller leaves it: one canary the
+    judged check failed, one it passed (the gate results are the real gate's, from the judge's tallies)."""
     from dynrubric.config import GateConfig
+    from dynrubric.registry import Registry
     from serving.gate import JudgeStats, evaluate
     from serving.rollout import RolloutStore
     from tests.test_gate import arm
 
-    store = RolloutStore(path)
+    store = RolloutStore(Registry(registry_db))
     for version, judge, status in (("r1", JudgeStats(pairs=60, canary_score=6.0), "rolled_back"),
                                    ("r2", JudgeStats(pairs=40, canary_score=22.0), "promoted")):
         gate = evaluate(arm(), arm(), 0.5, GateConfig(), require_non_inferiority=False, judge=judge)
@@ -150,7 +151,7 @@ def judged_store(path):
 def test_the_judged_online_check_is_in_the_report(tmp_path):
     from dynrubric.report import judged_rollouts
 
-    store = judged_store(tmp_path / "rollouts.sqlite")
+    store = judged_store(tmp_path / "registry.sqlite")
     failed, passed = judged_rollouts(r.to_json() for r in store.list())
     assert (failed.version, failed.status, failed.verdict, failed.pairs) == ("r1", "rolled_back", "fail", 60)
     assert failed.win_rate == pytest.approx(0.1) and failed.upper < failed.bar == pytest.approx(0.45)
@@ -178,16 +179,32 @@ def test_the_judged_online_check_is_in_the_report(tmp_path):
     plt.close("all")
 
 
-def test_report_command_reads_the_rollouts_of_the_state_dir(tmp_path):
+@pytest.mark.parametrize("where", ["registry", "legacy rollouts.sqlite"])
+def test_report_command_reads_the_rollouts_of_the_state_dir(tmp_path, where):
+    """The rollouts are read from the registry's database; a legacy `rollouts.sqlite` is migrated into it."""
     import os
+    import sqlite3
     import subprocess
     import sys
     from pathlib import Path
 
+    from serving.rollout import COLUMNS, SCHEMA
+
     state = tmp_path / "state"
     (state / "train").mkdir(parents=True)
     write_log(state / "train" / "runlog.jsonl", steps=2)
-    judged_store(state / "rollout" / "rollouts.sqlite")
+    legacy = state / "rollout" / "rollouts.sqlite"
+    if where == "registry":
+        judged_store(state / "registry" / "registry.sqlite")
+    else:  # what versions before the move left: the same table in a file of its own
+        rows = [tuple(r.to_json()[c.strip()] for c in COLUMNS.split(","))
+                for r in judged_store(tmp_path / "elsewhere.sqlite").list()]
+        legacy.parent.mkdir(parents=True)
+        with sqlite3.connect(legacy) as conn:
+            conn.execute(SCHEMA)
+            conn.executemany(f"INSERT INTO rollouts ({COLUMNS}) VALUES ({','.join('?' * 13)})",
+                             [r[:5] + (json.dumps(r[5]),) + r[6:12] + (json.dumps(r[12]),) for r in rows])
+        conn.close()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DYNRUBRIC_")}
     env |= {"DYNRUBRIC_PATHS__STATE_DIR": str(state), "COLUMNS": "200"}
     run = subprocess.run([sys.executable, "-m", "dynrubric", "report"], env=env, cwd=Path(__file__).parents[1],
@@ -196,3 +213,8 @@ def test_report_command_reads_the_rollouts_of_the_state_dir(tmp_path):
     assert "2 rollouts with judged pairs" in run.stdout
     assert "(r1): rolled_back; judged fail: canary win rate 0.10 over 60 pairs" in run.stdout
     assert (state / "report" / "run.png").read_bytes()[:4] == b"\x89PNG"
+    if where != "registry":  # migrated once: the file is renamed, the registry holds the rows
+        assert not legacy.exists() and legacy.with_name("rollouts.sqlite.migrated").is_file()
+        rerun = subprocess.run([sys.executable, "-m", "dynrubric", "report"], env=env, cwd=Path(__file__).parents[1],
+                               capture_output=True, text=True, timeout=120)
+        assert "2 rollouts with judged pairs" in rerun.stdout, rerun.stdout + rerun.stderr

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -191,6 +192,33 @@ def test_a_dead_replica_is_retried_then_reloaded_when_back(stack):
     wait_for(lambda: chat(stack, "someone").headers["x-dynrubric-variant"] == "canary", 120,
              "the restarted canary engine to serve again", every_s=0.5)
     set_traffic(stack, 0.0, "exp-dead")
+
+
+def test_a_canary_with_broken_weights_fails_over_to_stable_and_counts_as_a_canary_error(stack, tmp_path):
+    """NaN weights (the `up` damage drill's): the engine answers 500 "non-finite logits", the user gets the
+    stable answer, and the experiment counts a canary request that failed (never a canary success); the
+    logged event names both the assigned arm and the arm that served it."""
+    from serving.loop import damage_nonfinite
+
+    desired = stack.router_state()["desired"]["canary"]
+    broken = damage_nonfinite(Path(desired["path"]), tmp_path / "v-nan")
+    r = httpx.post(f"{stack.router_url}/control/variants/canary/weights", headers=auth(), timeout=300,
+                   json={"version": "v-nan", "path": str(broken)})
+    assert r.status_code == 200, r.text
+    try:
+        set_traffic(stack, 1.0, "exp-nan")
+        r = chat(stack, "someone", temperature=1.0)
+        assert r.status_code == 200 and r.headers["x-dynrubric-variant"] == "stable", r.text
+        assert stack.router_state()["counters"]["exp-nan"]["canary"] == {"requests": 1, "errors": 1}
+        stack.producer.flush()
+        event = {e["request_id"]: e for e in read_topic(stack.bootstrap, "dynrubric.query-log")}[r.headers["x-request-id"]]
+        assert (event["variant"], event["assigned_variant"], event["experiment_id"]) == ("stable", "canary", "exp-nan")
+        assert event["policy_version"] == r.headers["x-dynrubric-policy-version"] != "v-nan"
+    finally:
+        set_traffic(stack, 0.0, "exp-nan")
+        r = httpx.post(f"{stack.router_url}/control/variants/canary/weights", headers=auth(), timeout=300,
+                       json={"version": desired["version"], "path": desired["path"]})
+        assert r.status_code == 200, r.text
 
 
 def users(stack, seed: int) -> SimulatedUsers:

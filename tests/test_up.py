@@ -3,10 +3,12 @@ real broker, supervised ingest, two transformers engine servers, the router, sim
 rounds in a supervised trainer process, the rollout controller and its gate.
 
 While it runs, the test kills -9 (at random points of the phases named) ingest while cycle 1 waits for
-prompts, the trainer during round 1, and the canary engine during cycle 2's rollout. The loop must
-finish both cycles, restart each component once, roll back the canary whose engine died while the
-stable arm answers every user, and leave a consistent registry and a replay store holding every
-answered request exactly once.
+prompts, the trainer during round 1, and the canary engine during cycle 2's rollout. Cycle 1 is the
+damage drill (`loop.drill_cycle`): a copy of r1 with NaN weights is rolled out instead of r1. The
+loop must finish both cycles, restart each component once, roll back the damaged candidate on the
+gate's error-rate guardrail and the canary whose engine died, train cycle 2 from the last promoted
+version (base), answer every user from the stable arm throughout, and leave a consistent registry
+and a replay store holding every answered request exactly once.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -55,6 +58,7 @@ def up_env(tiny_model_dir: Path, state: Path) -> dict[str, str]:
         "DYNRUBRIC_LOOP__USERS_RPS": "4",
         "DYNRUBRIC_LOOP__USERS_MAX_TOKENS": "8",
         "DYNRUBRIC_LOOP__MIN_NEW_PROMPTS": "8",
+        "DYNRUBRIC_LOOP__DRILL_CYCLE": "1",
         # the tiny random model barely separates candidates (mean gap ~0.006): under the default tie
         # threshold (0.02) every set is a tie and the policy step applies no update, so nothing here
         # could show that the loop trains; with a lower threshold its small differences count
@@ -112,20 +116,32 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
     assert set(killed) == {"ingest", "trainer", "engine-1"} and all(killed.values()), (killed, text[-3000:])
 
     # both cycles ran, each ends in a rollout decision and names the serving version
-    assert "cycle 1: rollout of r1: " in text and "cycle 2: rollout of r2: " in text, text[-5000:]
+    assert "cycle 1: damage drill: rolling out r1-damaged (a copy of r1 with NaN" in text, text[-5000:]
+    assert "cycle 1: rollout of r1-damaged: " in text and "cycle 2: rollout of r2: " in text, text[-5000:]
     assert "cycle 1: candidate registered -> canary serving it in" in text
     assert "Prometheus at http://" in text
+    # the drill is rolled back by the gate on the errors of its NaN logits (not by a timeout or a dead engine)
+    drill = re.search(r"^cycle 1: rollout of r1-damaged: rolled_back: ro-r1-damaged-\S+: "
+                      r"gate failed at step \d+: error_rate: canary error rate exceeds stable", text, re.M)
+    assert drill, text[-5000:]
     assert "cycle 2: rollout of r2: rolled_back" in text, text[-5000:]
     assert "restarts: engine-1 1, ingest 1, trainer 1;" in text, text[-3000:]
-    assert "failed 0" in text  # the stable arm answered every user, canary down or not
+    assert "failed 0" in text  # the stable arm answered every user, canary damaged, down or not
+    for cycle in (1, 2):  # the stable arm kept the last promoted version
+        assert f"cycle {cycle}: serving policy version base (stable engines report base)" in text, text[-5000:]
+    outcomes = [json.loads(x) for x in (state / "up" / "users.jsonl").read_text().splitlines()]
+    assert outcomes and all(o["policy_version"] != "r1-damaged" for o in outcomes)  # nobody got its tokens
 
-    # the lineage: r1 from base; r2 from the last promoted version, rolled back (rejected); one stable
+    # the lineage: r1 from base, replaced by its damaged copy (both rejected); r2 from the last promoted
+    # version (base, not r1), rolled back (rejected); base still the one stable version
     versions = registry(env)
     assert versions["r1"]["parent"] == "base"
-    r1_promoted = "cycle 1: rollout of r1: promoted" in text
-    assert versions["r2"]["parent"] == ("r1" if r1_promoted else "base")
+    assert versions["r1"]["state"] == "rejected" and "damage drill" in versions["r1"]["reason"]
+    assert versions["r1-damaged"]["parent"] == "base" and versions["r1-damaged"]["state"] == "rejected"
+    assert "error_rate" in versions["r1-damaged"]["reason"]
+    assert versions["r2"]["parent"] == "base"
     assert versions["r2"]["state"] == "rejected"
-    assert [v for v, c in versions.items() if c["state"] == "stable"] == (["r1"] if r1_promoted else ["base"])
+    assert [v for v, c in versions.items() if c["state"] == "stable"] == ["base"]
     for c in versions.values():
         assert c["parent"] is None or versions[c["parent"]]["created_at"] <= c["created_at"]
 
@@ -153,7 +169,7 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
     assert "round 1: r1 candidate (parent base; guard accepted" in text
 
     # every answered request in the replay store exactly once; no prompt twice in a round, none held out trained
-    answered = [json.loads(x)["request_id"] for x in (state / "up" / "users.jsonl").read_text().splitlines()]
+    answered = [o["request_id"] for o in outcomes]
     stored = [rid for f in (state / "replay" / "query_log").rglob("*.parquet")
               for rid in pq.read_table(f, columns=["request_id"]).column("request_id").to_pylist()]
     assert len(stored) == len(set(stored))

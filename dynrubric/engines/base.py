@@ -37,6 +37,11 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
 
 
+class NonFiniteLogits(RuntimeError):
+    """The model produced NaN or infinite logits: its weights are broken (a corrupt or diverged
+    checkpoint). Sampling from such logits would return arbitrary tokens as if they were an answer."""
+
+
 @dataclass(frozen=True)
 class Completion:
     text: str

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from dynrubric.engines.base import Completion, Engine, GenerationRequest, SamplingParams
+from dynrubric.engines.base import Completion, Engine, GenerationRequest, NonFiniteLogits, SamplingParams
 from dynrubric.engines.grammar import SchemaGrammars
 
 MIN_SHARED_TOKENS = 8  # a cluster shares at least this much beyond the global prefix
@@ -274,6 +274,9 @@ class TransformersEngine(Engine):
         counts = torch.zeros_like(rows.last_logits) if penalty else None  # (rows, V) tokens generated so far
         for _ in range(params.max_tokens):
             logits = rows.last_logits
+            if not bool(torch.isfinite(logits[~done]).all()):
+                raise NonFiniteLogits(f"{self.policy_version}: the model's logits are NaN or infinite "
+                                      "(its weights are broken)")
             if counts is not None:
                 logits = logits - penalty * counts
             if grammar is not None:  # like vLLM, logprobs are those of the masked distribution
