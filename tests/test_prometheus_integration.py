@@ -2,8 +2,8 @@
 the test queries Prometheus's API until RubricScoreGapCollapse fires.
 
 Time is compressed, not thresholds: the rule files are generated from monitoring/rules/ with every
-duration (range windows, `for:`, group intervals) divided by TIME_SCALE = 60, so 10m windows become
-10s and `for: 15m` becomes 15s. Expressions and thresholds are the shipped ones, unchanged.
+duration (range windows, offsets, `for:`, group intervals) divided by TIME_SCALE = 60, so 10m windows
+become 10s and `for: 15m` becomes 15s. Expressions and thresholds are the shipped ones, unchanged.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def time_scaled_rules(out_dir: Path) -> list[Path]:
         for group in spec["groups"]:
             group["interval"] = "1s"
             for rule in group["rules"]:
-                rule["expr"] = re.sub(r"\[(\d+(?:ms|s|m|h|d|w))\]", lambda m: f"[{scaled(m.group(1))}]", rule["expr"])
+                rule["expr"] = re.sub(r"(\[|\boffset\s+)(\d+(?:ms|s|m|h|d|w))\b",
+                                      lambda m: f"{m.group(1)}{scaled(m.group(2))}", rule["expr"])
                 if "for" in rule:
                     rule["for"] = scaled(rule["for"])
         target = out_dir / path.name
@@ -165,11 +166,12 @@ def test_time_scaling_keeps_expressions_and_thresholds(tmp_path):
     scaled_rules = {r["alert"]: r for p in time_scaled_rules(tmp_path)
                     for g in yaml.safe_load(p.read_text())["groups"] for r in g["rules"] if "alert" in r}
     assert scaled_rules.keys() == shipped.keys()
-    strip = lambda e: re.sub(r"\[[^\]]+\]", "[]", e)  # noqa: E731
+    strip = lambda e: re.sub(r"\[[^\]]+\]|\boffset\s+\w+", "[]", e)  # noqa: E731
     for name, rule in shipped.items():
         assert strip(scaled_rules[name]["expr"]) == strip(rule["expr"]), name
     assert scaled_rules["RubricScoreGapCollapse"]["for"] == "15s"
     assert "[10s]" in scaled_rules["RubricScoreGapCollapse"]["expr"] or "[10s]" in (tmp_path / "recording.yml").read_text()
+    assert "offset 30s" in scaled_rules["LoopChildRestarting"]["expr"] and "[30s]" in scaled_rules["LoopChildRestarting"]["expr"]
 
 
 def _cli(args: list[str], env: dict[str, str], **kw) -> subprocess.Popen:
