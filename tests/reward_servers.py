@@ -28,6 +28,18 @@ REPO = Path(__file__).resolve().parents[1]
 TOKEN = "s3cret-reward-token"
 
 
+def judge_env(model_dir: Path | str, generator_max_tokens: int = 16) -> dict[str, str]:
+    """The DYNRUBRIC_* settings of a test judge: one model writes the rubrics and gives the verdicts,
+    rubrics stay short and a failed one is not retried, so a small model scores a set quickly."""
+    return {
+        "DYNRUBRIC_MODELS__GENERATOR": str(model_dir),
+        "DYNRUBRIC_MODELS__VERIFIER": str(model_dir),
+        "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": str(generator_max_tokens),
+        "DYNRUBRIC_RUBRIC__RETRIES": "0",
+        "DYNRUBRIC_RUBRIC__PROMPT_ONLY_RETRIES": "0",
+    }
+
+
 @dataclass
 class Replica:
     url: str

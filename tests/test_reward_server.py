@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.reward_servers import TOKEN, openrlhf_rollout, reward_replicas
+from tests.reward_servers import TOKEN, judge_env, openrlhf_rollout, reward_replicas
 
 N = 4
 QUESTIONS = ["What is 7 * 6?", "Name a primary colour.", "Say hello."]
@@ -27,12 +27,8 @@ RESPONSES = {
 @pytest.fixture(scope="module")
 def replicas(tiny_model_dir: Path, tmp_path_factory):
     env = {
-        "DYNRUBRIC_MODELS__GENERATOR": str(tiny_model_dir),
-        "DYNRUBRIC_MODELS__VERIFIER": str(tiny_model_dir),
+        **judge_env(tiny_model_dir),
         "DYNRUBRIC_ENGINE__KIND": "transformers",
-        "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": "16",
-        "DYNRUBRIC_RUBRIC__RETRIES": "0",
-        "DYNRUBRIC_RUBRIC__PROMPT_ONLY_RETRIES": "0",
         "DYNRUBRIC_TRAIN__CANDIDATES": str(N),
         "DYNRUBRIC_REWARD_SERVER__GROUP_TIMEOUT_S": "20",
         "DYNRUBRIC_REWARD_SERVER__MAX_BODY_BYTES": "4096",

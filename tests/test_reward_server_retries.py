@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reward_servers import REPO, TOKEN, CannedLLM, openrlhf_rollout, reward_replicas
+from tests.reward_servers import REPO, TOKEN, CannedLLM, judge_env, openrlhf_rollout, reward_replicas
 
 N = 4
 CLIENT_TIMEOUT_S = 3.0
@@ -56,12 +56,8 @@ def test_openrlhf_retries_join_their_slot_and_every_sample_is_scored_once(tiny_m
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     env = {
-        "DYNRUBRIC_MODELS__GENERATOR": str(tiny_model_dir),
-        "DYNRUBRIC_MODELS__VERIFIER": str(tiny_model_dir),
+        **judge_env(tiny_model_dir),
         "DYNRUBRIC_ENGINE__KIND": "transformers",
-        "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": "16",
-        "DYNRUBRIC_RUBRIC__RETRIES": "0",
-        "DYNRUBRIC_RUBRIC__PROMPT_ONLY_RETRIES": "0",
         "DYNRUBRIC_TRAIN__CANDIDATES": str(N),
         "DYNRUBRIC_REWARD_SERVER__GROUP_TIMEOUT_S": "30",
     }

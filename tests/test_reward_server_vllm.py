@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reward_servers import TOKEN, openrlhf_rollout, reward_replicas
+from tests.reward_servers import TOKEN, judge_env, openrlhf_rollout, reward_replicas
 
 N = 4
 QUESTIONS = ["What is 12 + 30? Answer with the number.", "Name one planet of the solar system."]
@@ -36,13 +36,9 @@ def test_openrlhf_rollout_against_vllm_backed_replicas(vllm_server, tmp_path: Pa
     env = {
         "DYNRUBRIC_ENGINE__KIND": "openai-http",
         "DYNRUBRIC_ENGINE__BASE_URL": vllm_server.base_url,
-        "DYNRUBRIC_MODELS__GENERATOR": str(vllm_server.model_dir),
-        "DYNRUBRIC_MODELS__VERIFIER": str(vllm_server.model_dir),
         # small budgets keep a group's scoring well inside OpenRLHF's 180 s request timeout on 2 busy cores
+        **judge_env(vllm_server.model_dir, generator_max_tokens=96),
         "DYNRUBRIC_ENGINE__TIMEOUT_S": "170",
-        "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": "96",
-        "DYNRUBRIC_RUBRIC__RETRIES": "0",
-        "DYNRUBRIC_RUBRIC__PROMPT_ONLY_RETRIES": "0",
         "DYNRUBRIC_TRAIN__CANDIDATES": str(N),
         "DYNRUBRIC_REWARD_SERVER__GROUP_TIMEOUT_S": "60",
         "DYNRUBRIC_REWARD_SERVER__SCORING_TIME_S": "100",  # 60 + 100 fits OpenRLHF's 180 s

@@ -8,23 +8,26 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.reward_servers import judge_env
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "dynrubric" / "data" / "example_sets.jsonl"
 
 
-def run(args: list[str], tiny_model_dir: Path, cwd: Path) -> subprocess.CompletedProcess:
-    env = {
+def score_env(tiny_model_dir: Path) -> dict[str, str]:
+    """The environment of a `dynrubric score` process judging with the tiny model."""
+    return {
         **os.environ,
         "PYTHONPATH": str(REPO),
-        "DYNRUBRIC_MODELS__GENERATOR": str(tiny_model_dir),
-        "DYNRUBRIC_MODELS__VERIFIER": str(tiny_model_dir),
-        "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": "16",
-        "DYNRUBRIC_RUBRIC__RETRIES": "0",
-        "DYNRUBRIC_RUBRIC__PROMPT_ONLY_RETRIES": "0",
+        **judge_env(tiny_model_dir),
         "DYNRUBRIC_RUBRIC__CONSTRAINED": "false",  # unconstrained, the tiny random model writes noise
         "COLUMNS": "200",
     }
-    return subprocess.run([sys.executable, "-m", "dynrubric", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def run(args: list[str], tiny_model_dir: Path, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dynrubric", *args], cwd=cwd, env=score_env(tiny_model_dir),
+                          capture_output=True, text=True, timeout=600)
 
 
 def test_score_writes_rubrics_verdicts_scores_and_gaps(tiny_model_dir, tmp_path):

@@ -4,7 +4,6 @@ Data on two judge actors, scored Parquet out, with progress."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.test_score_command import REPO
+from tests.test_score_command import REPO, score_env
 
 SHIPPED = REPO / "dynrubric" / "data" / "prompts.jsonl"
 UNSURE = "I am not sure."
@@ -45,18 +44,10 @@ def test_score_a_replay_store_on_ray_data(tiny_model_dir: Path, tmp_path: Path) 
     n = replay_store_of_shipped_traffic(tmp_path / "replay", limit=12)  # 12 of the 60: CI time
     out = tmp_path / "rescored.parquet"
     env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "DYNRUBRIC_MODELS__GENERATOR": str(tiny_model_dir),
-        "DYNRUBRIC_MODELS__VERIFIER": str(tiny_model_dir),
-        "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": "16",
-        "DYNRUBRIC_RUBRIC__RETRIES": "0",
-        "DYNRUBRIC_RUBRIC__PROMPT_ONLY_RETRIES": "0",
-        "DYNRUBRIC_RUBRIC__CONSTRAINED": "false",
+        **score_env(tiny_model_dir),
         "DYNRUBRIC_RAY__NUM_CPUS": "2",
         "DYNRUBRIC_RAY__JUDGES": "2",
         "DYNRUBRIC_RAY__ACTOR_CPUS": "0.5",
-        "COLUMNS": "200",
     }
     r = subprocess.run([str(Path(sys.executable).parent / "dynrubric"), "score", str(tmp_path / "replay"), "--ray",
                         "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
