@@ -238,3 +238,20 @@ def test_an_empty_response_earns_no_checked_item_of_either_polarity(engine):
     judged = Evaluator(engine, engine, RubricConfig()).judge(QUESTION, rubric, ["It is 42.", "It is 41.", ""])
     assert judged.scores == pytest.approx([0.5, 0.0, 0.0])
     assert judged.verdicts[1] == [1.0, 1.0, 1.0]  # the flaw is "present" in the empty answer too
+
+
+def test_a_rounds_local_judges_report_each_set_as_it_is_judged(engine):
+    """A step's judging takes minutes on a CPU: progress comes after each set's verdicts, not once at the end."""
+    from dynrubric.config import Settings
+    from dynrubric.train.executor import LocalJudges
+    from dynrubric.train.judging import ScoreChunk
+
+    spy = Spy(engine)
+    settings = Settings.model_validate({"rubric": {"retries": 0, "prompt_only_retries": 0, "generator_max_tokens": 16}})
+    judges = LocalJudges(settings, engine, spy)
+    verifier_calls_at_progress: list[int] = []
+    chunks = [ScoreChunk([QUESTION, QUESTION], [RESPONSES, RESPONSES[:2]], seed=1), ScoreChunk([QUESTION], [RESPONSES], seed=2)]
+    results = judges.score(chunks, lambda n: verifier_calls_at_progress.extend([len(spy.score_calls)] * n))
+    assert [len(r.sets) for r in results] == [2, 1]
+    # one batched verifier call per set, and each set reported right after its own call
+    assert verifier_calls_at_progress == [1, 2, 3] and len(spy.score_calls) == 3

@@ -16,7 +16,7 @@ counts a set or a step twice.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,7 +28,8 @@ from dynrubric.train.step import EngineFactory, Trainers, TrainerSpec
 
 
 class Judges(Protocol):
-    def score(self, chunks: Sequence[ScoreChunk]) -> list[ScoredChunk]: ...
+    def score(self, chunks: Sequence[ScoreChunk], progress: Callable[[int], None]) -> list[ScoredChunk]:
+        """Score the chunks in order; `progress(n)` as n more sets are judged (a step takes minutes)."""
 
     def load_rubric_writer(self, path: Path, version: str) -> None: ...
 
@@ -58,8 +59,8 @@ class LocalJudges:
     def __init__(self, settings: Settings, writer: Engine, verifier: Engine):
         self.evaluator = Evaluator(writer, verifier, settings.rubric, metrics=None)
 
-    def score(self, chunks: Sequence[ScoreChunk]) -> list[ScoredChunk]:
-        return [score_chunk(self.evaluator, c) for c in chunks]
+    def score(self, chunks: Sequence[ScoreChunk], progress: Callable[[int], None]) -> list[ScoredChunk]:
+        return [score_chunk(self.evaluator, c, progress) for c in chunks]
 
     def load_rubric_writer(self, path: Path, version: str) -> None:
         """Nothing to do: the writer is the round's own engine, which the round reloads itself."""

@@ -8,6 +8,7 @@ evaluator or a Ray judge actor) scores it, and however many judges share the chu
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from dynrubric.rubric.evaluator import Evaluator, ScoredSet
@@ -30,11 +31,11 @@ class ScoredChunk:
     seconds: float = 0.0  # the judge's time on the chunk: its rubrics, then the sets' verify_seconds
 
 
-def score_chunk(evaluator: Evaluator, chunk: ScoreChunk) -> ScoredChunk:
-    """Score one chunk; the counts are those of this chunk alone."""
+def score_chunk(evaluator: Evaluator, chunk: ScoreChunk, progress: Callable[[int], None] | None = None) -> ScoredChunk:
+    """Score one chunk; the counts are those of this chunk alone. `progress(1)` after each set is judged."""
     before = replace(evaluator.counts)
     start = time.perf_counter()
-    sets = evaluator.score_sets(chunk.questions, chunk.responses, seed=chunk.seed)
+    sets = evaluator.score_sets(chunk.questions, chunk.responses, progress=progress, seed=chunk.seed)
     seconds = time.perf_counter() - start
     after = evaluator.counts
     return ScoredChunk(sets, GenerationCounts(

@@ -17,7 +17,7 @@ last published step (train/rounds.py). Between rounds the actors are kept and re
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,8 +121,12 @@ class RayJudges:
     def __init__(self, actors: list[Any]):
         self.actors = actors
 
-    def score(self, chunks: Sequence[ScoreChunk]) -> list[ScoredChunk]:
-        return list(ActorPool(self.actors).map(lambda actor, chunk: actor.score.remote(chunk), list(chunks)))
+    def score(self, chunks: Sequence[ScoreChunk], progress: Callable[[int], None]) -> list[ScoredChunk]:
+        results = []
+        for result in ActorPool(self.actors).map(lambda actor, chunk: actor.score.remote(chunk), list(chunks)):
+            progress(len(result.sets))  # a chunk's sets are judged inside its actor: counted as it returns
+            results.append(result)
+        return results
 
     def load_rubric_writer(self, path: Path, version: str) -> None:
         ray.get([a.load_rubric_writer.remote(path, version) for a in self.actors])

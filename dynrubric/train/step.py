@@ -152,7 +152,7 @@ class RoundModels:
         size = -(-n // min(self.settings.train.judge_chunks, n))
         chunks = [ScoreChunk(list(questions[i : i + size]), [list(r) for r in responses[i : i + size]], seed_of(j))
                   for j, i in enumerate(range(0, n, size))]
-        results = self.judges.score(chunks)
+        results = self.judges.score(chunks, progress)
         wall = time.perf_counter() - start
         counts = GenerationCounts()
         scored: list[ScoredSet] = []
@@ -166,7 +166,6 @@ class RoundModels:
             collapsed = self.collapse.update(s.gaps)
             if self.metrics is not None:
                 self.metrics.record_set(s, collapsed)
-            progress(1)
         return scored, counts, judge_stages(wall, sum(r.seconds for r in results), sum(s.verify_seconds for s in scored))
 
     def save(self, directory: Path) -> None:
