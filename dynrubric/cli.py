@@ -218,6 +218,8 @@ def _demo_caps(settings) -> None:
         settings.rollout.steps = [0.3, 0.6]
     settings.rollout.poll_interval_s = min(settings.rollout.poll_interval_s, 2.0)
     settings.rollout.max_step_s = min(settings.rollout.max_step_s, 300.0)
+    # one machine serves and trains: the round gets the cores while it runs (production trains elsewhere)
+    settings.loop.pause_users_while_training = True
 
 
 @app.command()

@@ -598,6 +598,9 @@ class LoopConfig(Section):
     users: int = Field(default=40, ge=1, description="distinct simulated users sending traffic through the router")
     users_rps: float = Field(default=1.0, gt=0, description="simulated requests per second (one at a time)")
     users_max_tokens: int = Field(default=48, ge=1, description="max_tokens of a simulated request")
+    pause_users_while_training: bool = Field(
+        default=False, description="simulated users send nothing while a round trains (`up --demo` sets it: on one "
+        "2-core machine the stable engine serving them took ~80 % of a core and left the round ~30 %)")
     metrics_port: int = Field(default=8220, ge=0, le=65535, description="the main job's /metrics (restarts); 0 = off")
     health_interval_s: float = Field(default=2.0, gt=0, description="how often children are checked")
     max_restarts: int = Field(default=5, ge=0, description="restarts of one child before the main job gives up")

@@ -107,6 +107,8 @@ class UserTraffic:
         self.answered_ids: list[str] = []
         self.failed = 0
         self._stop = threading.Event()
+        self._running = threading.Event()  # cleared while paused
+        self._running.set()
         self._thread = threading.Thread(target=self._run, name="users", daemon=True)
 
     @property
@@ -117,6 +119,9 @@ class UserTraffic:
         self.outcomes_path.parent.mkdir(parents=True, exist_ok=True)
         with httpx.Client(timeout=self.users.timeout_s) as client, open(self.outcomes_path, "a") as out:
             while not self._stop.is_set():
+                self._running.wait()
+                if self._stop.is_set():
+                    break
                 started = time.monotonic()
                 try:
                     outcome = self.users.one(client)
@@ -133,8 +138,16 @@ class UserTraffic:
     def start(self) -> None:
         self._thread.start()
 
+    def pause(self) -> None:
+        """No new request after the one in flight, until `resume`."""
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
     def stop(self) -> None:
         self._stop.set()
+        self._running.set()  # a paused thread wakes up to see the stop
         self._thread.join(timeout=120)
 
 
@@ -387,7 +400,15 @@ class ClosedLoop:
         self._wait_for_prompts(runner, cycle)
         round_id = runner.next_round()
         self.log(f"cycle {cycle}: training round {round_id} (log {self.supervisor.log_path('trainer')})")
-        self.supervisor.run_job(ChildSpec("trainer", self._cli(config, "train", "round"), child_env()))
+        pause = self.settings.loop.pause_users_while_training
+        if pause:
+            self.log(f"cycle {cycle}: users paused while the round trains (loop.pause_users_while_training)")
+            self.traffic.pause()
+        try:
+            self.supervisor.run_job(ChildSpec("trainer", self._cli(config, "train", "round"), child_env()))
+        finally:
+            if pause:
+                self.traffic.resume()
         summary = runner.last_summary()
         for line in round_report(summary, runner.round_dir(summary["round"]) / "summary.json"):
             self.log(f"cycle {cycle}: {line}")

@@ -126,6 +126,8 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
     assert drill, text[-5000:]
     assert "cycle 2: rollout of r2: rolled_back" in text, text[-5000:]
     assert "restarts: engine-1 1, ingest 1, trainer 1;" in text, text[-3000:]
+    # --demo: the round gets the machine's cores while it trains
+    assert text.count("users paused while the round trains") == 2, text[-5000:]
     assert "failed 0" in text  # the stable arm answered every user, canary damaged, down or not
     for cycle in (1, 2):  # the stable arm kept the last promoted version
         assert f"cycle {cycle}: serving policy version base (stable engines report base)" in text, text[-5000:]
@@ -181,3 +183,38 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
     assert (state / "report" / "run.png").read_bytes()[:4] == b"\x89PNG"
     page = (state / "report" / "run.html").read_text()
     assert "ro-r2-" in page and "rolled_back" in page and page.count("data:image/png;base64,") >= 3
+
+
+def test_paused_users_send_nothing_until_resumed(tmp_path):
+    """The pause of `up --demo` while a round trains (a stand-in for the users: this tests the thread)."""
+    import time
+
+    from serving.loop import UserTraffic
+    from serving.users import Outcome
+
+    class CountingUsers:
+        timeout_s = 5.0
+        sent = 0
+
+        def one(self, client):
+            self.sent += 1
+            return Outcome(f"r{self.sent}", "u", "stable", "base", True, [])
+
+    users = CountingUsers()
+    traffic = UserTraffic(users, rps=200, outcomes_path=tmp_path / "users.jsonl")
+    traffic.start()
+    try:
+        time.sleep(0.3)
+        traffic.pause()
+        time.sleep(0.1)  # the request in flight when paused may still finish
+        paused_at = users.sent
+        time.sleep(0.5)
+        assert users.sent == paused_at > 0
+        traffic.resume()
+        time.sleep(0.3)
+        assert users.sent > paused_at
+        traffic.pause()
+    finally:
+        traffic.stop()  # also ends a paused thread
+    assert not traffic._thread.is_alive()
+    assert traffic.answered == users.sent
