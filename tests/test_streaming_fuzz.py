@@ -197,8 +197,8 @@ class Run:
 def test_fuzz_mutated_events_never_crash_the_writer_and_store_nothing_invalid(tmp_path):
     rng = random.Random(13)
     run = Run(tmp_path / "store")
-    produced = 0
-    while produced < MUTATED:
+    produced = mutated = 0  # mutated: messages whose bytes differ from the valid event they came from
+    while mutated < MUTATED:
         records = []
         for j in range(BATCH):
             i = produced + j
@@ -212,12 +212,14 @@ def test_fuzz_mutated_events_never_crash_the_writer_and_store_nothing_invalid(tm
                 value = json.dumps(doc).encode()
             else:  # a tombstone now and then
                 value = mutate(doc, rng) if rng.random() < 0.995 else None
+                unchanged = {json.dumps(doc, ensure_ascii=a).encode() for a in (True, False)}
+                mutated += value is not None and value not in unchanged
             records.append((kind, value))
         run.feed(records)
         produced += BATCH
-    print("fuzz:", dict(run.tally), "reasons:", dict(run.reasons))
+    print("fuzz:", dict(run.tally), "mutated:", mutated, "reasons:", dict(run.reasons))
     assert run.tally["crashes"] == 0, run.reasons
-    assert run.tally["messages"] == produced >= 20_000
+    assert run.tally["messages"] == produced and mutated >= 20_000
     assert run.tally["unaccounted"] == 0
     # every class of bad input reached its own reason, and valid ones were stored
     assert {"bad_json", "too_deep", "duplicate_key", "non_finite", "number_range", "oversize", "schema",
