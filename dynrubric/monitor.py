@@ -19,7 +19,7 @@ import typer
 from dynrubric.console import make_console
 from dynrubric.context import settings_of
 from dynrubric.errors import DynrubricError
-from dynrubric.process import http_ok, log_tail, spawn, terminate, wait_until
+from dynrubric.process import http_ok, log_tail, spawn, stop_signals_interrupt, terminate, wait_until
 
 MONITORING_DIR = Path(__file__).resolve().parents[1] / "monitoring"
 INSTALL_FIX = "run `make setup`, or `apt-get install prometheus` (Debian), then try again"
@@ -194,6 +194,7 @@ def up_command(
     for job in config["scrape_configs"]:
         console.print(f"  scraping {job['job_name']}: {', '.join(job['static_configs'][0]['targets'])}")
     console.print("Ctrl-C stops it.")
+    stop_signals_interrupt()
     try:
         running.process.wait()
     except KeyboardInterrupt:

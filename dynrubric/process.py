@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -83,3 +84,14 @@ def log_tail(path: Path | None, lines: int = 5) -> str:
     if path is None or not path.is_file():
         return ""
     return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+
+
+def stop_signals_interrupt() -> None:
+    """SIGTERM and SIGINT raise KeyboardInterrupt in the main thread, so a long-running command stops
+    its children in order. Set explicitly: a process started in the background by a non-interactive
+    shell, or by a parent that ignores SIGINT, inherits SIGINT ignored, and Python then keeps it so."""
+    if threading.current_thread() is threading.main_thread():
+        def handler(*_: object) -> None:
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)

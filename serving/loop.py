@@ -38,7 +38,6 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import sys
 import threading
 import time
@@ -56,6 +55,7 @@ from dynrubric import atomic
 from dynrubric.config import Settings
 from dynrubric.errors import DynrubricError
 from dynrubric.ports import free_port
+from dynrubric.process import stop_signals_interrupt
 from dynrubric.supervisor import ChildSpec, Supervisor
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -170,16 +170,6 @@ def thread_server(app: Any, host: str, port: int) -> Iterator[None]:
         thread.join(timeout=30)
 
 
-def _stop_signals_interrupt() -> None:
-    """SIGTERM and SIGINT raise KeyboardInterrupt, which stops everything in order (also when the shell
-    that started us in the background ignored SIGINT)."""
-    if threading.current_thread() is threading.main_thread():
-        def handler(*_: object) -> None:
-            raise KeyboardInterrupt
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
-
-
 class ClosedLoop:
     def __init__(self, settings: Settings, log: Callable[[str], None]):
         self.settings = settings
@@ -218,7 +208,7 @@ class ClosedLoop:
         from streaming.producer import EventProducer
 
         s = self.settings
-        _stop_signals_interrupt()
+        stop_signals_interrupt()
         self.dir.mkdir(parents=True, exist_ok=True)
         if s.serving.token is None:  # the control endpoints need one; this run's components share it
             s.serving.token = SecretStr(secrets.token_urlsafe(24))

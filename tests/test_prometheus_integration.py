@@ -184,7 +184,8 @@ def test_monitor_up_serves_our_rules_and_local_targets(tmp_path):
     port = free_port()
     env = {**os.environ, "DYNRUBRIC_PATHS__STATE_DIR": str(tmp_path), "DYNRUBRIC_MONITORING__PROMETHEUS_PORT": str(port),
            "DYNRUBRIC_MONITORING__TARGETS": '{"dynrubric-router": ["127.0.0.1:1"]}'}
-    proc = _cli(["monitor", "up"], env)
+    # started with SIGINT ignored, as a background job of a non-interactive shell is: Ctrl-C must still stop it
+    proc = _cli(["monitor", "up"], env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     url = f"http://127.0.0.1:{port}"
     try:
         def ready():
