@@ -81,9 +81,9 @@ def time_judging(state: Path, model: str, judges: int, quick: bool) -> float:
     executor = RayExecutor(s, engine_factory(s))
     try:
         pool = executor.judges(None, None, "policy", model_dir, model_dir)  # type: ignore[arg-type]
-        pool.score(chunks)  # warm-up: every actor has loaded its engines
+        pool.score(chunks, lambda n: None)  # warm-up: every actor has loaded its engines
         start = time.perf_counter()
-        pool.score(chunks)
+        pool.score(chunks, lambda n: None)
         return time.perf_counter() - start
     finally:
         executor.close()
