@@ -215,6 +215,8 @@ def test_paused_users_send_nothing_until_resumed(tmp_path):
         assert users.sent > paused_at
         traffic.pause()
     finally:
-        traffic.stop()  # also ends a paused thread
-    assert not traffic._thread.is_alive()
-    assert traffic.answered == users.sent
+        traffic.stop()  # also ends a paused thread (it joins it)
+    stopped_at = users.sent
+    traffic.resume()  # a stopped thread stays stopped
+    time.sleep(0.2)
+    assert users.sent == stopped_at == traffic.answered
