@@ -175,6 +175,11 @@ class RubricConfig(Section):
     anchors: bool = Field(
         default=True, description="judge known-bad anchors with every set: de-bias verdicts, distrust sets they outrank"
     )
+    trust_rule: Literal["every", "best"] = Field(
+        default="every",
+        description="a set is untrusted (zero advantage) when an anchor outranks 'every': any real candidate, "
+        "'best': the best one (rubric/calibrate.py)",
+    )
     generic_rubric: list[GenericRubricItem] = Field(
         default_factory=_default_generic_rubric, min_length=2, max_length=12,
         description="last-resort rubric when the generator never produces a valid one",

@@ -11,17 +11,23 @@ the empty answer, an off-topic paragraph, and the question echoed back. They ser
 
    so an item credits a response only for what it gives beyond a known-bad answer. Checked items are
    exact and are not calibrated.
-2. Trust. With the same rubric and calibrated verdicts, no anchor may score above the set's best real
-   candidate (by the tie threshold `eps` or more). When one does, the judge prefers garbage to every
-   answer the policy wrote: it cannot see what makes an answer good, and the set's scores are
-   untrusted: the trainer gives it zero advantage, and it is counted. An anchor above a *weak*
-   candidate is not enough: a bad answer scoring like garbage is the judge working, and that set is
-   exactly where the policy must learn (the issue's stricter per-candidate rule would silence it).
+2. Trust, with the same rubric and calibrated verdicts (`rubric.trust_rule`, ties within `eps` excused):
+
+       every (default): untrusted when an anchor scores above ANY real candidate
+       best:            untrusted only when an anchor scores above the set's BEST real candidate
+
+   `every` is the issue's rule: a judge that puts the echoed question above a terse correct answer is
+   wrong about that answer, and its gaps must not train the policy. Its price: a set with one answer
+   that really is garbage (empty, off-topic) and scores below an anchor teaches nothing either. On the
+   judge benchmark, whose ordered sets plant such answers on purpose, `every` distrusts most ordered
+   sets; `best` only distrusts a judge that prefers garbage to everything the policy wrote. Untrusted
+   sets get zero advantage from the trainer and are counted.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 OFF_TOPIC = (
     "The weather was mild today, and the park was full of people walking their dogs. Later we had "
@@ -46,8 +52,12 @@ def calibrate_row(z: Sequence[float], n_real: int) -> list[float]:
     return [max(0.0, x - floor) / (1.0 - floor) for x in z]
 
 
-def anchors_outrank(real_scores: Sequence[float], anchor_scores: Sequence[float], eps: float) -> bool:
-    """True when some anchor scores above the best real candidate by at least `eps`."""
+def anchors_outrank(
+    real_scores: Sequence[float], anchor_scores: Sequence[float], eps: float, rule: Literal["every", "best"] = "every"
+) -> bool:
+    """True when some anchor scores above any real candidate (`every`) or above the best one (`best`) by at
+    least `eps`."""
     if not real_scores or not anchor_scores:
         return False
-    return max(anchor_scores) - max(real_scores) >= eps
+    beaten = min(real_scores) if rule == "every" else max(real_scores)
+    return max(anchor_scores) - beaten >= eps
