@@ -10,8 +10,9 @@ on two judge actors vs one.
             `ratio: X` = Ray / in-process for round 2 (target <= 1.15).
 2. judging: the same candidate sets, split into two chunks, judged by a pool of one judge actor, then
             of two (each holding its own rubric writer and verifier), after one warm-up call each.
-            Prints both times and `judging ratio: X` (two judges / one). On a 2-core machine expect
-            little gain: each actor's torch already uses a core, so two actors mostly share them.
+            The judges share the machine's cores (`ray.actor_cpus` = cores / judges, each actor's torch
+            threads = its cores). Prints both times and `judging ratio: X` (two judges / one). On a
+            2-core machine expect little gain: one judge already runs on both cores.
 
     python benchmarks/ray_overhead.py            # SmolLM2-135M from the model cache
     python benchmarks/ray_overhead.py --quick    # the tiny random test model (seconds; overhead-dominated)
@@ -29,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the checkout this file is in, not another install
 
 
-def settings_for(state: Path, model: str, executor: str, judges: int, quick: bool):
+def settings_for(state: Path, model: str, executor: str, judges: int, quick: bool, actor_cpus: float = 0.0):
     from dynrubric.config import Settings
 
     small = {"candidates": 4, "prompts_per_step": 4, "steps_per_round": 2, "max_prompts_per_round": 12,
@@ -40,7 +41,7 @@ def settings_for(state: Path, model: str, executor: str, judges: int, quick: boo
         "models": {"policy": model, "generator": model, "verifier": model},
         "rubric": {"generator_max_tokens": 64 if quick else 160},
         "train": {**small, "prompts_file": str(ROOT / "dynrubric" / "data" / "prompts.jsonl"), "executor": executor},
-        "ray": {"judges": judges},
+        "ray": {"judges": judges, "actor_cpus": actor_cpus},
     })
 
 
@@ -64,13 +65,13 @@ def time_rounds(state: Path, model: str, executor: str, quick: bool) -> tuple[li
     return times, summary
 
 
-def time_judging(state: Path, model: str, judges: int, quick: bool) -> float:
+def time_judging(state: Path, model: str, judges: int, quick: bool, cpus: int) -> float:
     from dynrubric import modelcache
     from dynrubric.train.commands import engine_factory
     from dynrubric.train.judging import ScoreChunk
     from dynrubric.train.ray_executor import RayExecutor
 
-    s = settings_for(state, model, "ray", judges, quick)
+    s = settings_for(state, model, "ray", judges, quick, actor_cpus=max(1, cpus // judges))  # they share the cores
     model_dir = modelcache.resolve(s.paths.resolved_home(), model)
     questions = ["Name three colours.", "What is 12 times 3?", "Say hello politely.", "Describe the sea.",
                  "Give one word for happy.", "List two fruits.", "What is the capital of France?", "Count to five."]
@@ -89,6 +90,10 @@ def time_judging(state: Path, model: str, judges: int, quick: bool) -> float:
         executor.close()
 
 
+def stages(summary: dict) -> str:
+    return ", ".join(f"{k} {v:.1f}" for k, v in summary["stage_seconds"].items())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the tiny random test model instead of SmolLM2-135M")
@@ -105,16 +110,20 @@ def main() -> None:
             model = str(build_tiny_model(Path(tmp) / "tiny"))
         local, summary = time_rounds(Path(tmp) / "inprocess", model, "inprocess", args.quick)
         print(f"in-process: round 1 {local[0]:.1f} s, round 2 {local[1]:.1f} s ({summary['phases']})", flush=True)
+        print(f"  round 2 stages: {stages(summary)}", flush=True)
         ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
         try:
             remote, ray_summary = time_rounds(Path(tmp) / "ray", model, "ray", args.quick)
             print(f"on Ray:     round 1 {remote[0]:.1f} s (starts the actors), round 2 {remote[1]:.1f} s "
                   f"({ray_summary['phases']})")
+            print(f"  round 2 stages: {stages(ray_summary)}")
             print(f"first-round ratio (actor start included): {remote[0] / local[0]:.2f}")
             print(f"ratio: {remote[1] / local[1]:.2f}", flush=True)
-            one = time_judging(Path(tmp) / "j1", model, 1, args.quick)
-            two = time_judging(Path(tmp) / "j2", model, 2, args.quick)
-            print(f"judging 8 sets in 2 chunks: one judge actor {one:.1f} s, two judge actors {two:.1f} s")
+            cpus = int(ray.cluster_resources()["CPU"])
+            one = time_judging(Path(tmp) / "j1", model, 1, args.quick, cpus)
+            two = time_judging(Path(tmp) / "j2", model, 2, args.quick, cpus)
+            print(f"judging 8 sets in 2 chunks on {cpus} CPUs: one judge actor {one:.1f} s (all {cpus} cores), "
+                  f"two judge actors {two:.1f} s ({max(1, cpus // 2)} each)")
             print(f"judging ratio: {two / one:.2f}")
         finally:
             ray.shutdown()

@@ -405,7 +405,9 @@ class RayConfig(Section):
     num_cpus: int | None = Field(default=None, ge=1, description="CPUs of a local Ray (address unset); default all")
     judges: int = Field(default=1, ge=1, description="judge actors; each holds its rubric writer and verifier once")
     actor_cpus: float = Field(
-        default=0.0, ge=0, description="CPUs each actor reserves (0: place by spreading, without reserving)"
+        default=0.0, ge=0,
+        description="CPUs each actor reserves, and its torch threads (0: place by spreading, reserve nothing, "
+        "use every core of the node; engine.threads overrides)",
     )
     max_restarts: int = Field(
         default=3, ge=0,

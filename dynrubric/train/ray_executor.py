@@ -43,10 +43,35 @@ WORKER_FAILURES: tuple[type[BaseException], ...] = (
 )
 
 
-class EngineActor:
-    def __init__(self, factory: EngineFactory, role: str, model_dir: Path):
-        self.reset(factory, role, model_dir)
+def use_cores(threads: int) -> int:
+    """Set this actor's torch threads: `engine.threads` when set, else the CPUs Ray reserved for the actor
+    (`ray.actor_cpus` >= 1), else every core of its node, as the in-process round uses them (its stages run
+    one after another). Returns the number set."""
+    import os
 
+    import torch
+
+    reserved = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+    # Ray sets OMP_NUM_THREADS=1 in an actor that reserves under one CPU: torch would then use one core of
+    # a node whose other cores sit idle while the round waits on this actor
+    n = threads or (int(reserved) if reserved >= 1 else len(os.sched_getaffinity(0)))
+    torch.set_num_threads(n)
+    return n
+
+
+class Worker:
+    """An actor of the round: takes its cores first, then builds what `reset` builds (reset again, not
+    rebuilt, when a later round reuses it)."""
+
+    def __init__(self, threads: int, *args: Any):
+        self.threads = use_cores(threads)
+        self.reset(*args)
+
+    def reset(self, *args: Any) -> None:
+        raise NotImplementedError
+
+
+class EngineActor(Worker):
     def reset(self, factory: EngineFactory, role: str, model_dir: Path) -> None:
         """A fresh engine in this process (a later round reuses the actor, not its engine)."""
         if getattr(self, "engine", None) is not None:
@@ -91,12 +116,8 @@ class RemoteEngine(Engine):
         self.policy_version = ray.get(self.actor.load_weights.remote(path, version))
 
 
-class JudgeActor:
+class JudgeActor(Worker):
     """Rubric generation and verdicts for chunks of candidate sets, on engines built here once."""
-
-    def __init__(self, settings: Settings, factory: EngineFactory, writer_role: str, writer_dir: Path,
-                 verifier_dir: Path):
-        self.reset(settings, factory, writer_role, writer_dir, verifier_dir)
 
     def reset(self, settings: Settings, factory: EngineFactory, writer_role: str, writer_dir: Path,
               verifier_dir: Path) -> None:
@@ -135,10 +156,7 @@ class RayJudges:
         """The executor owns the actors."""
 
 
-class TrainerActor:
-    def __init__(self, spec: TrainerSpec):
-        self.reset(spec)
-
+class TrainerActor(Worker):
     def reset(self, spec: TrainerSpec) -> None:
         self.trainers = None  # the last round's models go before the next ones load
         self.trainers = Trainers(spec)
@@ -189,7 +207,7 @@ class RayExecutor:
             ray.get(actor.reset.remote(*args))
         else:
             actor = ray.remote(cls).options(num_cpus=self.settings.ray.actor_cpus, max_restarts=0,
-                                            scheduling_strategy="SPREAD").remote(*args)
+                                            scheduling_strategy="SPREAD").remote(self.settings.engine.threads, *args)
         self.in_use.append((kind, actor))
         return actor
 
