@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dynrubric.rubric.benchmark import kendall_tau, pairwise_accuracy, read_judge_sets
+from dynrubric.rubric.benchmark import all_tied, empty_on_top, kendall_tau, pairwise_accuracy, read_judge_sets
 from dynrubric.rubric.calibrate import anchors_outrank, calibrate_row
 from dynrubric.rubric.checks import Check, CheckError, parse_check, run_check
 from dynrubric.rubric.derived import consensus_items, prompt_items
@@ -139,6 +139,16 @@ def test_calibration_against_the_anchor_mean_and_the_trust_rule():
     assert anchors_outrank([0.5, 0.3], [0.45], eps=0.02, rule="best") is False  # the best answer still wins
     assert anchors_outrank([0.5, 0.3], [0.51], eps=0.02, rule="best") is False  # within the tie threshold
     assert anchors_outrank([0.5, 0.3], [0.55], eps=0.02, rule="best") is True  # garbage above every real answer
+
+
+def test_empty_on_top_needs_a_ranking():
+    responses = ["", "It is 42.", "42"]
+    assert empty_on_top([0.5, 0.5, 0.1], responses, eps=0.02)  # tied with the best: a positive advantage
+    assert empty_on_top([0.6, 0.5, 0.1], responses, eps=0.02)
+    assert not empty_on_top([0.1, 0.5, 0.4], responses, eps=0.02)
+    # a rubric that splits nobody ranks nothing: every advantage is zero, the empty answer gains nothing
+    assert all_tied([0.0, 0.0, 0.01], eps=0.02) and not empty_on_top([0.0, 0.0, 0.01], responses, eps=0.02)
+    assert not empty_on_top([0.9, 0.5], ["It is 42.", "42"], eps=0.02)  # no empty response
 
 
 def test_pairwise_accuracy_and_kendall_tau():

@@ -7,7 +7,10 @@ Per mode and kind, on ordered sets (s = scores, `eps` the rubric's tie threshold
 - pairwise accuracy: over pairs (a better than b), 1 when s_a - s_b >= eps, 1/2 when |s_a - s_b| < eps;
 - Kendall tau-b between the known ranks and the scores (ties within eps count as ties);
 - ordered gap: s_best - s_worst;
-- empty on top: sets where an empty response scores at least as high as every other response;
+- empty on top: sets where an empty response scores at least as high as every other response while
+  the set is not all tied (then GRPO would give the empty response a positive advantage);
+- all tied: sets whose responses all score within eps of each other: the judge ranked nothing (every
+  advantage is zero; the empty response is not "on top" of anything there);
 - score-length correlation: Pearson r between scores and response length in words (a judge that
   follows length, not quality, shows here);
 - untrusted: sets where a calibration anchor outranked a real candidate.
@@ -115,6 +118,18 @@ def alarm_rate(stats: Sequence[GapStats], window: int, min_mean_gap: float, max_
     return (fired / decisions if decisions else 0.0), decisions
 
 
+def all_tied(scores: Sequence[float], eps: float) -> bool:
+    """Every response within `eps` of every other: the set is ranked not at all."""
+    return max(scores) - min(scores) < eps
+
+
+def empty_on_top(scores: Sequence[float], responses: Sequence[str], eps: float) -> bool:
+    """An empty response scores at least as high as every non-empty one, in a set that is not all tied."""
+    empties = [j for j, r in enumerate(responses) if not r.strip()]
+    others = [x for j, x in enumerate(scores) if j not in empties]
+    return bool(others) and not all_tied(scores, eps) and any(scores[j] >= max(others) for j in empties)
+
+
 @dataclass(frozen=True)
 class KindResult:
     sets: int
@@ -122,6 +137,7 @@ class KindResult:
     kendall_tau: float
     ordered_gap: float
     empty_top: int
+    all_tied: int
     untrusted: int
 
 
@@ -176,14 +192,11 @@ def summarise_mode(
         acc = [pairwise_accuracy(scores[i], sets[i].order or [], eps) for i in members]
         tau = [kendall_tau(scores[i], sets[i].order or [], eps) for i in members]
         gap = [scores[i][sets[i].order[0]] - scores[i][sets[i].order[-1]] for i in members]  # type: ignore[index]
-        empty_top = 0
-        for i in members:
-            empties = [j for j, r in enumerate(sets[i].responses) if not r.strip()]
-            others = [scores[i][j] for j in range(len(scores[i])) if j not in empties]
-            empty_top += any(others and scores[i][j] >= max(others) for j in empties)
         by_kind[kind] = KindResult(
             sets=len(members), pairwise_accuracy=sum(acc) / len(acc), kendall_tau=sum(tau) / len(tau),
-            ordered_gap=sum(gap) / len(gap), empty_top=empty_top,
+            ordered_gap=sum(gap) / len(gap),
+            empty_top=sum(empty_on_top(scores[i], sets[i].responses, eps) for i in members),
+            all_tied=sum(all_tied(scores[i], eps) for i in members),
             untrusted=sum(not trusted[i] for i in members),
         )
     lengths = [float(len(r.split())) for i in ordered for r in sets[i].responses]

@@ -263,12 +263,13 @@ def eval_judge(
     plot(results, out / "eval_judge.png")
     table = Table(title=f"judge benchmark: {sets_file} ({sum(not s.collapsed for s in sets)} ordered, "
                   f"{sum(s.collapsed for s in sets)} equal-quality sets)")
-    for col in ("mode", "kind", "sets", "pairwise acc", "kendall tau", "ordered gap", "empty top", "untrusted"):
+    for col in ("mode", "kind", "sets", "pairwise acc", "kendall tau", "ordered gap", "empty top", "all tied",
+                "untrusted"):
         table.add_column(col)
     for r in results:
         for kind, k in r.by_kind.items():
             table.add_row(r.mode, kind, str(k.sets), f"{k.pairwise_accuracy:.3f}", f"{k.kendall_tau:.3f}",
-                          f"{k.ordered_gap:.3f}", str(k.empty_top), str(k.untrusted))
+                          f"{k.ordered_gap:.3f}", str(k.empty_top), str(k.all_tied), str(k.untrusted))
     console.print(table)
     table = Table(title="generation, verdicts and the collapse detector")
     for col in ("mode", "rubric sources", "parse failures", "fallbacks p/g", "dropped checks", "hard verdicts",
