@@ -103,10 +103,6 @@ def settings(state_dir: Path, model_dir: Path, prompts_file: Path, ray: dict | N
             "retries": 0,
             "prompt_only_retries": 0,
             "generator_max_tokens": 16,
-            # the rule's property is one the anchors have ("full" in the off-topic one, "about" in echoed
-            # questions): under the default rule every set with a candidate lacking the letter would be
-            # untrusted, so this task distrusts only an anchor above a set's best candidate
-            "trust_rule": "best",
             "generic_rubric": [
                 {"text": CRITERION, "weight": 3},
                 {"text": "The response is polite.", "weight": 1},
