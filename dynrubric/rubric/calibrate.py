@@ -13,15 +13,15 @@ the empty answer, an off-topic paragraph, and the question echoed back. They ser
    exact and are not calibrated.
 2. Trust, with the same rubric and calibrated verdicts (`rubric.trust_rule`, ties within `eps` excused):
 
-       every (default): untrusted when an anchor scores above ANY real candidate
-       best:            untrusted only when an anchor scores above the set's BEST real candidate
+       best (default): untrusted when an anchor scores above the set's BEST real candidate
+       every:          untrusted when an anchor scores above ANY real candidate
 
-   `every` is the issue's rule: a judge that puts the echoed question above a terse correct answer is
-   wrong about that answer, and its gaps must not train the policy. Its price: a set with one answer
-   that really is garbage (empty, off-topic) and scores below an anchor teaches nothing either. On the
-   judge benchmark, whose ordered sets plant such answers on purpose, `every` distrusts most ordered
-   sets; `best` only distrusts a judge that prefers garbage to everything the policy wrote. Untrusted
-   sets get zero advantage from the trainer and are counted.
+   `best` distrusts a judge that prefers garbage to everything the policy wrote. `every` also distrusts a
+   judge that is wrong about one weak-looking answer, but an anchor above a weak candidate is mostly the
+   judge working: on the judge benchmark the candidate an anchor outranked was the set's known-worst
+   (empty or off-topic) in 61 of 62 sets `every` distrusted, and in a SmolLM2 training round `every`
+   distrusted 4 of 4 sets (no policy update) where `best` distrusted 2 and trained. Untrusted sets get
+   zero advantage from the trainer and are counted.
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ def calibrate_row(z: Sequence[float], n_real: int) -> list[float]:
 
 
 def anchors_outrank(
-    real_scores: Sequence[float], anchor_scores: Sequence[float], eps: float, rule: Literal["every", "best"] = "every"
+    real_scores: Sequence[float], anchor_scores: Sequence[float], eps: float, rule: Literal["best", "every"] = "best"
 ) -> bool:
-    """True when some anchor scores above any real candidate (`every`) or above the best one (`best`) by at
+    """True when some anchor scores above the best real candidate (`best`) or any one (`every`) by at
     least `eps`."""
     if not real_scores or not anchor_scores:
         return False
