@@ -1,4 +1,5 @@
-"""Joining the Ray cluster of the `ray` config section (the round's Ray executor, bulk scoring)."""
+"""Joining the Ray cluster of the `ray` config section, and the cores a worker in it computes on (the
+round's Ray executor, bulk scoring)."""
 
 from __future__ import annotations
 
@@ -17,3 +18,20 @@ def connect(settings: Settings) -> None:
         ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
     else:
         ray.init(address=cfg.address, log_to_driver=False, configure_logging=False)
+
+
+def use_cores(threads: int) -> int:
+    """Set this actor's torch threads: `engine.threads` when set, else the CPUs Ray reserved for the actor
+    (`ray.actor_cpus` >= 1), else every core of its node, as the in-process round uses them (its stages run
+    one after another). Returns the number set."""
+    import os
+
+    import ray
+    import torch
+
+    reserved = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+    # Ray sets OMP_NUM_THREADS=1 in an actor that reserves under one CPU: torch would then use one core of
+    # a node whose other cores sit idle while the round waits on this actor
+    n = threads or (int(reserved) if reserved >= 1 else len(os.sched_getaffinity(0)))
+    torch.set_num_threads(n)
+    return n

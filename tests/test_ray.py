@@ -97,7 +97,7 @@ def test_an_actor_uses_the_cores_the_in_process_round_would(local_ray) -> None:
     else every core of the node."""
     import os
 
-    from dynrubric.train.ray_executor import use_cores
+    from dynrubric.ray_cluster import use_cores
 
     def threads(asked: int) -> tuple[int, int, int]:
         import torch

@@ -16,6 +16,7 @@ holding its rubric writer and verifier engines once. A set's rubric seed is deri
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -65,7 +66,12 @@ class SetScorer:
 
     def __init__(self, settings: Settings):
         from dynrubric.engines import build_engine
+        from dynrubric.ray_cluster import use_cores
 
+        # the pool's judges work at once and may share a node: each takes its share of the node's cores
+        # (Ray would give a one-CPU actor one torch thread, an unreserved one torch's default for the node)
+        share = max(1, len(os.sched_getaffinity(0)) // settings.ray.judges)
+        use_cores(settings.engine.threads or (int(settings.ray.actor_cpus) if settings.ray.actor_cpus >= 1 else share))
         self.settings = settings
         self.generator = build_engine(settings, "generator")
         self.verifier = (self.generator if settings.models.verifier == settings.models.generator
@@ -109,7 +115,7 @@ def score_dataset(settings: Settings, sets: Any, advance: Callable[[int], None])
     """Scored rows of `sets` (a Dataset), in input order, scored on `ray.judges` actors; `advance(1)`
     per set as its row arrives."""
     scored = sets.map_batches(SetScorer, fn_constructor_args=(settings,), batch_size=1,
-                              concurrency=settings.ray.judges, num_cpus=settings.ray.actor_cpus or None)
+                              concurrency=settings.ray.judges, num_cpus=settings.ray.actor_cpus)
     for row in scored.iter_rows():
         advance(1)
         yield row

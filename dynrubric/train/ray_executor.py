@@ -26,7 +26,7 @@ from ray.util import ActorPool
 
 from dynrubric.config import Settings
 from dynrubric.engines.base import Completion, Engine, GenerationRequest
-from dynrubric.ray_cluster import connect
+from dynrubric.ray_cluster import connect, use_cores
 from dynrubric.rubric.evaluator import Evaluator
 from dynrubric.train.executor import Judges
 from dynrubric.train.judging import ScoreChunk, ScoredChunk, score_chunk
@@ -41,22 +41,6 @@ WORKER_FAILURES: tuple[type[BaseException], ...] = (
     ray.exceptions.WorkerCrashedError,
     ray.exceptions.ObjectLostError,
 )
-
-
-def use_cores(threads: int) -> int:
-    """Set this actor's torch threads: `engine.threads` when set, else the CPUs Ray reserved for the actor
-    (`ray.actor_cpus` >= 1), else every core of its node, as the in-process round uses them (its stages run
-    one after another). Returns the number set."""
-    import os
-
-    import torch
-
-    reserved = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
-    # Ray sets OMP_NUM_THREADS=1 in an actor that reserves under one CPU: torch would then use one core of
-    # a node whose other cores sit idle while the round waits on this actor
-    n = threads or (int(reserved) if reserved >= 1 else len(os.sched_getaffinity(0)))
-    torch.set_num_threads(n)
-    return n
 
 
 class Worker:
