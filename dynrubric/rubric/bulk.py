@@ -114,8 +114,11 @@ def file_sets(path: Path, read_jsonl: Callable[[Path], list[tuple[str, list[str]
 def score_dataset(settings: Settings, sets: Any, advance: Callable[[int], None]) -> Iterator[dict]:
     """Scored rows of `sets` (a Dataset), in input order, scored on `ray.judges` actors; `advance(1)`
     per set as its row arrives."""
+    import ray.data
+
     scored = sets.map_batches(SetScorer, fn_constructor_args=(settings,), batch_size=1,
-                              concurrency=settings.ray.judges, num_cpus=settings.ray.actor_cpus)
+                              compute=ray.data.ActorPoolStrategy(size=settings.ray.judges),
+                              num_cpus=settings.ray.actor_cpus)
     for row in scored.iter_rows():
         advance(1)
         yield row
