@@ -20,10 +20,11 @@ def connect(settings: Settings) -> None:
         ray.init(address=cfg.address, log_to_driver=False, configure_logging=False)
 
 
-def use_cores(threads: int) -> int:
+def use_cores(threads: int, sharers: int = 1) -> int:
     """Set this actor's torch threads: `engine.threads` when set, else the CPUs Ray reserved for the actor
-    (`ray.actor_cpus` >= 1), else every core of its node, as the in-process round uses them (its stages run
-    one after another). Returns the number set."""
+    (`ray.actor_cpus` >= 1), else its share of its node's cores among `sharers` actors that work at once
+    (1: every core, as the in-process round uses them; its stages run one after another). Returns the
+    number set."""
     import os
 
     import ray
@@ -32,6 +33,6 @@ def use_cores(threads: int) -> int:
     reserved = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
     # Ray sets OMP_NUM_THREADS=1 in an actor that reserves under one CPU: torch would then use one core of
     # a node whose other cores sit idle while the round waits on this actor
-    n = threads or (int(reserved) if reserved >= 1 else len(os.sched_getaffinity(0)))
+    n = threads or (int(reserved) if reserved >= 1 else max(1, len(os.sched_getaffinity(0)) // sharers))
     torch.set_num_threads(n)
     return n

@@ -99,14 +99,16 @@ def test_an_actor_uses_the_cores_the_in_process_round_would(local_ray) -> None:
 
     from dynrubric.ray_cluster import use_cores
 
-    def threads(asked: int) -> tuple[int, int, int]:
+    def threads(asked: int, sharers: int = 1) -> tuple[int, int, int]:
         import torch
 
         before = torch.get_num_threads()
-        return before, use_cores(asked), torch.get_num_threads()
+        return before, use_cores(asked, sharers), torch.get_num_threads()
 
     cores = len(os.sched_getaffinity(0))
     unreserved = ray.remote(num_cpus=0)(threads)
     assert ray.get(unreserved.remote(0)) == (1, cores, cores)  # Ray's one thread, then every core
     assert ray.get(unreserved.remote(3))[1:] == (3, 3)  # engine.threads wins
+    share = max(1, cores // 2)
+    assert ray.get(unreserved.remote(0, 2))[1:] == (share, share)  # two judges at once split the cores
     assert ray.get(ray.remote(num_cpus=1)(threads).remote(0))[1:] == (1, 1)  # the one CPU it reserved

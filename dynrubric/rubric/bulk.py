@@ -16,7 +16,6 @@ holding its rubric writer and verifier engines once. A set's rubric seed is deri
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -68,10 +67,7 @@ class SetScorer:
         from dynrubric.engines import build_engine
         from dynrubric.ray_cluster import use_cores
 
-        # the pool's judges work at once and may share a node: each takes its share of the node's cores
-        # (Ray would give a one-CPU actor one torch thread, an unreserved one torch's default for the node)
-        share = max(1, len(os.sched_getaffinity(0)) // settings.ray.judges)
-        use_cores(settings.engine.threads or (int(settings.ray.actor_cpus) if settings.ray.actor_cpus >= 1 else share))
+        use_cores(settings.engine.threads, sharers=settings.ray.judges)  # the pool's judges work at once
         self.settings = settings
         self.generator = build_engine(settings, "generator")
         self.verifier = (self.generator if settings.models.verifier == settings.models.generator

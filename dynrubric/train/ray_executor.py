@@ -47,12 +47,11 @@ class Worker:
     """An actor of the round: takes its cores first, then builds what `reset` builds (reset again, not
     rebuilt, when a later round reuses it)."""
 
+    reset: Callable[..., None]  # each actor kind's own
+
     def __init__(self, threads: int, *args: Any):
         self.threads = use_cores(threads)
         self.reset(*args)
-
-    def reset(self, *args: Any) -> None:
-        raise NotImplementedError
 
 
 class EngineActor(Worker):
