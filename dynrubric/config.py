@@ -175,10 +175,10 @@ class RubricConfig(Section):
     anchors: bool = Field(
         default=True, description="judge known-bad anchors with every set: de-bias verdicts, distrust sets they outrank"
     )
-    trust_rule: Literal["best", "every"] = Field(
-        default="best",
-        description="a set is untrusted (zero advantage) when an anchor outranks 'best': its best real candidate, "
-        "'every': any real candidate (stops all learning on the shipped judge: rubric/calibrate.py)",
+    trust_rule: Literal["every", "best"] = Field(
+        default="every",
+        description="a set is untrusted (zero advantage) when an anchor outranks 'every': any real candidate, "
+        "'best': the best one (rubric/calibrate.py)",
     )
     generic_rubric: list[GenericRubricItem] = Field(
         default_factory=_default_generic_rubric, min_length=2, max_length=12,

@@ -221,10 +221,10 @@ def test_anchors_debias_verdicts_and_distrust_a_set_they_outrank(engine):
     assert judged.anchor_scores[0] == 0.0  # the empty answer meets no check
     assert judged.anchor_scores[1] == 0.0  # the off-topic anchor has commas
     assert judged.anchor_scores[2] == pytest.approx(1 / 3)  # the echoed question has none
-    assert judged.trusted  # the echo outranks "Well, 42." but not the best answer: the judge still works
-    every = Evaluator(engine, YesToAll(engine), RubricConfig(trust_rule="every"))
-    assert not every.judge(QUESTION, rubric, ["It is 42.", "Well, 42."]).trusted  # the stricter rule
-    garbage_wins = ev.judge(QUESTION, rubric, ["Well, 42.", "So, 42."])
+    assert not judged.trusted  # the echo outranks "Well, 42.", a correct answer: the judge is wrong about it
+    best_rule = Evaluator(engine, YesToAll(engine), RubricConfig(trust_rule="best"))
+    assert best_rule.judge(QUESTION, rubric, ["It is 42.", "Well, 42."]).trusted  # the best answer still wins
+    garbage_wins = best_rule.judge(QUESTION, rubric, ["Well, 42.", "So, 42."])
     assert garbage_wins.scores == [0.0, 0.0] and not garbage_wins.trusted
 
 

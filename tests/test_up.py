@@ -153,7 +153,7 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
     assert summary["phases"] == {"policy": 1, "generator": 1}
     steps = [json.loads(line) for line in (state / "train" / "runlog.jsonl").read_text().splitlines()]
     policy = [s for s in steps if s.get("kind") == "step" and s.get("phase") == "policy"][0]
-    # a set whose anchors outrank its best candidate contributes no advantage: it is counted among the tied
+    # a set where an anchor outranks a candidate contributes no advantage: it is counted among the tied
     assert 0 <= policy["untrusted_sets"] <= policy["tied_sets"]
     assert policy["updated"] is True and policy["updates"] == 1, policy
     assert versions["r1"]["weights_sha256"] != versions["base"]["weights_sha256"]

@@ -13,15 +13,18 @@ the empty answer, an off-topic paragraph, and the question echoed back. They ser
    exact and are not calibrated.
 2. Trust, with the same rubric and calibrated verdicts (`rubric.trust_rule`, ties within `eps` excused):
 
-       best (default): untrusted when an anchor scores above the set's BEST real candidate
-       every:          untrusted when an anchor scores above ANY real candidate
+       every (default): untrusted when an anchor scores above ANY real candidate
+       best:            untrusted only when an anchor scores above the set's BEST real candidate
 
-   `best` distrusts a judge that prefers garbage to everything the policy wrote. `every` also distrusts a
-   judge that is wrong about one weak-looking answer, but an anchor above a weak candidate is mostly the
-   judge working: on the judge benchmark the candidate an anchor outranked was the set's known-worst
-   (empty or off-topic) in 61 of 62 sets `every` distrusted, and in a SmolLM2 training round `every`
-   distrusted 4 of 4 sets (no policy update) where `best` distrusted 2 and trained. Untrusted sets get
-   zero advantage from the trainer and are counted.
+   `every` is the strict rule, and the default: a judge that puts the echoed question above a real answer is wrong about
+   that answer, or the answer is garbage; either way the set's gaps must not train the policy. Measured
+   on 30 sets of 4 SmolLM2 answers to the shipped prompts (the default judge): 14 sets had a score
+   spread; `best` trusted all 14, `every` 3. In 6 of the 11 only `best` trusted, the anchor's lead came
+   from generated checks unrelated to their text (no_commas on "The response is 98") that the echo also
+   meets: noise `best` would train on; in 5 from derived items, 4 of them the prompt's own constraints
+   (the echo contains the required word), where the judge was right and the set's signal is lost. On the judge benchmark,
+   which plants an empty and an off-topic answer in its ordered sets, `every` distrusts 62 of 66.
+   Untrusted sets get zero advantage from the trainer and are counted.
 """
 
 from __future__ import annotations
@@ -53,9 +56,9 @@ def calibrate_row(z: Sequence[float], n_real: int) -> list[float]:
 
 
 def anchors_outrank(
-    real_scores: Sequence[float], anchor_scores: Sequence[float], eps: float, rule: Literal["best", "every"] = "best"
+    real_scores: Sequence[float], anchor_scores: Sequence[float], eps: float, rule: Literal["every", "best"] = "every"
 ) -> bool:
-    """True when some anchor scores above the best real candidate (`best`) or any one (`every`) by at
+    """True when some anchor scores above any real candidate (`every`) or above the best one (`best`) by at
     least `eps`."""
     if not real_scores or not anchor_scores:
         return False

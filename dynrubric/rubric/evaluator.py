@@ -8,7 +8,7 @@ from the question and all K candidates, joined by the items derived without a mo
 2. the other items get P(yes) from the verifier, one batched call for the K candidates and the A
    calibration anchors (calibrate.py), and are de-biased against the anchors;
 3. scores `E(y|C) = sum w z / sum w`; the anchors are scored with the same rubric, and a set where an
-   anchor outranks the best real candidate (any one: `rubric.trust_rule`) is marked untrusted;
+   anchor outranks a real candidate (any, or the best: `rubric.trust_rule`) is marked untrusted;
 4. the per-set gap diagnostics, the rolling collapse detector and the Prometheus metrics of
    monitoring/README.md.
 """
@@ -50,7 +50,7 @@ class ScoredSet:
     raw_verdicts: list[list[float]] | None = None  # M x K verifier P(yes) before checks and calibration
     anchor_scores: list[float] | None = None  # the calibration anchors' scores under the same rubric
     anchor_raw_verdicts: list[list[float]] | None = None  # M x A verifier P(yes) of the anchors
-    trusted: bool = True  # False: an anchor outranks the best (rubric.trust_rule: any) candidate: no signal
+    trusted: bool = True  # False: an anchor outranks a candidate (rubric.trust_rule): the scores carry no signal
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -113,7 +113,7 @@ class EvaluatorMetrics:
             registry=registry,
         )
         self.untrusted = Counter(
-            "dynrubric_rubric_untrusted_sets", "sets where a calibration anchor outranked the best real candidate (any one: rubric.trust_rule every)",
+            "dynrubric_rubric_untrusted_sets", "sets where a calibration anchor outranked a real candidate (rubric.trust_rule)",
             registry=registry,
         )
 
