@@ -147,18 +147,25 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
     for c in versions.values():
         assert c["parent"] is None or versions[c["parent"]]["created_at"] <= c["created_at"]
 
-    # round 1 trained: one policy step that updated the weights, one generator step, a guard verdict
-    # that is the one its bounds give on the held-out numbers
+    # round 1: one policy step (trusted sets only), one generator step, a guard verdict that is the one
+    # its bounds give on the held-out numbers
     summary = json.loads((state / "train" / "rounds" / "0001" / "summary.json").read_text())
     assert summary["phases"] == {"policy": 1, "generator": 1}
     steps = [json.loads(line) for line in (state / "train" / "runlog.jsonl").read_text().splitlines()]
     policy = [s for s in steps if s.get("kind") == "step" and s.get("phase") == "policy"][0]
-    # a set where an anchor outranks a candidate contributes no advantage: it is counted among the tied
+    # a set where an anchor outranks any candidate contributes no advantage: it is counted among the tied
     assert 0 <= policy["untrusted_sets"] <= policy["tied_sets"]
-    assert policy["updated"] is True and policy["updates"] == 1, policy
-    assert versions["r1"]["weights_sha256"] != versions["base"]["weights_sha256"]
+    eps = float(env["DYNRUBRIC_RUBRIC__EPS"])
+    outranked = [max(s["anchor_scores"]) - min(s["scores"]) >= eps for s in policy["set_scores"]]
+    assert [not s["trusted"] for s in policy["set_scores"]] == outranked and sum(outranked) == policy["untrusted_sets"], policy["set_scores"]
+    # the tiny random model's answers are near garbage: an anchor outranks one of them in about half of
+    # the sets, so a round may have nothing to learn from; when a set is trusted and not tied, it trains
+    trainable = any(s["trusted"] and max(s["scores"]) - min(s["scores"]) >= eps for s in policy["set_scores"])
+    assert policy["updated"] is trainable and policy["updates"] == int(trainable), policy
     held_out = summary["eval"]
-    assert held_out["kl_to_parent"] > 0 and held_out["kl_to_base"] > 0, held_out
+    if trainable:
+        assert versions["r1"]["weights_sha256"] != versions["base"]["weights_sha256"]
+        assert held_out["kl_to_parent"] > 0 and held_out["kl_to_base"] > 0, held_out
     shown = json.loads(subprocess.run([str(SCRIPT), "config", "show", "--format", "json"], env=env,
                                       capture_output=True, text=True, timeout=120, check=True).stdout)["train"]
     broken = [name for name, bad in (
