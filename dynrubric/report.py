@@ -288,7 +288,9 @@ def draw(log: RunLog, thresholds: Thresholds, judged: Sequence[JudgedRollout] = 
         if any(values):
             ax.bar(range(len(values)), values, bottom=bottom, color=colors[source], label=f"rubric from: {source}")
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    ax.set(title="where each scored set's rubric came from", xlabel="policy step", ylabel="sets",
+    line(ax, *_series(log.steps, "untrusted_sets"), color="black", marker="X",
+         label="untrusted: an anchor outranked a candidate (no advantage)")
+    ax.set(title="where each scored set's rubric came from; untrusted sets", xlabel="policy step", ylabel="sets",
            ylim=(0, max(bottom, default=0) * 1.3 or 1))  # headroom for the legend
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     finish(ax, "no scored sets")

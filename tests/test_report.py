@@ -16,7 +16,7 @@ def write_log(path, steps: int, sets_per_step: int = 4, generator_steps: int = 1
     for step in range(steps):
         records.append({"key": f"round/1/step/{step}", "kind": "step", "round": 1, "step": step, "phase": "policy",
                         "reward_mean": 0.4 + 0.05 * step, "kl": 0.0001 * step, "mean_gap": 0.2 - 0.04 * step,
-                        "tie_rate": 0.1, "nonsplit_share": 1.0,
+                        "tie_rate": 0.1, "nonsplit_share": 1.0, "untrusted_sets": step % 2,
                         "rubric_sources": {"set": sets_per_step - 1, "prompt_only": 0, "generic": 1},
                         "fallbacks": {"generic": 1, "prompt_only": 0, "parse_failures": 3, "hard_verdict": 0}})
     for step in range(generator_steps):
@@ -55,7 +55,10 @@ def test_rates_on_fixed_axes_thresholds_labelled_and_no_empty_legend_entries(tmp
         if legend is not None:
             assert all(t.get_text() and not t.get_text().startswith("_") for t in legend.get_texts())
     # sets (rubric sources) and failed tries (a count of attempts) are never stacked on one axis
-    assert p["where each scored set's rubric came from"].get_ylabel() == "sets"
+    sources = p["where each scored set's rubric came from; untrusted sets"]
+    assert sources.get_ylabel() == "sets"
+    [untrusted] = [line for line in sources.get_lines() if line.get_label().startswith("untrusted")]
+    assert list(untrusted.get_ydata()) == [0, 1, 0, 1]  # the run log's untrusted_sets per policy step
     assert p["failed rubric-generator tries per step"].get_ylabel() == "tries"
     plt.close(fig)
 
