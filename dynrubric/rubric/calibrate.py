@@ -16,14 +16,15 @@ the empty answer, an off-topic paragraph, and the question echoed back. They ser
        every (default): untrusted when an anchor scores above ANY real candidate
        best:            untrusted only when an anchor scores above the set's BEST real candidate
 
-   `every` is the strict rule, and the default: a judge that puts the echoed question above a real answer is wrong about
-   that answer, or the answer is garbage; either way the set's gaps must not train the policy. Measured
-   on 30 sets of 4 SmolLM2 answers to the shipped prompts (the default judge): 14 sets had a score
-   spread; `best` trusted all 14, `every` 3. In 6 of the 11 only `best` trusted, the anchor's lead came
-   from generated checks unrelated to their text (no_commas on "The response is 98") that the echo also
-   meets: noise `best` would train on; in 5 from derived items, 4 of them the prompt's own constraints
-   (the echo contains the required word), where the judge was right and the set's signal is lost. On the judge benchmark,
-   which plants an empty and an off-topic answer in its ordered sets, `every` distrusts 62 of 66.
+   `every` is the strict rule, and the default: a judge that puts the echoed question above a real
+   answer is wrong about that answer, or the answer is garbage; either way the set's gaps must not train
+   the policy. Measured on 30 sets of 4 SmolLM2 answers to the shipped prompts (the default judge): 14
+   sets had a score spread; `best` trusted all 14, `every` 3. In 6 of the 11 only `best` trusted, the
+   anchor's lead came from generated checks unrelated to their text (no_commas on "The response is
+   98") that the echo also meets: noise `best` would train on; in 5 from derived items, 4 of them the
+   prompt's own constraints (the echo contains the required word), where the judge was right and the
+   set's signal is lost. On the judge benchmark, whose ordered sets end in answers an anchor can beat
+   (empty, off-topic, meeting none of the constraints), `every` distrusts 62 of 66.
    Untrusted sets get zero advantage from the trainer and are counted.
 """
 
