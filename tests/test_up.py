@@ -27,6 +27,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from dynrubric.ports import free_port
+from dynrubric.rubric.calibrate import anchors_outrank
+from dynrubric.train.grpo import group_advantages
 
 SCRIPT = Path(sys.executable).parent / "dynrubric"
 REPO = Path(__file__).resolve().parent.parent
@@ -156,11 +158,11 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
     # a set where an anchor outranks any candidate contributes no advantage: it is counted among the tied
     assert 0 <= policy["untrusted_sets"] <= policy["tied_sets"]
     eps = float(env["DYNRUBRIC_RUBRIC__EPS"])
-    outranked = [max(s["anchor_scores"]) - min(s["scores"]) >= eps for s in policy["set_scores"]]
+    outranked = [anchors_outrank(s["scores"], s["anchor_scores"], eps, "every") for s in policy["set_scores"]]
     assert [not s["trusted"] for s in policy["set_scores"]] == outranked and sum(outranked) == policy["untrusted_sets"], policy["set_scores"]
     # the tiny random model's answers are near garbage: an anchor outranks one of them in about half of
     # the sets, so a round may have nothing to learn from; when a set is trusted and not tied, it trains
-    trainable = any(s["trusted"] and max(s["scores"]) - min(s["scores"]) >= eps for s in policy["set_scores"])
+    trainable = any(s["trusted"] and group_advantages(s["scores"], 1e-6, eps) is not None for s in policy["set_scores"])
     assert policy["updated"] is trainable and policy["updates"] == int(trainable), policy
     held_out = summary["eval"]
     if trainable:
