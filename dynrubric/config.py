@@ -177,8 +177,12 @@ class RubricConfig(Section):
     )
     trust_rule: Literal["every", "best"] = Field(
         default="every",
-        description="a set is untrusted (zero advantage) when an anchor outranks 'every': any real candidate, "
-        "'best': the best one (rubric/calibrate.py)",
+        description="a generated or consensus item is overruled (weight 0) when an anchor outranks on it 'every': "
+        "any real candidate, 'best': the best one (rubric/calibrate.py); a set with no item left is untrusted",
+    )
+    ground_truth_share: float = Field(
+        default=0.75, ge=0.0, le=1.0,
+        description="share of the score held by the prompt's own ground truth when it has any (rubric/score.py)",
     )
     generic_rubric: list[GenericRubricItem] = Field(
         default_factory=_default_generic_rubric, min_length=2, max_length=12,
@@ -454,7 +458,7 @@ class TrainConfig(Section):
         description="JSONL held-out prompts for the guards (never trained on); default: split off by prompt key",
     )
     heldout_share: float = Field(
-        default=0.1, gt=0, lt=1,
+        default=0.2, gt=0, lt=1,
         description="share of new prompts held out (by prompt key, deterministic) when heldout_file is unset",
     )
     heldout_prompts: int = Field(default=8, ge=1, description="held-out prompts evaluated per round")
@@ -486,6 +490,27 @@ class TrainConfig(Section):
     )
     max_reward_drop: float = Field(
         default=0.05, ge=0, description="guard: reject when held-out reward falls more than this below the parent's"
+    )
+
+
+class EvaluationConfig(Section):
+    """Ground-truth evaluation of versions on held-out prompts (train/policy_eval.py): the learning curve and the
+    round guard's "not worse than the parent"."""
+
+    prompts_file: Path | None = Field(
+        default=None, description="JSONL prompt bank; its held-out prompts with ground truth are evaluated "
+        "(default: the shipped bank, dynrubric/data/prompts.jsonl)",
+    )
+    max_prompts: int = Field(default=200, ge=1, description="held-out prompts evaluated per version (first by key)")
+    max_tokens: int | None = Field(
+        default=None, ge=1, description="serving decode: max tokens of an answer (default: loop.users_max_tokens)"
+    )
+    temperature: float = Field(default=0.0, ge=0, description="serving decode: 0 = greedy, as the users ask")
+    bootstrap_samples: int = Field(default=2000, ge=100, description="paired bootstrap resamples of the prompts")
+    confidence: float = Field(default=0.95, gt=0.5, lt=1.0, description="two-sided level of the CIs")
+    guard: bool = Field(
+        default=True, description="reject a candidate whose pass rate is significantly below its parent's "
+        "(the CI of the difference lies below 0)",
     )
 
 
@@ -649,6 +674,7 @@ class Settings(BaseSettings):
     broker: BrokerConfig = BrokerConfig()
     ingest: IngestConfig = IngestConfig()
     train: TrainConfig = TrainConfig()
+    evaluation: EvaluationConfig = EvaluationConfig()
     ray: RayConfig = RayConfig()
     registry: RegistryConfig = RegistryConfig()
     serving: ServingConfig = ServingConfig()

@@ -1,11 +1,12 @@
-"""Simulated users: prompts from the shipped prompt file through the router, feedback from a checkable signal.
+"""Simulated users: prompts from the shipped prompt bank through the router, feedback from the prompt's ground truth.
 
 Each user has a fixed key (so the router's sticky assignment applies) and sends prompts drawn from
-the shipped prompt file (`dynrubric/data/prompts.jsonl`). The response is checked against the
-prompt's checkable signal (`streaming.prompts.check`: the answer of an arithmetic question, a
-constraint such as one word or a required word); the user then gives a thumbs
-up when the check passes and a thumbs down when it fails, flipped with probability `noise`, rates
-only a share of responses, and asks to regenerate a failed answer with probability `regenerate_p`.
+the shipped prompt bank (`dynrubric/data/prompts.jsonl`). The response is checked against the
+prompt's ground truth (`streaming.prompts.check`: the official IFEval checkers for the instructions it
+states, the computed answer of its arithmetic; the same check the judge's derived items and the
+evaluation of versions use); the user then gives a thumbs up when the check passes and a thumbs down
+when it fails, flipped with probability `noise`, rates only a share of responses, and asks to
+regenerate a failed answer with probability `regenerate_p`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from streaming.prompts import PromptItem, check, load_prompts
 
 
 def load_checkable(path: Path | None = None) -> list[PromptItem]:
-    """The prompts of the shipped prompt file (or `path`) that carry a checkable signal."""
+    """The prompts of the shipped prompt bank (or `path`) that carry ground truth."""
     return [p for p in load_prompts(path) if p.kind != "open"]
 
 

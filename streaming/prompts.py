@@ -1,17 +1,20 @@
-"""The shipped prompt file (dynrubric/data/prompts.jsonl, written by us) and its checkable signals.
+"""The shipped prompt bank (dynrubric/data/prompts.jsonl, written by scripts/make_prompt_bank.py) and its checks.
 
 One JSON object per line:
-    {"id": "arith-01", "kind": "arithmetic", "messages": [...chat...], "answer": "42"}
-    {"id": "constraint-05", "kind": "constraint", "messages": [...], "constraint": {"type": "include_word", "word": "blue"}}
+    {"id": "arith-0001", "kind": "arithmetic", "messages": [...chat...], "answer": 42.0}
+    {"id": "instr-0001", "kind": "instruction", "messages": [...],
+     "instructions": [{"id": "change_case:english_lowercase", "kwargs": {}}]}
     {"id": "open-01", "kind": "open", "messages": [...]}
-Constraint types: one_word | include_word {word} | max_words {n} | lowercase | starts_with {prefix}.
-`check(item, response)` says whether a response meets the checkable signal (None for open questions):
-simulated users turn it into feedback, tests into an oracle.
+A line's ground truth is what its last user message states (`dynrubric.rubric.groundtruth.derive`: the
+official IFEval instruction descriptions, free phrasings such as "include the word 'blue'", computed
+arithmetic); `answer` and `instructions`, when written, must be exactly what the text states, so the
+file cannot claim a ground truth the judge would not read off the same prompt. `check(item, response)`
+is that ground truth's verdict (None for open questions): simulated users turn it into feedback, and
+the judge's derived items and the evaluation of versions use the same function.
 """
 
 from __future__ import annotations
 
-import re
 from importlib import resources
 from pathlib import Path
 from typing import Literal
@@ -19,40 +22,37 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dynrubric.errors import DynrubricError
+from dynrubric.rubric.groundtruth import GroundTruth, Instruction, derive
 from streaming.events import ChatMessage
-
-
-class Constraint(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    type: Literal["one_word", "include_word", "max_words", "lowercase", "starts_with"]
-    word: str | None = None
-    n: int | None = Field(default=None, ge=1)
-    prefix: str | None = None
-
-    @model_validator(mode="after")
-    def _has_parameter(self) -> Constraint:
-        needed = {"include_word": "word", "max_words": "n", "starts_with": "prefix"}.get(self.type)
-        if needed and getattr(self, needed) is None:
-            raise ValueError(f"constraint {self.type} needs `{needed}`")
-        return self
 
 
 class PromptItem(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     id: str = Field(min_length=1)
-    kind: Literal["arithmetic", "constraint", "open"]
+    kind: Literal["arithmetic", "instruction", "open"]
     messages: list[ChatMessage] = Field(min_length=1)
-    answer: str | None = None
-    constraint: Constraint | None = None
+    answer: float | None = None
+    instructions: list[Instruction] | None = None
+
+    @property
+    def question(self) -> str:
+        return next(m.content for m in reversed(self.messages) if m.role == "user")
+
+    def ground_truth(self) -> GroundTruth:
+        return derive(self.question)
 
     @model_validator(mode="after")
-    def _checkable_field(self) -> PromptItem:
-        if self.kind == "arithmetic" and self.answer is None:
-            raise ValueError("an arithmetic prompt needs `answer`")
-        if self.kind == "constraint" and self.constraint is None:
-            raise ValueError("a constraint prompt needs `constraint`")
+    def _states_its_ground_truth(self) -> PromptItem:
+        truth = self.ground_truth()
+        if self.answer is not None and truth.answer != self.answer:
+            raise ValueError(f"`answer` {self.answer} is not what the question computes to ({truth.answer})")
+        if self.instructions is not None and tuple(self.instructions) != truth.instructions:
+            raise ValueError(f"`instructions` are not the ones the question states: {list(truth.instructions)}")
+        if self.kind == "arithmetic" and truth.answer is None:
+            raise ValueError("an arithmetic prompt needs a question whose value can be computed (What is 17 + 25?)")
+        if self.kind == "instruction" and not (truth.instructions or truth.checks):
+            raise ValueError("an instruction prompt needs a question that states a checkable instruction")
         return self
 
 
@@ -72,26 +72,8 @@ def load_prompts(path: Path | None = None) -> list[PromptItem]:
     return items
 
 
-_WORD = re.compile(r"[A-Za-z0-9']+")
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
-
 def check(item: PromptItem, response: str) -> bool | None:
-    """True/False when the response meets/misses the item's checkable signal; None for open questions."""
-    text = response.strip()
-    if item.kind == "arithmetic":
-        numbers = _NUMBER.findall(text.replace(",", ""))
-        return bool(numbers) and float(numbers[0]) == float(item.answer)
+    """True/False when the response meets/misses the item's ground truth; None for open questions."""
     if item.kind == "open":
         return None
-    c = item.constraint
-    words = _WORD.findall(text)
-    if c.type == "one_word":
-        return len(words) == 1
-    if c.type == "include_word":
-        return c.word.lower() in (w.lower() for w in words)
-    if c.type == "max_words":
-        return 0 < len(words) <= c.n
-    if c.type == "lowercase":
-        return bool(text) and text == text.lower()
-    return text.startswith(c.prefix)
+    return item.ground_truth().passes(response)

@@ -16,6 +16,7 @@ from dynrubric.config import RubricConfig
 from dynrubric.engines.base import Completion, Engine, GenerationRequest
 from dynrubric.engines.hf import TransformersEngine
 from dynrubric.rubric.evaluator import Evaluator, EvaluatorMetrics
+from dynrubric.rubric.checks import run_check
 from dynrubric.rubric.items import Rubric, RubricItem
 from dynrubric.rubric.verify import CRITERION_MARK, AnswerTokens, Verifier
 
@@ -144,8 +145,8 @@ def test_set_conditioned_prompt_shows_every_candidate_within_budget_and_retry_su
     cfg = RubricConfig(response_token_budget=32, retries=1)  # the retry is what this test exercises
     ev = Evaluator(spy, engine, cfg)
     [scored] = ev.score_sets([QUESTION], [RESPONSES + [long_response]])
-    # the generated items, after the checked item the question implies
-    assert scored.rubric_source == "set" and [i.id for i in scored.rubric.items] == ["p1", "ans", "wrong"]
+    # the generated items, after the checked item the question implies and the echo item
+    assert scored.rubric_source == "set" and [i.id for i in scored.rubric.items] == ["p1", "e1", "ans", "wrong"]
     assert ev.counts.parse_failures == 1 and ev.counts.generic_fallbacks == 0
     prompt = spy.generate_requests[0].prompt
     for n, r in enumerate(RESPONSES, 1):
@@ -155,7 +156,7 @@ def test_set_conditioned_prompt_shows_every_candidate_within_budget_and_retry_su
     assert len(engine.tokenizer.encode(prompt)) <= overhead + 5 * (32 + 8)  # 32 tokens a candidate, an ellipsis
     assert spy.generate_requests[0].params.seed != spy.generate_requests[1].params.seed
     assert scored.generator_raw.startswith("Here:")
-    assert scored.gaps.item_split and len(scored.verdicts) == 3 and len(scored.scores) == 5
+    assert scored.gaps.item_split and len(scored.verdicts) == 4 and len(scored.scores) == 5
 
 
 def test_prompt_only_mode_never_shows_candidates(engine):
@@ -164,7 +165,9 @@ def test_prompt_only_mode_never_shows_candidates(engine):
     ev = Evaluator(spy, engine, RubricConfig(mode="prompt_only"))
     rubric, source, raw = ev.generate_rubric(QUESTION, RESPONSES, seed=7)
     assert source == "prompt_only" and raw == good
-    assert [i.text for i in rubric.items] == ["The response's final number is 42.", "Says 42", "Is rude"]
+    assert [i.text for i in rubric.items] == ["The response's final number is 42.",
+                                              "The response only repeats the question instead of answering it.",
+                                              "Says 42", "Is rude"]
     prompt = spy.generate_requests[0].prompt
     assert QUESTION in prompt and "[Candidate" not in prompt and RESPONSES[1] not in prompt
 
@@ -199,15 +202,17 @@ def test_the_generator_prompt_carries_no_literal_example_to_copy(engine):
     assert spy.generate_requests[0].params.json_schema is not None  # decoding is constrained instead
 
 
-def test_anchors_debias_verdicts_and_distrust_a_set_they_outrank(engine):
-    """A verifier that says Yes to everything (scripted: cannot be produced on demand) is de-biased to
-    zero by the anchors, and a checked item the anchors pass while a candidate fails makes the set
-    untrusted."""
+class YesToAll(Spy):
+    """A verifier that says Yes to everything (scripted: cannot be produced on demand)."""
 
-    class YesToAll(Spy):
-        def score_next_token(self, prompts, candidates):
-            return [{c: (0.0 if c.strip().lower() == "yes" else -9.0) for c in candidates} for _ in prompts]
+    def score_next_token(self, prompts, candidates):
+        return [{c: (0.0 if c.strip().lower() == "yes" else -9.0) for c in candidates} for _ in prompts]
 
+
+def test_anchors_debias_verdicts_and_overrule_the_generated_items_they_outrank(engine):
+    """A Yes-to-everything verifier is de-biased to zero by the anchors; a generated check the echoed question
+    meets while a real candidate misses it is overruled (weight 0), and a set left with nothing else to
+    rank by is untrusted."""
     rubric = Rubric(items=[
         RubricItem(id="a", text="Is helpful", weight=2),
         RubricItem(id="b", text="Uses no commas", weight=1, check={"kind": "no_commas"}),
@@ -217,15 +222,40 @@ def test_anchors_debias_verdicts_and_distrust_a_set_they_outrank(engine):
     assert judged.raw_verdicts[0][:2] == pytest.approx([1.0, 1.0], abs=1e-3)
     assert judged.verdicts[0] == [0.0, 0.0]  # no better than the known-bad answers: no credit
     assert judged.verdicts[1] == [1.0, 0.0]
-    assert judged.scores == pytest.approx([1 / 3, 0.0])
-    assert judged.anchor_scores[0] == 0.0  # the empty answer meets no check
-    assert judged.anchor_scores[1] == 0.0  # the off-topic anchor has commas
-    assert judged.anchor_scores[2] == pytest.approx(1 / 3)  # the echoed question has none
-    assert not judged.trusted  # the echo outranks "Well, 42.", a correct answer: the judge is wrong about it
+    assert judged.overruled == [False, True]  # the echo (no comma) beats "Well, 42." on b: b is noise here
+    assert judged.scores == [0.0, 0.0] and judged.trusted  # item a still weighs (it ranks nobody: a tie)
     best_rule = Evaluator(engine, YesToAll(engine), RubricConfig(trust_rule="best"))
-    assert best_rule.judge(QUESTION, rubric, ["It is 42.", "Well, 42."]).trusted  # the best answer still wins
-    garbage_wins = best_rule.judge(QUESTION, rubric, ["Well, 42.", "So, 42."])
-    assert garbage_wins.scores == [0.0, 0.0] and not garbage_wins.trusted
+    kept = best_rule.judge(QUESTION, rubric, ["It is 42.", "Well, 42."])
+    assert kept.overruled == [False, False] and kept.scores == pytest.approx([1 / 3, 0.0])  # the best answer wins
+    only_b = Rubric(items=[rubric.items[1]])
+    assert not ev.judge(QUESTION, only_b, ["It is 42.", "Well, 42."]).trusted  # nothing left to rank by
+
+
+def test_an_echo_anchor_never_overrules_the_prompts_own_constraint(engine):
+    """Issue 24, point 1: "Include the word X": the echoed question contains X, yet candidates without X still
+    rank below candidates with X and the set trains (non-zero advantages). Before, the echo's lead on the
+    derived item made the whole set untrusted (zero advantage)."""
+    from dynrubric.train.grpo import group_advantages
+
+    question = "Describe the sea. Include the word 'blue'."
+    cfg = RubricConfig()
+    ev = Evaluator(engine, YesToAll(engine), cfg)
+    generated = Rubric(items=[RubricItem(id="g1", text="The response describes the sea", weight=3)])
+    rubric = ev.rubric_generator.with_derived(generated, question, [])
+    assert [i.origin for i in rubric.items] == ["ground_truth", "echo", "generator"]
+    responses = ["The sea is blue and wide.", "The sea is wide and deep.", "Waves roll in, blue and grey.",
+                 "It is big."]
+    judged = ev.judge(question, rubric, responses)
+    assert judged.trusted and not any(judged.overruled)
+    with_x = [s for r, s in zip(responses, judged.scores, strict=True) if "blue" in r]
+    without_x = [s for r, s in zip(responses, judged.scores, strict=True) if "blue" not in r]
+    assert min(with_x) > max(without_x)
+    assert run_check(rubric.items[0].check, question) == 1.0  # the echo anchor does meet the constraint ...
+    advantages = group_advantages(judged.scores, 1e-6, cfg.eps)  # ... and the set still trains
+    assert advantages is not None and all(
+        a > 0 if "blue" in r else a < 0 for r, a in zip(responses, advantages, strict=True))
+    # a candidate that echoes the question "contains the keyword" and still scores nothing (the echo veto)
+    assert ev.judge(question, rubric, [question, responses[0]]).scores == pytest.approx([0.0, cfg.ground_truth_share])
 
 
 def test_an_empty_response_earns_no_checked_item_of_either_polarity(engine):

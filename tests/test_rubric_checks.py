@@ -13,7 +13,7 @@ import pytest
 
 from dynrubric.rubric.benchmark import all_tied, empty_on_top, kendall_tau, pairwise_accuracy, read_judge_sets
 from dynrubric.rubric.calibrate import anchors_outrank, calibrate_row
-from dynrubric.rubric.checks import Check, CheckError, parse_check, run_check
+from dynrubric.rubric.checks import Check, CheckError, echoes, parse_check, run_check
 from dynrubric.rubric.derived import consensus_items, prompt_items
 from dynrubric.rubric.items import parse_rubric
 
@@ -103,23 +103,52 @@ def test_near_duplicate_merging_respects_numbers_and_negation():
                   {"text": "Is short", "weight": 1}])[0] == ("States that 7 * 6 is 42", 5, 1)
 
 
+def _truth_checks(question: str) -> list[Check]:
+    return [i.check for i in prompt_items(question) if i.origin == "ground_truth"]
+
+
 def test_prompt_constraints_become_checked_items():
     q = (
         "Describe the sea in no more than 30 words. Include the word \"tide\". Do not use the word 'blue'. "
         "Start your response with the word 'Waves' and end your answer with the word calm. Use no commas."
     )
-    checks = {i.check.kind: i.check.value for i in prompt_items(q)}
+    checks = {c.kind: c.value for c in _truth_checks(q)}
     assert checks == {
         "max_words": 30.0, "contains": "tide", "not_contains": "blue", "starts_with": "Waves", "ends_with": "calm",
         "no_commas": None,
     }
-    assert {i.check.kind for i in prompt_items("Answer in at least five words, all in lowercase letters.")} == {
+    assert {c.kind for c in _truth_checks("Answer in at least five words, all in lowercase letters.")} == {
         "min_words", "lowercase"}
-    assert [i.check.value for i in prompt_items("Give exactly 3 bullet points about tea.")] == [3.0]
-    [item] = prompt_items("What is (12 + 3) * 4? Answer with the number only.")
+    assert [c.value for c in _truth_checks("Give exactly 3 bullet points about tea.")] == [3.0]
+    [item] = [i for i in prompt_items("What is (12 + 3) * 4? Answer with the number only.") if i.origin == "ground_truth"]
     assert item.check == Check(kind="final_number", value=60.0) and item.weight == 5
-    assert prompt_items("What is the capital of France?") == []
-    assert prompt_items("What is __import__('os').system('true')?") == []  # nothing but arithmetic is evaluated
+    assert _truth_checks("What is the capital of France?") == []
+    assert _truth_checks("What is __import__('os').system('true')?") == []  # nothing but arithmetic is evaluated
+    # every prompt gets the echo item: repeating the question is penalised in its own right
+    [echo] = [i for i in prompt_items("What is the capital of France?") if i.origin == "echo"]
+    assert echo.polarity == -1 and echo.check == Check(kind="echoes", value="What is the capital of France?")
+
+
+def test_official_instructions_become_items_checked_by_the_official_checker():
+    q = ("Describe a cat. Your entire response should be in English, and in all lowercase letters. No capital "
+         "letters are allowed. Include keywords ['milk', 'window'] in the response.")
+    [lower, keywords] = _truth_checks(q)
+    assert lower.kind == keywords.kind == "instruction"
+    assert json.loads(str(keywords.value)) == {"id": "keywords:existence", "kwargs": {"keywords": ["milk", "window"]}}
+    assert run_check(lower, "a cat drinks milk by the window.") == 1.0
+    assert run_check(lower, "A cat drinks milk by the window.") == 0.0
+    assert run_check(keywords, "A cat drinks milk by the window.") == 1.0
+    assert run_check(keywords, "A cat drinks milk.") == 0.0
+
+
+def test_echo_check_spots_a_repeated_question_not_a_repeated_request_then_answer():
+    q = "Describe a cat. Include the word 'blue'."
+    assert echoes(q, q) and echoes(q, "describe a cat, include the word blue!") and echoes(q, f"Sure. {q}")
+    assert not echoes(q, "A cat is a small furry animal with blue eyes.")
+    assert not echoes(q, f"{q} A cat is a small furry animal with blue eyes.")  # repeats, then answers
+    assert not echoes(q, "")
+    with pytest.raises(CheckError, match="derived from the prompt"):
+        parse_check({"kind": "instruction", "value": "{}"})  # a generator cannot claim the prompt's authority
 
 
 def test_consensus_needs_a_clear_plurality():

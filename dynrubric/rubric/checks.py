@@ -16,6 +16,12 @@ An item may carry a `Check`; the evaluator then answers the item by running the 
 | final_number  | X                | the last number in the response equals X (1e-9 relative)          |
 | no_commas     | (none)           | the response has no comma                                         |
 | lowercase     | (none)           | the response has no upper-case letter                             |
+| instruction   | {id, kwargs}     | the official IFEval checker of that instruction passes (groundtruth.py) |
+| echoes        | the question     | the response only repeats the question (`echoes` below)           |
+
+`instruction` and `echoes` are written by derived.py from the prompt itself; a generator cannot write
+them (`parse_check` refuses them), so no generated item can claim the authority of the prompt's own
+ground truth.
 
 An empty (whitespace-only) response meets no check: "at most 50 words" or "no commas" say nothing
 about an answer that was never given, and an empty answer must never win on technicalities.
@@ -23,6 +29,7 @@ about an answer that was never given, and an empty answer must never win on tech
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from typing import Any, Literal
@@ -32,11 +39,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 CheckKind = Literal[
     "contains", "not_contains", "regex", "max_words", "min_words", "starts_with", "ends_with",
-    "bullet_count", "final_number", "no_commas", "lowercase",
+    "bullet_count", "final_number", "no_commas", "lowercase", "instruction", "echoes",
 ]
 PHRASE_KINDS = frozenset({"contains", "not_contains", "starts_with", "ends_with"})
 COUNT_KINDS = frozenset({"max_words", "min_words", "bullet_count"})
 NO_VALUE_KINDS = frozenset({"no_commas", "lowercase"})
+DERIVED_ONLY_KINDS = frozenset({"instruction", "echoes"})  # written from the prompt, never by a generator
+ECHO_MIN_COVER = 0.8  # share of the question's words (in order) an echo repeats ...
+ECHO_MAX_NEW_WORDS = 3  # ... adding at most this many words of its own
 MAX_PHRASE_CHARS = 200
 MAX_COUNT = 100_000
 REGEX_TIMEOUT_S = 0.05  # a pathological pattern is cut off, and the check counts as not met
@@ -87,6 +97,24 @@ def final_number(text: str) -> float | None:
         return None
 
 
+def echoes(question: str, response: str) -> bool:
+    """The response only repeats the question: it holds at least `ECHO_MIN_COVER` of the question's words in
+    order, and at most `ECHO_MAX_NEW_WORDS` words besides (case and punctuation aside). A short answer that
+    shares a few words with the question is not an echo, nor is a response that repeats the request and
+    then answers it (an instruction some prompts give)."""
+    asked = _alnum_words(question)
+    said = _alnum_words(response)
+    if not said or not asked:
+        return False
+    matcher = difflib.SequenceMatcher(None, asked, said, autojunk=False)
+    kept = sum(block.size for block in matcher.get_matching_blocks())
+    return kept >= ECHO_MIN_COVER * len(asked) and len(said) - kept <= ECHO_MAX_NEW_WORDS
+
+
+def _alnum_words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
 def parse_check(raw: Any) -> Check:
     """A validated Check from what a generator wrote, or CheckError saying what is wrong."""
     if not isinstance(raw, dict):
@@ -95,6 +123,8 @@ def parse_check(raw: Any) -> Check:
     if not isinstance(kind, str):
         raise CheckError("a check needs a kind")
     kind = kind.strip().lower().replace("-", "_").replace(" ", "_")
+    if kind in DERIVED_ONLY_KINDS:
+        raise CheckError(f"check kind {kind!r} is derived from the prompt itself, not written by a generator")
     value = raw.get("value", raw.get("arg"))
     if kind in NO_VALUE_KINDS:
         return Check(kind=kind)  # type: ignore[arg-type]
@@ -154,6 +184,12 @@ def run_check(check: Check, response: str) -> float:
         return float("," not in response)
     if kind == "lowercase":
         return float(response == response.lower())
+    if kind == "instruction":
+        from dynrubric.rubric.groundtruth import parse_instruction  # groundtruth.py imports this module
+
+        return float(parse_instruction(str(value)).follows(response))
+    if kind == "echoes":
+        return float(echoes(str(value), response))
     try:  # regex
         return float(regex.search(str(value), response, timeout=REGEX_TIMEOUT_S) is not None)
     except TimeoutError:

@@ -7,8 +7,12 @@ from the question and all K candidates, joined by the items derived without a mo
    P(yes) when `rubric.check_weight` < 1; an empty response earns no checked item, whatever its polarity;
 2. the other items get P(yes) from the verifier, one batched call for the K candidates and the A
    calibration anchors (calibrate.py), and are de-biased against the anchors;
-3. scores `E(y|C) = sum w z / sum w`; the anchors are scored with the same rubric, and a set where an
-   anchor outranks a real candidate (any, or the best: `rubric.trust_rule`) is marked untrusted;
+3. an item a model or a vote wrote (generated, consensus) on which an anchor outranks a real candidate
+   (any, or the best: `rubric.trust_rule`) is overruled: it is noise for this set and weighs nothing.
+   Items read off the prompt (its ground truth, the echo item: derived.py) are never overruled;
+   scores `E(y|C) = sum w' z / sum w'` with the weights of score.py (the prompt's ground truth holds
+   `rubric.ground_truth_share`), anchors scored with the same rubric; a set where every item but the
+   echo item was overruled is untrusted (no signal left: zero advantage);
 4. the per-set gap diagnostics, the rolling collapse detector and the Prometheus metrics of
    monitoring/README.md.
 """
@@ -28,8 +32,10 @@ from dynrubric.rubric.checks import run_check
 from dynrubric.rubric.gaps import CollapseDetector, GapStats, gap_stats
 from dynrubric.rubric.generate import GenerationCounts, RubricGenerator, RubricSource
 from dynrubric.rubric.items import Rubric
-from dynrubric.rubric.score import aggregate
+from dynrubric.rubric.score import aggregate, item_weights
 from dynrubric.rubric.verify import Verifier
+
+OVERRULABLE = frozenset({"generator", "consensus"})  # items a model or a vote wrote: anchors can overrule them
 
 GAP_BUCKETS = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 SHARE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -50,7 +56,8 @@ class ScoredSet:
     raw_verdicts: list[list[float]] | None = None  # M x K verifier P(yes) before checks and calibration
     anchor_scores: list[float] | None = None  # the calibration anchors' scores under the same rubric
     anchor_raw_verdicts: list[list[float]] | None = None  # M x A verifier P(yes) of the anchors
-    trusted: bool = True  # False: an anchor outranks a candidate (rubric.trust_rule): the scores carry no signal
+    trusted: bool = True  # False: calibration anchors overruled every item but the echo item: no signal left
+    overruled_items: int = 0  # items a calibration anchor overruled (weight 0 in the scores)
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -68,6 +75,7 @@ class ScoredSet:
             "anchor_scores": self.anchor_scores,
             "anchor_raw_verdicts": self.anchor_raw_verdicts,
             "trusted": self.trusted,
+            "overruled_items": self.overruled_items,
         }
 
 
@@ -80,7 +88,8 @@ class Judgement:
     anchor_raw_verdicts: list[list[float]]  # M x A, the same for the calibration anchors
     scores: list[float]
     anchor_scores: list[float]
-    trusted: bool
+    overruled: list[bool]  # M: items a calibration anchor overruled (weight 0 in the scores)
+    trusted: bool  # False when anchors overruled every item but the echo item (no signal left)
     hard_verdict_fallbacks: int
 
 
@@ -113,7 +122,7 @@ class EvaluatorMetrics:
             registry=registry,
         )
         self.untrusted = Counter(
-            "dynrubric_rubric_untrusted_sets", "sets where a calibration anchor outranked a real candidate (rubric.trust_rule)",
+            "dynrubric_rubric_untrusted_sets", "sets where calibration anchors overruled every rubric item (rubric.trust_rule)",
             registry=registry,
         )
 
@@ -175,7 +184,7 @@ class Evaluator:
             verdicts, hard = self.verifier.verify_items(prompt, judged, [rubric.items[m] for m in asked])
             for m, row in zip(asked, verdicts, strict=True):
                 raw[m] = row
-        effective = []
+        oriented = []  # M x (K + A): how much each response earns each item, polarity applied
         for item, row in zip(rubric.items, raw, strict=True):
             z = [v if item.polarity == 1 else 1.0 - v for v in row]
             z = calibrate_row(z, k) if self.config.anchors else z
@@ -185,8 +194,15 @@ class Evaluator:
                 # ("not_contains X" at polarity -1 would otherwise score an empty answer above the rest)
                 checked = [0.0 if not r.strip() else c if item.polarity == 1 else 1.0 - c for c, r in zip(checked, judged, strict=True)]
                 z = [cw * c + (1.0 - cw) * x for c, x in zip(checked, z, strict=True)] if cw < 1.0 else checked
-            effective.append([x if item.polarity == 1 else 1.0 - x for x in z])
-        all_scores = aggregate(effective, rubric)
+            oriented.append(z)
+        # an item on which a known-bad anchor beats a real candidate is noise for this set; items read off the
+        # prompt itself stand (the echoed question that contains the required keyword meets it for real)
+        overruled = [self.config.anchors and item.origin in OVERRULABLE
+                     and anchors_outrank(z[:k], z[k:], self.config.eps, self.config.trust_rule)
+                     for item, z in zip(rubric.items, oriented, strict=True)]
+        weights = item_weights(rubric, overruled, self.config.ground_truth_share)
+        effective = [[x if item.polarity == 1 else 1.0 - x for x in z] for item, z in zip(rubric.items, oriented, strict=True)]
+        all_scores = aggregate(effective, rubric, weights)
         scores, anchor_scores = all_scores[:k], all_scores[k:]
         return Judgement(
             verdicts=[row[:k] for row in effective],
@@ -194,7 +210,9 @@ class Evaluator:
             anchor_raw_verdicts=[row[k:] for row in raw],
             scores=scores,
             anchor_scores=anchor_scores,
-            trusted=not anchors_outrank(scores, anchor_scores, self.config.eps, self.config.trust_rule),
+            overruled=overruled,
+            # the echo item alone ranks nothing but echoes: a set is trusted while another item weighs
+            trusted=any(w > 0 and item.origin != "echo" for item, w in zip(rubric.items, weights, strict=True)),
             hard_verdict_fallbacks=hard,
         )
 
@@ -236,6 +254,7 @@ class Evaluator:
                 anchor_scores=judged.anchor_scores,
                 anchor_raw_verdicts=judged.anchor_raw_verdicts,
                 trusted=judged.trusted,
+                overruled_items=sum(judged.overruled),
             )
             collapsed = self.collapse.update(scored.gaps)
             if self.metrics is not None:

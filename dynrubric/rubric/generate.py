@@ -178,7 +178,10 @@ class RubricGenerator:
         if not derived:
             return rubric
         raw = [(i.id, i.text, i.weight, i.polarity, i.check) for i in [*derived, *rubric.items]]
-        return Rubric(items=merge_items(raw, max_items=MAX_ITEMS))
+        # derived items come first, so merging keeps their ids (a generated item's clashing id is renamed)
+        origin = {i.id: i.origin for i in derived}
+        return Rubric(items=[i.model_copy(update={"origin": origin.get(i.id, "generator")})
+                             for i in merge_items(raw, max_items=MAX_ITEMS)])
 
     def generate_many(
         self, questions: Sequence[str], candidate_sets: Sequence[Sequence[str]], seed: int

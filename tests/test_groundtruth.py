@@ -1,0 +1,144 @@
+"""Ground truth: one check per constraint for the simulated users, the judge's derived items and the evaluation
+of versions; the official IFEval checkers; the prompt bank states exactly what its text asks."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from dynrubric.config import RubricConfig, Settings
+from dynrubric.engines.base import Completion, Engine, GenerationRequest
+from dynrubric.rubric.evaluator import Evaluator
+from dynrubric.rubric.groundtruth import SUPPORTED, GroundTruth, Instruction, answer_matches, derive
+from dynrubric.rubric.items import Rubric, RubricItem
+from dynrubric.train.policy_eval import EvalPrompt, decode_params, paired_bootstrap, sample_outcomes
+from dynrubric.train.prompts import make_prompt
+from streaming.prompts import PromptItem, check, load_prompts
+
+# (question, response): the places where the users' own checker, the judge's and the evaluation used to differ
+DISAGREEMENTS = [
+    ("What is 17 + 25? Answer with the number only.", "17 + 25 = 42"),  # users: FIRST number, judge: last
+    ("What is 17 + 25? Answer with the number only.", "42, or maybe 41"),
+    ("Describe a tomato. Include the word 'red'.", "It can reduce hunger."),  # users: whole word, judge: substring
+    ("Describe a tomato. Include the word 'red'.", "It is RED and round."),
+    ("Say hello. Start your response with the word 'Hello'.", "hello there"),  # users: case-sensitive
+    ("Describe a cat. Your entire response should be in English, and in all lowercase letters. No capital letters "
+     "are allowed.", "a cat is a small furry animal that likes milk."),
+    ("Describe a cat. Wrap your entire response with double quotation marks.", '"A cat is small."'),
+    ("Describe a cat. Answer with less than 5 words.", "A small furry animal."),
+    ("Describe a cat. Answer with less than 5 words.", "A cat is a small furry animal."),
+    ("What is 9 * 8?", ""),
+]
+
+
+class Scripted(Engine):
+    """An engine that answers every prompt with the response scripted for it (a policy whose answers are
+    fixed, so that the evaluation path can be checked against the other two; cannot come from a real model)."""
+
+    policy_version = "scripted"
+
+    def __init__(self, tokenizer, answers: dict[str, str]):
+        self._tokenizer = tokenizer
+        self.answers = answers
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    def render_chat(self, messages, add_generation_prompt=True):
+        return messages[-1]["content"]
+
+    def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
+        return [[Completion(self.answers[r.prompt], (), "stop")] for r in requests]
+
+    def score_next_token(self, prompts, candidates):
+        return [{c: -0.7 for c in candidates} for _ in prompts]
+
+    def load_weights(self, path, version):
+        self.policy_version = version
+
+
+def test_users_judge_and_evaluation_give_one_verdict_per_constraint(tiny_model_dir):
+    """Issue 24, point 4: the users' feedback check, the judge's derived items and the held-out evaluation are
+    the same function of (prompt, response). Before, the users took the first number, whole words and a
+    case-sensitive start; the judge the last number, substrings and any case."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for question, response in DISAGREEMENTS:
+        engine = Scripted(tok, {question: response})
+        evaluator = Evaluator(engine, engine, RubricConfig(anchors=False))
+        kind = "arithmetic" if question.startswith("What is") else "instruction"
+        users = check(PromptItem(id="x", kind=kind, messages=[{"role": "user", "content": question}]), response)
+        rubric = evaluator.rubric_generator.with_derived(Rubric(items=[RubricItem(id="g", text="Is good", weight=1)]),
+                                                         question, [response])
+        judged = evaluator.judge(question, rubric, [response])
+        truth_rows = [row[0] if item.polarity == 1 else 1.0 - row[0]
+                      for item, row in zip(rubric.items, judged.verdicts, strict=True) if item.origin == "ground_truth"]
+        judge = bool(truth_rows) and all(v == 1.0 for v in truth_rows)
+        prompt = EvalPrompt(prompt=make_prompt(question), truth=derive(question))
+        evaluation = sample_outcomes(engine, "v", [prompt], decode_params(Settings())).passed[prompt.prompt.key]
+        assert users == judge == evaluation, (question, response, users, judge, evaluation)
+    # the cases themselves: last number, substring (as the official keyword checker), any case
+    assert check(PromptItem(id="a", kind="arithmetic", messages=[{"role": "user", "content": DISAGREEMENTS[0][0]}]),
+                 "17 + 25 = 42")
+
+
+def test_the_bank_states_exactly_what_its_text_asks_and_is_checkable():
+    items = load_prompts()
+    rng = random.Random(0)
+    for item in rng.sample(items, 200):
+        truth = item.ground_truth()
+        assert not truth.empty
+        if item.kind == "instruction":
+            assert tuple(item.instructions) == truth.instructions and not truth.checks
+        else:
+            assert truth.answer == item.answer
+    # every instruction id the bank uses is one the official registry checks here
+    assert {ins.id for i in items for ins in (i.instructions or [])} <= set(SUPPORTED)
+
+
+def test_official_descriptions_are_read_back_into_their_arguments():
+    from if_verifiable.ifeval.instructions_registry import INSTRUCTION_DICT
+
+    rng = random.Random(1)
+    for iid in SUPPORTED:
+        checker = INSTRUCTION_DICT[iid](iid)
+        if iid == "combination:repeat_prompt":
+            text = "Describe a cat. " + checker.build_description(prompt_to_repeat="Describe a cat.")
+        elif iid == "language:response_language":
+            text = "Describe a cat. " + checker.build_description(language="de")
+        else:
+            random.seed(rng.random())  # the official builders draw missing arguments from `random`
+            text = "Describe a cat. " + checker.build_description()
+        [instruction] = derive(text).instructions
+        assert instruction.id == iid
+        assert instruction.kwargs == (checker.get_instruction_args() or {}), iid
+
+
+def test_the_official_checker_decides_and_an_empty_answer_meets_nothing():
+    lower = Instruction(id="change_case:english_lowercase")
+    assert lower.follows("a calm sea under a grey sky.") and not lower.follows("A calm sea.")
+    assert not lower.follows("   ")
+    words = Instruction(id="length_constraints:number_words", kwargs={"num_words": 5, "relation": "less than"})
+    assert words.follows("Four words right here.") and not words.follows("Five words are right here.")
+    truth = GroundTruth(answer=42.0, instructions=(words,))
+    assert truth.results("It is 42.") == [True, True] and truth.passes("It is 42.")
+    assert not truth.passes("It is 41.") and not GroundTruth().passes("anything")
+    assert answer_matches(0.5, "half: 0.5") and not answer_matches(42, "")
+    with pytest.raises(ValueError, match="not supported"):
+        Instruction(id="length_constraints:number_sentences")  # needs NLTK data no registry package ships
+    assert json.loads(words.key()) == {"id": words.id, "kwargs": words.kwargs}
+
+
+def test_paired_bootstrap_interval_is_centred_on_the_paired_difference():
+    a = [1.0] * 30 + [0.0] * 70
+    b = [1.0] * 10 + [0.0] * 90
+    delta, low, high = paired_bootstrap(a, b, samples=2000, confidence=0.95)
+    assert delta == pytest.approx(0.2)
+    # 20 of 100 prompts improved, none got worse: the difference is a binomial share, its CI about +-0.08
+    assert 0.10 < low < 0.2 < high < 0.30
+    same = paired_bootstrap(a, a, samples=500, confidence=0.95)
+    assert same == (0.0, 0.0, 0.0)
