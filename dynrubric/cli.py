@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -23,7 +24,7 @@ from dynrubric.errors import DynrubricError
 from dynrubric.monitor import app as monitor_app
 from dynrubric.progress import quiet_model_loading, status
 from dynrubric.rubric import commands as rubric_commands
-from dynrubric.train.commands import registry_app, train_app
+from dynrubric.train.commands import eval_policy, registry_app, train_app
 from serving.commands import register as register_serving
 from streaming.commands import broker_app, ingest, traffic_app
 
@@ -41,6 +42,7 @@ app.add_typer(monitor_app, name="monitor")
 app.command("score")(rubric_commands.score)
 app.command("eval-judge")(rubric_commands.eval_judge)
 app.command("serve-reward")(rubric_commands.serve_reward)
+app.command("eval-policy")(eval_policy)
 app.add_typer(train_app, name="train")
 app.add_typer(registry_app, name="registry")
 app.add_typer(broker_app, name="broker")
@@ -150,6 +152,10 @@ def up(
     ctx: typer.Context,
     cycles: Annotated[int, typer.Option(help="cycles to run: train a round, roll its candidate out, gate, decide")] = 2,
     forever: Annotated[bool, typer.Option("--forever", help="run cycles until Ctrl-C (a standing deployment)")] = False,
+    minutes: Annotated[
+        float | None, typer.Option(min=0.1, help="time budget: start no cycle that the last cycle's length says would "
+                                                 "end after this many minutes (with --forever: as many as fit)")
+    ] = None,
     engine_kind: Annotated[
         str | None, typer.Option(help="vllm | transformers: the kind of every fleet engine (default: serving.engines)")
     ] = None,
@@ -185,7 +191,8 @@ def up(
         raise DynrubricError(f"loop.drill_cycle {settings.loop.drill_cycle} is after the last of {cycles} cycle(s)",
                              f"pass --cycles {settings.loop.drill_cycle} or more, or a smaller --drill-cycle")
     loop = ClosedLoop(settings, log=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
-    results = loop.run(None if forever else cycles, prometheus=prometheus)
+    results = loop.run(None if forever else cycles, prometheus=prometheus,
+                       deadline=None if minutes is None else time.monotonic() + 60.0 * minutes)
     heading(console, f"{len(results)} cycle(s)")
     for r in results:
         took = "" if r.registered_to_canary_s is None else f"; registered -> canary {r.registered_to_canary_s:.1f} s"

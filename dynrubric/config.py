@@ -370,7 +370,10 @@ class CoevolveConfig(Section):
     sets_per_step: int = Field(default=4, ge=1, description="candidate sets per generator step")
     anchor_lambda: float = Field(default=1.0, ge=0, description="R = R_disc + lambda * R_anchor")
     format_weight: float = Field(default=1.0, ge=0, description="weight of the format term (+1 parsed, 0 not)")
-    anchors: Literal["temporal", "file"] = Field(default="temporal", description="where ranked anchor lists come from")
+    anchors: Literal["feedback", "temporal", "file"] = Field(
+        default="feedback", description="where ranked anchor lists come from: feedback = the users' thumbs and "
+        "regenerations on logged responses (temporal contrast where a prompt has none), temporal, or a file",
+    )
     anchors_file: Path | None = Field(
         default=None, description="JSONL of {prompt, responses: [best..worst]} (human-ranked) when anchors=file"
     )

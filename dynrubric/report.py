@@ -191,6 +191,33 @@ def draw_judged(plot, table, judged: Sequence[JudgedRollout]) -> None:
                fontsize=8, wrap=True)
 
 
+def draw_learning_curve(ax, rounds: list[dict[str, Any]], line) -> list[int]:
+    """Is the loop learning: per round, the held-out ground-truth pass rate (official checkers, computed
+    answers; no judge) of the new checkpoint and of its parent, beside the judge's held-out reward. Returns
+    the rounds drawn."""
+    evaluated = [r for r in rounds if isinstance((r.get("eval") or {}).get("reward_new"), (int, float))]
+    ids = [r["round"] for r in evaluated]
+    truth = [r for r in evaluated if (r["eval"].get("groundtruth") or {}).get("pass")]
+    if truth:
+        gt = [r["eval"]["groundtruth"] for r in truth]
+        # the parent as a ring around the new checkpoint's dot: equal rates stay visible as two marks
+        line(ax, [r["round"] for r in truth], [g["pass"][g["vs_parent"]["reference"]] for g in gt], color="grey",
+             markerfacecolor="none", markersize=13, label="ground truth: parent")
+        for accepted, color in ((True, "tab:green"), (False, "tab:red")):
+            mine = [(r, g) for r, g in zip(truth, gt, strict=True) if (r.get("guard") or {}).get("accepted") == accepted]
+            if mine:
+                ax.scatter([r["round"] for r, _ in mine], [g["pass"][g["version"]] for _, g in mine], color=color,
+                           zorder=3, label="ground truth: new checkpoint, " + ("accepted" if accepted else "rejected"))
+        for r, g in zip(truth, gt, strict=True):
+            ax.annotate(f"{g['version']} {g['vs_base']['delta']:+.2f} vs base", (r["round"], g["pass"][g["version"]]),
+                        fontsize=7, xytext=(4, 4), textcoords="offset points")
+    line(ax, ids, [r["eval"]["reward_new"] for r in evaluated], color="tab:blue", linestyle="--", marker="x",
+         label="judge's held-out reward (not ground truth)")
+    ax.set(title="learning curve: held-out ground-truth pass rate per round", xlabel="round",
+           ylabel="pass rate / reward (0..1)", ylim=UNIT)
+    return ids
+
+
 def render(log: RunLog, out: Path, thresholds: Thresholds, judged: Sequence[JudgedRollout] = ()) -> Path:
     """Draw the report into `out` (PNG, written atomically) and return it."""
     import io
@@ -307,24 +334,16 @@ def draw(log: RunLog, thresholds: Thresholds, judged: Sequence[JudgedRollout] = 
     ax = axes[3][0]
     line(ax, *_series(log.generator_steps, "reward_mean"), color="tab:brown", marker="s",
          label="mean rubric reward (R_disc + anchor + format)")
-    ax.set(title="co-evolution: generator reward per generator step", xlabel="generator step", ylabel="reward")
+    line(ax, *_series(log.generator_steps, "gen_judge_user_agreement"), color="tab:cyan", marker="D",
+         label="judge-user agreement: user-ranked pairs ordered as the users did (0..1)")
+    if _series(log.generator_steps, "gen_judge_user_agreement")[0]:
+        ax.axhline(0.5, label="agreement of a coin flip", **THRESHOLD)
+    ax.set(title="co-evolution: generator reward and the judge's agreement with users", xlabel="generator step",
+           ylabel="reward / share")
     finish(ax, "no generator steps in this run")
 
     ax = axes[3][1]
-    rounds = [r for r in log.rounds if isinstance((r.get("eval") or {}).get("reward_new"), (int, float))]
-    ids = [r["round"] for r in rounds]
-    # the parent as a ring around the new checkpoint's dot: equal rewards stay visible as two marks
-    line(ax, ids, [r["eval"]["reward_parent"] for r in rounds], color="grey", markerfacecolor="none",
-         markersize=13, label="parent")
-    for accepted, color in ((True, "tab:green"), (False, "tab:red")):
-        mine = [r for r in rounds if (r.get("guard") or {}).get("accepted", True) == accepted]
-        if mine:
-            ax.scatter([r["round"] for r in mine], [r["eval"]["reward_new"] for r in mine], color=color, zorder=3,
-                       label="new checkpoint, " + ("accepted" if accepted else "rejected"))
-    for r in rounds:
-        ax.annotate(str(r.get("version", "")), (r["round"], r["eval"]["reward_new"]), fontsize=7,
-                    xytext=(4, 4), textcoords="offset points")
-    ax.set(title="held-out reward per round", xlabel="round", ylabel="reward (0..1)", ylim=UNIT)
+    ids = draw_learning_curve(ax, log.rounds, line)
     finish(ax, "no evaluated rounds")
 
     for ax in axes.flat:  # steps and rounds are counts: no 0.25-step ticks on short runs

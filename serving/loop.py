@@ -196,8 +196,9 @@ class ClosedLoop:
     def _cli(self, config: Path, *args: str) -> list[str]:
         return [sys.executable, "-m", "dynrubric", "-c", str(config), *args]
 
-    def run(self, cycles: int | None, prometheus: bool = True) -> list[CycleResult]:
-        """Start everything, run `cycles` cycles (None: until interrupted), stop everything."""
+    def run(self, cycles: int | None, prometheus: bool = True, deadline: float | None = None) -> list[CycleResult]:
+        """Start everything, run `cycles` cycles (None: until interrupted), stop everything. `deadline`
+        (time.monotonic()): start no cycle that would end after it, judged by the longest cycle so far."""
         from dynrubric.registry import open_registry
         from dynrubric.train.commands import engine_factory
         from dynrubric.train.rounds import RoundRunner
@@ -280,10 +281,17 @@ class ClosedLoop:
                 self.log(f"resumed rollout {final.id}: {final.status} {final.reason or ''}")
 
             cycle = 0
+            longest = 0.0
             try:
                 while cycles is None or cycle < cycles:
+                    if deadline is not None and time.monotonic() + longest > deadline:
+                        self.log(f"time budget: the next cycle (about {longest / 60:.1f} min, the longest so far) "
+                                 "would not end in time; stopping")
+                        break
                     cycle += 1
+                    started = time.monotonic()
                     self.results.append(self.cycle(cycle, config, runner, controller, registry))
+                    longest = max(longest, time.monotonic() - started)
             except KeyboardInterrupt:
                 self.log("interrupted: stopping users, draining, stopping every component "
                          "(a re-run resumes from the registry, the replay store and the rounds)")
@@ -402,12 +410,16 @@ class ClosedLoop:
         summary = runner.last_summary()
         for line in round_report(summary, runner.round_dir(summary["round"]) / "summary.json"):
             self.log(f"cycle {cycle}: {line}")
-        version = summary["version"]
+        version = summary["version"] or "-"
         drill = cycle == self.settings.loop.drill_cycle
         if summary["state"] != CheckpointState.candidate.value:
             if drill:
                 self.log(f"cycle {cycle}: damage drill not run: the round has no candidate to damage")
-            decision, reason, load_s = "not rolled out", f"the round's guard rejected it: {summary['guard']['detail']}", None
+            if summary["version"] is None:  # nothing registered: a rollout could not change anything
+                decision, reason, load_s = "no update", summary["guard"]["detail"], None
+            else:
+                decision, reason, load_s = ("not rolled out", f"the round's guard rejected it: {summary['guard']['detail']}",
+                                            None)
         else:
             if drill:
                 version = self._drill(cycle, version, registry)
@@ -422,7 +434,23 @@ class ClosedLoop:
         served = sorted({r.policy_version for r in self.router.state.replicas if r.variant == "stable"})
         self.log(f"cycle {cycle}: serving policy version {serving} (stable engines report {', '.join(served)}); "
                  f"users answered {self.traffic.answered}, failed {self.traffic.failed}")
+        self.log(f"cycle {cycle}: {self._ground_truth_line(summary, serving)}")
         return result
+
+    def _ground_truth_line(self, summary: dict[str, Any], serving: str) -> str:
+        """The served version's held-out ground-truth pass rate (and the candidate's, when it was evaluated)."""
+        from dynrubric.train.policy_eval import ground_truth_rates
+
+        rates = ground_truth_rates(self.settings, [serving, "base"])
+        truth = (summary.get("eval") or {}).get("groundtruth")
+        candidate = ""
+        if truth:
+            c = truth["vs_parent"]
+            candidate = (f"candidate {truth['version']} {truth['pass'][truth['version']]:.3f} ({c['delta']:+.3f} vs "
+                         f"parent, 95% CI {c['low']:+.3f}..{c['high']:+.3f}); ")
+        served = "not evaluated" if rates.get(serving) is None else f"{rates[serving]:.3f}"
+        base = "" if serving == "base" or rates.get("base") is None else f" (base {rates['base']:.3f})"
+        return f"ground truth on the held-out prompts: {candidate}served {serving} {served}{base}"
 
     def _drill(self, cycle: int, version: str, registry: Any) -> str:
         """Register a copy of `version` with non-finite weights and reject `version` (it is never rolled out);

@@ -449,6 +449,10 @@ class ReplayPromptSource:
     def responses_by_version(self, prompt_key: str) -> dict[str, list[str]]:
         return {v: [r.response for r in rs] for v, rs in self.store.responses_by_version(prompt_key).items()}
 
+    def feedback_by_response(self, prompt_key: str) -> list[tuple[str, list[str]]]:
+        return [(r.response, [f.kind for f in r.feedback])
+                for rs in self.store.responses_by_version(prompt_key).values() for r in rs]
+
 
 def store_root(settings: Settings) -> Path:
     """Where the replay store lives: ingest.store_dir, else <paths.state_dir>/replay."""

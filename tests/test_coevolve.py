@@ -16,6 +16,9 @@ from dynrubric.rubric.items import Rubric, RubricItem
 from dynrubric.rubric.score import aggregate
 from dynrubric.train import guards
 from dynrubric.train.coevolve import (
+    RankedAnchors,
+    agreement,
+    feedback_ranking,
     generator_groups,
     lineage_ages,
     normalised,
@@ -118,15 +121,33 @@ def test_generator_groups_reward_splitting_parseable_rubrics_above_the_rest(tiny
     prompt = make_prompt("Say something.")
     responses = ["blue", "red", "sun", "tree"]
     groups, stats = generator_groups(
-        engine, lambda q, rs: f"rubric for {q}", verify, apply, [(prompt, responses)], [["blue sun", "red tree"]],
+        engine, lambda q, rs: f"rubric for {q}", verify, apply, [(prompt, responses)],
+        [RankedAnchors(["blue sun", "red tree"], "users")],
         CoevolveConfig(rubric_samples=4), max_items=12, temperature=0.7, tie_eps=RubricConfig().eps, seed=0,
     )
     [g] = groups
     assert g.temperature == 0.7  # the generator's loss takes log-probs at its sampling temperature
     assert stats.parsed == 3 and stats.anchored_sets == 1
+    # the users ranked "blue sun" over "red tree": both splitting rubrics agree ("mentions u"), the flat one ties
+    # (1/2): 2.5 of the 3 parsed rubrics' pairs
+    assert stats.user_ranked_sets == 1 and stats.judge_user_pairs == 3
+    assert stats.judge_user_agreement == pytest.approx(2.5 / 3)
     adv = g.advantages
     assert adv[0] == adv[3] > adv[1] > adv[2]  # splitting > valid but flat > unparseable
     assert all(len(r.response_ids) > 0 for r in g.rollouts) and g.rollouts[0].response_ids[-1] == tok.eos_token_id
+
+
+def test_feedback_ranks_a_prompts_logged_responses_by_what_users_said() -> None:
+    logged = [("It is 4.", ["thumbs_up", "copy"]), ("It is 5.", ["thumbs_down", "regenerate"]),
+              ("It is 4.", ["thumbs_up"]), ("Four.", ["thumbs_up", "thumbs_down"]), ("No idea.", ["dwell"]),
+              ("", ["thumbs_up"])]
+    # mean values: "It is 4." +1, "Four." 0, "It is 5." -1; dwell and copy are no verdict; empty answers skipped
+    assert feedback_ranking(logged) == ["It is 4.", "Four.", "It is 5."]
+    assert feedback_ranking([("a", ["thumbs_up"]), ("b", ["thumbs_up"])]) is None  # the users told nothing apart
+    assert feedback_ranking([("a", ["copy"])]) is None
+    assert agreement([0.9, 0.5, 0.1], eps=0.02) == (1.0, 3)
+    assert agreement([0.1, 0.5, 0.5], eps=0.02) == (0.5 / 3, 3)  # 0 + 0 + a tie
+    assert agreement([0.3], eps=0.02) == (0.0, 0)
 
 
 def test_guards_name_the_reason() -> None:
@@ -141,6 +162,11 @@ def test_guards_name_the_reason() -> None:
     assert guards.check(**{**ok, "kl_to_base": float("nan")}).reason == "kl_to_base"
     drop = guards.check(**{**ok, "reward_parent": 0.6, "reward_new": 0.4})
     assert drop.reason == "reward_drop" and "0.6000 -> 0.4000" in drop.detail
+    # ground truth: rejected only when the whole CI of the paired difference lies below 0
+    worse = guards.check(**ok, groundtruth_vs_parent={"delta": -0.1, "low": -0.16, "high": -0.04})
+    assert worse.reason == "heldout_regression" and "-0.100" in worse.detail
+    unsure = guards.check(**ok, groundtruth_vs_parent={"delta": -0.05, "low": -0.12, "high": 0.02})
+    assert unsure.accepted and "ground truth -0.050" in unsure.detail
 
 
 def test_prompt_file_errors_name_the_line_and_the_watermark_advances(tmp_path: Path) -> None:

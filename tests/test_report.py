@@ -22,8 +22,13 @@ def write_log(path, steps: int, sets_per_step: int = 4, generator_steps: int = 1
     for step in range(generator_steps):
         records.append({"key": f"round/1/step/{steps + step}", "kind": "step", "round": 1, "step": steps + step,
                         "phase": "generator", "reward_mean": 1.3})
+    for step in range(generator_steps):
+        records[steps + step]["gen_judge_user_agreement"] = 0.75
+    truth = {"version": "r1", "prompts": 200, "pass": {"r1": 0.42, "base": 0.36},
+             "vs_parent": {"reference": "base", "delta": 0.06, "low": 0.01, "high": 0.11},
+             "vs_base": {"reference": "base", "delta": 0.06, "low": 0.01, "high": 0.11}}
     records.append({"key": "round/1", "kind": "round", "round": 1, "version": "r1", "guard": {"accepted": True},
-                    "eval": {"reward_parent": 0.4, "reward_new": 0.55, "kl_to_parent": 0.001}})
+                    "eval": {"reward_parent": 0.4, "reward_new": 0.55, "kl_to_parent": 0.001, "groundtruth": truth}})
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     return read_runlog(path)
 
@@ -45,7 +50,8 @@ def test_rates_on_fixed_axes_thresholds_labelled_and_no_empty_legend_entries(tmp
     # a KL of 3e-4 must not fill the panel: the axis runs from 0 to the guard's limit
     assert p["KL per policy step (per token), axis from 0 to the guard"].get_ylim()[0] <= 0
     assert p["KL per policy step (per token), axis from 0 to the guard"].get_ylim()[1] >= THRESHOLDS.max_kl
-    for title in ("policy: mean set reward per step", "score gaps within candidate sets", "held-out reward per round"):
+    for title in ("policy: mean set reward per step", "score gaps within candidate sets",
+                  "learning curve: held-out ground-truth pass rate per round"):
         assert p[title].get_ylim() == UNIT, title
     gaps = p["score gaps within candidate sets"]
     threshold = [line for line in gaps.get_lines() if line.get_linestyle() == "--"]
@@ -78,7 +84,7 @@ def test_one_or_two_points_are_markers_not_a_line(tmp_path):
     fig = draw(write_log(tmp_path / "runlog.jsonl", steps=2, generator_steps=0), THRESHOLDS)
     reward = panels(fig)["policy: mean set reward per step"].get_lines()[0]
     assert reward.get_linestyle() == "None" and reward.get_marker() == "o"
-    generator = panels(fig)["co-evolution: generator reward per generator step"]
+    generator = panels(fig)["co-evolution: generator reward and the judge's agreement with users"]
     assert not generator.get_lines() and "no generator steps" in generator.texts[0].get_text()
     plt.close(fig)
 
@@ -221,3 +227,21 @@ def test_report_command_reads_the_rollouts_of_the_state_dir(tmp_path, where):
         rerun = subprocess.run([sys.executable, "-m", "dynrubric", "report"], env=env, cwd=Path(__file__).parents[1],
                                capture_output=True, text=True, timeout=120)
         assert "2 rollouts with judged pairs" in rerun.stdout, rerun.stdout + rerun.stderr
+
+
+def test_the_learning_curve_plots_ground_truth_beside_the_judges_reward_and_users_agreement(tmp_path):
+    fig = draw(write_log(tmp_path / "runlog.jsonl", steps=2), THRESHOLDS)
+    p = panels(fig)
+    curve = p["learning curve: held-out ground-truth pass rate per round"]
+    labels = [t.get_text() for t in curve.get_legend().get_texts()]
+    assert "ground truth: parent" in labels and "ground truth: new checkpoint, accepted" in labels
+    assert "judge's held-out reward (not ground truth)" in labels
+    [new] = [c for c in curve.collections if c.get_label() == "ground truth: new checkpoint, accepted"]
+    assert list(new.get_offsets()[0]) == [1.0, 0.42]
+    [parent] = [line for line in curve.get_lines() if line.get_label() == "ground truth: parent"]
+    assert list(parent.get_ydata()) == [0.36]
+    assert any("+0.06 vs base" in t.get_text() for t in curve.texts)
+    users = p["co-evolution: generator reward and the judge's agreement with users"]
+    [agree] = [line for line in users.get_lines() if line.get_label().startswith("judge-user agreement")]
+    assert list(agree.get_ydata()) == [0.75]
+    plt.close(fig)

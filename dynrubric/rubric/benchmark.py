@@ -22,7 +22,7 @@ when there are fewer.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from itertools import combinations
 from pathlib import Path
@@ -212,6 +212,77 @@ def summarise_mode(
         prompt_only_fallbacks=prompt_only_fallbacks, generic_fallbacks=generic_fallbacks,
         dropped_checks=dropped_checks, hard_verdicts=hard_verdicts, seconds=seconds,
     )
+
+
+# ---------------------------------------------------------------- real policy output, official checkers
+@dataclass(frozen=True)
+class RealSet:
+    """K answers the policy sampled for a held-out prompt, and whether each passes its ground truth."""
+
+    prompt: str
+    responses: list[str]
+    passed: list[bool]
+
+    @property
+    def separated(self) -> bool:
+        """The checker tells some answers apart: the set has an order to recover."""
+        return any(self.passed) and not all(self.passed)
+
+
+def read_real_sets(path: Path) -> list[RealSet]:
+    """`{prompt, responses, passed}` per line (written by `dynrubric eval-judge --real --sample N`)."""
+    out = []
+    for n, obj in jsonl_lines(path, "real-output sets file", "write one {prompt, responses, passed} object per line"):
+        ok = isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and isinstance(obj.get("responses"), list) \
+            and isinstance(obj.get("passed"), list) and len(obj["passed"]) == len(obj["responses"]) >= 2
+        if not ok:
+            raise DynrubricError(f"{path}:{n} needs 'prompt', 'responses' (2 or more) and one 'passed' per response",
+                                 "fix that line")
+        out.append(RealSet(obj["prompt"], [str(r) for r in obj["responses"]], [bool(p) for p in obj["passed"]]))
+    if not out:
+        raise DynrubricError(f"real-output sets file {path} holds no sets", "sample some with --real --sample N")
+    return out
+
+
+@dataclass(frozen=True)
+class RealResult:
+    """The judge on the sets the checker separates: how often it orders a passing answer above a failing one,
+    and how often the set's GRPO advantages point the checker's way (mean advantage of the passing answers
+    > 0; an untrusted or tied set gives no advantage)."""
+
+    sets: int
+    separated_sets: int
+    separated_pairs: int
+    pairwise_accuracy: float  # over (pass, fail) pairs: 1 when s_pass - s_fail >= eps, 1/2 within eps
+    trains_right: int  # separated sets with a non-zero advantage whose sign agrees with the checker
+    trains_wrong: int  # ... whose sign disagrees
+    no_advantage: int  # separated sets that give no advantage (tied or untrusted)
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def summarise_real(sets: Sequence[RealSet], scores: Sequence[Sequence[float]], trusted: Sequence[bool],
+                   advantages: Callable[[Sequence[float]], list[float] | None], eps: float) -> RealResult:
+    """`advantages(scores)`: the trainer's group advantages of a set (None when tied)."""
+    won = pairs = right = wrong = none = 0.0
+    separated = [i for i, s in enumerate(sets) if s.separated]
+    for i in separated:
+        s, ok = scores[i], sets[i].passed
+        for a in (j for j in range(len(ok)) if ok[j]):
+            for b in (j for j in range(len(ok)) if not ok[j]):
+                gap = s[a] - s[b]
+                won += 1.0 if gap >= eps else 0.5 if abs(gap) < eps else 0.0
+                pairs += 1
+        adv = advantages(s) if trusted[i] else None
+        if adv is None:
+            none += 1
+            continue
+        mean_pass = sum(x for x, p in zip(adv, ok, strict=True) if p) / sum(ok)
+        right, wrong = (right + 1, wrong) if mean_pass > 0 else (right, wrong + 1)
+    return RealResult(sets=len(sets), separated_sets=len(separated), separated_pairs=int(pairs),
+                      pairwise_accuracy=won / pairs if pairs else 0.0, trains_right=int(right), trains_wrong=int(wrong),
+                      no_advantage=int(none))
 
 
 def plot(results: Sequence[ModeResult], path: Path) -> None:

@@ -189,15 +189,28 @@ MODES = ("set", "prompt_only", "generic")
 EVAL_CHUNK = 8  # sets per evaluator call: rubric generation stays batched and the progress bar moves
 
 
+def shipped(name: str) -> Path:
+    from importlib import resources
+
+    return Path(str(resources.files("dynrubric").joinpath("data", name)))
+
+
 def eval_judge(
     ctx: typer.Context,
-    sets_file: Annotated[Path, typer.Argument(help="JSONL of ordered ({prompt, responses, order, kind}) and equal-quality ({..., collapsed: true}) sets")],
+    sets_file: Annotated[Path | None, typer.Argument(help="JSONL of ordered ({prompt, responses, order, kind}) and "
+                                                     "equal-quality ({..., collapsed: true}) sets; with --real, of "
+                                                     "{prompt, responses, passed} (default: the shipped file)")] = None,
     modes: Annotated[str, typer.Option("--modes", help="comma-separated rubric modes to compare")] = ",".join(MODES),
     out: Annotated[Path, typer.Option("--out", "-o", help="directory for eval_judge.json and eval_judge.png")] = Path("eval-judge"),
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="only the first N sets of each kind and quality")] = None,
     batch: Annotated[int, typer.Option("--batch", min=1, help="sets per evaluator call (their rubrics are generated as one batch: more is faster on a GPU)")] = EVAL_CHUNK,
+    real: Annotated[bool, typer.Option("--real", help="judge real policy output graded by the official checkers "
+                                       "instead of ordered sets")] = False,
+    sample: Annotated[int | None, typer.Option("--sample", min=1, help="with --real: first sample the policy on N "
+                                               "held-out instruction prompts and write SETS_FILE")] = None,
 ) -> None:
-    """Measure the judge on sets with a known order: pairwise accuracy, Kendall tau, gaps, collapse alarms."""
+    """Measure the judge on sets with a known order: pairwise accuracy, Kendall tau, gaps, collapse alarms; with
+    --real, on the policy's own answers to held-out prompts, ordered by the official checkers."""
     import time
 
     from rich.table import Table
@@ -212,6 +225,12 @@ def eval_judge(
     if unknown or not wanted:
         raise DynrubricError(f"unknown mode(s) {unknown or modes!r}", f"use --modes with any of {','.join(MODES)}")
     settings = settings_of(ctx)
+    if sample is not None and not real:
+        raise DynrubricError("--sample writes real policy output", "pass --real with --sample")
+    if real:
+        _eval_judge_real(settings, sets_file or shipped("judge_real.jsonl"), wanted, out, batch, sample)
+        return
+    sets_file = sets_file or shipped("judge_benchmark.jsonl")
     sets = read_judge_sets(sets_file)
     if limit is not None:
         seen: dict[tuple[str, bool], int] = {}
@@ -288,6 +307,87 @@ def eval_judge(
     for r in results:
         print(f"pairwise_accuracy[{r.mode}]: {r.by_kind['all'].pairwise_accuracy:.3f}" if "all" in r.by_kind
               else f"pairwise_accuracy[{r.mode}]: n/a (no ordered sets)")
+
+
+def _eval_judge_real(settings, path: Path, modes: list[str], out: Path, batch: int, sample: int | None) -> None:
+    """`eval-judge --real`: the judge on real policy answers, the official checkers' verdicts as the order."""
+    from rich.table import Table
+
+    from dynrubric import atomic
+    from dynrubric.engines import build_engine
+    from dynrubric.rubric.benchmark import read_real_sets, summarise_real
+    from dynrubric.rubric.evaluator import Evaluator
+    from dynrubric.train.grpo import group_advantages
+
+    if sample is not None:
+        _sample_real_sets(settings, path, sample)
+    sets = read_real_sets(path)
+    with status(console, f"loading the {settings.engine.kind} engine"):
+        generator = build_engine(settings, "generator")
+        verifier = generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
+    results, per_set = {}, []
+    with Bars(console) as bars:
+        for mode in modes:
+            config = settings.rubric.model_copy(update={"mode": mode})
+            evaluator = Evaluator(generator, verifier, config)
+            phase = f"sets judged ({mode})"
+            bars.start(phase, len(sets))
+            scored = []
+            for i in range(0, len(sets), batch):
+                chunk = sets[i : i + batch]
+                scored += evaluator.score_sets([s.prompt for s in chunk], [s.responses for s in chunk],
+                                               progress=lambda n: bars.advance(phase, n))
+            results[mode] = summarise_real(
+                sets, [s.scores for s in scored], [s.trusted for s in scored],
+                lambda s: group_advantages(s, settings.train.grpo.adv_eps, config.eps), config.eps)
+            per_set += [{"mode": mode, "passed": rs.passed, **s.as_dict()} for rs, s in zip(sets, scored, strict=True)]
+    generator.close()
+    if verifier is not generator:
+        verifier.close()
+    out.mkdir(parents=True, exist_ok=True)
+    atomic.write_text(out / "eval_judge_real.json",
+                      json.dumps({"results": {m: r.as_dict() for m, r in results.items()}, "sets": per_set}, indent=1))
+    table = Table(title=f"judge on real policy output: {path} ({len(sets)} sets; order = the official checkers)")
+    for col in ("mode", "separated sets", "pairs", "pairwise acc", "trains right", "trains wrong", "no advantage"):
+        table.add_column(col)
+    for mode, r in results.items():
+        table.add_row(mode, str(r.separated_sets), str(r.separated_pairs), f"{r.pairwise_accuracy:.3f}",
+                      str(r.trains_right), str(r.trains_wrong), str(r.no_advantage))
+    console.print(table)
+    console.print(f"wrote {out / 'eval_judge_real.json'}", markup=False)
+    for mode, r in results.items():
+        share = r.trains_right / r.separated_sets if r.separated_sets else 0.0
+        print(f"pairwise_accuracy_real[{mode}]: {r.pairwise_accuracy:.3f}")
+        print(f"trains_right_share_real[{mode}]: {share:.3f} ({r.trains_right} of {r.separated_sets} separated sets)")
+
+
+def _sample_real_sets(settings, path: Path, n: int) -> None:
+    """K answers of the policy per held-out instruction prompt (the training sampling settings), each graded by
+    the prompt's ground truth, written to `path`."""
+    from dynrubric import atomic
+    from dynrubric.engines import build_engine
+    from dynrubric.train.heldout import sample_sets
+    from dynrubric.train.policy_eval import heldout_prompts
+
+    chosen = [p for p in heldout_prompts(settings.model_copy(update={
+        "evaluation": settings.evaluation.model_copy(update={"max_prompts": 10**9})})) if p.truth.instructions][:n]
+    with status(console, f"loading the {settings.engine.kind} policy engine"):
+        engine = build_engine(settings, "policy")
+    lines = []
+    with Bars(console) as bars:
+        bars.start("prompts sampled", len(chosen))
+        for i in range(0, len(chosen), 8):
+            chunk = chosen[i : i + 8]
+            _, outs = sample_sets(settings, engine, [p.prompt for p in chunk], settings.train.candidates,
+                                  settings.train.seed + i)
+            for p, completions in zip(chunk, outs, strict=True):
+                responses = [c.text for c in completions]
+                lines.append(json.dumps({"prompt": p.prompt.question, "responses": responses,
+                                         "passed": [p.truth.passes(r) for r in responses]}))
+            bars.advance("prompts sampled", len(chunk))
+    engine.close()
+    atomic.write_text(path, "\n".join(lines) + "\n")
+    console.print(f"wrote {len(lines)} sets of {settings.train.candidates} answers to {path}", markup=False)
 
 
 def serve_reward(

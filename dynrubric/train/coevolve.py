@@ -18,10 +18,17 @@ R_disc is the spread of the verdicts across the candidates, not the verifier's u
 answered 0.5 for every candidate (the hard-verdict fallback, a NaN) splits nothing and earns 0, while
 for 0/1 verdicts Var_C(v) = vbar (1 - vbar), in 0 .. 0.25.
 
-Anchors: a human-ranked JSONL file (`{prompt, responses: [best, ..., worst]}`), or temporal contrast:
-a response of the current policy ranks above responses logged by older policy versions, older ones
-lower, counting only versions whose age (lineage distance from the current policy) is within
-[min_age, max_age].
+Anchors, by `train.coevolve.anchors`:
+- feedback (default): the users' own ranking of the responses logged for the prompt. Each distinct
+  response's mean feedback value (thumbs up +1, thumbs down -1, regenerate -1; copy and dwell are no
+  verdict) orders them, one response per value, best first. Where a prompt has no two responses the users
+  told apart, temporal contrast stands in. The share of user-ranked pairs the sampled rubrics order as the
+  users did is the judge's agreement with the users (`judge_user_agreement`), the first alarm of a judge
+  that drifts from what users want.
+- temporal: a response of the current policy ranks above responses logged by older policy versions,
+  older ones lower, counting only versions whose age (lineage distance from the current policy) is
+  within [min_age, max_age].
+- file: a human-ranked JSONL file (`{prompt, responses: [best, ..., worst]}`).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from dynrubric.config import CoevolveConfig
 from dynrubric.engines.base import Engine, GenerationRequest, SamplingParams
@@ -72,6 +80,44 @@ def normalised(values: Sequence[float], tie_eps: float, eps: float = 1e-6) -> li
     mean = sum(values) / n
     std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
     return [(v - mean) / (std + eps) for v in values]
+
+
+FEEDBACK_VALUE = {"thumbs_up": 1.0, "thumbs_down": -1.0, "regenerate": -1.0}  # copy, dwell: no verdict
+
+
+@dataclass(frozen=True)
+class RankedAnchors:
+    """Responses ranked best first, and who ranked them."""
+
+    responses: list[str]
+    source: Literal["users", "temporal", "file"]
+
+
+def feedback_ranking(logged: Sequence[tuple[str, Sequence[str]]]) -> list[str] | None:
+    """The users' ranking of one prompt's logged responses (module docstring), best first; None when fewer
+    than two distinct responses got different mean feedback values."""
+    values: dict[str, list[float]] = {}
+    for response, kinds in logged:
+        verdicts = [FEEDBACK_VALUE[k] for k in kinds if k in FEEDBACK_VALUE]
+        if verdicts and response.strip():
+            values.setdefault(response, []).extend(verdicts)
+    by_value: dict[float, str] = {}
+    for response, vs in values.items():
+        by_value.setdefault(sum(vs) / len(vs), response)  # one response per value level, the first logged
+    if len(by_value) < 2:
+        return None
+    return [by_value[v] for v in sorted(by_value, reverse=True)]
+
+
+def agreement(ranked_scores: Sequence[float], eps: float) -> tuple[float, int]:
+    """(share of the ranked pairs i < j scored S_i > S_j, ties within `eps` counting 1/2; number of pairs)."""
+    n = len(ranked_scores)
+    pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
+    if not pairs:
+        return 0.0, 0
+    won = sum(1.0 if ranked_scores[i] - ranked_scores[j] >= eps else 0.5 if abs(ranked_scores[i] - ranked_scores[j]) < eps
+              else 0.0 for i, j in pairs)
+    return won / len(pairs), len(pairs)
 
 
 def lineage_ages(versions: Mapping[str, str | None], current: str) -> dict[str, int]:
@@ -133,6 +179,9 @@ class GeneratorBatchStats:
     anchored_sets: int
     r_disc_mean: float
     r_anchor_mean: float  # over parsed rubrics of anchored sets; 0 when none
+    user_ranked_sets: int = 0  # sets whose anchors the users ranked (feedback)
+    judge_user_pairs: int = 0  # user-ranked pairs the parsed rubrics scored
+    judge_user_agreement: float | None = None  # share of those pairs ordered as the users did (None: no pair)
 
     def as_dict(self) -> dict[str, float | int]:
         return self.__dict__.copy()
@@ -144,7 +193,7 @@ def generator_groups(
     verify: Callable[[str, Sequence[str], Rubric], list[list[float]]],
     apply_rubric: Callable[[str, Rubric, Sequence[str]], list[float]],
     sets: Sequence[tuple[TrainPrompt, Sequence[str]]],
-    anchors: Sequence[list[str] | None],
+    anchors: Sequence[RankedAnchors | None],
     config: CoevolveConfig,
     max_items: int,
     temperature: float,
@@ -168,11 +217,13 @@ def generator_groups(
     outputs = generator.generate([GenerationRequest(p, params) for p in prompts])
     tok = generator.tokenizer
     groups: list[CandidateSet] = []
-    parsed_total = anchored = 0
+    parsed_total = anchored = user_sets = user_pairs = 0
+    user_won = 0.0
     disc_all: list[float] = []
     anchor_all: list[float] = []
     for (prompt, responses), gen_prompt, completions, anchor in zip(sets, prompts, outputs, anchors, strict=True):
         disc, anch, fmt = [], [], []
+        user_sets += int(anchor is not None and anchor.source == "users")
         for c in completions:
             try:
                 rubric = parse_rubric(c.text, max_items)
@@ -182,7 +233,14 @@ def generator_groups(
                 fmt.append(0.0)
                 continue
             disc.append(r_disc(verify(prompt.question, responses, rubric), rubric))
-            anch.append(r_anchor(apply_rubric(prompt.question, rubric, anchor)) if anchor else None)
+            if anchor is not None:
+                scores = apply_rubric(prompt.question, rubric, anchor.responses)
+                anch.append(r_anchor(scores))
+                if anchor.source == "users":
+                    share, n = agreement(scores, tie_eps)
+                    user_won, user_pairs = user_won + share * n, user_pairs + n
+            else:
+                anch.append(None)
             fmt.append(1.0)
         parsed = [a for a in anch if a is not None]
         anch_filled = [a if a is not None else (min(parsed) if parsed else 0.0) for a in anch]
@@ -205,6 +263,9 @@ def generator_groups(
         anchored_sets=anchored,
         r_disc_mean=sum(disc_all) / len(disc_all) if disc_all else 0.0,
         r_anchor_mean=sum(anchor_all) / len(anchor_all) if anchor_all else 0.0,
+        user_ranked_sets=user_sets,
+        judge_user_pairs=user_pairs,
+        judge_user_agreement=user_won / user_pairs if user_pairs else None,
     )
     return groups, stats
 

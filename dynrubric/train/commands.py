@@ -202,9 +202,13 @@ def round_report(summary: dict, path: Path) -> list[str]:
         sources.update(s.get("rubric_sources") or {})
         fallbacks.update(s.get("fallbacks") or {})
     sets = sum(sources.values())
+    if summary["version"] is None:
+        head = f"round {summary['round']}: no candidate registered (parent {summary['parent']}; {guard['detail']})"
+    else:
+        head = (f"round {summary['round']}: {summary['version']} {summary['state']} (parent {summary['parent']}; "
+                f"guard {'accepted' if guard['accepted'] else 'REJECTED'}: {guard['detail']})")
     lines = [
-        f"round {summary['round']}: {summary['version']} {summary['state']} (parent {summary['parent']}; "
-        f"guard {'accepted' if guard['accepted'] else 'REJECTED'}: {guard['detail']})",
+        head,
         f"  steps: {summary['phases']['policy']} policy, {summary['phases']['generator']} generator; "
         f"{summary.get('prompts', 0)} prompts; {summary.get('seconds', 0.0):.0f}s",
         f"  rubrics of {sets} scored sets: " + ", ".join(f"{k} {sources[k]}" for k in ("set", "prompt_only", "generic")),
@@ -212,6 +216,11 @@ def round_report(summary: dict, path: Path) -> list[str]:
         f"{fallbacks['prompt_only']}, to the generic rubric {fallbacks['generic']}; "
         f"hard verdicts {fallbacks['hard_verdict']}",
     ]
+    truth = (summary.get("eval") or {}).get("groundtruth")
+    if truth:
+        rates = ", ".join(f"{v} {p:.3f}" for v, p in truth["pass"].items())
+        lines.append(f"  ground truth on {truth['prompts']} held-out prompts: pass {rates}; "
+                     f"{truth['version']} vs parent {_delta(truth['vs_parent'])}, vs base {_delta(truth['vs_base'])}")
     stages = summary.get("stage_seconds")
     if stages:
         lines.append("  time: " + ", ".join(f"{stage} {seconds:.0f}s" for stage, seconds in stages.items()))
@@ -221,6 +230,61 @@ def round_report(summary: dict, path: Path) -> list[str]:
         lines.append(f"  {summary['collapse']['note']}")
     lines.append(f"  summary: {path}")
     return lines
+
+
+def eval_policy(
+    ctx: typer.Context,
+    versions: Annotated[list[str], typer.Argument(help="registry versions to evaluate (e.g. base r1 r2)")],
+    prompts: Annotated[Path | None, typer.Option(help="JSONL of held-out prompts (default: the prompt bank's "
+                                                 "held-out split, train.heldout_share)")] = None,
+) -> None:
+    """Ground truth, no judge: each version answers the held-out prompts at the serving decode settings; the
+    official checkers and computed answers grade it; paired bootstrap CIs against its parent and the base."""
+    from dynrubric.engines import build_engine
+    from dynrubric.progress import status
+    from dynrubric.train.plan import RunState
+    from dynrubric.train.policy_eval import compare, decode_params, evaluate_versions, heldout_prompts
+
+    settings = settings_of(ctx)
+    registry = _registry(ctx, existing=True)
+    state = RunState(settings, registry, None)
+    known = {c.version: c for c in registry.list()}
+    missing = [v for v in versions if v not in known]
+    if missing:
+        raise DynrubricError(f"unknown version(s) {', '.join(missing)}", "list them with `dynrubric registry list`")
+    chosen = heldout_prompts(settings, prompts)
+    wanted = list(dict.fromkeys(versions))
+    for v in versions:  # each version's parent and base, for the paired differences
+        for ref in (known[v].parent, state.base_of(known[v]).version):
+            if ref is not None and ref not in wanted:
+                wanted.append(ref)
+    with status(console, f"loading the {settings.engine.kind} policy engine"):
+        engine = build_engine(settings, "policy")
+    bars = Bars(console)
+    with bars:
+        for v in wanted:
+            bars.start(f"answer {v}", len(chosen))
+        outcomes = evaluate_versions(settings, engine, [(v, known[v].path) for v in wanted],
+                                     lambda version, n: bars.advance(f"answer {version}", n), chosen)
+    engine.close()
+    e = settings.evaluation
+    kinds = sorted({k for o in outcomes.values() for k in o.kinds.values()})
+    params = decode_params(settings)
+    table = Table(title=f"ground truth on {len(chosen)} held-out prompts (temperature {params.temperature:g}, "
+                        f"max_tokens {params.max_tokens}; official checkers, computed answers)")
+    for col in ("version", "pass", *kinds, "vs parent (95% CI)", "vs base (95% CI)"):
+        table.add_column(col)
+    for v in versions:
+        o = outcomes[v]
+        parent, base = known[v].parent, state.base_of(known[v]).version
+        cells = [_delta(compare(o, outcomes[ref], e.bootstrap_samples, e.confidence).model_dump())
+                 if ref is not None and ref != v else "-" for ref in (parent, base)]
+        table.add_row(v, f"{o.pass_rate():.3f}", *(f"{o.pass_rate(k):.3f}" for k in kinds), *cells)
+    console.print(table)
+
+
+def _delta(c: dict) -> str:
+    return f"{c['delta']:+.3f} (95% CI {c['low']:+.3f}..{c['high']:+.3f})"
 
 
 @train_app.command("openrlhf")

@@ -18,10 +18,12 @@ from dynrubric.train.heldout import evaluate_candidate
 from dynrubric.train.plan import GUARDED, read_json, write_json
 
 
-def round_verdict(cfg: TrainConfig, history: Sequence[dict[str, Any]],
-                  evaluation: dict[str, Any]) -> tuple[guards.GuardVerdict, dict[str, Any]]:
-    """(the guards' verdict, the checkpoint's metrics) of a round with step records `history`."""
+def round_verdict(cfg: TrainConfig, history: Sequence[dict[str, Any]], evaluation: dict[str, Any],
+                  truth_guard: bool = True) -> tuple[guards.GuardVerdict, dict[str, Any]]:
+    """(the guards' verdict, the checkpoint's metrics) of a round with step records `history`. `truth_guard`:
+    whether the ground-truth comparison with the parent can reject (`evaluation.guard`)."""
     policy_steps = [h for h in history if h["phase"] == "policy"]
+    truth = evaluation.get("groundtruth")
     verdict = guards.check(
         nonfinite_steps=[h["step"] for h in history if h["nonfinite"]],
         kl=evaluation["kl_to_parent"],
@@ -31,6 +33,7 @@ def round_verdict(cfg: TrainConfig, history: Sequence[dict[str, Any]],
         reward_parent=evaluation["reward_parent"],
         reward_new=evaluation["reward_new"],
         max_reward_drop=cfg.max_reward_drop,
+        groundtruth_vs_parent=truth["vs_parent"] if truth and truth_guard else None,
     )
 
     def mean(key: str) -> float | None:
@@ -48,6 +51,11 @@ def round_verdict(cfg: TrainConfig, history: Sequence[dict[str, Any]],
         "tied_sets": sum(h["tied_sets"] for h in history),
         "updates": sum(1 for h in history if h["updated"]),
     }
+    if truth:  # the ground truth of the held-out prompts: what the run page's learning curve plots
+        version = truth["version"]
+        metrics |= {"heldout_pass": truth["pass"][version], "heldout_pass_by_kind": truth["pass_by_kind"][version],
+                    "heldout_vs_parent": truth["vs_parent"], "heldout_vs_base": truth["vs_base"],
+                    "heldout_truth_prompts": truth["prompts"]}
     return verdict, metrics
 
 

@@ -9,7 +9,10 @@
   the parent's, both judged in one candidate set per prompt (parent and new samples together, one
   rubric), so the comparison is paired rather than across differently-conditioned rubrics. The judge
   is the frozen verifier with the PREVIOUS rubric generator (the parent's weights in single-model
-  mode), on held-out prompts no round trained on, so the candidate never grades itself.
+  mode), on held-out prompts no round trained on, so the candidate never grades itself;
+- `heldout_regression`: on the held-out prompts with ground truth (official checkers, computed answers;
+  no judge), the candidate's pass rate is significantly below its parent's: the whole paired-bootstrap
+  CI of the difference lies below 0 (`evaluation.guard`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class GuardVerdict:
-    reason: str | None  # None: accepted; else "nonfinite" | "kl" | "kl_to_base" | "reward_drop"
+    reason: str | None  # None: accepted; else "nonfinite" | "kl" | "kl_to_base" | "reward_drop" | "heldout_regression"
     detail: str
 
     @property
@@ -38,6 +41,7 @@ def check(
     reward_parent: float,
     reward_new: float,
     max_reward_drop: float,
+    groundtruth_vs_parent: dict[str, float] | None = None,
 ) -> GuardVerdict:
     if nonfinite_steps:
         return GuardVerdict("nonfinite", f"non-finite loss or gradient at step(s) {nonfinite_steps}")
@@ -51,5 +55,12 @@ def check(
             "reward_drop",
             f"held-out reward fell {drop:.4f} ({reward_parent:.4f} -> {reward_new:.4f}) > bound {max_reward_drop}",
         )
+    truth = ""
+    if groundtruth_vs_parent is not None:
+        d, lo, hi = groundtruth_vs_parent["delta"], groundtruth_vs_parent["low"], groundtruth_vs_parent["high"]
+        if hi < 0:
+            return GuardVerdict("heldout_regression", f"held-out ground-truth pass rate fell {d:+.3f} vs the parent "
+                                                      f"(95% CI {lo:+.3f}..{hi:+.3f}, all below 0)")
+        truth = f"; ground truth {d:+.3f} (CI {lo:+.3f}..{hi:+.3f})"
     return GuardVerdict(None, f"KL {kl:.5f} <= {max_kl}; KL to base {kl_to_base:.5f} <= {max_kl_to_base}; "
-                              f"reward {reward_parent:.4f} -> {reward_new:.4f}")
+                              f"reward {reward_parent:.4f} -> {reward_new:.4f}{truth}")

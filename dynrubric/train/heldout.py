@@ -10,6 +10,10 @@ Both the embedded rounds and the OpenRLHF path call `evaluate_candidate` before 
 The judge is the frozen verifier with the previous rubric generator: the parent's weights in
 single-model mode (the policy engine is switched to them before scoring), else the generator as it was
 before the round. The engine versions that judged are recorded under `judge`.
+
+    groundtruth                 the candidate, its parent and the base on the held-out prompts with ground
+                                truth, no judge involved (train/policy_eval.py): pass rates, paired
+                                differences with bootstrap CIs
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ def evaluate_candidate(
     """The guards' inputs for `candidate_dir` vs `parent`. `generator_engine` None: single-model mode
     (the policy engine at the parent's weights writes the rubrics). `candidate_model`: the candidate's
     torch model when the caller holds it (else loaded from `candidate_dir`). Leaves the policy engine
-    at the parent's weights."""
+    at the weights of the last version it sampled."""
     from dynrubric.train.coevolve import completion_ids
     from dynrubric.train.grpo import SampledResponse, mean_kl
 
@@ -98,7 +102,12 @@ def evaluate_candidate(
     else:
         del parent_model
         kl_base = kl_to(load_frozen(base.path))
+    from dynrubric.train.policy_eval import round_evidence
+
+    groundtruth = round_evidence(settings, policy_engine, (candidate_version, candidate_dir),
+                                 (parent.version, parent.path), (base.version, base.path))
     return {
+        "groundtruth": groundtruth,
         "heldout_prompts": len(heldout),
         "heldout_keys": [p.key for p in heldout],
         "reward_parent": sum(sum(s.scores[:k]) / k for s in scored) / len(scored),

@@ -55,6 +55,11 @@ class PromptSource(Protocol):
         """Every logged response to the prompt, grouped by the policy_version that wrote it."""
         ...
 
+    def feedback_by_response(self, prompt_key: str) -> list[tuple[str, list[str]]]:
+        """Every logged response to the prompt with the kinds of user feedback it got (thumbs_up, regenerate,
+        ...); empty where there is no serving log."""
+        ...
+
 
 def parse_prompt_line(obj: object, where: str) -> TrainPrompt:
     if not isinstance(obj, dict):
@@ -143,3 +148,6 @@ class JsonlPromptSource:
 
     def responses_by_version(self, prompt_key: str) -> dict[str, list[str]]:
         return self.history.by_version(prompt_key)
+
+    def feedback_by_response(self, prompt_key: str) -> list[tuple[str, list[str]]]:
+        return []  # a prompt file has no users

@@ -43,7 +43,7 @@ from dynrubric.config import Settings
 from dynrubric.errors import DynrubricError
 from dynrubric.registry import CheckpointState, Registry
 from dynrubric.rubric.evaluator import EvaluatorMetrics
-from dynrubric.train.coevolve import lineage_ages, read_anchor_file, temporal_anchors
+from dynrubric.train.coevolve import RankedAnchors, feedback_ranking, lineage_ages, read_anchor_file, temporal_anchors
 from dynrubric.train.evaluation import evaluate_round, round_verdict
 from dynrubric.train.plan import (
     COLLAPSE,
@@ -101,13 +101,19 @@ class TrainMetrics:
         self.kl = Gauge("dynrubric_train_kl", "KL to the reference policy of the last step", registry=registry)
         self.tied_sets = Counter("dynrubric_train_tied_sets", "sets whose scores were all tied (no gradient)",
                                  registry=registry)
+        self.judge_user_agreement = Gauge(
+            "dynrubric_train_judge_user_agreement",
+            "share of user-ranked response pairs the rubrics of the last generator step ordered as the users did",
+            registry=registry)
+        self.heldout_pass = Gauge("dynrubric_train_heldout_pass",
+                                  "held-out ground-truth pass rate of the last round's candidate", registry=registry)
         self.worker_failures = Counter(
             "dynrubric_train_worker_failures",
             "round workers (Ray actors, nodes) that died; the round resumed from its last published step",
             registry=registry)
         for outcome in ("completed", "failed"):
             self.rounds.labels(outcome=outcome)
-        for reason in ("kl", "kl_to_base", "reward_drop", "nonfinite"):
+        for reason in ("kl", "kl_to_base", "reward_drop", "nonfinite", "heldout_regression"):
             self.guard_rejections.labels(reason=reason)
 
 
@@ -250,15 +256,20 @@ class _Round:
         start = step * n
         return [self.prompts[(start + i) % len(self.prompts)] for i in range(n)]
 
-    def anchors_for(self, prompt: TrainPrompt, current: Sequence[str], rng: random.Random) -> list[str] | None:
+    def anchors_for(self, prompt: TrainPrompt, current: Sequence[str], rng: random.Random) -> RankedAnchors | None:
+        """The ranked anchors of `train.coevolve.anchors` (coevolve.py) for a prompt, or None."""
         if self.anchor_file is not None:
-            return self.anchor_file.get(prompt.key)
+            ranked = self.anchor_file.get(prompt.key)
+            return RankedAnchors(ranked, "file") if ranked else None
         co = self.cfg.coevolve
+        if co.anchors == "feedback" and (users := feedback_ranking(self.state.source.feedback_by_response(prompt.key))):
+            return RankedAnchors(users, "users")
         lineage = {c.version: c.parent for c in self.state.registry.list()}
         # the policy being trained is one step past its parent: the parent's samples have age 1
         ages = {v: a + 1 for v, a in lineage_ages(lineage, self.parent.version).items()}
-        return temporal_anchors(rng.choice(list(current)), self.state.source.responses_by_version(prompt.key), ages,
-                                co.min_age, co.max_age, rng)
+        ranked = temporal_anchors(rng.choice(list(current)), self.state.source.responses_by_version(prompt.key), ages,
+                                  co.min_age, co.max_age, rng)
+        return RankedAnchors(ranked, "temporal") if ranked else None
 
     def step(self, step: int, phase: str) -> dict[str, Any]:
         if phase == "generator":
@@ -336,7 +347,13 @@ class _Round:
                     self.metrics.reward_mean.set(record["reward_mean"])
                     self.metrics.kl.set(record["kl"])
                     self.metrics.tied_sets.inc(record["tied_sets"])
+                elif record.get("gen_judge_user_agreement") is not None:
+                    self.metrics.judge_user_agreement.set(record["gen_judge_user_agreement"])
                 self.progress.advance(f"round {self.id}", 1)
+            unchanged = self.unchanged()
+            if unchanged is not None:  # nothing to roll out: no evaluation, no registration
+                self.clock |= {"evaluate": 0.0, "guard": 0.0}
+                return self.finish_unregistered(unchanged, started)
             self.progress.start("evaluate", 1)
             t0 = time.perf_counter()
             evaluation = self.evaluate()
@@ -367,11 +384,32 @@ class _Round:
             "guard": self.clock["guard"],
         }
 
+    def unchanged(self) -> str | None:
+        """Why the round has no new policy to register, or None: no policy step applied an update (every set
+        tied or untrusted), or the final weights are byte for byte the parent's."""
+        from dynrubric.registry import weights_sha256
+
+        policy = [h for h in self.history if h["phase"] == "policy"]
+        if not any(h["updated"] for h in policy):
+            tied = sum(h["tied_sets"] for h in policy)
+            return (f"no policy update in {len(policy)} policy step(s) ({tied} of "
+                    f"{sum(h['sets'] for h in policy)} sets tied or untrusted): nothing to roll out")
+        final = self.latest_step()
+        if final is not None and weights_sha256(final / "policy" / "model") == self.parent.weights_sha256:
+            return "the trained weights equal the parent's (same sha256): nothing to roll out"
+        return None
+
+    def finish_unregistered(self, why: str, started: float) -> dict[str, Any]:
+        """A round that registers nothing (`unchanged`): the next round builds on the same parent. The
+        generator's step, if any, is kept as in an accepted round: it changed no served weights."""
+        self.keep_generator()
+        guard = {"accepted": False, "reason": "no_update", "detail": why}
+        return self.publish(self.summary(None, "unregistered", guard, {}, {}, started))
+
     def finish(self, evaluation: dict[str, Any], started: float) -> dict[str, Any]:
         t0 = time.perf_counter()
-        verdict, metrics = round_verdict(self.cfg, self.history, evaluation)
+        verdict, metrics = round_verdict(self.cfg, self.history, evaluation, self.settings.evaluation.guard)
         final = self.latest_step()
-        collapse = self.collapse_fired or any(h.get("collapse") for h in self.history)
         state = CheckpointState.candidate if verdict.accepted else CheckpointState.rejected
         ckpt = self.state.registry.register(
             final / "policy" / "model" if final else self.parent.path,
@@ -380,19 +418,33 @@ class _Round:
         )
         if not verdict.accepted:
             self.metrics.guard_rejections.labels(reason=verdict.reason).inc()
-        if not self.single and final is not None and verdict.accepted:
-            gen_current = self.state.run_dir / "generator"
-            shutil.rmtree(gen_current, ignore_errors=True)
-            with atomic.directory(gen_current) as tmp:
-                shutil.copytree(final / "generator", tmp, dirs_exist_ok=True)
-        write_json(self.state.run_dir / COLLAPSE, self.models.collapse.state())
+        else:
+            self.keep_generator()
+        if "heldout_pass" in metrics:
+            self.metrics.heldout_pass.set(metrics["heldout_pass"])
         self.clock["guard"] = time.perf_counter() - t0
-        summary = {
+        guard = {"accepted": verdict.accepted, "reason": verdict.reason, "detail": verdict.detail}
+        return self.publish(self.summary(ckpt.version, ckpt.state.value, guard, metrics, evaluation, started))
+
+    def keep_generator(self) -> None:
+        """Two-model mode: the generator's weights as this round left them become the next round's."""
+        final = self.latest_step()
+        if self.single or final is None:
+            return
+        gen_current = self.state.run_dir / "generator"
+        shutil.rmtree(gen_current, ignore_errors=True)
+        with atomic.directory(gen_current) as tmp:
+            shutil.copytree(final / "generator", tmp, dirs_exist_ok=True)
+
+    def summary(self, version: str | None, state: str, guard: dict[str, Any], metrics: dict[str, Any],
+                evaluation: dict[str, Any], started: float) -> dict[str, Any]:
+        collapse = self.collapse_fired or any(h.get("collapse") for h in self.history)
+        return {
             "round": self.id,
             "parent": self.parent.version,
-            "version": ckpt.version,
-            "state": ckpt.state.value,
-            "guard": {"accepted": verdict.accepted, "reason": verdict.reason, "detail": verdict.detail},
+            "version": version,
+            "state": state,
+            "guard": guard,
             "metrics": metrics,
             "eval": evaluation,
             "steps": self.history,
@@ -410,8 +462,12 @@ class _Round:
             "seconds": time.time() - started,
             "stage_seconds": self.stage_seconds(),
         }
+
+    def publish(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """The round's summary, written last: from here on the round is complete and never runs again."""
+        write_json(self.state.run_dir / COLLAPSE, self.models.collapse.state())
         write_json(self.dir / SUMMARY, summary)
         self.state.runlog.append([{"key": f"round/{self.id}", "kind": "round", **{k: v for k, v in summary.items()
                                                                              if k != "steps"}}])
-        shutil.rmtree(self.steps_dir, ignore_errors=True)  # the weights now live in the registry
+        shutil.rmtree(self.steps_dir, ignore_errors=True)  # the weights now live in the registry (or nowhere)
         return summary

@@ -25,7 +25,7 @@ from dynrubric.registry import Checkpoint
 from dynrubric.rubric.evaluator import Evaluator, EvaluatorMetrics, ScoredSet
 from dynrubric.rubric.gaps import CollapseDetector
 from dynrubric.rubric.generate import RUBRIC_SCHEMA_JSON, GenerationCounts
-from dynrubric.train.coevolve import completion_ids, generator_groups
+from dynrubric.train.coevolve import RankedAnchors, completion_ids, generator_groups
 from dynrubric.train.heldout import sample_sets
 from dynrubric.train.judging import ScoreChunk
 from dynrubric.train.prompts import TrainPrompt
@@ -33,7 +33,7 @@ from dynrubric.train.prompts import TrainPrompt
 #: builds an engine for a role ("policy", "generator", "verifier") over a model dir
 EngineFactory = Callable[[str, Path], Engine]
 #: ranked anchors (best first) for a prompt given the current candidates, or None
-AnchorSource = Callable[[TrainPrompt, Sequence[str], random.Random], "list[str] | None"]
+AnchorSource = Callable[[TrainPrompt, Sequence[str], random.Random], "RankedAnchors | None"]
 
 
 def load_tokenizer(model_dir: Path) -> Any:
