@@ -205,16 +205,34 @@ def up(
     console.print(f"run page: {write_run_page(settings, results)}", markup=False, highlight=False, soft_wrap=True)
 
 
+#: what `up --demo` trains with on a 2-core CPU, chosen by measurement (docs/benchmarks.md, the learning benchmark):
+#: rounds of five policy steps of 8 prompts x 4 answers and one generator step, a learning rate that moves a
+#: 135M model within a round (AdamW's state carried across the round's steps), and guards sized to that step
+DEMO_TRAINING = {
+    "train": {"steps_per_round": 6, "prompts_per_step": 8, "candidates": 4, "max_new_tokens": 48, "heldout_prompts": 4,
+              "max_kl": 0.3, "max_kl_to_base": 1.5},
+    "grpo": {"lr": 5e-5, "clip_high": 0.28, "kl_beta": 1e-3, "updates_per_batch": 1},
+    "coevolve": {"k_alt": 5, "k_alt_generator": 1, "sets_per_step": 2, "rubric_samples": 2},
+    # a round's 40 policy sets come from at least this many distinct new prompts (20% of them are held out)
+    "loop": {"min_new_prompts": 40},
+}
+
+
 def _demo_caps(settings) -> None:
-    """Round sizes and gate sample sizes a 2-core CPU gets through in minutes (caps: lower configs stay)."""
-    caps = {"steps_per_round": 2, "prompts_per_step": 4, "candidates": 4, "max_new_tokens": 48, "heldout_prompts": 4}
-    for key, cap in caps.items():
-        setattr(settings.train, key, min(getattr(settings.train, key), cap))
+    """Round sizes, optimiser and gate sample sizes a 2-core CPU gets through in minutes (sizes are caps: lower
+    configs stay)."""
+    train = DEMO_TRAINING["train"]
+    for key in ("steps_per_round", "prompts_per_step", "candidates", "max_new_tokens", "heldout_prompts"):
+        setattr(settings.train, key, min(getattr(settings.train, key), train[key]))
+    for key in ("max_kl", "max_kl_to_base"):  # the guards allow the demo's learning rate its step
+        setattr(settings.train, key, max(getattr(settings.train, key), train[key]))
+    for key, value in DEMO_TRAINING["grpo"].items():
+        setattr(settings.train.grpo, key, value)
+    for key, value in DEMO_TRAINING["coevolve"].items():
+        setattr(settings.train.coevolve, key, value)
+    settings.loop.min_new_prompts = max(settings.loop.min_new_prompts, DEMO_TRAINING["loop"]["min_new_prompts"])
     for key, cap in {"generator_max_tokens": 256, "retries": 1, "prompt_only_retries": 0}.items():
         setattr(settings.rubric, key, min(getattr(settings.rubric, key), cap))
-    # one policy step then one generator step: the demo shows both halves of co-evolution
-    for key, cap in {"k_alt": 1, "sets_per_step": 2, "rubric_samples": 2}.items():
-        setattr(settings.train.coevolve, key, min(getattr(settings.train.coevolve, key), cap))
     # a gate that decides on tens of users instead of hundreds, with margins as wide as that traffic allows
     for key, cap in {"min_users_per_arm": 5, "min_requests_per_arm": 8, "min_rated_per_arm": 6}.items():
         setattr(settings.gate, key, min(getattr(settings.gate, key), cap))

@@ -79,6 +79,14 @@ class EngineConfig(Section):
         description="openai-http: the verifier's server; default base_url. Training refuses a verifier that "
         "shares a server with a model it reloads (the judge would no longer be frozen)",
     )
+    in_process: list[Literal["policy", "generator", "verifier"]] = Field(
+        default_factory=list, description="openai-http: roles served by the in-process transformers engine instead "
+        "(a verifier that only scores prompts is cheap in process)",
+    )
+    shared_servers: bool = Field(
+        default=False, description="openai-http: roles on one server take turns, each reloading its own weights "
+        "before its calls (one vLLM server for the policy and the rubric generator)",
+    )
     api_key: SecretStr | None = None
     timeout_s: float = Field(default=120.0, gt=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -363,9 +371,13 @@ class CoevolveConfig(Section):
 
     enabled: bool = Field(default=True, description="alternate policy and generator phases")
     single_model: bool = Field(
-        default=True, description="policy and generator share one model (EvoLM); else models.generator is trained"
+        default=False, description="false: the generator is its own model (models.generator) with its own optimiser, "
+        "so the served policy changes only through the policy objective; true: one shared model (EvoLM)",
     )
-    k_alt: int = Field(default=50, ge=1, description="steps per phase before switching policy <-> generator")
+    k_alt: int = Field(default=50, ge=1, description="policy steps per phase before switching to the generator")
+    k_alt_generator: int | None = Field(
+        default=None, ge=1, description="generator steps per phase before switching back (default: k_alt)"
+    )
     rubric_samples: int = Field(default=4, ge=2, description="rubrics sampled per set in a generator step")
     sets_per_step: int = Field(default=4, ge=1, description="candidate sets per generator step")
     anchor_lambda: float = Field(default=1.0, ge=0, description="R = R_disc + lambda * R_anchor")

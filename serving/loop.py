@@ -59,6 +59,7 @@ from dynrubric.process import stop_signals_interrupt
 from dynrubric.supervisor import ChildSpec, Supervisor
 
 ROOT = Path(__file__).resolve().parent.parent
+TRAINER_KV_CACHE_GIB = 2  # the rounds' vLLM server: 32 candidates of a step, 8 rubrics at once
 GATE_LINE = re.compile(r"^(ro-\S+) step (\d+) \([^)]*\): (pass|fail|inconclusive): ")
 
 
@@ -250,6 +251,8 @@ class ClosedLoop:
             fleet.start(s.vllm.start_timeout_s)
             for spec in specs:
                 self.supervisor.record_pid(spec.name, fleet.process(spec.name).pid)
+            if all(spec.kind == "vllm" for spec in specs):
+                config = self._start_trainer_engine()
 
             router_metrics = CollectorRegistry()  # the router's own /metrics, scraped as dynrubric-router
             producer = EventProducer(s.kafka, router_metrics)
@@ -297,6 +300,28 @@ class ClosedLoop:
                          "(a re-run resumes from the registry, the replay store and the rounds)")
                 raise
         return self.results
+
+    def _start_trainer_engine(self) -> Path:
+        """The rounds' own vLLM server (a supervised child on every core): the policy samples its candidate sets and
+        the held-out answers there, and the rubric generator writes its rubrics there, the two taking turns with
+        their own weights (`engine.shared_servers`); the verifier, which only scores, stays in the trainer process.
+        The serving fleet is left to the users. Returns the children's config file, rewritten to say so."""
+        from dynrubric import modelcache
+        from dynrubric.config import VllmConfig
+        from dynrubric.engines.vllm_server import VllmServer
+
+        s = self.settings
+        model = modelcache.resolve(s.paths.resolved_home(), s.models.verifier)
+        server = VllmServer(model, VllmConfig(**{**s.vllm.model_dump(), "kv_cache_space_gib": TRAINER_KV_CACHE_GIB}),
+                            port=free_port())
+        env = {**server.environment(), "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}
+        self.supervisor.start(ChildSpec("trainer-engine", [*server.command(), "--max-num-seqs", "64"], env,
+                                        f"{server.base_url}/health", s.vllm.start_timeout_s))
+        s.engine.kind, s.engine.base_url = "openai-http", server.base_url
+        s.engine.policy_url = s.engine.generator_url = s.engine.verifier_url = None
+        s.engine.shared_servers, s.engine.in_process = True, ["verifier"]
+        self.log(f"trainer engine (vLLM, policy and rubric generator) at {server.base_url}")
+        return self._write_config()
 
     def _start_prometheus(self, stack: ExitStack) -> None:
         """Debian's Prometheus scraping this run's services, with the shipped rules (alerts fire during the run)."""

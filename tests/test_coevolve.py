@@ -217,6 +217,12 @@ def test_schedule_alternates_k_alt_steps_and_starts_with_the_generator_after_a_c
     assert runner.schedule(1, 4, refresh=False) == ["policy", "policy", "generator", "generator"]
     assert runner.schedule(2, 4, refresh=False) == ["policy", "policy", "generator", "generator"]
     assert runner.schedule(2, 4, refresh=True) == ["generator", "generator", "policy", "policy"]
+    uneven = Settings.model_validate({"paths": {"state_dir": str(tmp_path)},
+                                      "train": {"coevolve": {"k_alt": 3, "k_alt_generator": 1}}})
+    five = RoundRunner(uneven, runner.registry, None, None)  # type: ignore[arg-type]
+    assert five.schedule(1, 4, refresh=False) == ["policy"] * 3 + ["generator"]  # each round: 3 policy, 1 generator
+    assert five.schedule(2, 4, refresh=False) == ["policy"] * 3 + ["generator"]
+    assert five.schedule(2, 4, refresh=True) == ["generator"] + ["policy"] * 3
     off = Settings.model_validate({"paths": {"state_dir": str(tmp_path)}, "train": {"coevolve": {"enabled": False}}})
     assert RoundRunner(off, runner.registry, None, None).schedule(1, 3, refresh=True) == ["policy"] * 3  # type: ignore[arg-type]
 

@@ -179,6 +179,45 @@ def test_vllm_and_transformers_agree(vllm_server, smollm_dir):
     remote.close()
 
 
+@pytest.mark.vllm
+def test_engines_sharing_a_server_take_turns_with_their_own_weights(vllm_server, smollm_dir, tmp_path):
+    """A round's policy and rubric generator share one vLLM server (`engine.shared_servers`): whichever engine
+    generates, the server holds that engine's weights, however their calls interleave."""
+    from safetensors.torch import load_file, save_file
+
+    from dynrubric.engines.http import OpenAIHTTPEngine, SharedServer
+
+    other = tmp_path / "other"
+    import shutil
+
+    shutil.copytree(smollm_dir, other)
+    for f in other.glob("*.safetensors"):  # another model of the same shape: the same weights, shuffled rows
+        tensors = load_file(f)
+        g = torch.Generator().manual_seed(0)
+        save_file({k: v[torch.randperm(v.shape[0], generator=g)] if v.ndim == 2 else v for k, v in tensors.items()},
+                  f, metadata={"format": "pt"})
+    shared = SharedServer()
+    policy = OpenAIHTTPEngine(vllm_server.base_url, smollm_dir, shared=shared)
+    generator = OpenAIHTTPEngine(vllm_server.base_url, other, shared=shared)
+    try:
+        policy.load_weights(smollm_dir, "policy")
+        generator.load_weights(other, "generator")
+        question = policy.render_chat([{"role": "user", "content": "What is the capital of France?"}])
+        params = SamplingParams(max_tokens=12, temperature=0)
+
+        def answer(engine):
+            [[c]] = engine.generate([GenerationRequest(question, params)])
+            return c.text
+
+        mine, theirs = answer(policy), answer(generator)
+        assert "Paris" in mine and theirs != mine
+        assert [answer(generator), answer(policy), answer(policy), answer(generator)] == [theirs, mine, mine, theirs]
+    finally:
+        policy.load_weights(smollm_dir, "restored")  # the session's server goes back to its own weights
+        policy.close()
+        generator.close()
+
+
 def test_unreachable_engine_is_one_clear_error(smollm_dir):
     from dynrubric.engines.http import OpenAIHTTPEngine
     from dynrubric.ports import free_port

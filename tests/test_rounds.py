@@ -199,3 +199,54 @@ def test_collapse_window_spans_rounds_so_small_rounds_fire_it(tmp_path: Path, ti
     assert second["steps"][0]["nonsplit_share"] == 1.0
     third = r.run()  # the evaluator refresh: a generator phase first
     assert third["refresh"] and third["steps"][0]["phase"] == "generator" and third["phases"]["generator"] == 1
+
+
+def test_a_generator_step_never_changes_the_served_policy(tmp_path: Path, tiny_model_dir: Path):
+    """Issue 24, point 3: by default the rubric generator is its own model with its own optimiser, so a generator
+    GRPO step leaves the policy (what users are served) exactly as it was. With one shared model
+    (`train.coevolve.single_model: true`, the old default) the same step changes the served weights."""
+    import torch
+
+    from dynrubric.train.grpo import CandidateSet, SampledResponse
+    from dynrubric.train.step import Trainers, TrainerSpec
+    from tests.train_harness import settings as harness_settings
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 4)
+    base = harness_settings(tmp_path / "state", tiny_model_dir, prompts)
+    prompt = (1, 5, 9, 13)
+    groups = [CandidateSet((SampledResponse(prompt, (20, 21, 22)), SampledResponse(prompt, (30, 31)),
+                            SampledResponse(prompt, (40,))), (1.0, 0.5, 0.0))]
+    changed = {}
+    for single in (None, True):  # None: the default
+        settings = base.model_copy(deep=True)
+        if single is not None:
+            settings.train.coevolve.single_model = single
+        trainers = Trainers(TrainerSpec(settings, tiny_model_dir, tiny_model_dir, tiny_model_dir, None))
+        before = {k: v.clone() for k, v in trainers.policy.model.state_dict().items()}
+        stats = trainers.step("generator", groups)
+        assert stats["updated"] and stats["updates"] == 1
+        changed[single] = any(not torch.equal(before[k], v) for k, v in trainers.policy.model.state_dict().items())
+        assert trainers.policy.updates == (1 if single else 0)  # the policy's own AdamW state is untouched
+    assert changed == {None: False, True: True}
+
+
+@pytest.mark.slow
+def test_the_demo_profile_moves_the_policy_within_one_round(tmp_path: Path, tiny_model_dir: Path):
+    """Issue 24, point 2: `dynrubric up`'s training settings (DEMO_TRAINING) make several updates per round with one
+    AdamW state across the round's steps and move the policy: KL(candidate || parent) on held-out samples well above
+    zero. With the old demo (lr 1e-6, one policy step of 4 prompts a round) one round moved each weight by about
+    1e-6 and the KL was ~1e-9."""
+    from dynrubric.cli import DEMO_TRAINING
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 48)
+    demo = DEMO_TRAINING
+    r = runner(tmp_path / "state", tiny_model_dir, prompts, grpo=demo["grpo"], coevolve=demo["coevolve"],
+               steps_per_round=demo["train"]["steps_per_round"], prompts_per_step=demo["train"]["prompts_per_step"],
+               max_prompts_per_round=32, max_kl=demo["train"]["max_kl"], max_kl_to_base=demo["train"]["max_kl_to_base"])
+    summary = r.run()
+    policy = [h for h in summary["steps"] if h["phase"] == "policy"]
+    assert len(policy) == demo["coevolve"]["k_alt"] >= 4
+    applied = sum(h["updated"] for h in policy)
+    # AdamW's step counter runs on across the round's policy steps: one optimiser state, not a fresh one per step
+    assert [h["updates"] for h in policy][-1] == applied * demo["grpo"]["updates_per_batch"] >= 3
+    assert summary["eval"]["kl_to_parent"] > 1e-3, summary["eval"]

@@ -70,6 +70,8 @@ def up_env(tiny_model_dir: Path, state: Path) -> dict[str, str]:
         "DYNRUBRIC_TRAIN__MAX_KL": "10",
         "DYNRUBRIC_TRAIN__MAX_KL_TO_BASE": "10",
         "DYNRUBRIC_TRAIN__MAX_REWARD_DROP": "1",
+        # the ground-truth evaluation of each version: a few held-out prompts of the bank
+        "DYNRUBRIC_EVALUATION__MAX_PROMPTS": "16",
     })
     return env
 

@@ -112,6 +112,8 @@ def settings(state_dir: Path, model_dir: Path, prompts_file: Path, ray: dict | N
             ],
         },
         "train": train_cfg,
+        # the ground-truth evaluation of every version: a few of the bank's held-out prompts, short answers
+        "evaluation": {"max_prompts": 8, "max_tokens": 8},
         "ray": ray or {},
     })
 

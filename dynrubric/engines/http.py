@@ -25,6 +25,15 @@ from dynrubric.engines.base import Completion, Engine, GenerationRequest
 from dynrubric.errors import DynrubricError
 
 
+class SharedServer:
+    """One server that several engines take turns on: before its calls, an engine whose weights the server does
+    not hold reloads them (`OpenAIHTTPEngine.load_weights`), so a policy and a rubric generator can share one
+    vLLM server and neither ever generates with the other's weights."""
+
+    def __init__(self) -> None:
+        self.holder: tuple[str, str] | None = None  # (weights dir, version) the server holds now
+
+
 class OpenAIHTTPEngine(Engine):
     def __init__(
         self,
@@ -37,6 +46,7 @@ class OpenAIHTTPEngine(Engine):
         exact_missing: bool = False,
         concurrency: int = 16,
         policy_version: str | None = None,
+        shared: SharedServer | None = None,
     ):
         from transformers import AutoTokenizer, GenerationConfig
 
@@ -54,6 +64,8 @@ class OpenAIHTTPEngine(Engine):
             self._eos_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.model_name = self._served_model()
         self.policy_version = policy_version or self.model_name
+        self.shared = shared
+        self.weights: tuple[str, str] | None = None  # (dir, version) this engine last loaded
 
     @property
     def tokenizer(self) -> Any:
@@ -123,13 +135,20 @@ class OpenAIHTTPEngine(Engine):
             out.append(Completion(text=c["text"], token_ids=tuple(ids), finish_reason=finish, logprobs=logprobs))
         return out
 
+    def _take_turn(self) -> None:
+        """On a shared server: make it hold this engine's weights before this engine's calls."""
+        if self.shared is not None and self.weights is not None and self.shared.holder != self.weights:
+            self.load_weights(Path(self.weights[0]), self.weights[1])
+
     def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Completion]]:
+        self._take_turn()
         # vLLM batches concurrent requests itself; sending them at once is what fills its batch
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
             return list(pool.map(self._complete, requests))
 
     # ------------------------------------------------------------------ scoring
     def score_next_token(self, prompts: Sequence[str], candidates: Sequence[str]) -> list[dict[str, float]]:
+        self._take_turn()
         token_of = self.candidate_token_ids(candidates)
         encoded = [self.encode(p) for p in prompts]
         body = {
@@ -185,3 +204,6 @@ class OpenAIHTTPEngine(Engine):
         )
         self._request("POST", "/reset_prefix_cache")
         self.policy_version = version
+        self.weights = (str(path), version)
+        if self.shared is not None:
+            self.shared.holder = self.weights

@@ -130,18 +130,28 @@ def prompt_source(settings):
 
 
 def engine_factory(settings):
-    """Engines by role over a model dir, as configured (in-process transformers or OpenAI HTTP)."""
+    """Engines by role over a model dir, as configured (in-process transformers or OpenAI HTTP). An HTTP engine of a
+    role the round trains (policy, generator) is made to serve the model dir's weights; with
+    `engine.shared_servers` the engines on one URL take turns on it (engines/http.py: SharedServer)."""
+    from dynrubric.engines.http import SharedServer
+
     cfg = settings.engine
+    servers: dict[str, SharedServer] = {}
 
     def make(role: str, model_dir: Path):
-        if cfg.kind == "transformers":
+        if cfg.kind == "transformers" or role in cfg.in_process:
             from dynrubric.engines.hf import TransformersEngine
 
             return TransformersEngine(model_dir, dtype=cfg.dtype, threads=cfg.threads,
                                       max_batch_size=cfg.max_batch_size)
         from dynrubric.engines.http import OpenAIHTTPEngine
 
-        return OpenAIHTTPEngine(cfg.url_for(role), model_dir, api_key=cfg.api_key, timeout_s=cfg.timeout_s)
+        url = cfg.url_for(role)
+        shared = servers.setdefault(url, SharedServer()) if cfg.shared_servers else None
+        engine = OpenAIHTTPEngine(url, model_dir, api_key=cfg.api_key, timeout_s=cfg.timeout_s, shared=shared)
+        if shared is not None and role != "verifier":
+            engine.load_weights(model_dir, Path(model_dir).name)
+        return engine
 
     return make
 

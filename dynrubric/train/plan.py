@@ -186,16 +186,21 @@ class RunState:
 
     # ------------------------------------------------------------ plan
     def schedule(self, round_id: int, steps: int, refresh: bool) -> list[str]:
+        """The phase of each of a round's steps: `k_alt` policy steps, then `k_alt_generator` generator steps,
+        and again, counted across rounds; after a collapse, a generator phase first."""
         co = self.cfg.coevolve
         if not co.enabled:
             return ["policy"] * steps
-        offset = (round_id - 1) * steps
-        phases = ["policy" if ((offset + s) // co.k_alt) % 2 == 0 else "generator" for s in range(steps)]
+        n_policy, n_generator = co.k_alt, co.k_alt_generator or co.k_alt
+
+        def phase(g: int) -> str:
+            return "policy" if g % (n_policy + n_generator) < n_policy else "generator"
+
         if refresh:  # collapse-triggered: a generator phase first, then the usual alternation
-            first = min(co.k_alt, steps)
-            phases = ["generator"] * first + ["policy" if (s // co.k_alt) % 2 == 0 else "generator"
-                                              for s in range(steps - first)]
-        return phases
+            first = min(n_generator, steps)
+            return ["generator"] * first + [phase(s) for s in range(steps - first)]
+        offset = (round_id - 1) * steps
+        return [phase(offset + s) for s in range(steps)]
 
     def make_plan(self, round_id: int) -> dict[str, Any]:
         path = self.round_dir(round_id) / PLAN

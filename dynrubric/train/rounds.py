@@ -74,10 +74,12 @@ def check_frozen_judges(settings: Settings) -> None:
     models, the generator's) weights. A judge on a reloaded server would judge with the weights being
     trained, so such a config is refused before anything runs, naming both keys."""
     engine = settings.engine
-    if engine.kind != "openai-http":
-        return  # in-process engines: every role holds its own weights
-    reloaded = ["policy"] if settings.train.coevolve.single_model else ["policy", "generator"]
-    judges = ["verifier"] if settings.train.coevolve.single_model else ["verifier", "generator"]
+    if engine.kind != "openai-http" or engine.shared_servers:
+        return  # in-process engines hold their own weights; engines on a shared server reload theirs before use
+    remote = [r for r in ("policy", "generator", "verifier") if r not in engine.in_process]
+    reloaded = [r for r in (["policy"] if settings.train.coevolve.single_model else ["policy", "generator"]) if r in remote]
+    judges = [r for r in (["verifier"] if settings.train.coevolve.single_model else ["verifier", "generator"])
+              if r in remote]
     for judge in judges:
         for trained in reloaded:
             if judge != trained and engine.url_for(judge) == engine.url_for(trained):
