@@ -258,6 +258,10 @@ class KafkaConfig(Section):
     topic_partitions: int = Field(default=3, ge=1, description="partitions of topics created at start-up")
     topic_replication_factor: int = Field(default=1, ge=1)
     topic_retention_ms: int = Field(default=7 * 24 * 3600 * 1000, ge=-1, description="-1 = keep forever")
+    max_message_bytes: int = Field(
+        default=1_048_588, ge=1024,
+        description="the largest record batch the broker takes (Kafka's message.max.bytes, its default): every "
+        "consumer fetches at least this much, so an oversize event reaches ingest and is dead-lettered")
     producer_buffer_events: int = Field(
         default=10_000, ge=1, description="events a producer holds locally before it drops (and counts) new ones"
     )

@@ -122,7 +122,8 @@ def build_controller(settings, log=console.print):
     r = settings.rollout
     online = OnlineMetrics(settings.kafka.bootstrap_servers, QUERY_LOG_TOPIC, FEEDBACK_TOPIC, group_id=r.consumer_group,
                            state_path=settings.paths.resolved_state() / "rollout" / f"online-{r.consumer_group}.json",
-                           feedback_window_s=r.feedback_window_s)
+                           feedback_window_s=r.feedback_window_s,
+                           max_message_bytes=settings.kafka.max_message_bytes)
     judge = None
     if r.judge:
         from dynrubric.engines import build_engine

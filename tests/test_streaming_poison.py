@@ -79,7 +79,7 @@ def valid() -> list[tuple[str, str, bytes]]:
     return out
 
 
-def test_poison_of_every_class_is_dead_lettered_once_and_ingest_keeps_running(kafka_broker, tmp_path):
+def test_poison_of_every_class_is_dead_lettered_once_and_ingest_keeps_running(kafka_broker, tmp_path, caplog):
     kafka = isolated(kafka_broker)
     topics = Topics.of(kafka)
     topic_of = {"q": topics.query_log, "f": topics.feedback}
@@ -153,6 +153,9 @@ def test_poison_of_every_class_is_dead_lettered_once_and_ingest_keeps_running(ka
             kept = (tmp_path / "quarantine" / dl.source_topic / f"{dl.source_partition}-{dl.source_offset}.bin").read_bytes()
             assert kept == original, "the full bytes of a cut letter are in the quarantine"
     assert any(dl.truncated and dl.original_length > 1_000_000 for dl in letters), "the 1 MB one, cut"
+    # fetched whole: the consumer never dropped its connection on a frame larger than kafka-python's default limit
+    dropped = [r.getMessage() for r in caplog.records if "InvalidReceiveError" in r.getMessage()]
+    assert not dropped, dropped
 
     total = len(good) + len(bad) + 1
     assert summary.consumed == total == consumed()
