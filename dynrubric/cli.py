@@ -24,6 +24,7 @@ from dynrubric.monitor import app as monitor_app
 from dynrubric.progress import quiet_model_loading, status
 from dynrubric.rubric import commands as rubric_commands
 from dynrubric.train.commands import registry_app, train_app
+from serving.commands import apply_demo_gate
 from serving.commands import register as register_serving
 from streaming.commands import broker_app, ingest, traffic_app
 
@@ -208,16 +209,7 @@ def _demo_caps(settings) -> None:
     # one policy step then one generator step: the demo shows both halves of co-evolution
     for key, cap in {"k_alt": 1, "sets_per_step": 2, "rubric_samples": 2}.items():
         setattr(settings.train.coevolve, key, min(getattr(settings.train.coevolve, key), cap))
-    # a gate that decides on tens of users instead of hundreds, with margins as wide as that traffic allows
-    for key, cap in {"min_users_per_arm": 5, "min_requests_per_arm": 8, "min_rated_per_arm": 6}.items():
-        setattr(settings.gate, key, min(getattr(settings.gate, key), cap))
-    for key, floor in {"positive_rate_margin": 0.5, "regenerate_rate_margin": 0.5, "mixture_tau": 0.3,
-                       "error_rate_margin": 0.2}.items():
-        setattr(settings.gate, key, max(getattr(settings.gate, key), floor))
-    if len(settings.rollout.steps) > 2:
-        settings.rollout.steps = [0.3, 0.6]
-    settings.rollout.poll_interval_s = min(settings.rollout.poll_interval_s, 2.0)
-    settings.rollout.max_step_s = min(settings.rollout.max_step_s, 300.0)
+    apply_demo_gate(settings)  # rollouts decided on the judged check: one machine's traffic is too small for feedback
     # one machine serves and trains: the round gets the cores while it runs (production trains elsewhere)
     settings.loop.pause_users_while_training = True
 

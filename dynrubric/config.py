@@ -591,6 +591,11 @@ class GateConfig(Section):
     judge_alpha: float = Field(default=0.01, gt=0, lt=1, description="judged win-rate check")
     judge_margin: float = Field(default=0.05, ge=0, lt=0.5, description="fail below a win rate of 1/2 - margin")
     judge_tau: float = Field(default=0.1, gt=0, description="judged check's mixture scale")
+    promote_on: list[Literal["feedback", "judged"]] = Field(
+        default=["feedback"], min_length=1,
+        description="the evidence the last step must show within its margins before promotion: feedback (the "
+        "positive-feedback and regenerate rates, per user) and/or judged (the judged win rate on shadow pairs: "
+        "needs rollout.judge and serving.shadow_rate > 0); harm on any metric rolls back at every step either way")
     simulation: GateSimulationConfig = GateSimulationConfig()
     error_rate_margin: float = Field(default=0.01, ge=0, le=1, description="absolute error-rate margin")
     latency_p95_margin: float = Field(default=0.25, ge=0, description="relative p95 latency margin")

@@ -57,6 +57,30 @@ def _wait_for_signal() -> None:
     stop.wait()
 
 
+def apply_demo_gate(settings) -> None:
+    """The demo's rollouts (`up --demo`, `gate plan --demo`): decided on the rubric judge's verdicts on shadow pairs.
+
+    One machine's tens of users can show no feedback-rate margin worth the name, so the last step must show
+    the judged win rate above 1/2 - judge_margin instead (`gate.promote_on = [judged]`); harm on the feedback
+    rates, the error rate, latency or the judged win rate still rolls back at every step. The minimums and
+    margins are caps and floors, so a config that asks for more keeps it; what the result can detect is
+    printed at the start of every rollout (`serving.power`).
+    """
+    g, r = settings.gate, settings.rollout
+    for key, cap in {"min_users_per_arm": 5, "min_requests_per_arm": 8, "min_rated_per_arm": 6}.items():
+        setattr(g, key, min(getattr(g, key), cap))
+    # tens of pairs: the judged margin is what ~80 pairs show for an equal canary (gate plan --demo prints it)
+    for key, floor in {"mixture_tau": 0.3, "error_rate_margin": 0.2, "judge_margin": 0.25, "judge_tau": 0.25}.items():
+        setattr(g, key, max(getattr(g, key), floor))
+    g.promote_on = ["judged"]
+    r.judge = True
+    settings.serving.shadow_rate = max(settings.serving.shadow_rate, 0.5)
+    if len(r.steps) > 2:
+        r.steps = [0.3, 0.6]
+    r.poll_interval_s = min(r.poll_interval_s, 2.0)
+    r.max_step_s = min(r.max_step_s, 600.0)
+
+
 # ---------------------------------------------------------------- fleet
 @fleet_app.command("up")
 def fleet_up(ctx: typer.Context) -> None:
@@ -120,6 +144,10 @@ def build_controller(settings, log=console.print):
 
     metrics = CollectorRegistry()
     r = settings.rollout
+    if "judged" in settings.gate.promote_on and settings.serving.shadow_rate == 0:
+        raise DynrubricError("gate.promote_on names judged, but serving.shadow_rate is 0: the router makes no shadow "
+                             "pairs to judge", "set serving.shadow_rate (0.5 in the demo), or drop judged from "
+                             "gate.promote_on")
     online = OnlineMetrics(settings.kafka.bootstrap_servers, QUERY_LOG_TOPIC, FEEDBACK_TOPIC, group_id=r.consumer_group,
                            state_path=settings.paths.resolved_state() / "rollout" / f"online-{r.consumer_group}.json",
                            feedback_window_s=r.feedback_window_s,

@@ -91,10 +91,13 @@ class _Arm:
             self.latency_buffer.clear()
 
     def stats(self, errors: int, routed: int) -> ArmStats:
+        """`errors` and `routed` from one snapshot of the router's counters: the error rate is theirs alone (the
+        log counts requests later than the router, and only answered ones; a router restarted mid-rollout has
+        counted fewer, a smaller sample of the same rate)."""
         self.flush_latency()
         return ArmStats(step_users=self.step_users, step_requests=self.step_requests, users=len(self.users),
                         requests=max(routed, self.requests), rated=self.rated,
-                        errors=UserRates.per_request(errors, max(routed, self.requests)),
+                        errors=UserRates.per_request(min(errors, routed), routed),
                         positive=UserRates(*self.pos), regenerated=UserRates(*self.regen), latency=self.latency)
 
     def to_json(self) -> dict[str, Any]:

@@ -219,6 +219,10 @@ class Controller:
                  rollout_cfg: RolloutConfig, gate_cfg: GateConfig, metrics: CollectorRegistry | None = None,
                  sleep: Callable[[float], None] = time.sleep, log: Callable[[str], None] = lambda _: None,
                  judge: Any = None):
+        if "judged" in gate_cfg.promote_on and judge is None:
+            raise DynrubricError("gate.promote_on names judged, but the controller has no judge: no rollout could "
+                                 "ever be promoted", "set rollout.judge: true (and serving.shadow_rate > 0), or "
+                                 "drop judged from gate.promote_on")
         self.registry = registry
         self.store = store
         self.router = router

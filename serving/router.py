@@ -84,7 +84,8 @@ class RouterState:
     canary_weight: float = 0.0
     experiment: str = ""
     desired: dict[str, Weights] = field(default_factory=dict)
-    # per experiment and variant: requests routed and requests failed on every replica tried
+    # per experiment and assigned variant: requests routed (counted when they arrive) and failed (a canary request
+    # that its arm could not answer, served by stable or not; a stable request no replica answered)
     counters: dict[str, dict[str, ArmCounters]] = field(default_factory=dict)
 
     def arm(self, variant: str) -> ArmCounters:
@@ -279,8 +280,7 @@ class Router:
             return
         self.producer.send_query_log(event)
 
-    def _record(self, assigned: str, variant: str, latency_s: float, prompt_tokens: int, completion_tokens: int) -> None:
-        self.state.arm(assigned).requests += 1  # the experiment's counters follow the assignment
+    def _record(self, variant: str, latency_s: float, prompt_tokens: int, completion_tokens: int) -> None:
         self.m_requests.labels(variant, "200").inc()
         self.m_latency.labels(variant).observe(latency_s)
         self.m_tokens.labels(variant, "prompt").inc(prompt_tokens)
@@ -298,6 +298,9 @@ class Router:
         user_hash = hash_user(request.headers.get(USER_KEY_HEADER) or str(body.get("user") or request_id))
         session_id = request.headers.get("x-session-id")
         variant = self.assign(user_hash)
+        # the experiment's counters follow the assignment, a request counted before it is tried: a failure
+        # (counted as it happens) never outnumbers its requests in a snapshot of the counters
+        self.state.arm(variant).requests += 1
         stream = bool(body.get("stream"))
         if body.get("max_tokens") is None:
             body["max_tokens"] = body.get("max_completion_tokens") or self.default_max_tokens
@@ -321,7 +324,7 @@ class Router:
             usage = data.get("usage") or {}
             p, c = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
             latency = time.perf_counter() - started
-            self._record(variant, served, latency, p, c)
+            self._record(served, latency, p, c)
             if experiment is not None and served == variant and self._rng.random() < self.shadow_rate:
                 meta["pair_id"] = request_id
                 self._shadow(meta, path, upstream, chat)
@@ -346,7 +349,7 @@ class Router:
         finally:
             await resp.aclose()
         latency = time.perf_counter() - started
-        self._record(meta["assigned_variant"], meta["variant"], latency, p, c)
+        self._record(meta["variant"], latency, p, c)
         self._log(meta, "".join(parts), finish, latency, p, c)
 
     # ------------------------------------------------------------ shadow pairs
