@@ -545,6 +545,8 @@ class ServingConfig(Section):
         description="during a rollout, share of answered requests also sent to the other arm for the judged check",
     )
     shadow_max_inflight: int = Field(default=4, ge=1, description="shadow cost cap: shadow requests running at once")
+    traffic_window_s: float = Field(default=300.0, gt=0, description="the router reports requests/s and distinct "
+                                    "users over this window: the traffic each rollout's gate power is planned on")
 
 
 class RolloutConfig(Section):

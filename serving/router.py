@@ -16,6 +16,9 @@ the arm that did not serve it; the shadow response is logged with `shadow: true`
 `pair_id` as the served one, and is never shown to anyone. At most `shadow_max_inflight` shadows run
 at once (the cost cap); a sample beyond it is skipped and counted.
 
+The state (`/v1/router/state`) also reports the traffic of the last `traffic_window_s` (requests a
+second and distinct users, `TrafficMeter`): what the rollout controller plans the gate's power on.
+
 Reads (`/v1/router/state`, `/metrics`) are open; control endpoints (traffic split, weights, drain)
 need the bearer token. The router owns which weights each variant should serve, and reloads an
 engine that comes back after a restart.
@@ -31,6 +34,7 @@ import logging
 import random
 import time
 import uuid
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,6 +100,50 @@ class RouterState:
         return [r for r in self.replicas if r.variant == variant and r.healthy and not r.drained]
 
 
+class TrafficMeter:
+    """Requests and distinct users over the last `window_s` seconds: the traffic the gate's power is planned on.
+
+    Requests are counted per second (at most `window_s` buckets); the rate is their count over the
+    time traffic flowed, each bucket standing for the time to the next one (or to now) but at most
+    IDLE_S, so a pause (users paused while a round trains) is not averaged in. Users: each user's last
+    request time, oldest first, so memory is the users active in the window.
+    """
+
+    IDLE_S = 10.0
+
+    def __init__(self, window_s: float, clock=time.time):
+        self.window_s = window_s
+        self.clock = clock
+        self._seconds: deque[list[int]] = deque()  # [second, requests]
+        self._users: OrderedDict[str, float] = OrderedDict()
+
+    def add(self, user_hash: str) -> None:
+        now = self.clock()
+        second = int(now)
+        if self._seconds and self._seconds[-1][0] == second:
+            self._seconds[-1][1] += 1
+        else:
+            self._seconds.append([second, 1])
+        self._users[user_hash] = now
+        self._users.move_to_end(user_hash)
+        self._forget(now)
+
+    def _forget(self, now: float) -> None:
+        while self._seconds and self._seconds[0][0] < now - self.window_s:
+            self._seconds.popleft()
+        while self._users and next(iter(self._users.values())) < now - self.window_s:
+            self._users.popitem(last=False)
+
+    def snapshot(self) -> dict[str, float]:
+        now = self.clock()
+        self._forget(now)
+        ends = [s for s, _ in list(self._seconds)[1:]] + [now]
+        active = sum(max(1.0, min(end - s, self.IDLE_S)) for (s, _), end in zip(self._seconds, ends))
+        requests = sum(n for _, n in self._seconds)
+        return {"window_s": self.window_s, "requests": requests, "users": len(self._users), "active_s": active,
+                "rps": requests / active if active else 0.0}
+
+
 def hash_user(user_key: str) -> str:
     return hashlib.sha256(user_key.encode()).hexdigest()[:32]
 
@@ -156,12 +204,14 @@ class Router:
     def __init__(self, state: RouterState, producer: Any, metrics: CollectorRegistry, *, token: SecretStr | None,
                  engine_api_key: SecretStr | None = None, timeout_s: float = 120.0, health_interval_s: float = 5.0,
                  shadow_rate: float = 0.0, shadow_max_inflight: int = 4, seed: int | None = None,
-                 default_max_tokens: int = 256):
+                 default_max_tokens: int = 256, traffic_window_s: float = 300.0):
         """`producer`: an EventProducer whose metrics are registered in `metrics` (the router's /metrics).
         `engine_api_key`: sent as a bearer token on every call to an engine (vLLM's --api-key).
         `default_max_tokens`: sent to the engine when a request names no max_tokens, so the logged
-        sampling is what the engine used (engines' own defaults differ: vLLM's is the rest of the context)."""
+        sampling is what the engine used (engines' own defaults differ: vLLM's is the rest of the context).
+        `traffic_window_s`: the window of the traffic the state reports (`TrafficMeter`)."""
         self.state = state
+        self.traffic = TrafficMeter(traffic_window_s)
         self.shadow_rate = shadow_rate
         self.shadow_max_inflight = shadow_max_inflight
         self.default_max_tokens = default_max_tokens
@@ -301,6 +351,7 @@ class Router:
         # the experiment's counters follow the assignment, a request counted before it is tried: a failure
         # (counted as it happens) never outnumbers its requests in a snapshot of the counters
         self.state.arm(variant).requests += 1
+        self.traffic.add(user_hash)
         stream = bool(body.get("stream"))
         if body.get("max_tokens") is None:
             body["max_tokens"] = body.get("max_completion_tokens") or self.default_max_tokens
@@ -461,6 +512,8 @@ class Router:
                           "healthy": r.healthy, "drained": r.drained, "inflight": r.inflight} for r in s.replicas],
             "counters": {e: {v: {"requests": c.requests, "errors": c.errors} for v, c in arms.items()}
                          for e, arms in s.counters.items()},
+            "traffic": self.traffic.snapshot(),
+            "shadow_rate": self.shadow_rate,
         }
 
     # ------------------------------------------------------------ HTTP
