@@ -2,9 +2,10 @@
 
 A request goes to a variant (stable or canary) by a hash of its user key and the experiment id, so
 a user stays on one arm for a whole rollout; a canary share that grows only adds users to the
-canary. Inside a variant the least-busy healthy replica serves it; a failure (connection error or
-5xx) is retried once on another replica of the same variant, and a canary request that still
-fails is counted as a canary error and served by stable. Every answered request is logged to
+canary. Inside a variant the least-busy healthy replica serves it; a failure (connection error,
+5xx, or an answer that ran to its token limit without any text: a broken model's, `_no_text`) is
+retried once on another replica of the same variant, and a canary request that still fails is
+counted as a canary error and served by stable. Every answered request is logged to
 `dynrubric.query-log` by `streaming.producer.EventProducer`, whose `send_*` only appends to a
 bounded in-memory buffer (a full buffer drops and counts the event), so Kafka never adds latency.
 Each event carries the experiment id and the arm the user is assigned to (the gate attributes by
@@ -196,7 +197,22 @@ class DrainBody(BaseModel):
 
 
 class EngineFailure(Exception):
-    """A replica could not answer (connection error, timeout or 5xx)."""
+    """A replica could not answer (connection error, timeout, 5xx, or an answer without text, `_no_text`)."""
+
+
+def _no_text(data: Any, chat: bool) -> str | None:
+    """Why a 200 answer is a failure: it ran to its token limit and holds no text, so every token it generated
+    was a special one. A model whose logits are not finite answers so under vLLM (token 0 every step, skipped
+    as special); a real answer, even an empty one, ends with a stop."""
+    try:
+        choice = data["choices"][0]
+        text = choice["message"]["content"] if chat else choice["text"]
+        tokens = int((data.get("usage") or {}).get("completion_tokens", 0))
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+    if choice.get("finish_reason") == "length" and not text and tokens > 0:
+        return f"{tokens} tokens generated and no text in them"
+    return None
 
 
 # ---------------------------------------------------------------- the app
@@ -266,6 +282,13 @@ class Router:
             await resp.aread()
             await resp.aclose()
             raise EngineFailure(f"{replica.name}: HTTP {resp.status_code}: {resp.text[:200]}")
+        if not stream and resp.status_code == 200:
+            try:
+                data = resp.json()
+            except ValueError:
+                data = None
+            if why := _no_text(data, path.endswith("chat/completions")):
+                raise EngineFailure(f"{replica.name}: {why}")
         return resp
 
     async def _forward(self, variant: str, path: str, body: dict[str, Any], stream: bool
