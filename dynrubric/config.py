@@ -299,6 +299,10 @@ class IngestConfig(Section):
         default=None, description="if set, the full bytes of every dead letter that was cut are kept here"
     )
     max_prompt_chars: int = Field(default=32_000, ge=1, description="longer prompts are filtered out")
+    variants: list[str] = Field(
+        default=["stable", "canary", "replay"], min_length=1,
+        description="the arms of this deployment: a query-log event whose variant or assigned_variant is none of "
+        "them, exactly, is dead-lettered (unknown_variant); replay is what `dynrubric traffic replay` writes")
     deny_patterns: list[str] = Field(
         default_factory=list, description="regular expressions; a prompt matching any is filtered out"
     )
