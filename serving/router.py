@@ -327,16 +327,18 @@ class Router:
                model: str, body: dict[str, Any], response: str, finish_reason: str | None, latency_s: float,
                prompt_tokens: int, completion_tokens: int, experiment_id: str | None, assigned_variant: str,
                pair_id: str | None = None, shadow: bool = False) -> Any:
-        from streaming.events import QueryLogEvent
+        from streaming.events import QueryLogEvent, escape_controls
 
+        # control characters a model or a user wrote are logged as visible escapes (the event's text rule)
         if "messages" in body:
-            messages = [{"role": m.get("role"), "content": _text(m.get("content"))} for m in body["messages"]]
+            messages = [{"role": m.get("role"), "content": escape_controls(_text(m.get("content")))}
+                        for m in body["messages"]]
         else:
-            messages = [{"role": "user", "content": _text(body.get("prompt"))}]
+            messages = [{"role": "user", "content": escape_controls(_text(body.get("prompt")))}]
         return QueryLogEvent(
             request_id=request_id, ts=time.time(), user_key=user_hash, session_id=session_id,
             variant=variant, policy_version=policy_version, model=model,
-            messages=messages, response=response, finish_reason=finish_reason or "stop",
+            messages=messages, response=escape_controls(response), finish_reason=finish_reason or "stop",
             sampling={"temperature": float(body.get("temperature", 1.0)), "top_p": float(body.get("top_p", 1.0)),
                       "max_tokens": int(body["max_tokens"])},
             latency_ms=latency_s * 1000.0, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,

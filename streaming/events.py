@@ -51,8 +51,11 @@ MAX_DEPTH = 200  # the JSON parser's (jiter's) recursion limit; a valid event ne
 # two keys look alike (zero-width space/joiners, direction marks and overrides, word joiner, byte-order mark)
 _NO_CONTROL = r"^[^\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u2069\ufeff]*$"
 # free text (message content, response): no control character but the three that text carries, tab, LF and CR
-# (JSON escapes them on the wire); a NUL is what a PostgreSQL text column refuses
-_TEXT = r"^[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]*$"
+# (JSON escapes them on the wire); a NUL is what a PostgreSQL text column refuses. A producer escapes the others
+# (`escape_controls`, the router's policy for what a model writes)
+_TEXT_CONTROLS = r"\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f"
+_TEXT = rf"^[^{_TEXT_CONTROLS}]*$"
+_CONTROL_IN_TEXT = re.compile(f"[{_TEXT_CONTROLS}]")
 # RFC 3339's date-time, strictly: ASCII digits, a "T", an offset within +-14:00 (the real ones), nothing after it.
 # The same text is the JSON Schema's pattern, where "$" ends the input (ECMA-262); here it is fullmatch'ed.
 RFC3339_PATTERN = (r"^([0-9]{4})-([0-9]{2})-([0-9]{2})[Tt]([0-9]{2}):([0-9]{2}):([0-9]{2})(\.[0-9]{1,32})?"
@@ -70,6 +73,12 @@ Text = Annotated[str, StringConstraints(pattern=_TEXT)]
 Id = _ident(128)
 PolicyVersion = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
 FeedbackKind = Literal["thumbs_up", "thumbs_down", "regenerate", "copy", "dwell"]
+
+
+def escape_controls(text: str) -> str:
+    """`text` as an event may hold it: each control character the text rule refuses written as its visible escape,
+    `\\u0000`. The logging policy for what a model or a user writes: kept, legible, never the reason an event is lost."""
+    return _CONTROL_IN_TEXT.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def rfc3339_seconds(text: str) -> float:

@@ -107,6 +107,20 @@ def test_routes_sticky_logs_and_echoes(stack):
     set_traffic(stack, 0.0, "exp-sticky")
 
 
+def test_control_characters_are_logged_as_visible_escapes(stack):
+    """A prompt (or a model's answer: the tiny model's sometimes holds them) with control characters is logged
+    with each one escaped, `\\u0000`: an event ingest stores, never one it dead-letters and loses."""
+    from streaming.events import QueryLogEvent, parse_event
+
+    r = chat(stack, "ctl", messages=[{"role": "user", "content": "nul\x00 esc\x1b tab\t ok"}])
+    assert r.status_code == 200, r.text
+    stack.producer.flush()
+    [raw] = [e for e in read_topic(stack.bootstrap, "dynrubric.query-log") if e["request_id"] == r.headers["x-request-id"]]
+    assert raw["messages"][-1]["content"] == "nul\\u0000 esc\\u001b tab\t ok"
+    event = parse_event(QueryLogEvent, json.dumps(raw).encode(), 10**6, arms=("stable", "canary"))
+    assert "\x00" not in event.response and event.messages[-1].content == raw["messages"][-1]["content"]
+
+
 def test_streaming_is_relayed_and_logged(stack):
     with httpx.stream("POST", f"{stack.router_url}/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True, "temperature": 0,
