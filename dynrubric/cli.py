@@ -158,8 +158,9 @@ def up(
         bool, typer.Option(help="start Debian's Prometheus scraping the run's services with the shipped rules")
     ] = True,
     demo: Annotated[
-        bool, typer.Option(help="small rounds and a small-traffic gate sized for a 2-core CPU (off: the configured "
-                                "train.*/rubric.*/gate.*/rollout.* values)")
+        bool, typer.Option(help="small rounds and a small-traffic gate sized for a 2-core CPU, deciding rollouts on "
+                                "the judged shadow check (off: the configured train.*/rubric.*/gate.*/rollout.* "
+                                "values and serving.shadow_rate)")
     ] = True,
     drill_cycle: Annotated[
         int | None, typer.Option(help="damage drill: roll out a copy of this cycle's candidate with NaN weights "
