@@ -437,5 +437,9 @@ def evaluate(stable: ArmStats, canary: ArmStats, canary_weight: float, cfg: Gate
         if result.verdict is not Verdict.PASS:
             return GateResult(verdict=result.verdict, reason=f"{result.name}: {result.detail}",
                               canary_weight=canary_weight, experiment_id=experiment_id, checks=checks)
-    return GateResult(verdict=Verdict.PASS, reason=checks[-1].detail, canary_weight=canary_weight,
+    # a promotion names the evidence it rests on; an earlier step the last check it passed
+    promoting = [c for c in checks if c.name in ("judged_non_inferiority", "error_rate_non_inferiority")
+                 or (c.name == "primary" and "feedback" in cfg.promote_on)] if last else []
+    reason = "; ".join(f"{c.name}: {c.detail}" for c in promoting) or checks[-1].detail
+    return GateResult(verdict=Verdict.PASS, reason=reason, canary_weight=canary_weight,
                       experiment_id=experiment_id, checks=checks)

@@ -156,6 +156,9 @@ def test_judged_promotion_needs_the_win_rate_shown_above_its_bar():
                     judge=JudgeStats(pairs=20, canary_score=10.0)).verdict is Verdict.PASS
     enough = evaluate(arm(), arm(), 0.5, cfg, judge=JudgeStats(pairs=200, canary_score=100.0))
     assert enough.verdict is Verdict.PASS, enough.reason
+    # the promotion says what it rests on: the judged win rate (and the error rate), not the feedback rates
+    assert enough.reason.startswith("judged_non_inferiority: the rubric judge finds the canary within 0.25 of stable")
+    assert "; error_rate_non_inferiority: " in enough.reason and "primary" not in enough.reason
     assert [c.name for c in enough.checks][-2:] == ["judged_non_inferiority", "error_rate_non_inferiority"]
     judged = next(c for c in enough.checks if c.name == "judged_non_inferiority").numbers
     assert judged["lower"] > judged["bar"] == 0.25
