@@ -480,7 +480,8 @@ def create_app(
             work.add_done_callback(lambda f: f.cancelled() or f.exception())
             metrics.cancelled.inc()
             log.info("cancelled a reward request for %d sample(s) after %.1f s: its client disconnected (a client "
-                     "timeout; the samples keep their slots for its retry)", len(body.query), time.monotonic() - started)
+                     "timeout; the samples keep their slots for its retry)", len(body.query),
+                     time.monotonic() - started)
             return JSONResponse({"detail": "client disconnected"}, status_code=499)
         gone.cancel()
         try:

@@ -3,7 +3,8 @@
 What a person checks after `dynrubric up`: per cycle the round and the rollout decision with its reason;
 the training panels of `report.py` (reward and score gaps against the collapse thresholds, rubric-source
 mix, KL, where each round's time went per stage); each rollout's gate power (what it could detect at the
-traffic it started with, `serving.power`) and canary share of answered requests over time with the gate's verdicts; latency
+traffic it started with, `serving.power`) and canary share of answered requests over time with the gate's
+verdicts; latency
 and feedback rates per arm and policy version; the alerts Prometheus fired during the run; the lineage
 of policy versions. The page takes plain data (the composition root gathers it), so this module imports
 no tier. No script runs in the page.

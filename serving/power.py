@@ -11,25 +11,27 @@ rate) catches a true difference d with probability >= 80 % at that look when
 sooner), V taken with the canary worse by d (a fixed point: a rate moved towards 1/2 is noisier).
 The smallest such d after one step of `rollout.max_step_s` at a step's canary share, on that
 step's traffic alone, is the *detectable difference* shown per metric and step. The same bound
-shows an equal canary within a non-inferiority margin m four times in five once w(V) + z_0.8 sqrt(V) < m.
+shows an equal canary within a non-inferiority margin m four times in five once
+w(V) + z_0.8 sqrt(V) < m.
 
 Traffic: `rps` requests a second from `users` users, each sending rps / users a second, a user on
 the canary when its place is below the step's share. After t seconds an arm with request share s
-has N = s rps t requests from its s users users, each a Poisson number with mean lambda = rps t / users:
-n = s users (1 - exp(-lambda)) of them seen.
+has N = s rps t requests from its s users users, each a Poisson number with mean
+lambda = rps t / users, n = s users (1 - exp(-lambda)) of them seen.
 
 Per-user rates (positive-feedback, regenerate): a user's propensity has mean m and variance b
 between users (b = m (1 - m) / (concentration + 1) with `gate.simulation`'s Beta population, the
-assumption `gate simulate` makes too; the live gate measures its own). One user's rate
-over k events has variance
+assumption `gate simulate` makes too; the live gate measures its own). One user's rate over k
+events has variance
 
     sigma^2 = b + (m (1 - m) - b) E[1/k],   E[1/k] over the users seen (a Poisson count, k >= 1),
 
 the arm's mean sigma^2 / n (`UserRates.variance`, with its two pseudo-users). A share q of answered
-requests is rated: ratings a user are Poisson with mean q lambda, seen for s users (1 - exp(-q lambda)). The error rate is per request: e (1 - e) / N (`UserRates.per_request`). The judged win rate
-over P pairs: the gate's bound uses the exact sub-Gaussian variance 1/4 / P; the estimate's noise
-is sd / sqrt(P), sd <= 1/2 (a pair scores 0, 1/2 or 1). Pairs come at `pairs_per_s`: the router's
-shadow share of the answered requests, capped by what the judge scores per poll.
+requests is rated: a user's ratings are Poisson with mean q lambda, s users (1 - exp(-q lambda)) of
+them rate. The error rate is per request: e (1 - e) / N (`UserRates.per_request`). The judged win
+rate over P pairs: the gate's bound uses the exact sub-Gaussian variance 1/4 / P; the estimate's
+noise is sd / sqrt(P), sd <= 1/2 (a pair scores 0, 1/2 or 1). Pairs come at `pairs_per_s`: the
+router's shadow share of the answered requests, capped by what the judge scores per poll.
 
 Time to a decision, for an equal canary, four times in five: each step needs its minimums (users and
 ratings since the rollout began, requests this step), and the last step also the non-inferiority that
@@ -210,8 +212,8 @@ class GatePlan(BaseModel):
         steps = ", ".join(f"step {i} {'-' if s is None else f'{s:.0f} s'}" for i, s in enumerate(self.step_seconds))
         if self.decision_s is None:
             stuck = self.step_seconds.index(None)
-            return (f"no decision for an equal canary within max_step_s {self.max_step_s:.0f} s: step {stuck} is held by "
-                    f"{self.held_by} and rolls back at its timeout ({steps})")
+            return (f"no decision for an equal canary within max_step_s {self.max_step_s:.0f} s: step {stuck} is "
+                    f"held by {self.held_by} and rolls back at its timeout ({steps})")
         return f"an equal canary is promoted after about {self.decision_s:.0f} s ({steps})"
 
     def lines(self) -> list[str]:
@@ -275,7 +277,8 @@ def _holding(reach: _Reach, gate: GateConfig, last: bool) -> list[str]:
         wanted += [("positive-feedback rate within its margin", reach.positive(), gate.positive_rate_margin),
                    ("regenerate rate within its margin", reach.regenerate(), gate.regenerate_rate_margin)]
     if "judged" in gate.promote_on:
-        wanted.append((f"judged win rate within its margin ({reach.pairs:.0f} pairs)", reach.judged(), gate.judge_margin))
+        wanted.append((f"judged win rate within its margin ({reach.pairs:.0f} pairs)", reach.judged(),
+                       gate.judge_margin))
     return held + [f"{name} (needs {margin:g}, shows {r:.3f})" for name, r, margin in wanted if not r < margin]
 
 

@@ -62,7 +62,8 @@ RFC3339_PATTERN = (r"^([0-9]{4})-([0-9]{2})-([0-9]{2})[Tt]([0-9]{2}):([0-9]{2}):
                    r"([Zz]|[+-](?:0[0-9]|1[0-3]):[0-5][0-9]|[+-]14:00)$")
 _RFC3339 = re.compile(RFC3339_PATTERN)
 # what vLLM (FINISH_REASON_STRINGS) and OpenAI's API report
-FinishReason = Literal["stop", "length", "abort", "error", "repetition", "tool_calls", "content_filter", "function_call"]
+FinishReason = Literal["stop", "length", "abort", "error", "repetition", "tool_calls", "content_filter",
+                       "function_call"]
 
 
 def _ident(max_length: int, min_length: int = 1) -> Any:
@@ -77,7 +78,8 @@ FeedbackKind = Literal["thumbs_up", "thumbs_down", "regenerate", "copy", "dwell"
 
 def escape_controls(text: str) -> str:
     """`text` as an event may hold it: each control character the text rule refuses written as its visible escape,
-    `\\u0000`. The logging policy for what a model or a user writes: kept, legible, never the reason an event is lost."""
+    `\\u0000`. The logging policy for what a model or a user writes: kept, legible, never the reason an event
+    is lost."""
     return _CONTROL_IN_TEXT.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
@@ -184,7 +186,8 @@ class QueryLogEvent(_Versioned):
     model: _ident(256)
     messages: list[ChatMessage] = Field(min_length=1, description="the chat prompt as sent to the model, without the response")
     response: Text
-    finish_reason: FinishReason | None = Field(default=None, description="as the engine reports it: vLLM's and OpenAI's values")
+    finish_reason: FinishReason | None = Field(default=None,
+                                               description="as the engine reports it: vLLM's and OpenAI's values")
     sampling: Sampling
     latency_ms: float = _finite(ge=0, le=MAX_LATENCY_MS)
     prompt_tokens: int = Field(ge=0, le=MAX_TOKENS)

@@ -170,7 +170,8 @@ def test_a_rollouts_table_of_an_older_version_gets_the_plan_column(registry: Reg
     with registry.transaction(write=True) as cur:
         cur.execute(SCHEMA_WITHOUT_PLAN)
         cur.execute(f"INSERT INTO rollouts ({LEGACY_COLUMNS}) VALUES ({','.join('?' * 13)})",
-                    ("ro-old", "r0", "/ckpt/r0", "base", "/ckpt/base", "[0.5]", "promoted", 0, 1.0, 1.0, 2.0, None, None))
+                    ("ro-old", "r0", "/ckpt/r0", "base", "/ckpt/base", "[0.5]", "promoted", 0, 1.0, 1.0, 2.0, None,
+                     None))
     store = RolloutStore(registry)
     assert [(r.id, r.plan) for r in store.list()] == [("ro-old", None)]
     r = store.create("r1", "/ckpt/r1", "base", "/ckpt/base", [0.5])

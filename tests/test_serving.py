@@ -115,7 +115,8 @@ def test_control_characters_are_logged_as_visible_escapes(stack):
     r = chat(stack, "ctl", messages=[{"role": "user", "content": "nul\x00 esc\x1b tab\t ok"}])
     assert r.status_code == 200, r.text
     stack.producer.flush()
-    [raw] = [e for e in read_topic(stack.bootstrap, "dynrubric.query-log") if e["request_id"] == r.headers["x-request-id"]]
+    logged = read_topic(stack.bootstrap, "dynrubric.query-log")
+    [raw] = [e for e in logged if e["request_id"] == r.headers["x-request-id"]]
     assert raw["messages"][-1]["content"] == "nul\\u0000 esc\\u001b tab\t ok"
     event = parse_event(QueryLogEvent, json.dumps(raw).encode(), 10**6, arms=("stable", "canary"))
     assert "\x00" not in event.response and event.messages[-1].content == raw["messages"][-1]["content"]

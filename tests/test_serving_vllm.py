@@ -114,8 +114,8 @@ def test_the_drill_candidate_is_rolled_back_at_step_0_under_the_demo_gate(stack,
     stack.router.shadow_rate = settings.serving.shadow_rate
     try:
         with TransformersEngine(tiny_model_dir) as engine:  # the demo gate promotes on the judge: it must have one
-            controller = stack.controller(settings.rollout, settings.gate,
-                                          judge=PairJudge(Evaluator(engine, engine, settings.rubric), settings.rubric.eps))
+            judge = PairJudge(Evaluator(engine, engine, settings.rubric), settings.rubric.eps)
+            controller = stack.controller(settings.rollout, settings.gate, judge=judge)
             rollout = controller.start("v-drill")
             done = drive(stack, controller, rollout.id, users(stack, seed=3), batch=4)
     finally:

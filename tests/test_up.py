@@ -123,7 +123,8 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
     assert "cycle 1: candidate registered -> canary serving it in" in text
     assert "Prometheus at http://" in text
     # each rollout first says what its gate can detect at the traffic measured so far
-    assert len(re.findall(r"^\s*ro-r(1-damaged|2)-\S+: gate power at [\d.]+ requests/s from \d+ users", text, re.M)) == 2
+    power = re.findall(r"^\s*ro-r(1-damaged|2)-\S+: gate power at [\d.]+ requests/s from \d+ users", text, re.M)
+    assert power == ["1-damaged", "2"], power
     # the drill is rolled back by the gate on the errors of its NaN logits (not by a timeout or a dead engine),
     # at the first step: harm stops at once
     drill = re.search(r"^cycle 1: rollout of r1-damaged: rolled_back: ro-r1-damaged-\S+: "
