@@ -25,6 +25,7 @@ from dynrubric.monitor import app as monitor_app
 from dynrubric.progress import quiet_model_loading, status
 from dynrubric.rubric import commands as rubric_commands
 from dynrubric.train.commands import eval_policy, registry_app, train_app
+from serving.commands import apply_demo_gate
 from serving.commands import register as register_serving
 from streaming.commands import broker_app, ingest, traffic_app
 
@@ -163,8 +164,9 @@ def up(
         bool, typer.Option(help="start Debian's Prometheus scraping the run's services with the shipped rules")
     ] = True,
     demo: Annotated[
-        bool, typer.Option(help="small rounds and a small-traffic gate sized for a 2-core CPU (off: the configured "
-                                "train.*/rubric.*/gate.*/rollout.* values)")
+        bool, typer.Option(help="small rounds and a small-traffic gate sized for a 2-core CPU, deciding rollouts on "
+                                "the judged shadow check (off: the configured train.*/rubric.*/gate.*/rollout.* "
+                                "values and serving.shadow_rate)")
     ] = True,
     drill_cycle: Annotated[
         int | None, typer.Option(help="damage drill: roll out a copy of this cycle's candidate with NaN weights "
@@ -233,16 +235,7 @@ def _demo_caps(settings) -> None:
     settings.loop.min_new_prompts = max(settings.loop.min_new_prompts, DEMO_TRAINING["loop"]["min_new_prompts"])
     for key, cap in {"generator_max_tokens": 256, "retries": 1, "prompt_only_retries": 0}.items():
         setattr(settings.rubric, key, min(getattr(settings.rubric, key), cap))
-    # a gate that decides on tens of users instead of hundreds, with margins as wide as that traffic allows
-    for key, cap in {"min_users_per_arm": 5, "min_requests_per_arm": 8, "min_rated_per_arm": 6}.items():
-        setattr(settings.gate, key, min(getattr(settings.gate, key), cap))
-    for key, floor in {"positive_rate_margin": 0.5, "regenerate_rate_margin": 0.5, "mixture_tau": 0.3,
-                       "error_rate_margin": 0.2}.items():
-        setattr(settings.gate, key, max(getattr(settings.gate, key), floor))
-    if len(settings.rollout.steps) > 2:
-        settings.rollout.steps = [0.3, 0.6]
-    settings.rollout.poll_interval_s = min(settings.rollout.poll_interval_s, 2.0)
-    settings.rollout.max_step_s = min(settings.rollout.max_step_s, 300.0)
+    apply_demo_gate(settings)  # rollouts decided on the judged check: one machine's traffic is too small for feedback
     # one machine serves and trains: the round gets the cores while it runs (production trains elsewhere)
     settings.loop.pause_users_while_training = True
 

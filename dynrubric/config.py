@@ -270,6 +270,10 @@ class KafkaConfig(Section):
     topic_partitions: int = Field(default=3, ge=1, description="partitions of topics created at start-up")
     topic_replication_factor: int = Field(default=1, ge=1)
     topic_retention_ms: int = Field(default=7 * 24 * 3600 * 1000, ge=-1, description="-1 = keep forever")
+    max_message_bytes: int = Field(
+        default=1_048_588, ge=1024,
+        description="the largest record batch the broker takes (Kafka's message.max.bytes, its default): every "
+        "consumer fetches at least this much, so an oversize event reaches ingest and is dead-lettered")
     producer_buffer_events: int = Field(
         default=10_000, ge=1, description="events a producer holds locally before it drops (and counts) new ones"
     )
@@ -307,6 +311,10 @@ class IngestConfig(Section):
         default=None, description="if set, the full bytes of every dead letter that was cut are kept here"
     )
     max_prompt_chars: int = Field(default=32_000, ge=1, description="longer prompts are filtered out")
+    variants: list[str] = Field(
+        default=["stable", "canary", "replay"], min_length=1,
+        description="the arms of this deployment: a query-log event whose variant or assigned_variant is none of "
+        "them, exactly, is dead-lettered (unknown_variant); replay is what `dynrubric traffic replay` writes")
     deny_patterns: list[str] = Field(
         default_factory=list, description="regular expressions; a prompt matching any is filtered out"
     )
@@ -581,6 +589,8 @@ class ServingConfig(Section):
         description="during a rollout, share of answered requests also sent to the other arm for the judged check",
     )
     shadow_max_inflight: int = Field(default=4, ge=1, description="shadow cost cap: shadow requests running at once")
+    traffic_window_s: float = Field(default=300.0, gt=0, description="the router reports requests/s and distinct "
+                                    "users over this window: the traffic each rollout's gate power is planned on")
 
 
 class RolloutConfig(Section):
@@ -627,6 +637,11 @@ class GateConfig(Section):
     judge_alpha: float = Field(default=0.01, gt=0, lt=1, description="judged win-rate check")
     judge_margin: float = Field(default=0.05, ge=0, lt=0.5, description="fail below a win rate of 1/2 - margin")
     judge_tau: float = Field(default=0.1, gt=0, description="judged check's mixture scale")
+    promote_on: list[Literal["feedback", "judged"]] = Field(
+        default=["feedback"], min_length=1,
+        description="the evidence the last step must show within its margins before promotion: feedback (the "
+        "positive-feedback and regenerate rates, per user) and/or judged (the judged win rate on shadow pairs: "
+        "needs rollout.judge and serving.shadow_rate > 0); harm on any metric rolls back at every step either way")
     simulation: GateSimulationConfig = GateSimulationConfig()
     error_rate_margin: float = Field(default=0.01, ge=0, le=1, description="absolute error-rate margin")
     latency_p95_margin: float = Field(default=0.25, ge=0, description="relative p95 latency margin")

@@ -371,6 +371,10 @@ class _PgCursor:
     def fetchall(self) -> Any:
         return self._cur.fetchall()
 
+    @property
+    def description(self) -> Any:
+        return self._cur.description
+
 
 def sqlite_path(settings: Any) -> Path | None:
     """The SQLite file `settings.registry` names (under the state dir by default); None with a URL."""

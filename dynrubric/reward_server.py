@@ -471,10 +471,17 @@ def create_app(
             )
         ))
         gone = asyncio.ensure_future(client_gone(request))
+        started = time.monotonic()
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():  # the client went away: stop waiting (its samples' slots stay for a retry)
             work.cancel()
+            # a cancelled gather keeps its CancelledError as an exception: taken here, asyncio prints no
+            # "_GatheringFuture exception was never retrieved" traceback when the future is collected
+            work.add_done_callback(lambda f: f.cancelled() or f.exception())
             metrics.cancelled.inc()
+            log.info("cancelled a reward request for %d sample(s) after %.1f s: its client disconnected (a client "
+                     "timeout; the samples keep their slots for its retry)", len(body.query),
+                     time.monotonic() - started)
             return JSONResponse({"detail": "client disconnected"}, status_code=499)
         gone.cancel()
         try:
@@ -529,6 +536,16 @@ def create_app(
     app.router.on_shutdown.append(barrier.close)
     app.state.barrier = barrier
     return app
+
+
+def log_to_stderr() -> None:
+    """This module's lines (cancellations, failed forwards and scorings) on stderr with time and level, INFO up;
+    other libraries keep their own levels (httpx logs every request at INFO)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 def build_app(settings: Any) -> FastAPI:

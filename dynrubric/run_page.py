@@ -2,7 +2,9 @@
 
 What a person checks after `dynrubric up`: per cycle the round and the rollout decision with its reason;
 the training panels of `report.py` (reward and score gaps against the collapse thresholds, rubric-source
-mix, KL, where each round's time went per stage); each rollout's canary share of answered requests over time with the gate's verdicts; latency
+mix, KL, where each round's time went per stage); each rollout's gate power (what it could detect at the
+traffic it started with, `serving.power`) and canary share of answered requests over time with the gate's
+verdicts; latency
 and feedback rates per arm and policy version; the alerts Prometheus fired during the run; the lineage
 of policy versions. The page takes plain data (the composition root gathers it), so this module imports
 no tier. No script runs in the page.
@@ -115,7 +117,8 @@ def _img(png: bytes, alt: str) -> str:
 STYLE = """body{font-family:sans-serif;margin:24px;max-width:1100px;color:#222;background:#fff}
 table{border-collapse:collapse;margin:8px 0 16px}td,th{border:1px solid #bbb;padding:3px 8px;font-size:13px;
 text-align:left}th{background:#eee}img{max-width:100%;border:1px solid #ddd;margin:6px 0}
-.promoted{color:#161}.rolled_back,.failed{color:#a11}"""
+.promoted{color:#161}.rolled_back,.failed{color:#a11}pre.plan{font-size:12px;background:#f6f6f6;padding:6px;
+white-space:pre-wrap}"""
 
 
 def render_html(page: RunPage, out: Path) -> Path:
@@ -142,6 +145,9 @@ def render_html(page: RunPage, out: Path) -> Path:
         atomic.write_bytes(out.parent / f"rollout-{r['id']}.png", png)
         parts.append(f"<h3 class={html.escape(r['status'])}>{html.escape(r['id'])}: {html.escape(r['status'])}</h3>")
         parts.append(f"<p>{html.escape(r.get('reason') or '')}</p>")
+        plan = (r.get("plan") or {}).get("lines")
+        parts.append(f"<pre class=plan>{html.escape(chr(10).join(plan))}</pre>" if plan else
+                     "<p>no gate power plan recorded (a rollout of an older version)</p>")
         parts.append(_img(png, f"traffic share of {r['id']}"))
         parts.append(_table(["time", "gate evaluation"], [[f"{g['ts'] - r['started_at']:.0f} s", g["line"]]
                                                           for g in gates]))

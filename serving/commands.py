@@ -57,6 +57,30 @@ def _wait_for_signal() -> None:
     stop.wait()
 
 
+def apply_demo_gate(settings) -> None:
+    """The demo's rollouts (`up --demo`, `gate plan --demo`): decided on the rubric judge's verdicts on shadow pairs.
+
+    One machine's tens of users can show no feedback-rate margin worth the name, so the last step must show
+    the judged win rate above 1/2 - judge_margin instead (`gate.promote_on = [judged]`); harm on the feedback
+    rates, the error rate, latency or the judged win rate still rolls back at every step. The minimums and
+    margins are caps and floors, so a config that asks for more keeps it; what the result can detect is
+    printed at the start of every rollout (`serving.power`).
+    """
+    g, r = settings.gate, settings.rollout
+    for key, cap in {"min_users_per_arm": 5, "min_requests_per_arm": 8, "min_rated_per_arm": 6}.items():
+        setattr(g, key, min(getattr(g, key), cap))
+    # tens of pairs: the judged margin is what ~80 pairs show for an equal canary (gate plan --demo prints it)
+    for key, floor in {"mixture_tau": 0.3, "error_rate_margin": 0.2, "judge_margin": 0.25, "judge_tau": 0.25}.items():
+        setattr(g, key, max(getattr(g, key), floor))
+    g.promote_on = ["judged"]
+    r.judge = True
+    settings.serving.shadow_rate = max(settings.serving.shadow_rate, 0.5)
+    if len(r.steps) > 2:
+        r.steps = [0.3, 0.6]
+    r.poll_interval_s = min(r.poll_interval_s, 2.0)
+    r.max_step_s = min(r.max_step_s, 600.0)
+
+
 # ---------------------------------------------------------------- fleet
 @fleet_app.command("up")
 def fleet_up(ctx: typer.Context) -> None:
@@ -92,7 +116,8 @@ def build_router(settings, producer, metrics):
     s = settings.serving
     return Router(state, producer, metrics, token=s.token, engine_api_key=s.engine_api_key,
                   timeout_s=s.request_timeout_s, health_interval_s=s.health_interval_s, shadow_rate=s.shadow_rate,
-                  shadow_max_inflight=s.shadow_max_inflight, default_max_tokens=s.default_max_tokens)
+                  shadow_max_inflight=s.shadow_max_inflight, default_max_tokens=s.default_max_tokens,
+                  traffic_window_s=s.traffic_window_s)
 
 
 def serve_router(ctx: typer.Context) -> None:
@@ -120,9 +145,14 @@ def build_controller(settings, log=console.print):
 
     metrics = CollectorRegistry()
     r = settings.rollout
+    if "judged" in settings.gate.promote_on and settings.serving.shadow_rate == 0:
+        raise DynrubricError("gate.promote_on names judged, but serving.shadow_rate is 0: the router makes no shadow "
+                             "pairs to judge", "set serving.shadow_rate (0.5 in the demo), or drop judged from "
+                             "gate.promote_on")
     online = OnlineMetrics(settings.kafka.bootstrap_servers, QUERY_LOG_TOPIC, FEEDBACK_TOPIC, group_id=r.consumer_group,
                            state_path=settings.paths.resolved_state() / "rollout" / f"online-{r.consumer_group}.json",
-                           feedback_window_s=r.feedback_window_s)
+                           feedback_window_s=r.feedback_window_s,
+                           max_message_bytes=settings.kafka.max_message_bytes)
     judge = None
     if r.judge:
         from dynrubric.engines import build_engine
@@ -233,6 +263,52 @@ def gate_simulate(
         console.print(f"{name}: {back}/{runs} rolled back; median requests to decision "
                       f"{statistics.median(r.requests for r in results):.0f} "
                       f"(canary arm {statistics.median(r.canary_requests for r in results):.0f})")
+
+
+@gate_app.command("plan")
+def gate_plan(
+    ctx: typer.Context,
+    rps: Annotated[list[float], typer.Option(help="requests a second of a planned deployment (repeat for several)")],
+    users: Annotated[list[int], typer.Option(help="distinct users sending them (one for all --rps, or one each)")],
+    demo: Annotated[bool, typer.Option(help="the gate `up --demo` runs (`apply_demo_gate`)")] = False,
+) -> None:
+    """What the configured gate can detect at each traffic: the smallest harm per metric caught with 80% power
+    within rollout.max_step_s at each step, and when an equal canary is promoted (the line every rollout logs)."""
+    from rich.table import Table
+
+    from serving.power import Population, Traffic, judged_pairs_per_s, plan
+
+    if len(users) not in (1, len(rps)):
+        raise DynrubricError(f"{len(users)} --users for {len(rps)} --rps", "give one --users, or one per --rps")
+    if any(x <= 0 for x in rps) or any(u < 1 for u in users):
+        raise DynrubricError("--rps must be > 0 and --users >= 1", "e.g. --rps 1 --rps 10 --users 40 --users 1000")
+    settings = settings_of(ctx)
+    if demo:
+        apply_demo_gate(settings)
+    g, r = settings.gate, settings.rollout
+    plans = []
+    for rate, n in zip(rps, users * len(rps) if len(users) == 1 else users):
+        pairs = judged_pairs_per_s(rate, settings.serving.shadow_rate, r, None) if r.judge else 0.0
+        plans.append(plan(Traffic(rps=rate, users=n, pairs_per_s=pairs, source="planned"),
+                          Population.assumed(g.simulation), g, r))
+    table = Table(title=f"gate plan: smallest harm caught with 80% power within one step of {r.max_step_s:.0f} s; "
+                        f"promote on {' + '.join(g.promote_on)}; {plans[0].population}")
+    for col in ("req/s", "users", "pairs/s", "metric", "baseline", *(f"step {w:.0%}" for w in r.steps),
+                "promote within"):
+        table.add_column(col)
+    for p in plans:
+        t = p.traffic
+        for i, m in enumerate(p.metrics):
+            first = i == 0
+            table.add_row(f"{t.rps:g}" if first else "", f"{t.users}" if first else "",
+                          f"{t.pairs_per_s:.2f}" if first else "", f"{m.metric}: {m.harm}", f"{m.baseline:.3f}",
+                          *("-" if d is None else f"{d:.3f}" for d in m.detectable),
+                          "not required" if m.promote_margin is None else f"{m.promote_margin:g}",
+                          end_section=i == len(p.metrics) - 1)
+    console.print(table)
+    for p in plans:
+        console.print(f"{p.traffic.rps:g} req/s, {p.traffic.users} users: {p.decision()}", markup=False,
+                      highlight=False, soft_wrap=True)
 
 
 # ---------------------------------------------------------------- users

@@ -8,25 +8,32 @@ underestimates the variance). Checks run in order and the first decisive one win
 1. sample-ratio mismatch: chi-square on the users assigned to each arm in the current step against
    the configured weight, compared with an always-valid boundary (a mismatch means the split
    itself is broken: fail);
-2. minimum samples per arm (users, requests this step, rated requests; fewer: inconclusive);
-3. guardrails, fail when the canary is confidently worse than stable by more than the margin:
+2. guardrails, fail when the canary is confidently worse than stable by more than the margin:
    error rate (per request, normal-mixture confidence sequence) and p95 latency (a confidence
    sequence for each arm's p95, see `quantile_cs`), each at half of `guardrail_alpha`;
-4. the judged win rate (`judge_alpha`): on shadow pairs the rubric judge scores, fail when the
+3. the judged win rate (`judge_alpha`): on shadow pairs the rubric judge scores, fail when the
    canary's win rate is confidently below 1/2 - `judge_margin` (sub-Gaussian mixture, exact);
+4. minimum samples per arm (users, requests this step, rated requests; fewer: inconclusive);
 5. primary online metrics, positive-feedback rate and regenerate rate, at `alpha`/2 each: fail
    when the canary is significantly worse (at any step), pass when every metric is shown within
-   its non-inferiority margin (required at the last step; earlier steps pass on no harm),
-   inconclusive otherwise;
-6. at the last step only, the error rate shown within its margin (`_error_rate_within_margin`):
+   its non-inferiority margin (required at the last step when `promote_on` names feedback;
+   earlier steps pass on no harm), inconclusive otherwise;
+6. at the last step only, what `promote_on` names beyond feedback: the judged win rate shown above
+   1/2 - `judge_margin` (`_judged_non_inferiority`);
+7. at the last step only, the error rate shown within its margin (`_error_rate_within_margin`):
    a canary whose engine fails is never promoted on too little evidence of harm.
+
+Harm stops at once: the checks that can show it on any amount of data (2 and 3 are valid at every
+sample size) run before the minimums, so a canary shown to fail its users is rolled back at the
+step where that is shown, however few rated requests the feedback rates have yet.
 
 Every check that can fail is a confidence sequence: it holds at every look at once, so evaluating
 the gate after every batch does not inflate false rollbacks, and the false-rollback probability of
 an A/A rollout is at most srm_alpha + guardrail_alpha + judge_alpha + alpha (a union bound).
 
 Everything here is pure statistics over sufficient statistics: `serving.online.OnlineMetrics`
-(live) and `serving.gatesim` (simulated) build `ArmStats` incrementally.
+(live) and `serving.gatesim` (simulated) build `ArmStats` incrementally; `serving.power` turns the
+same formulas around into what the gate can detect with a given traffic.
 """
 
 from __future__ import annotations
@@ -355,6 +362,25 @@ def _judged(judge: JudgeStats, cfg: GateConfig) -> GateCheck:
                  detail=f"canary win rate {judge.win_rate:.2f} over {judge.pairs} pairs, bounds [{lo:.2f}, {hi:.2f}]")
 
 
+def _judged_non_inferiority(judge: JudgeStats, cfg: GateConfig) -> GateCheck:
+    """Promotion on judged evidence: the canary's win rate shown above 1/2 - judge_margin (its lower bound),
+    the same always-valid interval as the judged check's harm side (`judge_alpha`)."""
+    bar = 0.5 - cfg.judge_margin
+    if judge.pairs == 0:
+        return GateCheck(name="judged_non_inferiority", verdict=Verdict.INCONCLUSIVE, numbers={"pairs": 0, "bar": bar},
+                         detail="no judged pairs yet; a judged win rate above the bar is required to promote "
+                                "(gate.promote_on)")
+    lo, hi = judge_interval(judge, cfg.judge_alpha, cfg.judge_tau)
+    numbers = {"pairs": judge.pairs, "win_rate": judge.win_rate, "lower": lo, "upper": hi, "bar": bar}
+    if lo > bar:
+        return GateCheck(name="judged_non_inferiority", verdict=Verdict.PASS, numbers=numbers,
+                         detail=f"the rubric judge finds the canary within {cfg.judge_margin} of stable: win rate "
+                                f"{judge.win_rate:.2f} over {judge.pairs} pairs (lower bound {lo:.3f} > {bar:.3f})")
+    return GateCheck(name="judged_non_inferiority", verdict=Verdict.INCONCLUSIVE, numbers=numbers,
+                     detail=f"canary win rate {judge.win_rate:.2f} over {judge.pairs} pairs not yet shown above "
+                            f"{bar:.3f} (lower bound {lo:.3f}); required to promote (gate.promote_on)")
+
+
 def _primary(stable: ArmStats, canary: ArmStats, cfg: GateConfig, require_non_inferiority: bool) -> GateCheck:
     alpha = cfg.alpha / 2  # Bonferroni over the two primary metrics
     pos_harm, pos_lo, pos_hi = ratio_difference(stable.positive, canary.positive, alpha, cfg.mixture_tau)
@@ -376,6 +402,9 @@ def _primary(stable: ArmStats, canary: ArmStats, cfg: GateConfig, require_non_in
     if not require_non_inferiority:
         return GateCheck(name="primary", verdict=Verdict.PASS, numbers=numbers,
                      detail="no harm shown (non-inferiority is required at the last step)")
+    if "feedback" not in cfg.promote_on:
+        return GateCheck(name="primary", verdict=Verdict.PASS, numbers=numbers,
+                         detail="no harm shown (the feedback rates' margins are not required: gate.promote_on)")
     return GateCheck(name="primary", verdict=Verdict.INCONCLUSIVE, numbers=numbers,
                  detail="not yet shown within the margins nor worse")
 
@@ -387,23 +416,30 @@ def evaluate(stable: ArmStats, canary: ArmStats, canary_weight: float, cfg: Gate
 
     `require_non_inferiority=False` (the steps before the last) passes a primary test that shows
     no harm yet: early steps guard against harm on little traffic, and the last step, with the
-    most traffic, must show the canary within the margins (primary metrics and error rate) before
-    promotion. Harm fails at any step.
+    most traffic, must show the canary within the margins (what `cfg.promote_on` names, and the
+    error rate) before promotion. Harm fails at any step, the guardrails and the judged check
+    before the minimums (module docstring).
     """
+    last = require_non_inferiority
     checks: list[GateCheck] = []
     for check in (
         lambda: _srm(stable, canary, canary_weight, cfg),
-        lambda: _min_samples(stable, canary, cfg),
         lambda: _error_rate(stable, canary, cfg),
         lambda: latency_check(stable.latency, canary.latency, cfg),
         lambda: _judged(judge, cfg),
-        lambda: _primary(stable, canary, cfg, require_non_inferiority),
-        *([lambda: _error_rate_within_margin(stable, canary, cfg)] if require_non_inferiority else []),
+        lambda: _min_samples(stable, canary, cfg),
+        lambda: _primary(stable, canary, cfg, last),
+        *([lambda: _judged_non_inferiority(judge, cfg)] if last and "judged" in cfg.promote_on else []),
+        *([lambda: _error_rate_within_margin(stable, canary, cfg)] if last else []),
     ):
         result = check()
         checks.append(result)
         if result.verdict is not Verdict.PASS:
             return GateResult(verdict=result.verdict, reason=f"{result.name}: {result.detail}",
                               canary_weight=canary_weight, experiment_id=experiment_id, checks=checks)
-    return GateResult(verdict=Verdict.PASS, reason=checks[-1].detail, canary_weight=canary_weight,
+    # a promotion names the evidence it rests on; an earlier step the last check it passed
+    promoting = [c for c in checks if c.name in ("judged_non_inferiority", "error_rate_non_inferiority")
+                 or (c.name == "primary" and "feedback" in cfg.promote_on)] if last else []
+    reason = "; ".join(f"{c.name}: {c.detail}" for c in promoting) or checks[-1].detail
+    return GateResult(verdict=Verdict.PASS, reason=reason, canary_weight=canary_weight,
                       experiment_id=experiment_id, checks=checks)

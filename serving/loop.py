@@ -17,9 +17,10 @@ A cycle waits until `loop.min_new_prompts` distinct prompts arrived in the repla
 round's watermark, runs the next round (from the newest accepted version: the last promoted one, since
 a rolled-back candidate is rejected), and rolls its candidate out. With `loop.drill_cycle` set, that
 cycle is a damage drill: a copy of the candidate with NaN in its weight matrices is registered and
-rolled out in its place (the candidate itself is rejected, never rolled out); its engine answers every
-request with an error, the router serves those users from stable and counts the canary's errors, and
-the gate's error-rate guardrail must roll it back. Children get the effective settings
+rolled out in its place (the candidate itself is rejected, never rolled out); its engine fails every
+request (the transformers engine with HTTP 500, vLLM with an answer of special tokens and no text, which
+the router counts as a failure), the router serves those users from stable and counts the canary's
+errors, and the gate's error-rate guardrail must roll it back. Children get the effective settings
 as a YAML file (`<state_dir>/up/config.yaml`, mode 0600: it holds the control token) and no
 DYNRUBRIC_* variables, so the file is the whole truth.
 

@@ -35,8 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from dynrubric import atomic
+from dynrubric.config import KafkaConfig
 from dynrubric.errors import DynrubricError
 from serving.gate import ArmStats, JudgeStats, LatencySketch, UserRates
+from streaming.kafka import fetch_sizes
 
 ARMS = ("stable", "canary")
 # per-user counts: requests, rated, positive, regenerated, last step seen
@@ -89,10 +91,13 @@ class _Arm:
             self.latency_buffer.clear()
 
     def stats(self, errors: int, routed: int) -> ArmStats:
+        """`errors` and `routed` from one snapshot of the router's counters: the error rate is theirs alone (the
+        log counts requests later than the router, and only answered ones; a router restarted mid-rollout has
+        counted fewer, a smaller sample of the same rate)."""
         self.flush_latency()
         return ArmStats(step_users=self.step_users, step_requests=self.step_requests, users=len(self.users),
                         requests=max(routed, self.requests), rated=self.rated,
-                        errors=UserRates.per_request(errors, max(routed, self.requests)),
+                        errors=UserRates.per_request(min(errors, routed), routed),
                         positive=UserRates(*self.pos), regenerated=UserRates(*self.regen), latency=self.latency)
 
     def to_json(self) -> dict[str, Any]:
@@ -113,8 +118,10 @@ class _Arm:
 class OnlineMetrics:
     def __init__(self, bootstrap_servers: str, query_log_topic: str, feedback_topic: str, *,
                  group_id: str = "dynrubric-rollout-gate", state_path: Path | None = None,
-                 feedback_window_s: float = 3600.0, max_waiting: int = 10_000):
+                 feedback_window_s: float = 3600.0, max_waiting: int = 10_000,
+                 max_message_bytes: int = KafkaConfig().max_message_bytes):
         self.bootstrap_servers = bootstrap_servers
+        self.max_message_bytes = max_message_bytes
         self.query_log_topic = query_log_topic
         self.feedback_topic = feedback_topic
         self.group_id = group_id
@@ -270,7 +277,8 @@ class OnlineMetrics:
         if self._consumer is None:
             try:
                 self._consumer = KafkaConsumer(bootstrap_servers=self.bootstrap_servers, group_id=self.group_id,
-                                               enable_auto_commit=False, auto_offset_reset="earliest")
+                                               enable_auto_commit=False, auto_offset_reset="earliest",
+                                               **fetch_sizes(self.max_message_bytes))
             except NoBrokersAvailable:
                 raise DynrubricError(f"no Kafka broker answers at {self.bootstrap_servers}",
                                      "start one (`dynrubric broker start`) or fix kafka.bootstrap_servers") from None

@@ -20,6 +20,11 @@ the query-log and feedback topics (`OnlineMetrics`, tracking this rollout's expe
 router's counters for the experiment. With a `PairJudge`, each gate evaluation first has the judge
 score up to `rollout.judge_pairs_per_poll` new shadow pairs; the judged win rate and its bounds are
 in the gate's checks and in `dynrubric_rollout_judge_*`.
+
+At the start of each rollout the controller logs what its gate can detect (`serving.power`): the
+smallest harm per metric it catches with 80 % power within a step, and when an equal canary would be
+promoted, at the traffic the router measured; the plan is kept with the rollout (`plan`, the run page
+shows it). Tables of older versions get the `plan` column on first use.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from dynrubric.config import GateConfig, RolloutConfig, Settings
 from dynrubric.errors import DynrubricError
 from dynrubric.registry import Checkpoint, CheckpointState, Registry, open_registry, weights_sha256
 from serving.gate import GateResult, Verdict, evaluate, judge_interval
+from serving.power import GatePlan, Population, Traffic, judged_pairs_per_s, plan
 
 ACTIVE = ("loading", "stepping", "promoting", "rolling_back")
 FINAL = ("promoted", "rolled_back", "failed")
@@ -62,6 +68,7 @@ class Rollout:
     updated_at: float
     reason: str | None
     last_gate: dict[str, Any] | None
+    plan: dict[str, Any] | None = None  # serving.power.GatePlan at the start, with its printed `lines`
 
     def to_json(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -73,11 +80,12 @@ CREATE TABLE IF NOT EXISTS rollouts (
     baseline_path TEXT NOT NULL, steps TEXT NOT NULL, status TEXT NOT NULL, step INTEGER NOT NULL,
     step_started_at DOUBLE PRECISION NOT NULL, started_at DOUBLE PRECISION NOT NULL,
     updated_at DOUBLE PRECISION NOT NULL, reason TEXT,
-    last_gate TEXT
+    last_gate TEXT, plan TEXT
 )
 """
-COLUMNS = ("id, version, version_path, baseline, baseline_path, steps, status, step, step_started_at, "
-           "started_at, updated_at, reason, last_gate")
+LEGACY_COLUMNS = ("id, version, version_path, baseline, baseline_path, steps, status, step, step_started_at, "
+                  "started_at, updated_at, reason, last_gate")
+COLUMNS = LEGACY_COLUMNS + ", plan"
 
 
 class RolloutStore:
@@ -87,6 +95,14 @@ class RolloutStore:
         self.registry = registry
         with registry.transaction(write=True) as cur:
             cur.execute(SCHEMA)
+        self._add_plan_column()
+
+    def _add_plan_column(self) -> None:
+        """Tables of versions before the gate's power plan lack its column: add it."""
+        with self._tx() as cur:
+            cur.execute("SELECT * FROM rollouts WHERE 1 = 0")
+            if "plan" not in {d[0] for d in cur.description}:
+                cur.execute("ALTER TABLE rollouts ADD COLUMN plan TEXT")
 
     def _tx(self, write: bool = True) -> Any:
         return self.registry.transaction(write=write, lock="rollouts" if write else None)
@@ -95,21 +111,21 @@ class RolloutStore:
         """Copy the rollouts of an older version's `rollouts.sqlite` into the table (ids already there are
         kept as they are)."""
         with sqlite.transaction(legacy, write=False) as old:
-            old.execute(f"SELECT {COLUMNS} FROM rollouts")
+            old.execute(f"SELECT {LEGACY_COLUMNS} FROM rollouts")
             rows = old.fetchall()
         with self._tx() as cur:
             cur.execute("SELECT id FROM rollouts")
             known = {r[0] for r in cur.fetchall()}
             for row in rows:
                 if row[0] not in known:
-                    cur.execute(f"INSERT INTO rollouts ({COLUMNS}) VALUES ({','.join('?' * 13)})", tuple(row))
+                    cur.execute(f"INSERT INTO rollouts ({LEGACY_COLUMNS}) VALUES ({','.join('?' * 13)})", tuple(row))
 
     @staticmethod
     def _row(row: tuple) -> Rollout:
         (rid, version, vpath, baseline, bpath, steps, status, step, step_started, started, updated, reason,
-         gate) = row
+         gate, plan) = row
         return Rollout(rid, version, vpath, baseline, bpath, json.loads(steps), status, step, step_started, started,
-                       updated, reason, json.loads(gate) if gate else None)
+                       updated, reason, json.loads(gate) if gate else None, json.loads(plan) if plan else None)
 
     def create(self, version: str, version_path: str, baseline: str, baseline_path: str, steps: list[float]) -> Rollout:
         now = time.time()
@@ -120,9 +136,9 @@ class RolloutStore:
             if active:
                 raise DynrubricError(f"rollout {active[0]} of {active[1]} is still in progress",
                                      "wait for it, or `dynrubric rollout resume` it if its controller stopped")
-            cur.execute(f"INSERT INTO rollouts ({COLUMNS}) VALUES ({','.join('?' * 13)})",
+            cur.execute(f"INSERT INTO rollouts ({COLUMNS}) VALUES ({','.join('?' * 14)})",
                         (rid, version, version_path, baseline, baseline_path, json.dumps(steps), "loading", 0, now, now,
-                         now, None, None))
+                         now, None, None, None))
         return self.get(rid)
 
     def get(self, rollout_id: str) -> Rollout:
@@ -142,8 +158,9 @@ class RolloutStore:
         return next((r for r in self.list() if r.status in ACTIVE), None)
 
     def update(self, rollout_id: str, **fields: Any) -> Rollout:
-        if "last_gate" in fields:
-            fields["last_gate"] = json.dumps(fields["last_gate"])
+        for name in ("last_gate", "plan"):
+            if name in fields:
+                fields[name] = json.dumps(fields[name])
         fields["updated_at"] = time.time()
         with self._tx() as cur:
             cur.execute(f"UPDATE rollouts SET {', '.join(f'{k} = ?' for k in fields)} WHERE id = ?",
@@ -219,6 +236,10 @@ class Controller:
                  rollout_cfg: RolloutConfig, gate_cfg: GateConfig, metrics: CollectorRegistry | None = None,
                  sleep: Callable[[float], None] = time.sleep, log: Callable[[str], None] = lambda _: None,
                  judge: Any = None):
+        if "judged" in gate_cfg.promote_on and judge is None:
+            raise DynrubricError("gate.promote_on names judged, but the controller has no judge: no rollout could "
+                                 "ever be promoted", "set rollout.judge: true (and serving.shadow_rate > 0), or "
+                                 "drop judged from gate.promote_on")
         self.registry = registry
         self.store = store
         self.router = router
@@ -239,6 +260,7 @@ class Controller:
         self.m_judge_pairs = Gauge("dynrubric_rollout_judge_pairs", "shadow pairs the judge scored", registry=m)
         self.m_step.set(-1)
         self._online_lock = threading.Lock()
+        self._judge_s_per_pair: float | None = None  # measured: the judge's time per shadow pair
 
     # ------------------------------------------------------------ start
     def start(self, version: str) -> Rollout:
@@ -258,7 +280,24 @@ class Controller:
             raise DynrubricError("the router has no healthy canary replica", "start the fleet with a canary engine")
         rollout = self.store.create(version, str(ckpt.path), baseline.version, str(baseline.path), list(self.cfg.steps))
         self.log(f"{rollout.id}: {version} against stable {baseline.version}, steps {rollout.steps}")
-        return rollout
+        power = self.power(state)
+        lines = power.lines()
+        for line in lines:
+            self.log(f"{rollout.id}: {line}")
+        return self.store.update(rollout.id, plan=power.model_dump(mode="json") | {"lines": lines})
+
+    def power(self, router_state: dict[str, Any]) -> GatePlan:
+        """What this gate can detect at the traffic the router measured (`serving.power`), the feedback rates
+        assumed (`gate.simulation`): the judge's throughput is the one measured in earlier rollouts, if any."""
+        meter = router_state.get("traffic") or {}
+        rps = float(meter.get("rps", 0.0))
+        pairs = 0.0 if self.judge is None else judged_pairs_per_s(rps, float(router_state.get("shadow_rate", 0.0)),
+                                                                  self.cfg, self._judge_s_per_pair)
+        judge_speed = ("" if self.judge is None or self._judge_s_per_pair is None
+                       else f", judge {self._judge_s_per_pair:.1f} s a pair")
+        traffic = Traffic(rps=rps, users=int(meter.get("users", 0)), pairs_per_s=pairs,
+                          source=f"router, last {float(meter.get('window_s', 0.0)):.0f} s{judge_speed}")
+        return plan(traffic, Population.assumed(self.gate_cfg.simulation), self.gate_cfg, self.cfg)
 
     # ------------------------------------------------------------ the loop
     def run(self, rollout_id: str) -> Rollout:
@@ -298,7 +337,11 @@ class Controller:
             self.online.track(r.id, r.step, r.step_started_at)
             self.online.poll()
             if self.judge is not None:
-                self.online.add_judged(self.judge.score(self.online.take_pairs(self.cfg.judge_pairs_per_poll)))
+                pairs = self.online.take_pairs(self.cfg.judge_pairs_per_poll)
+                started = time.monotonic()
+                self.online.add_judged(self.judge.score(pairs))
+                if pairs:
+                    self._judge_s_per_pair = (time.monotonic() - started) / len(pairs)
             arms = {v: self.online.arm_stats(v, counters.get(v, {}).get("errors", 0), counters.get(v, {}).get("requests", 0))
                     for v in ("stable", "canary")}
             judged = self.online.judge

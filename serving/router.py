@@ -2,9 +2,10 @@
 
 A request goes to a variant (stable or canary) by a hash of its user key and the experiment id, so
 a user stays on one arm for a whole rollout; a canary share that grows only adds users to the
-canary. Inside a variant the least-busy healthy replica serves it; a failure (connection error or
-5xx) is retried once on another replica of the same variant, and a canary request that still
-fails is counted as a canary error and served by stable. Every answered request is logged to
+canary. Inside a variant the least-busy healthy replica serves it; a failure (connection error,
+5xx, or an answer that ran to its token limit without any text: a broken model's, `_no_text`) is
+retried once on another replica of the same variant, and a canary request that still fails is
+counted as a canary error and served by stable. Every answered request is logged to
 `dynrubric.query-log` by `streaming.producer.EventProducer`, whose `send_*` only appends to a
 bounded in-memory buffer (a full buffer drops and counts the event), so Kafka never adds latency.
 Each event carries the experiment id and the arm the user is assigned to (the gate attributes by
@@ -15,6 +16,9 @@ of answered non-streaming requests is also sent, after the user has the answer, 
 the arm that did not serve it; the shadow response is logged with `shadow: true` and the same
 `pair_id` as the served one, and is never shown to anyone. At most `shadow_max_inflight` shadows run
 at once (the cost cap); a sample beyond it is skipped and counted.
+
+The state (`/v1/router/state`) also reports the traffic of the last `traffic_window_s` (requests a
+second and distinct users, `TrafficMeter`): what the rollout controller plans the gate's power on.
 
 Reads (`/v1/router/state`, `/metrics`) are open; control endpoints (traffic split, weights, drain)
 need the bearer token. The router owns which weights each variant should serve, and reloads an
@@ -31,6 +35,7 @@ import logging
 import random
 import time
 import uuid
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,7 +89,8 @@ class RouterState:
     canary_weight: float = 0.0
     experiment: str = ""
     desired: dict[str, Weights] = field(default_factory=dict)
-    # per experiment and variant: requests routed and requests failed on every replica tried
+    # per experiment and assigned variant: requests routed (counted when they arrive) and failed (a canary request
+    # that its arm could not answer, served by stable or not; a stable request no replica answered)
     counters: dict[str, dict[str, ArmCounters]] = field(default_factory=dict)
 
     def arm(self, variant: str) -> ArmCounters:
@@ -93,6 +99,50 @@ class RouterState:
 
     def serving(self, variant: str) -> list[Replica]:
         return [r for r in self.replicas if r.variant == variant and r.healthy and not r.drained]
+
+
+class TrafficMeter:
+    """Requests and distinct users over the last `window_s` seconds: the traffic the gate's power is planned on.
+
+    Requests are counted per second (at most `window_s` buckets); the rate is their count over the
+    time traffic flowed, each bucket standing for the time to the next one (or to now) but at most
+    IDLE_S, so a pause (users paused while a round trains) is not averaged in. Users: each user's last
+    request time, oldest first, so memory is the users active in the window.
+    """
+
+    IDLE_S = 10.0
+
+    def __init__(self, window_s: float, clock=time.time):
+        self.window_s = window_s
+        self.clock = clock
+        self._seconds: deque[list[int]] = deque()  # [second, requests]
+        self._users: OrderedDict[str, float] = OrderedDict()
+
+    def add(self, user_hash: str) -> None:
+        now = self.clock()
+        second = int(now)
+        if self._seconds and self._seconds[-1][0] == second:
+            self._seconds[-1][1] += 1
+        else:
+            self._seconds.append([second, 1])
+        self._users[user_hash] = now
+        self._users.move_to_end(user_hash)
+        self._forget(now)
+
+    def _forget(self, now: float) -> None:
+        while self._seconds and self._seconds[0][0] < now - self.window_s:
+            self._seconds.popleft()
+        while self._users and next(iter(self._users.values())) < now - self.window_s:
+            self._users.popitem(last=False)
+
+    def snapshot(self) -> dict[str, float]:
+        now = self.clock()
+        self._forget(now)
+        ends = [s for s, _ in list(self._seconds)[1:]] + [now]
+        active = sum(max(1.0, min(end - s, self.IDLE_S)) for (s, _), end in zip(self._seconds, ends))
+        requests = sum(n for _, n in self._seconds)
+        return {"window_s": self.window_s, "requests": requests, "users": len(self._users), "active_s": active,
+                "rps": requests / active if active else 0.0}
 
 
 def hash_user(user_key: str) -> str:
@@ -147,7 +197,22 @@ class DrainBody(BaseModel):
 
 
 class EngineFailure(Exception):
-    """A replica could not answer (connection error, timeout or 5xx)."""
+    """A replica could not answer (connection error, timeout, 5xx, or an answer without text, `_no_text`)."""
+
+
+def _no_text(data: Any, chat: bool) -> str | None:
+    """Why a 200 answer is a failure: it ran to its token limit and holds no text, so every token it generated
+    was a special one. A model whose logits are not finite answers so under vLLM (token 0 every step, skipped
+    as special); a real answer, even an empty one, ends with a stop."""
+    try:
+        choice = data["choices"][0]
+        text = choice["message"]["content"] if chat else choice["text"]
+        tokens = int((data.get("usage") or {}).get("completion_tokens", 0))
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+    if choice.get("finish_reason") == "length" and not text and tokens > 0:
+        return f"{tokens} tokens generated and no text in them"
+    return None
 
 
 # ---------------------------------------------------------------- the app
@@ -155,12 +220,14 @@ class Router:
     def __init__(self, state: RouterState, producer: Any, metrics: CollectorRegistry, *, token: SecretStr | None,
                  engine_api_key: SecretStr | None = None, timeout_s: float = 120.0, health_interval_s: float = 5.0,
                  shadow_rate: float = 0.0, shadow_max_inflight: int = 4, seed: int | None = None,
-                 default_max_tokens: int = 256):
+                 default_max_tokens: int = 256, traffic_window_s: float = 300.0):
         """`producer`: an EventProducer whose metrics are registered in `metrics` (the router's /metrics).
         `engine_api_key`: sent as a bearer token on every call to an engine (vLLM's --api-key).
         `default_max_tokens`: sent to the engine when a request names no max_tokens, so the logged
-        sampling is what the engine used (engines' own defaults differ: vLLM's is the rest of the context)."""
+        sampling is what the engine used (engines' own defaults differ: vLLM's is the rest of the context).
+        `traffic_window_s`: the window of the traffic the state reports (`TrafficMeter`)."""
         self.state = state
+        self.traffic = TrafficMeter(traffic_window_s)
         self.shadow_rate = shadow_rate
         self.shadow_max_inflight = shadow_max_inflight
         self.default_max_tokens = default_max_tokens
@@ -215,6 +282,13 @@ class Router:
             await resp.aread()
             await resp.aclose()
             raise EngineFailure(f"{replica.name}: HTTP {resp.status_code}: {resp.text[:200]}")
+        if not stream and resp.status_code == 200:
+            try:
+                data = resp.json()
+            except ValueError:
+                data = None
+            if why := _no_text(data, path.endswith("chat/completions")):
+                raise EngineFailure(f"{replica.name}: {why}")
         return resp
 
     async def _forward(self, variant: str, path: str, body: dict[str, Any], stream: bool
@@ -253,16 +327,18 @@ class Router:
                model: str, body: dict[str, Any], response: str, finish_reason: str | None, latency_s: float,
                prompt_tokens: int, completion_tokens: int, experiment_id: str | None, assigned_variant: str,
                pair_id: str | None = None, shadow: bool = False) -> Any:
-        from streaming.events import QueryLogEvent
+        from streaming.events import QueryLogEvent, escape_controls
 
+        # control characters a model or a user wrote are logged as visible escapes (the event's text rule)
         if "messages" in body:
-            messages = [{"role": m.get("role"), "content": _text(m.get("content"))} for m in body["messages"]]
+            messages = [{"role": m.get("role"), "content": escape_controls(_text(m.get("content")))}
+                        for m in body["messages"]]
         else:
-            messages = [{"role": "user", "content": _text(body.get("prompt"))}]
+            messages = [{"role": "user", "content": escape_controls(_text(body.get("prompt")))}]
         return QueryLogEvent(
             request_id=request_id, ts=time.time(), user_key=user_hash, session_id=session_id,
             variant=variant, policy_version=policy_version, model=model,
-            messages=messages, response=response, finish_reason=finish_reason or "stop",
+            messages=messages, response=escape_controls(response), finish_reason=finish_reason or "stop",
             sampling={"temperature": float(body.get("temperature", 1.0)), "top_p": float(body.get("top_p", 1.0)),
                       "max_tokens": int(body["max_tokens"])},
             latency_ms=latency_s * 1000.0, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
@@ -279,8 +355,7 @@ class Router:
             return
         self.producer.send_query_log(event)
 
-    def _record(self, assigned: str, variant: str, latency_s: float, prompt_tokens: int, completion_tokens: int) -> None:
-        self.state.arm(assigned).requests += 1  # the experiment's counters follow the assignment
+    def _record(self, variant: str, latency_s: float, prompt_tokens: int, completion_tokens: int) -> None:
         self.m_requests.labels(variant, "200").inc()
         self.m_latency.labels(variant).observe(latency_s)
         self.m_tokens.labels(variant, "prompt").inc(prompt_tokens)
@@ -298,6 +373,10 @@ class Router:
         user_hash = hash_user(request.headers.get(USER_KEY_HEADER) or str(body.get("user") or request_id))
         session_id = request.headers.get("x-session-id")
         variant = self.assign(user_hash)
+        # the experiment's counters follow the assignment, a request counted before it is tried: a failure
+        # (counted as it happens) never outnumbers its requests in a snapshot of the counters
+        self.state.arm(variant).requests += 1
+        self.traffic.add(user_hash)
         stream = bool(body.get("stream"))
         if body.get("max_tokens") is None:
             body["max_tokens"] = body.get("max_completion_tokens") or self.default_max_tokens
@@ -321,7 +400,7 @@ class Router:
             usage = data.get("usage") or {}
             p, c = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
             latency = time.perf_counter() - started
-            self._record(variant, served, latency, p, c)
+            self._record(served, latency, p, c)
             if experiment is not None and served == variant and self._rng.random() < self.shadow_rate:
                 meta["pair_id"] = request_id
                 self._shadow(meta, path, upstream, chat)
@@ -346,7 +425,7 @@ class Router:
         finally:
             await resp.aclose()
         latency = time.perf_counter() - started
-        self._record(meta["assigned_variant"], meta["variant"], latency, p, c)
+        self._record(meta["variant"], latency, p, c)
         self._log(meta, "".join(parts), finish, latency, p, c)
 
     # ------------------------------------------------------------ shadow pairs
@@ -458,6 +537,8 @@ class Router:
                           "healthy": r.healthy, "drained": r.drained, "inflight": r.inflight} for r in s.replicas],
             "counters": {e: {v: {"requests": c.requests, "errors": c.errors} for v, c in arms.items()}
                          for e, arms in s.counters.items()},
+            "traffic": self.traffic.snapshot(),
+            "shadow_rate": self.shadow_rate,
         }
 
     # ------------------------------------------------------------ HTTP

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from dynrubric.config import IngestConfig, KafkaConfig
 from streaming.events import DeadLetter
-from streaming.kafka import connection_kwargs
+from streaming.kafka import connection_kwargs, consumer_kwargs
 
 log = logging.getLogger(__name__)
 Source = tuple[str, int, int]  # (topic, partition, offset) of the record a letter is about
@@ -85,7 +85,7 @@ class DeadLetterSender:
         from kafka import KafkaConsumer, TopicPartition
 
         wanted = set(sources)
-        consumer = KafkaConsumer(**connection_kwargs(self.kafka), enable_auto_commit=False, group_id=None)
+        consumer = KafkaConsumer(**consumer_kwargs(self.kafka), enable_auto_commit=False, group_id=None)
         found: set[Source] = set()
         try:
             partitions = consumer.partitions_for_topic(self.topic) or set()

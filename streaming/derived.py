@@ -19,7 +19,7 @@ from typing import Any, Literal
 import pyarrow as pa
 from pydantic import BaseModel
 
-from streaming.events import SCHEMA_FILE_OF_MODEL, SCHEMA_VERSION, FeedbackEvent, QueryLogEvent
+from streaming.events import SCHEMA_FILE_OF_MODEL, SCHEMA_VERSION, WIRE_REQUIRED, FeedbackEvent, QueryLogEvent
 
 SCHEMA_DIR = Path(__file__).resolve().parent / "schemas"
 _ID = "https://dynrubric.dev/schemas/"
@@ -35,7 +35,7 @@ def _drop_titles(node: Any) -> Any:
 
 
 def json_schema(model: type[QueryLogEvent] | type[FeedbackEvent]) -> dict[str, Any]:
-    """The JSON Schema 2020-12 document of an event model, as the wire sees it (schema_version required)."""
+    """The JSON Schema 2020-12 document of an event model, as the wire sees it (`WIRE_REQUIRED` required)."""
     generated = _drop_titles(model.model_json_schema(mode="validation"))
     props = generated["properties"]
     props["schema_version"] = {"const": SCHEMA_VERSION, "description": "version of this schema"}
@@ -46,7 +46,7 @@ def json_schema(model: type[QueryLogEvent] | type[FeedbackEvent]) -> dict[str, A
         "description": " ".join((model.__doc__ or "").split()),
         "type": "object",
         "additionalProperties": False,
-        "required": ["schema_version", *[n for n in generated.get("required", []) if n != "schema_version"]],
+        "required": [n for n in model.model_fields if n in {*generated.get("required", []), *WIRE_REQUIRED[model]}],
         "properties": {"schema_version": props.pop("schema_version"), **props},
     }
     doc.update({k: v for k, v in generated.items() if k in ("allOf", "$defs")})

@@ -15,6 +15,7 @@ import json
 import math
 import re
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
@@ -46,26 +47,48 @@ MAX_TOKENS = 10_000_000
 MAX_LATENCY_MS = 86_400_000.0  # a day
 MAX_FEEDBACK_VALUE = 604_800.0  # dwell: a week, in seconds
 MAX_DEPTH = 200  # the JSON parser's (jiter's) recursion limit; a valid event nests 3 deep
-_NO_CONTROL = r"^[^\x00-\x1f\x7f-\x9f]*$"  # identifiers: no C0/C1 control characters (NUL included)
-_RFC3339 = re.compile(
-    r"^(\d{4})-(\d{2})-(\d{2})[Tt ](\d{2}):(\d{2}):(\d{2})(\.\d{1,32})?([Zz]|[+-]\d{2}:\d{2})$"
-)
+# identifiers: no C0/C1 control character (NUL included), and none of the invisible format characters that make
+# two keys look alike (zero-width space/joiners, direction marks and overrides, word joiner, byte-order mark)
+_NO_CONTROL = r"^[^\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u2069\ufeff]*$"
+# free text (message content, response): no control character but the three that text carries, tab, LF and CR
+# (JSON escapes them on the wire); a NUL is what a PostgreSQL text column refuses. A producer escapes the others
+# (`escape_controls`, the router's policy for what a model writes)
+_TEXT_CONTROLS = r"\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f"
+_TEXT = rf"^[^{_TEXT_CONTROLS}]*$"
+_CONTROL_IN_TEXT = re.compile(f"[{_TEXT_CONTROLS}]")
+# RFC 3339's date-time, strictly: ASCII digits, a "T", an offset within +-14:00 (the real ones), nothing after it.
+# The same text is the JSON Schema's pattern, where "$" ends the input (ECMA-262); here it is fullmatch'ed.
+RFC3339_PATTERN = (r"^([0-9]{4})-([0-9]{2})-([0-9]{2})[Tt]([0-9]{2}):([0-9]{2}):([0-9]{2})(\.[0-9]{1,32})?"
+                   r"([Zz]|[+-](?:0[0-9]|1[0-3]):[0-5][0-9]|[+-]14:00)$")
+_RFC3339 = re.compile(RFC3339_PATTERN)
+# what vLLM (FINISH_REASON_STRINGS) and OpenAI's API report
+FinishReason = Literal["stop", "length", "abort", "error", "repetition", "tool_calls", "content_filter",
+                       "function_call"]
 
 
 def _ident(max_length: int, min_length: int = 1) -> Any:
     return Annotated[str, StringConstraints(min_length=min_length, max_length=max_length, pattern=_NO_CONTROL)]
 
 
+Text = Annotated[str, StringConstraints(pattern=_TEXT)]
 Id = _ident(128)
 PolicyVersion = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
 FeedbackKind = Literal["thumbs_up", "thumbs_down", "regenerate", "copy", "dwell"]
 
 
+def escape_controls(text: str) -> str:
+    """`text` as an event may hold it: each control character the text rule refuses written as its visible escape,
+    `\\u0000`. The logging policy for what a model or a user writes: kept, legible, never the reason an event
+    is lost."""
+    return _CONTROL_IN_TEXT.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
 def rfc3339_seconds(text: str) -> float:
-    """Seconds since the epoch of an RFC 3339 timestamp (any fraction digits, any offset, Z)."""
-    m = _RFC3339.match(text)
+    """Seconds since the epoch of an RFC 3339 timestamp (any fraction digits, an offset within +-14:00, Z)."""
+    m = _RFC3339.fullmatch(text)
     if m is None:
-        raise ValueError(f"ts {text[:40]!r} is neither epoch seconds nor an RFC 3339 timestamp")
+        raise ValueError(f"ts {text[:40]!r} is neither epoch seconds nor an RFC 3339 timestamp (ASCII digits, "
+                         f"YYYY-MM-DDThh:mm:ss[.frac] then Z or an offset within +-14:00)")
     y, mo, d, h, mi, s = (int(g) for g in m.groups()[:6])
     leap = s == 60  # RFC 3339 allows a leap second; datetime does not
     try:
@@ -110,7 +133,7 @@ EpochSeconds = Annotated[
     WithJsonSchema({
         "anyOf": [
             {"type": "number", "minimum": TS_MIN, "exclusiveMaximum": TS_MAX},
-            {"type": "string", "format": "date-time", "maxLength": 64},
+            {"type": "string", "format": "date-time", "maxLength": 64, "pattern": RFC3339_PATTERN},
         ],
         "description": "seconds since the Unix epoch, or an RFC 3339 timestamp; 2000-01-01 <= ts < 2100-01-01",
     }),
@@ -138,7 +161,7 @@ class _Versioned(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: Text
 
 
 class Sampling(_Strict):
@@ -155,14 +178,16 @@ class QueryLogEvent(_Versioned):
     ts: EpochSeconds = Field(description="when the response finished")
     user_key: Id = Field(description="hashed user id, never the raw id")
     session_id: _ident(128, 0) | None = None
-    variant: _ident(64) = Field(description="A/B variant that served the request, e.g. stable or canary")
+    variant: _ident(64) = Field(description="A/B variant that served the request: an arm of the deployment "
+                                "(ingest.variants: stable, canary, replay)")
     policy_version: PolicyVersion = Field(
         description="checkpoint version that produced the response (path-safe: the replay store partitions by it)"
     )
     model: _ident(256)
     messages: list[ChatMessage] = Field(min_length=1, description="the chat prompt as sent to the model, without the response")
-    response: str
-    finish_reason: _ident(32, 0) | None = Field(default=None, description="stop, length, abort, ... as the engine reports it")
+    response: Text
+    finish_reason: FinishReason | None = Field(default=None,
+                                               description="as the engine reports it: vLLM's and OpenAI's values")
     sampling: Sampling
     latency_ms: float = _finite(ge=0, le=MAX_LATENCY_MS)
     prompt_tokens: int = Field(ge=0, le=MAX_TOKENS)
@@ -229,9 +254,20 @@ DeadLetterReason = Literal[
     "schema_version",  # missing or another version
     "ts_units",  # ts in the window only when read as milli/micro/nanoseconds
     "ts_window",  # ts outside 2000..2100
+    "ts_format",  # a ts string that is not strictly RFC 3339 (offset beyond +-14:00, non-ASCII digits, a newline)
+    "control_character",  # a control character in a text field (NUL...), or an invisible one in an identifier
+    "finish_reason",  # not one of vLLM's and OpenAI's finish reasons
+    "unknown_variant",  # variant or assigned_variant not an arm of this deployment (ingest.variants)
+    "missing_value",  # a feedback event without `value` (null is fine, absent is not)
     "store_error",  # valid, but the store could not write it (isolated from its batch)
 ]
-_REASON_OF_ERROR = {"ts_units": "ts_units", "ts_window": "ts_window", "finite_number": "non_finite"}
+_REASON_OF_ERROR = {"ts_units": "ts_units", "ts_window": "ts_window", "ts_format": "ts_format",
+                    "finite_number": "non_finite"}
+# fields Python callers may leave to their default, which the wire must name, and the reason of a record without
+WIRE_REQUIRED: dict[type, dict[str, DeadLetterReason]] = {
+    QueryLogEvent: {"schema_version": "schema_version"},
+    FeedbackEvent: {"schema_version": "schema_version", "value": "missing_value"},
+}
 
 
 class MalformedEvent(ValueError):
@@ -250,12 +286,15 @@ _JSON_ERRORS = (
 )
 
 
-def parse_event(model: type[QueryLogEvent] | type[FeedbackEvent], raw: bytes | None, max_bytes: int) -> Event:
+def parse_event(model: type[QueryLogEvent] | type[FeedbackEvent], raw: bytes | None, max_bytes: int,
+                arms: Collection[str] | None = None) -> Event:
     """Validate one record's bytes as a `model` event; raise MalformedEvent (and only that) saying why not.
 
     Bounded: at most `max_bytes`; the JSON parser (jiter, pydantic's own) stops at MAX_DEPTH levels of
     nesting and at numbers beyond its range, and rejects duplicate keys, lone UTF-16 surrogates and
-    invalid UTF-8; NaN/Infinity parse, and the models' finite check rejects them where a number goes."""
+    invalid UTF-8; NaN/Infinity parse, and the models' finite check rejects them where a number goes.
+    With `arms` (ingest.variants: a deployment's, not the schema's), a query-log event's `variant` and
+    `assigned_variant` must be one of them, exactly."""
     if raw is None:
         raise MalformedEvent("bad_json", "record has no value (tombstone)")
     if len(raw) > max_bytes:
@@ -267,13 +306,33 @@ def parse_event(model: type[QueryLogEvent] | type[FeedbackEvent], raw: bytes | N
         raise MalformedEvent(reason, f"not valid JSON: {str(e)[:200]}") from None
     if not isinstance(doc, dict):
         raise MalformedEvent("schema", f"expected a JSON object, got {type(doc).__name__}")
-    # the models default schema_version for Python callers; on the wire it is required
+    # the models default these for Python callers; on the wire they are required (the version before all else)
     if "schema_version" not in doc:
         raise MalformedEvent("schema_version", f"schema_version is missing (expected {SCHEMA_VERSION})")
     try:
-        return model.model_validate(doc)
+        event = model.model_validate(doc)
     except ValidationError as e:
         raise _classified(e) from None
+    missing = sorted(WIRE_REQUIRED[model].keys() - doc.keys())
+    if missing:
+        raise MalformedEvent(WIRE_REQUIRED[model][missing[0]], f"{missing[0]} is missing (null where there is nothing "
+                                                               "to say)")
+    if arms is not None and isinstance(event, QueryLogEvent):
+        for name in ("variant", "assigned_variant"):
+            value = getattr(event, name)
+            if value is not None and value not in arms:
+                raise MalformedEvent("unknown_variant", f"{name} {value!r} is not an arm of this deployment "
+                                                        f"(ingest.variants: {', '.join(arms)})")
+    return event
+
+
+def _reason(err: Any) -> DeadLetterReason:
+    """The dead-letter reason of one pydantic error: its own where the rule has one, else `schema`."""
+    if err["type"] == "string_pattern_mismatch" and (err.get("ctx") or {}).get("pattern") in (_NO_CONTROL, _TEXT):
+        return "control_character"
+    if err["loc"][:1] == ("finish_reason",) and err["type"] == "literal_error":
+        return "finish_reason"
+    return _REASON_OF_ERROR.get(err["type"], "schema")  # type: ignore[return-value]
 
 
 def _classified(e: ValidationError) -> MalformedEvent:
@@ -281,7 +340,7 @@ def _classified(e: ValidationError) -> MalformedEvent:
     detail = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in errors[:5])[:1000]
     if any(err["loc"][:1] == ("schema_version",) for err in errors):
         return MalformedEvent("schema_version", f"expected schema_version {SCHEMA_VERSION}: {detail}")
-    reasons = {_REASON_OF_ERROR.get(err["type"], "schema") for err in errors}
+    reasons = {_reason(err) for err in errors}
     return MalformedEvent(reasons.pop() if len(reasons) == 1 else "schema", detail)
 
 

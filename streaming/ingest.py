@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from dynrubric.config import IngestConfig, KafkaConfig
 from dynrubric.errors import DynrubricError
 from streaming.dead_letters import DeadLetterSender
-from streaming.kafka import Topics, connection_kwargs, ensure_topics, unreachable
+from streaming.kafka import Topics, consumer_kwargs, ensure_topics, unreachable
 from streaming.store import QUERY_LOG
 from streaming.writer_process import FEEDBACK_KIND, QUERY_LOG_KIND, RawRecord, WrittenBatch, WriterProcess
 
@@ -159,7 +159,7 @@ class Ingestor:
         try:
             self.dlq = DeadLetterSender(self.kafka, self.cfg, self.topics.dead_letter)
             self.consumer = KafkaConsumer(
-                **connection_kwargs(self.kafka),
+                **consumer_kwargs(self.kafka),
                 group_id=self.cfg.group_id,
                 enable_auto_commit=False,
                 auto_offset_reset="earliest",

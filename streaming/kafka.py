@@ -49,6 +49,30 @@ def connection_kwargs(kafka: KafkaConfig) -> dict[str, Any]:
     return kw
 
 
+FETCH_BYTES = 16 << 20  # a fetch response's usual bound: many records of every assigned partition
+FRAME_HEADROOM = 1 << 20  # a response's headers around its records
+
+
+def fetch_sizes(max_message_bytes: int) -> dict[str, int]:
+    """kafka-python consumer settings that take the broker's largest message (`kafka.max_message_bytes`).
+
+    kafka-python's own cannot: a network frame may hold 1,000,000 bytes (`receive_message_max_bytes`)
+    while a fetch response may be 50 MiB (`fetch_max_bytes`), so a response carrying a 1 MB record
+    fails with InvalidReceiveError, drops the connection and is fetched again. Here a partition fetch
+    takes at least the largest message, a fetch at least two of them (else 16 MiB), and a frame a
+    whole fetch response.
+    """
+    partition = max(max_message_bytes, 1 << 20)
+    fetch = max(FETCH_BYTES, 2 * partition)
+    return {"max_partition_fetch_bytes": partition, "fetch_max_bytes": fetch,
+            "receive_message_max_bytes": fetch + FRAME_HEADROOM}
+
+
+def consumer_kwargs(kafka: KafkaConfig) -> dict[str, Any]:
+    """kafka-python consumer keyword arguments: the connection's and the fetch sizes (`fetch_sizes`)."""
+    return connection_kwargs(kafka) | fetch_sizes(kafka.max_message_bytes)
+
+
 def unreachable(kafka: KafkaConfig, error: Exception) -> DynrubricError:
     why = type(error).__name__ + (f": {error}" if str(error) not in ("", type(error).__name__) else "")
     return DynrubricError(

@@ -93,7 +93,7 @@ class BatchWriter:
         keep: list[tuple[int, Stored]] = []
         for i, rec in enumerate(records):
             try:
-                event = parse_event(MODEL_OF_KIND[rec.kind], rec.value, self.cfg.max_event_bytes)
+                event = parse_event(MODEL_OF_KIND[rec.kind], rec.value, self.cfg.max_event_bytes, self.cfg.variants)
             except MalformedEvent as e:
                 dead.append((i, e.reason, e.detail))
                 continue

@@ -120,6 +120,58 @@ def test_a_canary_whose_engine_dies_before_the_last_look_is_not_promoted():
     assert evaluate(healthy, healthy, 0.6, cfg).verdict is Verdict.PASS  # a working canary is still promoted
 
 
+def demo_gate() -> GateConfig:
+    from dynrubric.config import Settings
+    from serving.commands import apply_demo_gate
+
+    settings = Settings()
+    apply_demo_gate(settings)
+    return settings.gate
+
+
+def test_harm_stops_at_once_whatever_the_minimums():
+    """Under the demo's gate (5 users, 8 requests, 6 rated a arm), a canary that failed its first 6 requests is
+    rolled back at that look: the error-rate guardrail runs before the minimums, which the canary is far from
+    (no rating yet, 3 users). Stable's first 20 requests all succeeded."""
+    cfg = demo_gate()
+    stable = arm(step_users=10, step_requests=20, users=10, requests=20, rated=12, errors=UserRates.per_request(0, 20))
+    failing = arm(step_users=3, step_requests=6, users=3, requests=6, rated=0, errors=UserRates.per_request(6, 6))
+    gate = evaluate(stable, failing, 0.3, cfg, require_non_inferiority=False)
+    assert gate.verdict is Verdict.FAIL and gate.reason.startswith("error_rate: canary error rate exceeds stable"), gate
+    assert [c.name for c in gate.checks] == ["sample_ratio", "error_rate"]
+    healthy = arm(step_users=3, step_requests=6, users=3, requests=6, rated=0, errors=UserRates.per_request(0, 6))
+    waiting = evaluate(stable, healthy, 0.3, cfg, require_non_inferiority=False)
+    assert waiting.verdict is Verdict.INCONCLUSIVE and waiting.reason.startswith("min_samples")
+
+
+def test_judged_promotion_needs_the_win_rate_shown_above_its_bar():
+    """`promote_on: [judged]` (the demo): the feedback rates only guard against harm, and the last step passes
+    once the judged win rate's lower bound clears 1/2 - judge_margin; steps before it pass on no harm."""
+    cfg = demo_gate()
+    assert cfg.promote_on == ["judged"]
+    few = evaluate(arm(), arm(), 0.5, cfg, judge=JudgeStats(pairs=20, canary_score=10.0))
+    assert few.verdict is Verdict.INCONCLUSIVE and few.reason.startswith("judged_non_inferiority"), few.reason
+    assert "win rate 0.50 over 20 pairs not yet shown above 0.250" in few.reason
+    assert evaluate(arm(), arm(), 0.5, cfg, require_non_inferiority=False,
+                    judge=JudgeStats(pairs=20, canary_score=10.0)).verdict is Verdict.PASS
+    enough = evaluate(arm(), arm(), 0.5, cfg, judge=JudgeStats(pairs=200, canary_score=100.0))
+    assert enough.verdict is Verdict.PASS, enough.reason
+    # the promotion says what it rests on: the judged win rate (and the error rate), not the feedback rates
+    assert enough.reason.startswith("judged_non_inferiority: the rubric judge finds the canary within 0.25 of stable")
+    assert "; error_rate_non_inferiority: " in enough.reason and "primary" not in enough.reason
+    assert [c.name for c in enough.checks][-2:] == ["judged_non_inferiority", "error_rate_non_inferiority"]
+    judged = next(c for c in enough.checks if c.name == "judged_non_inferiority").numbers
+    assert judged["lower"] > judged["bar"] == 0.25
+    # the feedback rates' margins are not asked for, but harm on them still fails
+    primary = next(c for c in enough.checks if c.name == "primary")
+    assert "not required: gate.promote_on" in primary.detail
+    worse = evaluate(arm(), arm(positive=UserRates.of(np.r_[np.ones(200), np.zeros(300)], np.ones(500))), 0.5, cfg,
+                     judge=JudgeStats(pairs=200, canary_score=100.0))
+    assert worse.verdict is Verdict.FAIL and "positive-feedback rate" in worse.reason
+    nothing = evaluate(arm(), arm(), 0.5, cfg)
+    assert nothing.verdict is Verdict.INCONCLUSIVE and "no judged pairs yet" in nothing.reason
+
+
 # ---------------------------------------------------------------- simulations (done-when)
 def _report(name: str, runs) -> tuple[int, float]:
     rolled_back = sum(r.outcome == "rolled_back" for r in runs)

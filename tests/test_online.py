@@ -137,3 +137,34 @@ def test_restart_resumes_from_committed_offsets(kafka_broker, tmp_path):
     for m in (second, fresh):
         m.close()
     producer.close()
+
+
+def test_a_one_megabyte_event_is_read_without_a_dropped_connection(kafka_broker, caplog):
+    """A response as large as the broker takes (`kafka.max_message_bytes`) among small ones: every event is read,
+    and kafka-python never drops the connection with InvalidReceiveError (its own frame limit, 1,000,000
+    bytes, is below a fetch response that carries such an event: `streaming.kafka.fetch_sizes`)."""
+    from kafka import KafkaProducer
+    from kafka.admin import KafkaAdminClient, NewTopic
+
+    q, f = (f"t-{uuid.uuid4().hex[:8]}-{n}" for n in ("q", "f"))
+    admin = KafkaAdminClient(bootstrap_servers=kafka_broker)
+    admin.create_topics([NewTopic(q, 1, 1), NewTopic(f, 1, 1)])
+    admin.close()
+    producer = KafkaProducer(bootstrap_servers=kafka_broker, max_request_size=2_000_000)
+    for i in range(6):
+        big = {"response": "x" * 1_000_000} if i in (1, 2) else {}
+        producer.send(q, value=request(f"r{i}", f"u{i}", ("stable", "canary")[i % 2], **big))
+    producer.flush()
+    producer.close()
+    m = OnlineMetrics(kafka_broker, q, f, group_id=f"{q}-g")
+    m.track("ro-1", 0, 0.0)
+    try:
+        for _ in range(20):
+            m.poll(budget_s=1.0)
+            if sum(m.arm_stats(a).requests for a in ("stable", "canary")) == 6:
+                break
+        assert sum(m.arm_stats(a).requests for a in ("stable", "canary")) == 6
+    finally:
+        m.close()
+    dropped = [r.getMessage() for r in caplog.records if "InvalidReceiveError" in r.getMessage()]
+    assert not dropped, dropped

@@ -163,6 +163,34 @@ def test_rollouts_live_in_the_registry_database(registry: Registry) -> None:
     assert store.create("r2", "/ckpt/r2", "base", "/ckpt/base", [0.5]).version == "r2"
 
 
+def test_a_rollouts_table_of_an_older_version_gets_the_plan_column(registry: Registry) -> None:
+    """A table created before the gate's power plan (no `plan` column) keeps its rows and takes plans."""
+    from serving.rollout import LEGACY_COLUMNS, RolloutStore
+
+    with registry.transaction(write=True) as cur:
+        cur.execute(SCHEMA_WITHOUT_PLAN)
+        cur.execute(f"INSERT INTO rollouts ({LEGACY_COLUMNS}) VALUES ({','.join('?' * 13)})",
+                    ("ro-old", "r0", "/ckpt/r0", "base", "/ckpt/base", "[0.5]", "promoted", 0, 1.0, 1.0, 2.0, None,
+                     None))
+    store = RolloutStore(registry)
+    assert [(r.id, r.plan) for r in store.list()] == [("ro-old", None)]
+    r = store.create("r1", "/ckpt/r1", "base", "/ckpt/base", [0.5])
+    assert store.update(r.id, plan={"lines": ["gate power at 1.00 requests/s"]}).plan == {
+        "lines": ["gate power at 1.00 requests/s"]}
+    assert RolloutStore(registry).get(r.id).plan["lines"] == ["gate power at 1.00 requests/s"]  # opened again: no-op
+
+
+SCHEMA_WITHOUT_PLAN = """
+CREATE TABLE rollouts (
+    id TEXT PRIMARY KEY, version TEXT NOT NULL, version_path TEXT NOT NULL, baseline TEXT NOT NULL,
+    baseline_path TEXT NOT NULL, steps TEXT NOT NULL, status TEXT NOT NULL, step INTEGER NOT NULL,
+    step_started_at DOUBLE PRECISION NOT NULL, started_at DOUBLE PRECISION NOT NULL,
+    updated_at DOUBLE PRECISION NOT NULL, reason TEXT,
+    last_gate TEXT
+)
+"""
+
+
 def test_postgres_url_without_psycopg_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "psycopg", None)  # makes `import psycopg` raise ImportError
     with pytest.raises(DynrubricError, match="psycopg is not installed"):

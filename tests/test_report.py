@@ -197,7 +197,7 @@ def test_report_command_reads_the_rollouts_of_the_state_dir(tmp_path, where):
     import sys
     from pathlib import Path
 
-    from serving.rollout import COLUMNS, SCHEMA
+    from serving.rollout import LEGACY_COLUMNS, SCHEMA
 
     state = tmp_path / "state"
     (state / "train").mkdir(parents=True)
@@ -206,12 +206,12 @@ def test_report_command_reads_the_rollouts_of_the_state_dir(tmp_path, where):
     if where == "registry":
         judged_store(state / "registry" / "registry.sqlite")
     else:  # what versions before the move left: the same table in a file of its own
-        rows = [tuple(r.to_json()[c.strip()] for c in COLUMNS.split(","))
+        rows = [tuple(r.to_json()[c.strip()] for c in LEGACY_COLUMNS.split(","))
                 for r in judged_store(tmp_path / "elsewhere.sqlite").list()]
         legacy.parent.mkdir(parents=True)
         with sqlite3.connect(legacy) as conn:
             conn.execute(SCHEMA)
-            conn.executemany(f"INSERT INTO rollouts ({COLUMNS}) VALUES ({','.join('?' * 13)})",
+            conn.executemany(f"INSERT INTO rollouts ({LEGACY_COLUMNS}) VALUES ({','.join('?' * 13)})",
                              [r[:5] + (json.dumps(r[5]),) + r[6:12] + (json.dumps(r[12]),) for r in rows])
         conn.close()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DYNRUBRIC_")}

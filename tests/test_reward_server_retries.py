@@ -5,7 +5,8 @@ Here its timeout is cut to a few seconds (the `aiohttp.ClientTimeout` its code b
 changed) and the samples of each prompt arrive seconds apart, so the first samples' requests time out,
 are abandoned by the client and sent again, to the other replica, while their group is still open
 or already being scored. Every group must still be complete, every sample scored once, and every
-reward the score of the client's own response.
+reward the score of the client's own response; each replica prints where it listens, and each cancelled
+request is one log line with its reason, never a traceback.
 """
 
 from __future__ import annotations
@@ -75,6 +76,14 @@ def test_openrlhf_retries_join_their_slot_and_every_sample_is_scored_once(tiny_m
     print("reward retries:", total)
     assert total["dynrubric_reward_retried_samples_total"] > 0, "the short timeout forced retries"
     assert total["dynrubric_reward_cancelled_requests_total"] > 0, "abandoned requests were cancelled"
+    # each replica says where it listens; each cancelled request is one line with its reason, no traceback
+    logs = [r.log.read_text() for r in replicas]
+    for r, text in zip(replicas, logs):
+        assert f"reward server on {r.url} (POST /reward, /get_reward, /score_sets): group size {N}" in text, text
+        assert "Traceback" not in text and "never retrieved" not in text, text
+    cancelled = [line for text in logs for line in text.splitlines() if "cancelled a reward request" in line]
+    assert len(cancelled) == total["dynrubric_reward_cancelled_requests_total"], logs
+    assert all("its client disconnected" in line for line in cancelled), cancelled
     assert total["dynrubric_rubric_sets_total"] == len(QUESTIONS) == len(groups), "each set scored once"
     assert total["dynrubric_reward_partial_groups_total"] == 0
     by_prompt = {g["prompt"]: g for g in groups}

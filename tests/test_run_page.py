@@ -30,7 +30,10 @@ def page_data(tmp_path) -> RunPage:
                  "reason": "ro-r1-x: gate failed at step 0: error_rate: canary worse <script>", "serving": "base",
                  "registered_to_canary_s": 2.5}],
         rollouts=[{"id": "ro-r1-x", "version": "r1", "baseline": "base", "status": "rolled_back",
-                   "reason": "gate failed", "steps": [0.3, 0.6], "started_at": t0, "updated_at": t0 + 90}],
+                   "reason": "gate failed", "steps": [0.3, 0.6], "started_at": t0, "updated_at": t0 + 90,
+                   "plan": {"lines": ["gate power at 1.00 requests/s from 40 users, 0.50 judged pairs/s (router)",
+                                      "  judged win rate (0.500): a fall below 1/2 of 0.381 / 0.381 at steps 30% / 60%",
+                                      "  an equal canary is promoted after about 159 s (step 0 34 s, step 1 125 s)"]}}],
         gate_log=[{"ts": t0 + 40, "rollout": "ro-r1-x", "step": 0, "verdict": "inconclusive", "line": "min_samples"},
                   {"ts": t0 + 80, "rollout": "ro-r1-x", "step": 0, "verdict": "fail", "line": "error_rate"}],
         lineage=[{"version": "base", "parent": None, "round": None, "state": "stable", "reason": None},
@@ -50,6 +53,8 @@ def test_run_page_renders_in_headless_chromium(tmp_path):
     assert "<script>" not in text and "&lt;script&gt;" in text  # data is escaped, the page runs nothing
     assert "src=\"http" not in text and text.count("data:image/png;base64,") == 2  # self-contained
     assert (tmp_path / "report" / "rollout-ro-r1-x.png").read_bytes()[:4] == b"\x89PNG"
+    # beside the rollout: what its gate could detect at the traffic it started with
+    assert "gate power at 1.00 requests/s from 40 users" in text and "a fall below 1/2 of 0.381" in text
 
     shot = tmp_path / "shot.png"
     run = subprocess.run([chromium, *CHROMIUM_FLAGS, "--window-size=1200,2400", f"--screenshot={shot}",

@@ -107,6 +107,21 @@ def test_routes_sticky_logs_and_echoes(stack):
     set_traffic(stack, 0.0, "exp-sticky")
 
 
+def test_control_characters_are_logged_as_visible_escapes(stack):
+    """A prompt (or a model's answer: the tiny model's sometimes holds them) with control characters is logged
+    with each one escaped, `\\u0000`: an event ingest stores, never one it dead-letters and loses."""
+    from streaming.events import QueryLogEvent, parse_event
+
+    r = chat(stack, "ctl", messages=[{"role": "user", "content": "nul\x00 esc\x1b tab\t ok"}])
+    assert r.status_code == 200, r.text
+    stack.producer.flush()
+    logged = read_topic(stack.bootstrap, "dynrubric.query-log")
+    [raw] = [e for e in logged if e["request_id"] == r.headers["x-request-id"]]
+    assert raw["messages"][-1]["content"] == "nul\\u0000 esc\\u001b tab\t ok"
+    event = parse_event(QueryLogEvent, json.dumps(raw).encode(), 10**6, arms=("stable", "canary"))
+    assert "\x00" not in event.response and event.messages[-1].content == raw["messages"][-1]["content"]
+
+
 def test_streaming_is_relayed_and_logged(stack):
     with httpx.stream("POST", f"{stack.router_url}/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True, "temperature": 0,
@@ -234,6 +249,42 @@ def assert_untouched(stack, before: dict) -> None:
     r = httpx.post(f"{stack.router_url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                                      "max_tokens": 2}, timeout=60)
     assert r.status_code == 200 and r.headers["x-dynrubric-variant"] == "stable"
+
+
+def test_a_canary_failing_every_request_is_rolled_back_at_step_0_under_the_demo_gate(stack, tiny_model_dir, tmp_path):
+    """Harm stops at once, under `up --demo`'s gate (judged promotion; 5 users, 8 requests, 6 rated a arm): a
+    canary whose engine fails every request (NaN weights: HTTP 500, its users served by stable) is rolled back at
+    step 0 by the error-rate guardrail, the check right after the split, before any minimum is asked. The
+    rollout logged and kept what its gate could detect at the traffic it started with."""
+    from dynrubric.config import Settings
+    from dynrubric.engines.hf import TransformersEngine
+    from dynrubric.rubric.evaluator import Evaluator
+    from serving.commands import apply_demo_gate
+    from serving.judged import PairJudge
+    from serving.loop import damage_nonfinite
+
+    settings = Settings()
+    apply_demo_gate(settings)
+    baseline = stack.registry.stable()
+    stack.registry.register(damage_nonfinite(baseline.path, tmp_path / "nan"), baseline.version, 3, {},
+                            version="v-nan-demo")
+    logged: list[str] = []
+    with TransformersEngine(tiny_model_dir) as engine:  # the demo gate promotes on the judge: it must have one
+        controller = stack.controller(settings.rollout.model_copy(update={"poll_interval_s": 0.5}), settings.gate,
+                                      judge=PairJudge(Evaluator(engine, engine, settings.rubric), settings.rubric.eps))
+        controller.log = logged.append
+        rollout = controller.start("v-nan-demo")
+        done = drive(stack, controller, rollout.id, users(stack, seed=5), batch=4)
+    final = done["rollout"]
+    assert final.status == "rolled_back", final.reason
+    assert final.reason.startswith("gate failed at step 0: error_rate: canary error rate exceeds stable"), final.reason
+    assert [c["name"] for c in final.last_gate["checks"]] == ["sample_ratio", "error_rate"]
+    assert done["failed_requests"] == 0  # every user answered, by stable
+    assert stack.registry.get("v-nan-demo").state is CheckpointState.rejected
+    lines = final.plan["lines"]
+    assert lines[0].startswith("gate power at ") and any("judged win rate" in x for x in lines), lines
+    assert [f"{rollout.id}: {x}" for x in lines] == [x for x in logged if x.startswith(f"{rollout.id}: ") and
+                                                      (x[len(rollout.id) + 2:] in lines)]
 
 
 def test_unknown_version_changes_nothing(stack):

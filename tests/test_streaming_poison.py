@@ -55,8 +55,19 @@ def poison() -> list[tuple[str, str, bytes | None]]:
         ("q", "oversize", big),
         ("q", "non_finite", _text(_query("nan", latency_ms=1.5), "1.5", "NaN")),
         ("f", "non_finite", _text(_feedback("f-inf", value=1.5), "1.5", "Infinity")),
-        ("q", "schema", json.dumps(_query("nul\u0000id")).encode()),
-        ("q", "schema", json.dumps(_query("nul-user", user_key="u\u00001")).encode()),
+        ("q", "control_character", json.dumps(_query("nul\u0000id")).encode()),
+        ("q", "control_character", json.dumps(_query("nul-user", user_key="u\u00001")).encode()),
+        # values that are not what they claim (once stored): each with a reason of its own
+        ("q", "ts_format", json.dumps(_query("ts-25h", ts="2026-11-30T15:13:48+25:00")).encode()),
+        ("q", "ts_format", json.dumps(_query("ts-newline", ts="2026-11-30T15:13:48Z\n")).encode()),
+        ("q", "ts_format", json.dumps(_query("ts-wide", ts="\uff12\uff10\uff12\uff16-11-30T15:13:48Z")).encode()),
+        ("q", "control_character", json.dumps(_query("nul-response", response="four\u0000")).encode()),
+        ("f", "missing_value", json.dumps({k: v for k, v in _feedback("no-value", kind="thumbs_up").items()
+                                           if k != "value"}).encode()),
+        ("q", "unknown_variant", json.dumps(_query("arm-space", variant="stable ")).encode()),
+        ("q", "unknown_variant", json.dumps(_query("arm-cyrillic", variant="st\u0430ble")).encode()),
+        ("q", "unknown_variant", json.dumps(_query("arm-control", variant="control")).encode()),
+        ("q", "finish_reason", json.dumps(_query("finish-zwsp", finish_reason="stop\u200b")).encode()),
         ("q", "duplicate_key", _text(_query("dup"), '"schema_version": 1', '"schema_version": 2, "schema_version": 1')),
         ("q", "schema", json.dumps(_query("neg", latency_ms=-5.0)).encode()),
         ("q", "schema", json.dumps(_query("neg-tok", completion_tokens=-1)).encode()),
@@ -76,10 +87,13 @@ def valid() -> list[tuple[str, str, bytes]]:
                             "2026-11-30T15:13:48.123456789Z", "2026-11-30T10:13:48.5-05:00", 1796051628]):
         out.append(("q", f"ts-{i}", json.dumps(_query(f"ts-{i}", ts=ts)).encode()))
     out += [("f", f"ok-{i}", json.dumps(_feedback(f"ok-{i}", ts="2026-11-30T15:13:48Z")).encode()) for i in range(3)]
+    out += [("q", f"finish-{r}", json.dumps(_query(f"finish-{r}", finish_reason=r)).encode())
+            for r in ("tool_calls", "content_filter", "length")]  # real finish reasons stay accepted
+    out.append(("f", "null-value", json.dumps(_feedback("null-value", kind="thumbs_up", value=None)).encode()))
     return out
 
 
-def test_poison_of_every_class_is_dead_lettered_once_and_ingest_keeps_running(kafka_broker, tmp_path):
+def test_poison_of_every_class_is_dead_lettered_once_and_ingest_keeps_running(kafka_broker, tmp_path, caplog):
     kafka = isolated(kafka_broker)
     topics = Topics.of(kafka)
     topic_of = {"q": topics.query_log, "f": topics.feedback}
@@ -153,6 +167,9 @@ def test_poison_of_every_class_is_dead_lettered_once_and_ingest_keeps_running(ka
             kept = (tmp_path / "quarantine" / dl.source_topic / f"{dl.source_partition}-{dl.source_offset}.bin").read_bytes()
             assert kept == original, "the full bytes of a cut letter are in the quarantine"
     assert any(dl.truncated and dl.original_length > 1_000_000 for dl in letters), "the 1 MB one, cut"
+    # fetched whole: the consumer never dropped its connection on a frame larger than kafka-python's default limit
+    dropped = [r.getMessage() for r in caplog.records if "InvalidReceiveError" in r.getMessage()]
+    assert not dropped, dropped
 
     total = len(good) + len(bad) + 1
     assert summary.consumed == total == consumed()

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 from dynrubric.config import KafkaConfig
 from streaming.broker import EmbeddedBroker, answers_kafka
 from streaming.events import FEEDBACK_TOPIC, QUERY_LOG_TOPIC, FeedbackEvent, QueryLogEvent
+from streaming.kafka import fetch_sizes
 from streaming.producer import EventProducer
 
 
@@ -24,7 +25,8 @@ def query_event(request_id: str, **over) -> QueryLogEvent:
 
 
 def read_all(bootstrap: str, topic: str) -> list:
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False)
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False,
+                             **fetch_sizes(KafkaConfig().max_message_bytes))  # the poison test's 1 MB event
     tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
     consumer.assign(tps)
     consumer.seek_to_beginning()

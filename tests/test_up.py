@@ -109,7 +109,7 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
                 # a random point of the round (the tiny round takes ~30 s)
                 threading.Timer(rng.uniform(3.0, 12.0), kill, ("trainer",)).start()
                 killed["trainer"] = 0
-            elif line.strip().startswith("ro-r2-") and "step 0" in line and "engine-1" not in killed:
+            elif re.match(r"ro-r2-\S+ step 0 ", line.strip()) and "engine-1" not in killed:  # its first gate look
                 kill("engine-1")
         rc = up.wait()
     finally:
@@ -124,9 +124,13 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
     assert "cycle 1: rollout of r1-damaged: " in text and "cycle 2: rollout of r2: " in text, text[-5000:]
     assert "cycle 1: candidate registered -> canary serving it in" in text
     assert "Prometheus at http://" in text
-    # the drill is rolled back by the gate on the errors of its NaN logits (not by a timeout or a dead engine)
+    # each rollout first says what its gate can detect at the traffic measured so far
+    power = re.findall(r"^\s*ro-r(1-damaged|2)-\S+: gate power at [\d.]+ requests/s from \d+ users", text, re.M)
+    assert power == ["1-damaged", "2"], power
+    # the drill is rolled back by the gate on the errors of its NaN logits (not by a timeout or a dead engine),
+    # at the first step: harm stops at once
     drill = re.search(r"^cycle 1: rollout of r1-damaged: rolled_back: ro-r1-damaged-\S+: "
-                      r"gate failed at step \d+: error_rate: canary error rate exceeds stable", text, re.M)
+                      r"gate failed at step 0: error_rate: canary error rate exceeds stable", text, re.M)
     assert drill, text[-5000:]
     assert "cycle 2: rollout of r2: rolled_back" in text, text[-5000:]
     assert "restarts: engine-1 1, ingest 1, trainer 1;" in text, text[-3000:]
@@ -194,6 +198,7 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
     assert (state / "report" / "run.png").read_bytes()[:4] == b"\x89PNG"
     page = (state / "report" / "run.html").read_text()
     assert "ro-r2-" in page and "rolled_back" in page and page.count("data:image/png;base64,") >= 3
+    assert page.count("gate power at") == 2  # beside each rollout
 
 
 def test_paused_users_send_nothing_until_resumed(tmp_path):

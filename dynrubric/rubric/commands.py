@@ -396,11 +396,18 @@ def serve_reward(
     port: Annotated[int | None, typer.Option("--port", help="default: reward_server.port")] = None,
 ) -> None:
     """Serve set-conditioned rewards to OpenRLHF (remote reward protocol, per-prompt group barrier)."""
-    from dynrubric.reward_server import build_app
+    from dynrubric.ports import free_port
+    from dynrubric.reward_server import build_app, log_to_stderr
     from dynrubric.service import serve
 
     settings = settings_of(ctx)
     cfg = settings.reward_server
     app = build_app(settings)
-    serve(app, host or cfg.host, cfg.port if port is None else port)
+    log_to_stderr()
+    host, port = host or cfg.host, cfg.port if port is None else port
+    port = port or free_port()  # port 0: pick one here, so the line below names where it listens
+    console.print(f"reward server on http://{host}:{port} (POST /reward, /get_reward, /score_sets): group size "
+                  f"{settings.train.candidates} (train.candidates = OpenRLHF's n_samples_per_prompt), group timeout "
+                  f"{cfg.group_timeout_s:g} s", markup=False, highlight=False, soft_wrap=True)
+    serve(app, host, port)
 
