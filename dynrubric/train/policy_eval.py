@@ -107,7 +107,7 @@ def decode_params(settings: Settings) -> SamplingParams:
     """The serving decode settings: what the users ask the router for."""
     e = settings.evaluation
     return SamplingParams(max_tokens=e.max_tokens or settings.loop.users_max_tokens, temperature=e.temperature,
-                          seed=settings.train.seed)
+                          seed=settings.train.seed if e.temperature > 0 else None)  # greedy needs no seed
 
 
 def eval_key(prompts: Sequence[EvalPrompt], params: SamplingParams) -> str:
