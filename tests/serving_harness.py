@@ -23,27 +23,26 @@ from serving.rollout import Controller, RolloutStore, RouterClient
 from serving.router import Replica, Router, RouterState, Weights
 from streaming.events import FEEDBACK_TOPIC, QUERY_LOG_TOPIC, ChatMessage
 from streaming.producer import EventProducer
-from streaming.prompts import Constraint, PromptItem
+from streaming.prompts import PromptItem
 
 TOKEN = SecretStr("test-token")
 
-# Checkable prompts SmolLM2-135M answers right about half the time at temperature 0 and damaged
-# weights never: enough signal for a rollout test that ends in minutes. The shipped prompt file's
-# arithmetic checker wants the first number to be the answer, which "7 + 5 = 12" misses, so its
-# signal on a 135M model is too weak for that (the simulated-users CLI uses the shipped file).
+# Checkable prompts SmolLM2-135M answers right about half the time at temperature 0 and damaged weights never:
+# enough signal for a rollout test that ends in minutes. Their ground truth is what the text states (a computed
+# answer, a required word), checked as users, the judge and the evaluation all check it.
 SIGNAL_PROMPTS = [
-    ("add-7-5", "What is 7 + 5? Answer with the number only.", "12"),
-    ("mul-3-4", "What is 3 times 4?", "12"),
-    ("add-2-2", "What is 2 + 2?", "4"),
-    ("capital-fr", "Name the capital of France.", "paris"),
-    ("sky", "What color is the sky? Answer in one word.", "blue"),
-    ("add-12-30", "What is 12 + 30?", "42"),
+    ("add-7-5", "arithmetic", "What is 7 + 5? Answer with the number only."),
+    ("mul-3-4", "arithmetic", "What is 3 * 4?"),
+    ("add-2-2", "arithmetic", "What is 2 + 2?"),
+    ("capital-fr", "instruction", "Name the capital of France. Include the word 'Paris'."),
+    ("sky", "instruction", "What color is the sky? Include the word 'blue'."),
+    ("add-12-30", "arithmetic", "What is 12 + 30?"),
 ]
 
 
 def signal_prompts() -> list[PromptItem]:
-    return [PromptItem(id=i, kind="constraint", messages=[ChatMessage(role="user", content=text)],
-                       constraint=Constraint(type="include_word", word=word)) for i, text, word in SIGNAL_PROMPTS]
+    return [PromptItem(id=i, kind=kind, messages=[ChatMessage(role="user", content=text)])
+            for i, kind, text in SIGNAL_PROMPTS]
 
 
 def wait_for(condition, timeout_s: float, what: str, every_s: float = 0.2):
