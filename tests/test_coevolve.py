@@ -246,3 +246,28 @@ def test_file_anchors_are_found_for_prompts_from_the_replay_source(tmp_path: Pat
     assert len(prompts) == 2
     assert sorted(anchors[p.key][0] for p in prompts) == ["4", "A red fox."]
     assert all(p.key == make_prompt(p.messages).key for p in prompts)
+
+
+def test_users_feedback_in_the_replay_store_ranks_a_prompts_responses(tmp_path: Path) -> None:
+    """The replay source gives the trainer every logged response of a prompt with the users' feedback on it, and
+    `feedback_ranking` turns that into the generator's anchors: the response users liked over the one they
+    regenerated, across the two versions that wrote them."""
+    from streaming.events import FeedbackEvent
+    from streaming.store import ReplayPromptSource, Stored, StoreWriter
+    from tests.test_streaming_producer import query_event
+
+    chat = [{"role": "user", "content": "What is 2 + 2?"}]
+    writer = StoreWriter(tmp_path / "replay")
+    logged = [query_event("a", policy_version="base", messages=chat, response="5"),
+              query_event("b", policy_version="r1", messages=chat, response="It is 4."),
+              query_event("c", policy_version="r1", messages=chat, response="It is 4.")]
+    writer.commit([Stored(e, 0, i) for i, e in enumerate(logged)])
+    votes = [("a", "thumbs_down"), ("a", "regenerate"), ("b", "thumbs_up"), ("c", "thumbs_up"), ("c", "copy")]
+    writer.commit([Stored(FeedbackEvent(request_id=rid, ts=1795000000.0 + i, user_key="u1", kind=kind,
+                                        value=1.0), 1, i) for i, (rid, kind) in enumerate(votes)])
+    writer.close()
+    source = ReplayPromptSource(tmp_path / "replay")
+    [prompt], _ = source.new_prompts(None, 10)
+    assert sorted((r, sorted(kinds)) for r, kinds in source.feedback_by_response(prompt.key)) == [
+        ("5", ["regenerate", "thumbs_down"]), ("It is 4.", ["copy", "thumbs_up"]), ("It is 4.", ["thumbs_up"])]
+    assert feedback_ranking(source.feedback_by_response(prompt.key)) == ["It is 4.", "5"]

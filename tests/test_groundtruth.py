@@ -142,3 +142,49 @@ def test_paired_bootstrap_interval_is_centred_on_the_paired_difference():
     assert 0.10 < low < 0.2 < high < 0.30
     same = paired_bootstrap(a, a, samples=500, confidence=0.95)
     assert same == (0.0, 0.0, 0.0)
+
+
+class ScriptedVersions(Scripted):
+    """Each version answers by its own rule (a policy that echoes the question cannot be trained on demand from
+    a real model in a test: its answers are scripted, the evaluation and the guard are the real ones)."""
+
+    def __init__(self, tokenizer, rules):
+        super().__init__(tokenizer, {})
+        self.rules = rules
+
+    def generate(self, requests):
+        return [[Completion(self.rules[self.policy_version](r.prompt), (), "stop")] for r in requests]
+
+
+def test_the_guard_rejects_a_candidate_that_learned_to_echo_the_question(tiny_model_dir, tmp_path):
+    """Reward hacking is caught on ground truth: a candidate that answers by repeating the question meets every
+    keyword constraint (the official checker only looks for the word) and the judge's echo veto scores it 0;
+    on the held-out prompts it fails every computed answer its parent got right, and the round's guard
+    rejects it (heldout_regression), whatever the judge's reward said."""
+    from transformers import AutoTokenizer
+
+    from dynrubric.config import TrainConfig
+    from dynrubric.train.evaluation import round_verdict
+    from dynrubric.train.policy_eval import round_evidence
+
+    lines = [json.dumps({"prompt": f"What is {a} + {a + 1}? Answer with the number only."}) for a in range(2, 32)]
+    lines += [json.dumps({"prompt": f"Describe thing {i}. Include the word 'blue'."}) for i in range(10)]
+    bank = tmp_path / "heldout.jsonl"
+    bank.write_text("\n".join(lines) + "\n")
+
+    def honest(question: str) -> str:
+        truth = derive(question)
+        return f"{truth.answer:g}" if truth.answer is not None else "It is blue."
+
+    engine = ScriptedVersions(AutoTokenizer.from_pretrained(tiny_model_dir), {"base": honest, "r1": lambda q: q})
+    settings = Settings.model_validate({"paths": {"state_dir": str(tmp_path / "state")},
+                                        "evaluation": {"prompts_file": str(bank)}, "train": {"heldout_share": 0.99}})
+    evidence = round_evidence(settings, engine, ("r1", tmp_path), ("base", tmp_path), ("base", tmp_path))
+    assert evidence["pass"] == {"r1": 10 / 40, "base": 1.0}
+    verdict, metrics = round_verdict(TrainConfig(), [{"phase": "policy", "step": 0, "nonfinite": False, "updated": True,
+                                                     "reward_mean": 0.9, "mean_gap": 0.1, "tie_rate": 0.0,
+                                                     "tied_sets": 0}],
+                                     {"kl_to_parent": 0.01, "kl_to_base": 0.01, "reward_parent": 0.3,
+                                      "reward_new": 0.9, "groundtruth": evidence})
+    # the judge's held-out reward went up (0.3 -> 0.9): only ground truth shows the candidate is worse
+    assert verdict.reason == "heldout_regression" and metrics["heldout_pass"] == 0.25
