@@ -105,6 +105,11 @@ class VllmConfig(Section):
     kv_cache_space_gib: int = Field(default=2, ge=1)
     max_model_len: int = Field(default=2048, ge=128)
     max_logprobs: int = Field(default=20, ge=1)
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
+        default="processed_logprobs",
+        description="log-probs vLLM returns: of the distribution it sampled from (penalties, temperature, top-p "
+        "applied; what train.grpo.tis divides by) or of the raw model output",
+    )
     start_timeout_s: float = Field(default=300.0, gt=0)
 
 
@@ -352,6 +357,19 @@ class GRPOConfig(Section):
     lora_rank: int = Field(default=0, ge=0, description="0 = full fine-tuning; >0 = LoRA (peft) of this rank")
     lora_alpha: int = Field(default=16, ge=1)
     lora_target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    tis: bool = Field(
+        default=True,
+        description="truncated importance sampling: weight each token's surrogate by clamp(pi_old / mu, tis_low, "
+        "tis_high), mu = the sampling engine's own log-probs (a vLLM server must return processed_logprobs, "
+        "vllm.logprobs_mode); the mismatch is logged either way",
+    )
+    tis_low: float = Field(default=0.5, gt=0, le=1, description="lower truncation of the importance weight (OpenRLHF)")
+    tis_high: float = Field(default=5.0, ge=1, description="upper truncation of the importance weight (OpenRLHF's)")
+    logprob_chunk_mib: int = Field(
+        default=64, ge=1,
+        description="the LM head's float32 logits are computed this many MiB at a time: bounds the trainer's "
+        "memory (the full batch x tokens x vocabulary is never built), not its result",
+    )
 
 
 class CoevolveConfig(Section):

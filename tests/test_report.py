@@ -8,7 +8,8 @@ import pytest
 from dynrubric.errors import DynrubricError
 from dynrubric.report import UNIT, Thresholds, draw, read_runlog, render
 
-THRESHOLDS = Thresholds(collapse_min_mean_gap=0.03, collapse_max_nonsplit_share=0.8, collapse_window=20, max_kl=0.05)
+THRESHOLDS = Thresholds(collapse_min_mean_gap=0.03, collapse_max_nonsplit_share=0.8, collapse_window=20, max_kl=0.05,
+                        tis_low=0.5, tis_high=5.0)
 
 
 def write_log(path, steps: int, sets_per_step: int = 4, generator_steps: int = 1):
