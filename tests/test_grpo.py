@@ -430,4 +430,6 @@ def test_truncated_importance_sampling_on_the_real_vllm_server(vllm_server, smol
     assert stats.sampler_log_ratio > 10 * same.sampler_log_ratio and 0 < stats.sampler_capped < 1, stats
     got = [p.grad for p in trainer.params]
     manual = manual_tis_gradient(moved(), batch, 0.7)
-    assert all(torch.allclose(a, b, rtol=1e-3, atol=1e-8) for a, b in zip(got, manual, strict=True))
+    # float32 sums in another order (chunked head vs one log_softmax): equal to 1e-4 of each tensor's norm,
+    # while leaving the weights out moves it by far more than that
+    assert all(float((a - b).norm()) <= 1e-4 * float(b.norm()) for a, b in zip(got, manual, strict=True))

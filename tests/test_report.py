@@ -222,3 +222,32 @@ def test_report_command_reads_the_rollouts_of_the_state_dir(tmp_path, where):
         rerun = subprocess.run([sys.executable, "-m", "dynrubric", "report"], env=env, cwd=Path(__file__).parents[1],
                                capture_output=True, text=True, timeout=120)
         assert "2 rollouts with judged pairs" in rerun.stdout, rerun.stdout + rerun.stderr
+
+
+def test_the_sampler_trainer_mismatch_is_drawn_per_policy_step(tmp_path):
+    """The run log's sampler_log_ratio and sampler_capped, per policy step: the mismatch against the |log
+    ratio| past which a weight is truncated (log 2 for the band [0.5, 5]), the truncated share on 0..1; a
+    run whose engine returned no log-probs says so."""
+    import math
+
+    path = tmp_path / "runlog.jsonl"
+    write_log(path, steps=3)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    policy = [r for r in records if r.get("phase") == "policy"]
+    for r, (ratio, capped) in zip(policy, [(0.01, 0.0), (0.2, 0.05), (0.9, 0.3)], strict=True):
+        r.update(sampler_log_ratio=ratio, sampler_capped=capped, sampler_tokens=100)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    p = panels(draw(read_runlog(path), THRESHOLDS))
+    mismatch = p["sampler vs trainer: log-prob mismatch per policy step"]
+    [data] = [line for line in mismatch.get_lines() if line.get_linestyle() != "--"]
+    assert list(data.get_xdata()) == [0, 1, 2] and list(data.get_ydata()) == [0.01, 0.2, 0.9]
+    [cap] = [line for line in mismatch.get_lines() if line.get_linestyle() == "--"]
+    assert cap.get_ydata()[0] == pytest.approx(math.log(2)) and "[0.5, 5.0]" in cap.get_label()
+    capped = p["sampler vs trainer: truncated importance weights"]
+    assert capped.get_ylim() == UNIT and list(capped.get_lines()[0].get_ydata()) == [0.0, 0.05, 0.3]
+    plt.close("all")
+
+    empty = panels(draw(write_log(tmp_path / "other.jsonl", steps=2), THRESHOLDS))
+    note = empty["sampler vs trainer: log-prob mismatch per policy step"].texts[0].get_text()
+    assert "no policy step carried the sampling engine's log-probs" in note
+    plt.close("all")
