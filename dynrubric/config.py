@@ -290,7 +290,17 @@ class IngestConfig(Section):
     """The ingest consumer (`dynrubric ingest`): Kafka -> validated, deduped Parquet replay store."""
 
     group_id: str = "dynrubric-ingest"
+    client: Literal["kafka-python", "confluent"] = Field(
+        default="kafka-python",
+        description="the consumer library: kafka-python (pure Python, a few thousand events/s per process) or "
+        "confluent (librdkafka, pip install 'dynrubric[confluent]')",
+    )
     store_dir: Path | None = Field(default=None, description="replay store root; default: <state_dir>/replay")
+    shared_store: bool = Field(
+        default=False,
+        description="several ingest processes of one consumer group write this store at once (scale-out); "
+        "false: one writer, a second waits as a standby (store_lock_wait_s)",
+    )
     max_event_bytes: int = Field(default=1_000_000, ge=64, description="larger records are dead-lettered")
     dlq_max_payload_bytes: int = Field(
         default=65_536, ge=256, le=900_000,
@@ -317,7 +327,8 @@ class IngestConfig(Section):
     dedupe_capacity: int = Field(default=5_000_000, ge=1, description="request ids remembered (oldest forgotten)")
     store_lock_wait_s: float = Field(
         default=0.0, ge=0,
-        description="wait this long for another ingest to release the store (a standby); 0 = fail at once",
+        description="wait this long for another ingest to release the store (a standby; not with shared_store); "
+        "0 = fail at once",
     )
     session_timeout_ms: int = Field(default=10_000, ge=1000)
     metrics_host: str = "127.0.0.1"

@@ -81,7 +81,8 @@ class BatchWriter:
         self.cfg = cfg
         self.filter = PromptFilter(cfg)
         self.scrub = load_scrubber(cfg)
-        self.store = StoreWriter(store_dir, dedupe_capacity=cfg.dedupe_capacity, lock_wait_s=cfg.store_lock_wait_s)
+        self.store = StoreWriter(store_dir, dedupe_capacity=cfg.dedupe_capacity, lock_wait_s=cfg.store_lock_wait_s,
+                                 shared=cfg.shared_store)
 
     def close(self) -> None:
         self.store.close()
