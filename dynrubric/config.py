@@ -421,6 +421,15 @@ class OpenRLHFConfig(Section):
         default=None, description="the reward server's /reward URL; default from reward_server.host/port"
     )
     extra_args: list[str] = Field(default_factory=list, description="appended verbatim to train_ppo_ray")
+    image: str = Field(
+        default="dynrubric-train", min_length=1,
+        description="image of the round's RayJob pods: dynrubric with openrlhf==0.11.2, Ray and vLLM on CUDA "
+        "(pip install '.[openrlhf]')",
+    )
+    ray_version: str = Field(
+        default="2.55.0", pattern=r"^\d+\.\d+\.\d+$",
+        description="the Ray version inside `image` (KubeRay's rayVersion; openrlhf 0.11.2 pins 2.55.0)",
+    )
 
 
 class RayConfig(Section):
