@@ -7,7 +7,7 @@ scrub, dedupe, write Parquet shards, fsync (in its writer process), commit offse
 the first record read to the last record (raw) or the last offset commit (pipeline), so the group
 join and the writer process's start are excluded.
 
-    python benchmarks/ingest.py [--quick] [--events N] [--bootstrap HOST:PORT] [--client confluent]
+    python benchmarks/ingest.py [--quick] [--events N] [--bootstrap HOST:PORT] [--client confluent] [--writers N]
 
 The last lines are `events/s: N` (the pipeline's rate) and `ratio: X.XX` (pipeline rate / raw rate of the
 same client; target >= 0.80).
@@ -104,9 +104,9 @@ def raw_confluent_rate(kafka: KafkaConfig, n: int) -> tuple[float, float]:
     return n / seconds, seconds
 
 
-def pipeline_rate(kafka: KafkaConfig, n: int, store: Path, client: str) -> tuple[float, float, str]:
+def pipeline_rate(kafka: KafkaConfig, n: int, store: Path, client: str, writers: int) -> tuple[float, float, str]:
     cfg = IngestConfig(group_id=f"bench-pipe-{uuid.uuid4().hex[:6]}", session_timeout_ms=SESSION_MS,
-                       batch_max_records=BATCH, client=client)
+                       batch_max_records=BATCH, client=client, writers=writers)
     registry = CollectorRegistry()
     summary = Ingestor(kafka, cfg, store, registry).run(threading.Event(), until_idle_s=2.0)
     pauses = registry.get_sample_value("dynrubric_ingest_backpressure_pauses_total")
@@ -125,6 +125,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=None, help="runs of each (best counts); default 2, 3 without --quick")
     ap.add_argument("--client", choices=["kafka-python", "confluent"], default="kafka-python",
                     help="the consumer library of both sides (ingest.client)")
+    ap.add_argument("--writers", type=int, default=1, help="the pipeline's writer processes (ingest.writers)")
     args = ap.parse_args()
     n = args.events or (6_000 if args.quick else 40_000)
     args.repeat = args.repeat or (2 if args.quick else 3)
@@ -141,7 +142,7 @@ def main() -> None:
         for i in range(args.repeat):
             raws.append(raw_rate(kafka, n, args.client))
             with tempfile.TemporaryDirectory() as tmp:
-                pipes.append(pipeline_rate(kafka, n, Path(tmp) / "store", args.client))
+                pipes.append(pipeline_rate(kafka, n, Path(tmp) / "store", args.client, args.writers))
             print(f"run {i + 1}: raw {raws[-1][0]:.0f}/s, pipeline {pipes[-1][0]:.0f}/s ({pipes[-1][2]})")
     finally:
         if broker:
@@ -150,7 +151,7 @@ def main() -> None:
     pipe, pipe_s, _ = max(pipes)
     print(f"{'consumer (best of ' + str(args.repeat) + ')':<34}{'events':>8}{'seconds':>9}{'events/s':>10}")
     print(f"{'raw ' + args.client + ' poll':<34}{n:>8}{raw_s:>9.2f}{raw:>10.0f}")
-    print(f"{'pipeline (validate..commit)':<34}{n:>8}{pipe_s:>9.2f}{pipe:>10.0f}")
+    print(f"{f'pipeline ({args.writers} writer processes)':<34}{n:>8}{pipe_s:>9.2f}{pipe:>10.0f}")
     print(f"events/s: {pipe:.0f}")
     print(f"ratio: {pipe / raw:.2f}")
 

@@ -301,6 +301,11 @@ class IngestConfig(Section):
         description="several ingest processes of one consumer group write this store at once (scale-out); "
         "false: one writer, a second waits as a standby (store_lock_wait_s)",
     )
+    writers: int = Field(
+        default=1, ge=1, le=64,
+        description="writer processes of one ingest (validate, scrub, store a slice of each batch at once; "
+        "more than one share the store like shared_store); about one per core the consumer leaves free",
+    )
     max_event_bytes: int = Field(default=1_000_000, ge=64, description="larger records are dead-lettered")
     dlq_max_payload_bytes: int = Field(
         default=65_536, ge=256, le=900_000,

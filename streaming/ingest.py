@@ -34,7 +34,7 @@ from streaming.consumers import Fetched, Partition, make_consumer
 from streaming.dead_letters import DeadLetterSender
 from streaming.kafka import Topics, ensure_topics, unreachable
 from streaming.store import QUERY_LOG
-from streaming.writer_process import FEEDBACK_KIND, QUERY_LOG_KIND, RawRecord, WrittenBatch, WriterProcess
+from streaming.writer_process import FEEDBACK_KIND, QUERY_LOG_KIND, RawRecord, WriterPool, WrittenBatch
 
 log = logging.getLogger(__name__)
 QUIET_S = 0.1  # a poll this long that returns nothing closes a batch that is at least a quarter full
@@ -104,8 +104,8 @@ class IngestSummary:
     duplicates: int = 0
     filtered: int = 0
     batches: int = 0
-    prepare_seconds: float = 0.0  # writer process: validate, filter, scrub
-    store_seconds: float = 0.0  # writer process: dedupe, Parquet, fsync, index commit
+    prepare_seconds: float = 0.0  # writer processes (summed): validate, filter, scrub
+    store_seconds: float = 0.0  # writer processes (summed): dedupe, Parquet, fsync, index commit
     first_record_at: float | None = None  # time.monotonic() of the first record read
     last_commit_at: float | None = None  # time.monotonic() of the last offset commit
 
@@ -154,7 +154,7 @@ class Ingestor:
         from kafka.errors import NoBrokersAvailable
 
         ensure_topics(self.kafka)
-        self.writer = WriterProcess(self.store_dir, self.cfg)  # before Kafka: a standby waits here for the store
+        self.writer = WriterPool(self.store_dir, self.cfg)  # before Kafka: a standby waits here for the store
         if self.writer.removed_orphans:
             log.warning("removed %d unregistered shard files left by a crash", self.writer.removed_orphans)
         try:

@@ -277,11 +277,12 @@ class StoreWriter:
         return {row[0] for row in rows}
 
     def _write_shard(self, kind: str, date: str, version: str | None, rows: list[dict]) -> str:
+        schema = QUERY_LOG_SCHEMA if kind == QUERY_LOG else FEEDBACK_SCHEMA
+        # column by column: Arrow converts a list per column ~20x faster than a dict per row (from_pylist)
+        table = pa.Table.from_pydict({name: [row.get(name) for row in rows] for name in schema.names}, schema=schema)
         if kind == QUERY_LOG:
-            table = pa.Table.from_pylist(rows, schema=QUERY_LOG_SCHEMA)
             rel = Path(kind, f"date={date}", f"policy_version={version}")
         else:
-            table = pa.Table.from_pylist(rows, schema=FEEDBACK_SCHEMA)
             rel = Path(kind, f"date={date}")
         directory = self.root / rel
         directory.mkdir(parents=True, exist_ok=True)

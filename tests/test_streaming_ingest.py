@@ -112,6 +112,10 @@ def test_valid_events_stored_exactly_once_and_malformed_dead_lettered(kafka_brok
     lags = [s.value for metric in registry.collect() if metric.name == "dynrubric_ingest_lag_messages" for s in metric.samples]
     assert lags and all(v == 0 for v in lags), "everything consumed was committed"
 
+    # the same group again: its offsets were committed, so nothing is read twice
+    resumed, _ = run_ingest(kafka, cfg, tmp_path / "store", until_idle_s=1.5)
+    assert resumed.consumed == 0
+
     # a new consumer group re-reads the topics from the start: the persistent index drops every record
     again, _ = run_ingest(kafka, ingest_cfg(max_event_bytes=4096, deny_patterns=["forbid+en"], client=client),
                           tmp_path / "store")
