@@ -2,7 +2,8 @@
 
 A synthetic LM head (a bias-free Linear from `--hidden` to `--vocab`, 152,064 = Qwen2's vocabulary) over
 `--tokens` response tokens at temperature 0.7. Both paths compute the per-token log-probs and the
-gradient of a weighted sum of them with respect to the hidden states and the head's weight:
+gradient of a token-mean loss over them (random advantages) with respect to the hidden states and the
+head's weight:
 
 - full: the trainer's path before chunking, `log_softmax(head(h).float() / T).gather(y)` over every token
   at once (float32 logits, the tempered copy and the log-softmax of B x T x V are all alive at once);
@@ -53,7 +54,8 @@ def worker(path: str, tokens: int, hidden: int, vocab: int, chunk_mib: int, out:
         head.weight.copy_(torch.randn(vocab, hidden, generator=g) * hidden**-0.5)
     h = torch.randn(tokens, hidden, generator=g).requires_grad_(True)
     targets = torch.randint(0, vocab, (tokens,), generator=g)
-    weights = torch.randn(tokens, generator=g)  # the loss's per-token coefficients (advantages)
+    # the loss's per-token coefficients: advantages over the token count, the trainer's token-mean loss
+    weights = torch.randn(tokens, generator=g) / tokens
     temps = torch.full((tokens,), TEMPERATURE)
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
     start_kib = status_kib("VmRSS")
