@@ -1,14 +1,16 @@
-"""Ingest throughput: a bare kafka-python consumer vs our whole pipeline, on the same topic.
+"""Ingest throughput: a bare consumer vs our whole pipeline on the same consumer library and topic.
 
 Both read the same N query-log events with the same consumer settings, each in its own consumer
-group. "raw" only polls and counts; "pipeline" is `streaming.ingest.Ingestor`: validate, filter,
+group, through `--client` (kafka-python, or confluent: librdkafka; `ingest.client`). "raw" only polls
+and counts; "pipeline" is `streaming.ingest.Ingestor`: validate, filter,
 scrub, dedupe, write Parquet shards, fsync (in its writer process), commit offsets. Rates count from
 the first record read to the last record (raw) or the last offset commit (pipeline), so the group
 join and the writer process's start are excluded.
 
-    python benchmarks/ingest.py [--quick] [--events N] [--bootstrap HOST:PORT]
+    python benchmarks/ingest.py [--quick] [--events N] [--bootstrap HOST:PORT] [--client confluent] [--writers N]
 
-The last line is `ratio: X.XX` (pipeline rate / raw rate; target >= 0.80).
+The last lines are `events/s: N` (the pipeline's rate) and `ratio: X.XX` (pipeline rate / raw rate of the
+same client; target >= 0.80).
 """
 
 from __future__ import annotations
@@ -61,7 +63,9 @@ def produce(kafka: KafkaConfig, n: int) -> None:
     producer.close()
 
 
-def raw_rate(kafka: KafkaConfig, n: int) -> tuple[float, float]:
+def raw_rate(kafka: KafkaConfig, n: int, client: str) -> tuple[float, float]:
+    if client == "confluent":
+        return raw_confluent_rate(kafka, n)
     consumer = KafkaConsumer(
         Topics.of(kafka).query_log, **connection_kwargs(kafka), group_id=f"bench-raw-{uuid.uuid4().hex[:6]}",
         enable_auto_commit=False, auto_offset_reset="earliest", session_timeout_ms=SESSION_MS,
@@ -79,9 +83,30 @@ def raw_rate(kafka: KafkaConfig, n: int) -> tuple[float, float]:
     return n / seconds, seconds
 
 
-def pipeline_rate(kafka: KafkaConfig, n: int, store: Path) -> tuple[float, float, str]:
+def raw_confluent_rate(kafka: KafkaConfig, n: int) -> tuple[float, float]:
+    from confluent_kafka import Consumer
+
+    from streaming.consumers import confluent_settings
+
+    consumer = Consumer({**confluent_settings(kafka), "group.id": f"bench-raw-{uuid.uuid4().hex[:6]}",
+                         "enable.auto.commit": False, "auto.offset.reset": "earliest",
+                         "session.timeout.ms": SESSION_MS, "heartbeat.interval.ms": SESSION_MS // 3})
+    consumer.subscribe([Topics.of(kafka).query_log])
+    seen, first = 0, None
+    while seen < n:
+        messages = consumer.consume(num_messages=BATCH, timeout=1.0)
+        if messages and first is None:
+            first = time.monotonic()
+        seen += sum(1 for m in messages if m.error() is None)
+    seconds = time.monotonic() - first
+    consumer.commit(asynchronous=False)
+    consumer.close()
+    return n / seconds, seconds
+
+
+def pipeline_rate(kafka: KafkaConfig, n: int, store: Path, client: str, writers: int) -> tuple[float, float, str]:
     cfg = IngestConfig(group_id=f"bench-pipe-{uuid.uuid4().hex[:6]}", session_timeout_ms=SESSION_MS,
-                       batch_max_records=BATCH)
+                       batch_max_records=BATCH, client=client, writers=writers)
     registry = CollectorRegistry()
     summary = Ingestor(kafka, cfg, store, registry).run(threading.Event(), until_idle_s=2.0)
     pauses = registry.get_sample_value("dynrubric_ingest_backpressure_pauses_total")
@@ -98,6 +123,9 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=None)
     ap.add_argument("--bootstrap", default=None, help="an existing Kafka; default: start the embedded broker")
     ap.add_argument("--repeat", type=int, default=None, help="runs of each (best counts); default 2, 3 without --quick")
+    ap.add_argument("--client", choices=["kafka-python", "confluent"], default="kafka-python",
+                    help="the consumer library of both sides (ingest.client)")
+    ap.add_argument("--writers", type=int, default=1, help="the pipeline's writer processes (ingest.writers)")
     args = ap.parse_args()
     n = args.events or (6_000 if args.quick else 40_000)
     args.repeat = args.repeat or (2 if args.quick else 3)
@@ -112,9 +140,9 @@ def main() -> None:
         produce(kafka, n)
         # alternate the two, best of `repeat` each: other processes on the machine add noise, never speed
         for i in range(args.repeat):
-            raws.append(raw_rate(kafka, n))
+            raws.append(raw_rate(kafka, n, args.client))
             with tempfile.TemporaryDirectory() as tmp:
-                pipes.append(pipeline_rate(kafka, n, Path(tmp) / "store"))
+                pipes.append(pipeline_rate(kafka, n, Path(tmp) / "store", args.client, args.writers))
             print(f"run {i + 1}: raw {raws[-1][0]:.0f}/s, pipeline {pipes[-1][0]:.0f}/s ({pipes[-1][2]})")
     finally:
         if broker:
@@ -122,8 +150,9 @@ def main() -> None:
     raw, raw_s = max(raws)
     pipe, pipe_s, _ = max(pipes)
     print(f"{'consumer (best of ' + str(args.repeat) + ')':<34}{'events':>8}{'seconds':>9}{'events/s':>10}")
-    print(f"{'raw kafka-python poll':<34}{n:>8}{raw_s:>9.2f}{raw:>10.0f}")
-    print(f"{'pipeline (validate..commit)':<34}{n:>8}{pipe_s:>9.2f}{pipe:>10.0f}")
+    print(f"{'raw ' + args.client + ' poll':<34}{n:>8}{raw_s:>9.2f}{raw:>10.0f}")
+    print(f"{f'pipeline ({args.writers} writer processes)':<34}{n:>8}{pipe_s:>9.2f}{pipe:>10.0f}")
+    print(f"events/s: {pipe:.0f}")
     print(f"ratio: {pipe / raw:.2f}")
 
 

@@ -254,8 +254,9 @@ def report(
     out = out or settings.paths.resolved_state() / "report" / "run.png"
     r = settings.rubric
     judged = judged_rollouts(rollout_rows(settings))
+    g = settings.train.grpo
     render(log, out, Thresholds(r.collapse_min_mean_gap, r.collapse_max_nonsplit_share, r.collapse_window,
-                                settings.train.max_kl), judged)
+                                settings.train.max_kl, g.tis_low, g.tis_high), judged)
     console.print(f"report: {out} ({len(log.rounds)} rounds, {len(log.steps)} policy steps, "
                   f"{len(judged)} rollouts with judged pairs)")
     for j in judged:

@@ -113,6 +113,11 @@ class VllmConfig(Section):
     kv_cache_space_gib: int = Field(default=2, ge=1)
     max_model_len: int = Field(default=2048, ge=128)
     max_logprobs: int = Field(default=20, ge=1)
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
+        default="processed_logprobs",
+        description="log-probs vLLM returns: of the distribution it sampled from (penalties, temperature, top-p "
+        "applied; what train.grpo.tis divides by) or of the raw model output",
+    )
     start_timeout_s: float = Field(default=300.0, gt=0)
 
 
@@ -301,7 +306,22 @@ class IngestConfig(Section):
     """The ingest consumer (`dynrubric ingest`): Kafka -> validated, deduped Parquet replay store."""
 
     group_id: str = "dynrubric-ingest"
+    client: Literal["kafka-python", "confluent"] = Field(
+        default="kafka-python",
+        description="the consumer library: kafka-python (pure Python, a few thousand events/s per process) or "
+        "confluent (librdkafka, pip install 'dynrubric[confluent]')",
+    )
     store_dir: Path | None = Field(default=None, description="replay store root; default: <state_dir>/replay")
+    shared_store: bool = Field(
+        default=False,
+        description="several ingest processes of one consumer group write this store at once (scale-out); "
+        "false: one writer, a second waits as a standby (store_lock_wait_s)",
+    )
+    writers: int = Field(
+        default=1, ge=1, le=64,
+        description="writer processes of one ingest (validate, scrub, store a slice of each batch at once; "
+        "more than one share the store like shared_store); about one per core the consumer leaves free",
+    )
     max_event_bytes: int = Field(default=1_000_000, ge=64, description="larger records are dead-lettered")
     dlq_max_payload_bytes: int = Field(
         default=65_536, ge=256, le=900_000,
@@ -332,7 +352,8 @@ class IngestConfig(Section):
     dedupe_capacity: int = Field(default=5_000_000, ge=1, description="request ids remembered (oldest forgotten)")
     store_lock_wait_s: float = Field(
         default=0.0, ge=0,
-        description="wait this long for another ingest to release the store (a standby); 0 = fail at once",
+        description="wait this long for another ingest to release the store (a standby; not with shared_store); "
+        "0 = fail at once",
     )
     session_timeout_ms: int = Field(default=10_000, ge=1000)
     metrics_host: str = "127.0.0.1"
@@ -372,6 +393,19 @@ class GRPOConfig(Section):
     lora_rank: int = Field(default=0, ge=0, description="0 = full fine-tuning; >0 = LoRA (peft) of this rank")
     lora_alpha: int = Field(default=16, ge=1)
     lora_target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    tis: bool = Field(
+        default=True,
+        description="truncated importance sampling: weight each token's surrogate by clamp(pi_old / mu, tis_low, "
+        "tis_high), mu = the sampling engine's own log-probs (a vLLM server must return processed_logprobs, "
+        "vllm.logprobs_mode); the mismatch is logged either way",
+    )
+    tis_low: float = Field(default=0.5, gt=0, le=1, description="lower truncation of the importance weight (OpenRLHF)")
+    tis_high: float = Field(default=5.0, ge=1, description="upper truncation of the importance weight (OpenRLHF's)")
+    logprob_chunk_mib: int = Field(
+        default=64, ge=1,
+        description="the LM head's float32 logits are computed this many MiB at a time: bounds the trainer's "
+        "memory (the full batch x tokens x vocabulary is never built), not its result",
+    )
 
 
 class CoevolveConfig(Section):
@@ -419,6 +453,15 @@ class OpenRLHFConfig(Section):
         default=None, description="the reward server's /reward URL; default from reward_server.host/port"
     )
     extra_args: list[str] = Field(default_factory=list, description="appended verbatim to train_ppo_ray")
+    image: str = Field(
+        default="dynrubric-train", min_length=1,
+        description="image of the round's RayJob pods: dynrubric with openrlhf==0.11.2, Ray and vLLM on CUDA "
+        "(pip install '.[openrlhf]')",
+    )
+    ray_version: str = Field(
+        default="2.55.0", pattern=r"^\d+\.\d+\.\d+$",
+        description="the Ray version inside `image` (KubeRay's rayVersion; openrlhf 0.11.2 pins 2.55.0)",
+    )
 
 
 class RayConfig(Section):

@@ -3,8 +3,10 @@
 Reads `runlog.jsonl` (one record per step and per round, written by train/rounds.py) and draws one
 PNG: reward, KL, the score-gap diagnostics against the collapse thresholds, fallbacks, the
 per-round held-out reward with each checkpoint's verdict, where each round's time went (seconds per
-stage, stacked), and the rollouts' rubric-judged online check (serving/judged.py): each rollout's
-judged win rate with its always-valid bounds against the bar, and the decisions.
+stage, stacked), the rollouts' rubric-judged online check (serving/judged.py): each rollout's
+judged win rate with its always-valid bounds against the bar, and the decisions; and the
+sampler-trainer mismatch per policy step (the engine's log-probs against the trainer's, and the
+share of tokens whose importance weight was truncated).
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ class Thresholds:
     collapse_max_nonsplit_share: float
     collapse_window: int  # sets the collapse detector needs before it can fire
     max_kl: float  # the round guard's limit on held-out KL(new || parent)
+    tis_low: float  # the importance weight's truncation (grpo.tis_low, grpo.tis_high)
+    tis_high: float
 
 
 SOURCES = ("set", "prompt_only", "generic")
@@ -218,6 +222,26 @@ def draw_learning_curve(ax, rounds: list[dict[str, Any]], line) -> list[int]:
     return ids
 
 
+def draw_mismatch(ratio_ax, capped_ax, steps: list[dict[str, Any]], t: Thresholds, line) -> None:
+    """Per policy step, the sampler-trainer mismatch (`ratio_ax`, mean |log pi_old - log mu| per token)
+    and the share of tokens whose importance weight was truncated (`capped_ax`, 0..1)."""
+    import math
+
+    xs, ratios = _series(steps, "sampler_log_ratio")
+    line(ratio_ax, xs, ratios, color="tab:red", label="mean |log pi_old - log pi_sampler| per token")
+    # a ratio outside the truncation band: |log ratio| beyond log(1 / tis_low) or log(tis_high)
+    cap = min(-math.log(t.tis_low), math.log(t.tis_high))
+    if xs:
+        ratio_ax.axhline(cap, label=f"a token this far off is truncated (weight outside [{t.tis_low}, {t.tis_high}])",
+                         **THRESHOLD)
+    ratio_ax.set(title="sampler vs trainer: log-prob mismatch per policy step", xlabel="policy step",
+                 ylabel="|log ratio| per token", ylim=(0, max([cap, *ratios]) * 1.25))
+    line(capped_ax, *_series(steps, "sampler_capped"), color="tab:orange", marker="^",
+         label="tokens whose importance weight was truncated")
+    capped_ax.set(title="sampler vs trainer: truncated importance weights", xlabel="policy step",
+                  ylabel="share of tokens (0..1)", ylim=UNIT)
+
+
 def render(log: RunLog, out: Path, thresholds: Thresholds, judged: Sequence[JudgedRollout] = ()) -> Path:
     """Draw the report into `out` (PNG, written atomically) and return it."""
     import io
@@ -234,7 +258,7 @@ def render(log: RunLog, out: Path, thresholds: Thresholds, judged: Sequence[Judg
 
 def draw(log: RunLog, thresholds: Thresholds, judged: Sequence[JudgedRollout] = ()):
     """The report's matplotlib figure: 4 x 2 panels, a full-width panel of where each round's time
-    went, and the rollouts' judged check (the last row).
+    went, the rollouts' judged check, and the sampler-trainer mismatch (the last row).
 
     Rates and shares are drawn on a fixed 0..1 axis, so noise does not look like a trend; thresholds
     are dashed black lines named in the legend; each panel has one unit; a series of one or two points
@@ -246,7 +270,7 @@ def draw(log: RunLog, thresholds: Thresholds, judged: Sequence[JudgedRollout] = 
     from matplotlib.ticker import MaxNLocator
 
     t = thresholds
-    fig, axes = plt.subplots(6, 2, figsize=(13, 21))
+    fig, axes = plt.subplots(7, 2, figsize=(13, 24.5))
     for ax in axes[4]:
         ax.remove()
     times = fig.add_subplot(axes[4][0].get_gridspec()[4, :])
@@ -348,7 +372,11 @@ def draw(log: RunLog, thresholds: Thresholds, judged: Sequence[JudgedRollout] = 
 
     for ax in axes.flat:  # steps and rounds are counts: no 0.25-step ticks on short runs
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    for ax in axes.flat[:6]:  # the per-step panels share one x range, with room around the first and last
+    draw_mismatch(axes[6][0], axes[6][1], log.steps, t, line)
+    note = "no policy step carried the sampling engine's log-probs" if log.steps else "no policy steps"
+    finish(axes[6][0], note)
+    finish(axes[6][1], note)
+    for ax in [*axes.flat[:6], *axes[6]]:  # the per-step panels share one x range, with room around the ends
         if log.steps:
             ax.set_xlim(-0.5, len(log.steps) - 0.5)
     if ids:

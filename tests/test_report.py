@@ -8,7 +8,8 @@ import pytest
 from dynrubric.errors import DynrubricError
 from dynrubric.report import UNIT, Thresholds, draw, read_runlog, render
 
-THRESHOLDS = Thresholds(collapse_min_mean_gap=0.03, collapse_max_nonsplit_share=0.8, collapse_window=20, max_kl=0.05)
+THRESHOLDS = Thresholds(collapse_min_mean_gap=0.03, collapse_max_nonsplit_share=0.8, collapse_window=20, max_kl=0.05,
+                        tis_low=0.5, tis_high=5.0)
 
 
 def write_log(path, steps: int, sets_per_step: int = 4, generator_steps: int = 1):
@@ -245,3 +246,32 @@ def test_the_learning_curve_plots_ground_truth_beside_the_judges_reward_and_user
     [agree] = [line for line in users.get_lines() if line.get_label().startswith("judge-user agreement")]
     assert list(agree.get_ydata()) == [0.75]
     plt.close(fig)
+
+
+def test_the_sampler_trainer_mismatch_is_drawn_per_policy_step(tmp_path):
+    """The run log's sampler_log_ratio and sampler_capped, per policy step: the mismatch against the |log
+    ratio| past which a weight is truncated (log 2 for the band [0.5, 5]), the truncated share on 0..1; a
+    run whose engine returned no log-probs says so."""
+    import math
+
+    path = tmp_path / "runlog.jsonl"
+    write_log(path, steps=3)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    policy = [r for r in records if r.get("phase") == "policy"]
+    for r, (ratio, capped) in zip(policy, [(0.01, 0.0), (0.2, 0.05), (0.9, 0.3)], strict=True):
+        r.update(sampler_log_ratio=ratio, sampler_capped=capped, sampler_tokens=100)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    p = panels(draw(read_runlog(path), THRESHOLDS))
+    mismatch = p["sampler vs trainer: log-prob mismatch per policy step"]
+    [data] = [line for line in mismatch.get_lines() if line.get_linestyle() != "--"]
+    assert list(data.get_xdata()) == [0, 1, 2] and list(data.get_ydata()) == [0.01, 0.2, 0.9]
+    [cap] = [line for line in mismatch.get_lines() if line.get_linestyle() == "--"]
+    assert cap.get_ydata()[0] == pytest.approx(math.log(2)) and "[0.5, 5.0]" in cap.get_label()
+    capped = p["sampler vs trainer: truncated importance weights"]
+    assert capped.get_ylim() == UNIT and list(capped.get_lines()[0].get_ydata()) == [0.0, 0.05, 0.3]
+    plt.close("all")
+
+    empty = panels(draw(write_log(tmp_path / "other.jsonl", steps=2), THRESHOLDS))
+    note = empty["sampler vs trainer: log-prob mismatch per policy step"].texts[0].get_text()
+    assert "no policy step carried the sampling engine's log-probs" in note
+    plt.close("all")

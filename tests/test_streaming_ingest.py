@@ -6,6 +6,8 @@ import json
 import threading
 import uuid
 
+import pytest
+
 from kafka import KafkaProducer
 from prometheus_client import CollectorRegistry
 
@@ -34,7 +36,9 @@ def run_ingest(kafka: KafkaConfig, cfg: IngestConfig, store, until_idle_s: float
     return summary, registry
 
 
-def test_valid_events_stored_exactly_once_and_malformed_dead_lettered(kafka_broker, tmp_path):
+@pytest.mark.parametrize("client", ["kafka-python", "confluent"])
+def test_valid_events_stored_exactly_once_and_malformed_dead_lettered(kafka_broker, tmp_path, client):
+    """The same outcome, counts, dead letters and committed offsets whichever consumer library reads."""
     kafka = isolated(kafka_broker)
     topics = Topics.of(kafka)
     ensure_topics(kafka)
@@ -70,7 +74,7 @@ def test_valid_events_stored_exactly_once_and_malformed_dead_lettered(kafka_brok
         producer.send(topics.query_log, key=e.request_id.encode(), value=e.to_bytes())
     producer.close()
 
-    cfg = ingest_cfg(max_event_bytes=4096, deny_patterns=["forbid+en"])
+    cfg = ingest_cfg(max_event_bytes=4096, deny_patterns=["forbid+en"], client=client)
     summary, registry = run_ingest(kafka, cfg, tmp_path / "store")
 
     store = ReplayStore(tmp_path / "store")
@@ -108,7 +112,12 @@ def test_valid_events_stored_exactly_once_and_malformed_dead_lettered(kafka_brok
     lags = [s.value for metric in registry.collect() if metric.name == "dynrubric_ingest_lag_messages" for s in metric.samples]
     assert lags and all(v == 0 for v in lags), "everything consumed was committed"
 
+    # the same group again: its offsets were committed, so nothing is read twice
+    resumed, _ = run_ingest(kafka, cfg, tmp_path / "store", until_idle_s=1.5)
+    assert resumed.consumed == 0
+
     # a new consumer group re-reads the topics from the start: the persistent index drops every record
-    again, _ = run_ingest(kafka, ingest_cfg(max_event_bytes=4096, deny_patterns=["forbid+en"]), tmp_path / "store")
+    again, _ = run_ingest(kafka, ingest_cfg(max_event_bytes=4096, deny_patterns=["forbid+en"], client=client),
+                          tmp_path / "store")
     assert again.written == 0 and again.duplicates == n_valid + 15 + len(feedback) + 3
     assert sorted(ReplayStore(tmp_path / "store").table()["request_id"].to_pylist()) == sorted(ids)

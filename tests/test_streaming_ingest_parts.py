@@ -68,7 +68,8 @@ def slow_scrub(text: str) -> str:
     return text
 
 
-def test_slow_writer_pauses_the_consumer_and_loses_nothing(kafka_broker, tmp_path):
+@pytest.mark.parametrize("client", ["kafka-python", "confluent"])
+def test_slow_writer_pauses_the_consumer_and_loses_nothing(kafka_broker, tmp_path, client):
     # The scrubber runs in the writer process, so a slow one is a real slow writer (no fake needed):
     # 10 records x 3 texts x 5 ms = 150 ms per batch.
     kafka = isolated(kafka_broker)
@@ -80,7 +81,7 @@ def test_slow_writer_pauses_the_consumer_and_loses_nothing(kafka_broker, tmp_pat
     producer.close()
 
     registry = CollectorRegistry()
-    ingestor = Ingestor(kafka, ingest_cfg(batch_max_records=10, max_pending_batches=1,
+    ingestor = Ingestor(kafka, ingest_cfg(batch_max_records=10, max_pending_batches=1, client=client,
                                           pii_scrubber="tests.test_streaming_ingest_parts:slow_scrub"), tmp_path / "s", registry)
     metrics = MetricsServer(registry, "127.0.0.1", 0, ready=ingestor.assigned.is_set)
     try:

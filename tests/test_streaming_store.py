@@ -41,6 +41,61 @@ def test_one_writer_per_store(tmp_path):
     StoreWriter(tmp_path).close()
 
 
+def test_shared_writers_write_one_store_and_keep_exactly_once(tmp_path):
+    """ingest.shared_store: two writers at once; an exclusive writer cannot join them; a key both commit
+    is stored once."""
+    a, b = StoreWriter(tmp_path, shared=True), StoreWriter(tmp_path, shared=True)
+    with pytest.raises(DynrubricError, match="in use by another writer"):
+        StoreWriter(tmp_path)
+    assert a.commit([q("x"), q("y")]).written == {"query_log": 2}
+    r = b.commit([q("y"), q("z")])
+    assert r.written == {"query_log": 1} and r.duplicates == 1
+    a.close()
+    b.close()
+    assert sorted(ReplayStore(tmp_path).table()["request_id"].to_pylist()) == ["x", "y", "z"]
+    assert not list((tmp_path / ".writers").glob("*.lock"))
+
+
+def test_a_batch_that_raced_another_writer_is_rewritten_without_its_keys(tmp_path, monkeypatch):
+    """Writer b registers "y" between writer a's dedupe check and a's transaction. That interleaving
+    cannot be produced on demand, so a's first check is made to miss it (a fake for a race); a's
+    transaction checks again, drops its attempt (no shard of it stays), and stores the rest once."""
+    a, b = StoreWriter(tmp_path, shared=True), StoreWriter(tmp_path, shared=True)
+    b.commit([q("y")])
+    checks = []
+    real = a._known
+
+    def first_check_misses(keys):
+        checks.append(keys)
+        return set() if len(checks) == 1 else real(keys)
+
+    monkeypatch.setattr(a, "_known", first_check_misses)
+    r = a.commit([q("x"), q("y")])
+    # the missed check, the transaction's that caught y, then the retry's two (y known, x alone in the transaction)
+    assert r.written == {"query_log": 1} and r.duplicates == 1 and [len(k) for k in checks] == [2, 2, 2, 1]
+    a.close()
+    b.close()
+    assert sorted(ReplayStore(tmp_path).table()["request_id"].to_pylist()) == ["x", "y"]
+    assert len(list(tmp_path.rglob("*.parquet"))) == 2  # b's shard and a's second attempt
+
+
+def test_a_starting_shared_writer_keeps_a_live_writers_files_and_removes_a_dead_ones(tmp_path):
+    live, dead = StoreWriter(tmp_path, shared=True), StoreWriter(tmp_path, shared=True)
+    live._write_shard("query_log", "2026-11-29", "v1", [_query_row(q("in-flight"))])  # written, not registered yet
+    dead._write_shard("query_log", "2026-11-29", "v1", [_query_row(q("orphan"))])
+    dead.db.close()
+    import os
+
+    os.close(dead._own_fd)  # a writer killed without closing: its own lock is released by the kernel
+    os.close(dead._lock_fd)
+    starting = StoreWriter(tmp_path, shared=True)
+    assert starting.removed_orphans == 1
+    names = [p.name for p in tmp_path.rglob("*.parquet")]
+    assert len(names) == 1 and live.writer_id in names[0]
+    starting.close()
+    live.close()
+
+
 def test_unregistered_shards_are_removed_and_never_read(tmp_path):
     w = StoreWriter(tmp_path)
     w.commit([q("a")])

@@ -18,7 +18,7 @@ import pytest
 from dynrubric.config import IngestConfig
 from dynrubric.errors import DynrubricError
 from streaming.store import ReplayStore, StoreWriter
-from streaming.writer_process import FEEDBACK_KIND, QUERY_LOG_KIND, BatchWriter, RawRecord, WriterProcess
+from streaming.writer_process import FEEDBACK_KIND, QUERY_LOG_KIND, BatchWriter, RawRecord, WriterPool, WriterProcess
 from tests.test_streaming_producer import query_event
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,6 +47,36 @@ def test_batch_writer_sorts_a_batch_into_stored_dead_and_filtered(tmp_path):
     table = ReplayStore(tmp_path).table().to_pylist()
     assert sorted(r["request_id"] for r in table) == ["a", "d"]
     assert next(r for r in table if r["request_id"] == "d")["prompt_text"] == "mail <email>"
+
+
+def test_a_pool_of_writers_gives_the_batch_the_outcome_one_writer_gives(tmp_path):
+    """ingest.writers = 3: the batch is cut in three slices written at once into one store. The outcome
+    is one writer's: dead records at their index in the batch, filtered ones counted, a record resent in
+    another slice (and stored at once by both) stored once and counted a duplicate."""
+    records = [RawRecord(QUERY_LOG_KIND, 0, i, raw(f"r{i}")) for i in range(12)]
+    records[2] = RawRecord(QUERY_LOG_KIND, 0, 2, b"{not json")
+    records[9] = RawRecord(QUERY_LOG_KIND, 0, 9, raw("r0"))  # r0 again, in the third slice
+    records[10] = RawRecord(QUERY_LOG_KIND, 0, 10, raw("x", messages=[{"role": "user", "content": "forbidden"}]))
+    records[7] = RawRecord(FEEDBACK_KIND, 1, 7, raw("f"))  # the wrong schema for the feedback topic
+    cfg = IngestConfig(deny_patterns=["forbidden"])
+    pool = WriterPool(tmp_path / "pooled", cfg.model_copy(update={"writers": 3}))
+    try:
+        pooled = pool.write(records)
+    finally:
+        pool.close()
+    single = BatchWriter(tmp_path / "single", cfg)
+    try:
+        alone = single.write(records)
+    finally:
+        single.close()
+    assert [(i, r) for i, r, _ in pooled.dead] == [(i, r) for i, r, _ in alone.dead] == [(2, "bad_json"), (7, "schema")]
+    assert pooled.filtered == alone.filtered == {"denied": 1}
+    assert pooled.result.written == alone.result.written == {"query_log": 8}
+    assert pooled.result.duplicates == alone.result.duplicates == 1
+    assert pooled.accounted() == len(records)
+    stored = ReplayStore(tmp_path / "pooled").table()["request_id"].to_pylist()
+    assert sorted(stored) == sorted(ReplayStore(tmp_path / "single").table()["request_id"].to_pylist())
+    assert len(stored) == len(set(stored)) == 8
 
 
 def test_a_store_held_by_another_writer_is_reported_by_the_parent(tmp_path):

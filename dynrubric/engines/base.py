@@ -22,7 +22,9 @@ class SamplingParams:
     n: int = 1  # completions per request
     stop: tuple[str, ...] = ()
     seed: int | None = None
-    logprobs: bool = False  # return the logprob of each sampled token
+    # return the logprob of each sampled token, in the distribution it was sampled from: penalties, grammar,
+    # temperature and top-p applied (vLLM's processed_logprobs), what an importance weight divides by
+    logprobs: bool = False
     # subtracted from a token's logit once per time the completion already holds it (OpenAI's and
     # vLLM's frequency_penalty); the prompt's tokens are not counted
     frequency_penalty: float = 0.0
@@ -48,6 +50,9 @@ class Completion:
     token_ids: tuple[int, ...]
     finish_reason: Literal["stop", "length"]
     logprobs: tuple[float, ...] | None = None  # one per token in token_ids, when asked for
+    # the end-of-sequence token the model sampled to stop (not in token_ids), and its logprob when asked for
+    stop_token_id: int | None = None
+    stop_logprob: float | None = None
 
 
 class Engine(abc.ABC):

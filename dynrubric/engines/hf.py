@@ -8,7 +8,8 @@ Two places reuse a computed prefix instead of re-running it:
   level below, so every response is encoded once however many items are asked about it.
 `tokens_processed` counts the tokens that actually went through the model, for benchmarks.
 `SamplingParams.json_schema` constrains generation with xgrammar (`dynrubric.engines.grammar`); logprobs are
-those of the distribution sampled from (frequency penalty and grammar mask applied, before temperature).
+those of the distribution sampled from (frequency penalty, grammar mask, temperature and top-p applied), as
+vLLM's `processed_logprobs`: what the trainer's importance weight divides by.
 """
 
 from __future__ import annotations
@@ -246,16 +247,25 @@ class TransformersEngine(Engine):
                     results[i] = out
         return results  # type: ignore[return-value]
 
-    def _sample(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> torch.Tensor:
+    def _sampling_logprobs(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """log-probs of the distribution a token is drawn from: greedy decoding takes the argmax of
+        log_softmax(logits); sampling divides by the temperature and keeps the top-p nucleus (-inf
+        outside it), renormalised."""
         if params.temperature <= 0:
-            return logits.argmax(dim=-1)
-        probs = torch.softmax(logits / params.temperature, dim=-1)
+            return torch.log_softmax(logits, dim=-1)
+        logp = torch.log_softmax(logits / params.temperature, dim=-1)
         if params.top_p < 1.0:
-            sorted_p, sorted_i = probs.sort(dim=-1, descending=True)
+            sorted_lp, sorted_i = logp.sort(dim=-1, descending=True)
+            sorted_p = sorted_lp.exp()
             drop = sorted_p.cumsum(dim=-1) - sorted_p > params.top_p
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter(-1, sorted_i, sorted_p)
-        return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+            drop = torch.zeros_like(drop).scatter(-1, sorted_i, drop)
+            logp = torch.log_softmax(logp.masked_fill(drop, -torch.inf), dim=-1)
+        return logp
+
+    def _sample(self, logp: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> torch.Tensor:
+        if params.temperature <= 0:
+            return logp.argmax(dim=-1)
+        return torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
 
     @torch.no_grad()
     def _generate_batch(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
@@ -268,6 +278,7 @@ class TransformersEngine(Engine):
         tokens: list[list[int]] = [[] for _ in range(total)]
         logps: list[list[float]] = [[] for _ in range(total)]
         finish = ["length"] * total
+        stops: list[tuple[int, float] | None] = [None] * total  # the sampled end-of-sequence token, its logprob
         done = torch.zeros(total, dtype=torch.bool)
         grammar = self.grammars().rows(params.json_schema, total) if params.json_schema is not None else None
         penalty = params.frequency_penalty
@@ -281,14 +292,15 @@ class TransformersEngine(Engine):
                 logits = logits - penalty * counts
             if grammar is not None:  # like vLLM, logprobs are those of the masked distribution
                 logits = grammar.mask_(logits.clone(), [i for i in range(total) if not done[i]])
-            next_ids = self._sample(logits, params, gen)
-            step_logp = torch.log_softmax(logits, dim=-1).gather(-1, next_ids[:, None]).squeeze(-1)
+            logp = self._sampling_logprobs(logits, params)
+            next_ids = self._sample(logp, params, gen)
+            step_logp = logp.gather(-1, next_ids[:, None]).squeeze(-1)
             for i in range(total):
                 if done[i]:
                     continue
                 t = int(next_ids[i])
                 if t in self._eos_ids:
-                    done[i], finish[i] = True, "stop"
+                    done[i], finish[i], stops[i] = True, "stop", (t, float(step_logp[i]))
                     continue
                 tokens[i].append(t)
                 logps[i].append(float(step_logp[i]))
@@ -318,6 +330,8 @@ class TransformersEngine(Engine):
                     token_ids=tuple(tokens[i]),
                     finish_reason=finish[i],  # type: ignore[arg-type]
                     logprobs=tuple(logps[i]) if params.logprobs else None,
+                    stop_token_id=stops[i][0] if stops[i] else None,
+                    stop_logprob=stops[i][1] if stops[i] and params.logprobs else None,
                 )
             )
         return [completions[j * params.n : (j + 1) * params.n] for j in range(len(prompts))]

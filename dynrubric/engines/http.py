@@ -128,11 +128,14 @@ class OpenAIHTTPEngine(Engine):
             logprobs = None
             if p.logprobs and c.get("logprobs"):
                 logprobs = tuple(float(x) for x in c["logprobs"]["token_logprobs"])
+            stop_id = stop_logprob = None
             if ids and ids[-1] in self._eos_ids:  # like the in-process engine: the stop token is not output
-                ids = ids[:-1]
-                logprobs = logprobs[: len(ids)] if logprobs is not None else None
+                stop_id, ids = ids[-1], ids[:-1]
+                if logprobs is not None:
+                    stop_logprob, logprobs = logprobs[len(ids)], logprobs[: len(ids)]
             finish = "length" if c.get("finish_reason") == "length" else "stop"
-            out.append(Completion(text=c["text"], token_ids=tuple(ids), finish_reason=finish, logprobs=logprobs))
+            out.append(Completion(text=c["text"], token_ids=tuple(ids), finish_reason=finish, logprobs=logprobs,
+                                  stop_token_id=stop_id, stop_logprob=stop_logprob))
         return out
 
     def _take_turn(self) -> None:

@@ -20,6 +20,9 @@ from dynrubric.ports import free_port
 from dynrubric.process import http_ok, spawn, terminate, wait_until
 
 LOOPBACK = "127.0.0.1"  # a dev-mode server reloads weights for anyone who can reach it
+# JSON-schema constrained output without free whitespace: the grammar the in-process engine uses, which
+# rubric generation needs of any vLLM that writes rubrics (k8s/base/fleet/vllm.yaml's judge too)
+STRUCTURED_OUTPUTS_CONFIG = '{"backend": "xgrammar", "disable_any_whitespace": true}'
 
 
 class VllmServer:
@@ -55,10 +58,11 @@ class VllmServer:
             "--dtype", "float32", "--enforce-eager",
             "--max-model-len", str(self.config.max_model_len),
             "--max-logprobs", str(self.config.max_logprobs),
+            # sampled tokens' log-probs of the distribution drawn from: the trainer's importance weight
+            "--logprobs-mode", self.config.logprobs_mode,
             "--enable-prefix-caching",
             "--disable-uvicorn-access-log",
-            # JSON-schema constrained output without free whitespace, the grammar the in-process engine uses
-            "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}',
+            "--structured-outputs-config", STRUCTURED_OUTPUTS_CONFIG,
         ]  # fmt: skip
 
     def environment(self) -> dict[str, str]:

@@ -254,7 +254,7 @@ def generator_groups(
                                strict=True)
         ]
         prompt_ids = tuple(tok.encode(gen_prompt, add_special_tokens=False))
-        rollouts = tuple(SampledResponse(prompt_ids, completion_ids(c, tok)) for c in completions)
+        rollouts = tuple(sampled_response(prompt_ids, c, tok) for c in completions)
         groups.append(CandidateSet(rollouts, tuple(disc), tuple(adv), temperature))
     stats = GeneratorBatchStats(
         sets=len(sets),
@@ -271,10 +271,28 @@ def generator_groups(
 
 
 def completion_ids(completion, tokenizer) -> tuple[int, ...]:
-    """The sampled token ids, with the end-of-sequence token the model chose to stop on, so that the
-    update also teaches when to stop."""
+    """The sampled token ids, with the end-of-sequence token the model chose to stop on (the tokenizer's
+    when a stop string or a grammar ended it), so that the update also teaches when to stop."""
     ids = tuple(completion.token_ids)
-    eos = tokenizer.eos_token_id
+    eos = completion.stop_token_id if completion.stop_token_id is not None else tokenizer.eos_token_id
     if completion.finish_reason == "stop" and eos is not None and (not ids or ids[-1] != eos):
         ids = ids + (eos,)
     return ids
+
+
+def completion_logprobs(completion, tokenizer) -> tuple[float, ...] | None:
+    """The engine's log-probs of `completion_ids`' tokens, or None: the engine returned none, or the
+    end-of-sequence token appended was not sampled (a stop string or a grammar ended the completion)."""
+    if completion.logprobs is None:
+        return None
+    if len(completion_ids(completion, tokenizer)) == len(completion.token_ids):
+        return tuple(completion.logprobs)
+    if completion.stop_logprob is None:
+        return None
+    return (*completion.logprobs, completion.stop_logprob)
+
+
+def sampled_response(prompt_ids: tuple[int, ...], completion, tokenizer) -> SampledResponse:
+    """A completion as the trainer's rollout: its ids with the stop token, and the engine's log-probs."""
+    return SampledResponse(prompt_ids, completion_ids(completion, tokenizer),
+                           completion_logprobs(completion, tokenizer))

@@ -143,7 +143,7 @@ def engine_factory(settings):
             from dynrubric.engines.hf import TransformersEngine
 
             return TransformersEngine(model_dir, dtype=cfg.dtype, threads=cfg.threads,
-                                      max_batch_size=cfg.max_batch_size)
+                                      max_batch_size=cfg.max_batch_size, device=cfg.device)
         from dynrubric.engines.http import OpenAIHTTPEngine
 
         url = cfg.url_for(role)
@@ -304,28 +304,37 @@ def train_openrlhf(
                                             "command line, submit.sh, RayJob) and stop")] = False,
     run_job: Annotated[bool, typer.Option("--run", help="emit, launch on Ray (GPUs needed), register the result")]
     = False,
+    in_ray_job: Annotated[bool, typer.Option("--in-ray-job", help="with --run: this is a Ray job's driver (a "
+                                             "RayJob's head); train_ppo_ray runs here, on the job's cluster")] = False,
+    finish_round: Annotated[int | None, typer.Option("--finish", help="guard and register the checkpoint of this "
+                                                     "emitted round once its job has run")] = None,
 ) -> None:
     """The next round on a GPU Ray cluster with OpenRLHF's train_ppo_ray instead of the embedded trainer."""
-    from dynrubric import atomic
     from dynrubric.train import openrlhf
     from dynrubric.train.rounds import RoundRunner
 
-    if emit_only == run_job:
-        raise DynrubricError("pass exactly one of --emit and --run", "e.g. `dynrubric train openrlhf --emit`")
+    if sum((emit_only, run_job, finish_round is not None)) != 1:
+        raise DynrubricError("pass exactly one of --emit, --run and --finish ROUND",
+                             "e.g. `dynrubric train openrlhf --emit`")
+    if in_ray_job and not run_job:
+        raise DynrubricError("--in-ray-job goes with --run", "`dynrubric train openrlhf --run --in-ray-job`")
     settings = settings_of(ctx)
     registry = _registry(ctx)
     source = prompt_source(settings)
     runner = RoundRunner(settings, registry, source, engine_factory(settings))
-    round_id = runner.next_round()
-    last = runner.last_summary()
-    watermark = last["watermark_after"] if last else None
-    emitted = openrlhf.emit(settings, runner, source, round_id, runner.head(), watermark)
-    console.print(f"round {round_id}: {emitted.prompts} prompts ({len(emitted.heldout)} held out), "
-                  f"parent {emitted.parent.version}, watermark {watermark!r} -> {emitted.watermark_after!r}")
-    console.print(f"  job in {emitted.dir} (command.json, submit.sh, rayjob.yaml)")
-    if emit_only:
-        return
-    openrlhf.run(emitted)
+    if finish_round is not None:
+        emitted = openrlhf.emitted_round(settings, runner, finish_round)
+    else:
+        round_id = runner.next_round()
+        last = runner.last_summary()
+        watermark = last["watermark_after"] if last else None
+        emitted = openrlhf.emit(settings, runner, source, round_id, runner.head(), watermark)
+        console.print(f"round {round_id}: {emitted.prompts} prompts ({len(emitted.heldout)} held out), "
+                      f"parent {emitted.parent.version}, watermark {watermark!r} -> {emitted.watermark_after!r}")
+        console.print(f"  job in {emitted.dir} (command.json, submit.sh, rayjob.yaml)")
+        if emit_only:
+            return
+        openrlhf.run(emitted, in_ray_job=in_ray_job)
     summary = openrlhf.finish(settings, runner, emitted)
     style = "green" if summary["guard"]["accepted"] else "red"
     console.print(f"[{style}]{summary['version']} {summary['state']}[/] from {emitted.output_dir}: "

@@ -14,15 +14,21 @@ sets:
                                                            ratio is 1 on update 1 and the clip acts from
                                                            update 2 on
     pg_t     = -min(ratio_t A, clip(ratio_t, 1 - c_low, 1 + c_high) A)
+    w_t      = clamp(exp(log pi_old - log mu), lo, hi)     mu = the engine that sampled, by its own log-probs
+                                                           (vLLM's bf16 kernels, another attention path):
+                                                           the truncated importance weight, OpenRLHF's TIS
+                                                           (grpo.tis_low/high); 1 without log-probs
     kl_t     = exp(log pi_ref - log pi) - 1 - (log pi_ref - log pi)            (k3, Schulman)
-    loss     = sum_t (pg_t + beta kl_t) / (number of response tokens in the whole batch)
+    loss     = sum_t (w_t pg_t + beta kl_t) / (number of response tokens in the whole batch)
 
 The token-level mean is taken over the whole batch, so gradient accumulation over micro-batches gives
-exactly the gradient of the full batch. A set whose score spread (max - min) is below the rubric's tie
-threshold `rubric.eps` is a tie: two such scores are the same verdict up to engine noise, and
-normalising noise by its own std would make unit-size advantages out of it. Tied sets are left out of
-the batch and counted. The values and gradients of `clipped_surrogate` and `k3` match OpenRLHF's
-`PolicyLoss` and `compute_approx_kl` (tested, also on the trainer's second update).
+exactly the gradient of the full batch. Log-probs come from the LM head a chunk of tokens at a time
+(`response_logprobs`), never from a whole B x T x V distribution. A set whose score spread
+(max - min) is below the rubric's tie threshold `rubric.eps` is a tie: two such scores are the same
+verdict up to engine noise, and normalising noise by its own std would make unit-size advantages out
+of it. Tied sets are left out of the batch and counted. The values and gradients of
+`clipped_surrogate`, `truncated_importance_weights` and `k3` match OpenRLHF's `PolicyLoss` (its TIS
+too) and `compute_approx_kl` (tested, also on the trainer's second update).
 """
 
 from __future__ import annotations
@@ -40,10 +46,13 @@ from dynrubric.config import GRPOConfig
 
 @dataclass(frozen=True)
 class SampledResponse:
-    """One sampled response: the prompt's token ids (chat template applied) and the response's."""
+    """One sampled response: the prompt's token ids (chat template applied) and the response's, and the
+    sampling engine's log-probs of the response tokens when it returned them (one per response id, of the
+    distribution it sampled from), for the truncated importance correction."""
 
     prompt_ids: tuple[int, ...]
     response_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,10 @@ class StepStats:
     updated: bool  # False when every set was tied or the loss was not finite (no optimiser step)
     nonfinite: bool
     updates: int = 0  # optimiser updates applied on this batch (0 .. grpo.updates_per_batch)
+    # sampler-trainer mismatch over the response tokens that carry the sampling engine's log-prob (None: none did)
+    sampler_tokens: int = 0
+    sampler_log_ratio: float | None = None  # mean |log pi_old - log mu| per token
+    sampler_capped: float | None = None  # share of those tokens whose importance weight was truncated
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -105,6 +118,24 @@ def clipped_surrogate(
     return -torch.min(surr1, surr2), (surr2 < surr1).float()
 
 
+def truncated_importance_weights(
+    old_logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    low: float,
+    high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token truncated importance weight of the trainer's pi_old against the engine that sampled:
+    `w = clamp(exp(log pi_old - log mu), low, high)`, detached (it reweights the surrogate, as
+    OpenRLHF 0.11's PolicyLoss with its token-level clipped correction, TIS). A token without the
+    engine's log-prob (NaN) has weight 1. Returns (w, log pi_old - log mu (0 where unknown), 0/1 where
+    w was truncated)."""
+    known = ~torch.isnan(sampler_logprobs)
+    log_ratio = torch.where(known, old_logprobs.detach() - sampler_logprobs, 0.0)
+    ratio = log_ratio.clamp(-20.0, 20.0).exp()  # clamp as the surrogate's ratio: no overflow
+    capped = known & ((ratio < low) | (ratio > high))
+    return ratio.clamp(low, high).masked_fill(~known, 1.0), log_ratio, capped.float()
+
+
 def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi || pi_ref); bounded like OpenRLHF's so one outlier token
     cannot overflow the gradient."""
@@ -112,28 +143,106 @@ def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return ((-log_ratio).exp() - 1.0 + log_ratio).clamp(-10.0, 10.0)
 
 
+def lm_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(the model without its LM head, the head): `model(x).logits == head(body(x).last_hidden_state)` for
+    the causal LMs this trainer runs (Llama, Qwen, Mistral, SmolLM...); `check_lm_head` verifies it.
+    Through a peft wrapper both resolve to the wrapped model's modules, adapters included."""
+    return model.get_decoder(), model.get_output_embeddings()
+
+
+def check_lm_head(model: torch.nn.Module) -> None:
+    """Refuse a model whose logits are not its head applied to the last hidden state (a logit soft-cap or
+    scale, as Gemma 2 and Cohere apply): `response_logprobs` would take log-probs of other numbers."""
+    from dynrubric.errors import DynrubricError
+
+    body, head = lm_head(model)
+    ids = torch.arange(1, 5).unsqueeze(0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits.float()
+        mine = head(body(input_ids=ids, use_cache=False).last_hidden_state).float()
+    if not torch.allclose(logits, mine, rtol=1e-4, atol=1e-4):
+        kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise DynrubricError(
+            f"the {kind} model's logits are not its LM head applied to the last hidden state (max difference "
+            f"{float((logits - mine).abs().max()):.3g}): the trainer's log-probs would be wrong",
+            "train a causal LM with a plain linear head (Llama, Qwen, Mistral, SmolLM families)",
+        )
+
+
+def chunk_rows(vocab_size: int, chunk_mib: int) -> int:
+    """Rows of float32 logits that fit in `chunk_mib` MiB (at least one)."""
+    return max(1, chunk_mib * 2**20 // (4 * vocab_size))
+
+
+def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                    temperature: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float() / temperature.unsqueeze(-1)
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def token_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
+                   rows: int) -> torch.Tensor:
+    """`log_softmax(head(hidden) / T)[target]` per row of `hidden` (N x d), `rows` rows at a time: never
+    more than one chunk's N_c x V logits exist. Under autograd each chunk is checkpointed: its forward
+    keeps only its input, and the backward recomputes its logits, so the backward too holds one chunk
+    at a time. Values and gradients are those of the whole-batch log_softmax (the same formula per row)."""
+    from torch.utils.checkpoint import checkpoint
+
+    track = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    pieces = []
+    for start in range(0, hidden.size(0), rows):
+        part = (hidden[start : start + rows], targets[start : start + rows], temperature[start : start + rows])
+        if track:
+            pieces.append(checkpoint(_chunk_logprobs, head, *part, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(head, *part))
+    return torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
+
+
 def response_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     temperature: torch.Tensor | float = 1.0,
+    mask: torch.Tensor | None = None,
+    chunk_mib: int = GRPOConfig.model_fields["logprob_chunk_mib"].default,
 ) -> torch.Tensor:
     """log p_T(token_t | tokens_<t) for t = 1..T-1 (shape B x (T-1)), p_T = softmax(logits / T): the
-    distribution sampled at temperature T (a float, or one per row). Float32 log-softmax."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1].float()
-    if isinstance(temperature, torch.Tensor):
-        if bool((temperature != 1.0).any()):
-            logits = logits / temperature.to(logits.dtype).view(-1, 1, 1)
-    elif temperature != 1.0:
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    distribution sampled at temperature T (a float, or one per row). Float32 log-softmax.
+
+    Only the positions `mask` (B x (T-1)) selects are computed (the others hold 0; default: all), and the
+    LM head runs over at most `chunk_mib` MiB of float32 logits at a time (`token_logprobs`): the full
+    B x T x V distribution is never materialised (~40 GB at 7B, V = 152k, 64 x 1024 tokens)."""
+    body, head = lm_head(model)
+    hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state[:, :-1]
+    b, t = hidden.shape[:2]
+    temps = temperature.float() if isinstance(temperature, torch.Tensor) else torch.full((b,), float(temperature))
+    where = (mask > 0) if mask is not None else torch.ones((b, t), dtype=torch.bool)
+    rows, cols = where.nonzero(as_tuple=True)
+    values = token_logprobs(head, hidden[rows, cols], input_ids[:, 1:][rows, cols], temps[rows],
+                            chunk_rows(head.weight.size(0), chunk_mib))
+    return values.new_zeros((b, t)).index_put((rows, cols), values)
 
 
 def loss_temperature(t: float) -> float:
     """The temperature the loss uses for samples drawn at `t`: `t`, except greedy decoding (t = 0),
     whose every sample is the same (a tied set, no gradient), where T = 1 keeps the division defined."""
     return t if t > 0 else 1.0
+
+
+def sampler_logprobs(rollouts: Sequence[SampledResponse], width: int) -> torch.Tensor | None:
+    """The engine's log-probs aligned with `collate`'s response mask (B x (width - 1)), NaN where a
+    token has none; None when no rollout carries them."""
+    if all(r.logprobs is None for r in rollouts):
+        return None
+    out = torch.full((len(rollouts), width - 1), float("nan"))
+    for i, r in enumerate(rollouts):
+        if r.logprobs is not None:
+            if len(r.logprobs) != len(r.response_ids):
+                raise ValueError(f"{len(r.logprobs)} sampler log-probs for {len(r.response_ids)} response tokens")
+            start = len(r.prompt_ids) - 1
+            out[i, start : start + len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
+    return out
 
 
 def collate(rollouts: Sequence[SampledResponse], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -153,14 +262,15 @@ def collate(rollouts: Sequence[SampledResponse], pad_id: int) -> tuple[torch.Ten
 
 @dataclass(frozen=True)
 class _Micro:
-    """One micro-batch, collated: ids, attention mask, response-token mask, advantages (B x 1) and the
-    sampling temperature of each row."""
+    """One micro-batch, collated: ids, attention mask, response-token mask, advantages (B x 1), the
+    sampling temperature of each row and the sampling engine's log-probs (`sampler_logprobs`)."""
 
     ids: torch.Tensor
     attn: torch.Tensor
     mask: torch.Tensor
     adv: torch.Tensor
     temps: torch.Tensor
+    sampler: torch.Tensor | None
 
 
 def micro_batches(rows: Sequence[tuple[SampledResponse, float, float]], pad_id: int, size: int) -> list[_Micro]:
@@ -171,18 +281,25 @@ def micro_batches(rows: Sequence[tuple[SampledResponse, float, float]], pad_id: 
         ids, attn, mask = collate([r for r, _, _ in chunk], pad_id)
         micros.append(_Micro(ids, attn, mask,
                              torch.tensor([a for _, a, _ in chunk], dtype=torch.float32).unsqueeze(-1),
-                             torch.tensor([t for _, _, t in chunk], dtype=torch.float32)))
+                             torch.tensor([t for _, _, t in chunk], dtype=torch.float32),
+                             sampler_logprobs([r for r, _, _ in chunk], ids.size(1))))
     return micros
 
 
-def reference_logprobs(model: torch.nn.Module, reference: torch.nn.Module | None, m: _Micro) -> torch.Tensor:
+def micro_logprobs(model: torch.nn.Module, m: _Micro, chunk_mib: int) -> torch.Tensor:
+    """`response_logprobs` of a micro-batch's response tokens at its rows' temperatures."""
+    return response_logprobs(model, m.ids, m.attn, m.temps, m.mask, chunk_mib)
+
+
+def reference_logprobs(model: torch.nn.Module, reference: torch.nn.Module | None, m: _Micro,
+                       chunk_mib: int) -> torch.Tensor:
     """The reference's response log-probs of a micro-batch, without gradient; `reference` None: the
     model's LoRA base weights (the adapter disabled) are the reference."""
     with torch.no_grad():
         if reference is not None:
-            return response_logprobs(reference, m.ids, m.attn, m.temps)
+            return micro_logprobs(reference, m, chunk_mib)
         with model.disable_adapter():
-            return response_logprobs(model, m.ids, m.attn, m.temps)
+            return micro_logprobs(model, m, chunk_mib)
 
 
 def masked_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,7 +309,7 @@ def masked_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Te
 
 
 def mean_kl(model: torch.nn.Module, reference: torch.nn.Module | None, rollouts: Sequence[SampledResponse],
-            temperature: float, pad_id: int, micro_batch_size: int) -> float:
+            temperature: float, pad_id: int, micro_batch_size: int, chunk_mib: int) -> float:
     """Mean per-token k3 KL(model || reference) over the response tokens of `rollouts`, log-probs at
     the loss temperature of samples drawn at `temperature` (the trainer's KL term, without gradient)."""
     rows = [(r, 0.0, loss_temperature(temperature)) for r in rollouts if r.response_ids]
@@ -200,10 +317,24 @@ def mean_kl(model: torch.nn.Module, reference: torch.nn.Module | None, rollouts:
     model.eval()
     with torch.no_grad():
         for m in micro_batches(rows, pad_id, micro_batch_size):
-            logp = response_logprobs(model, m.ids, m.attn, m.temps)
-            total += float(masked_k3(logp, reference_logprobs(model, reference, m), m.mask)[1])
+            logp = micro_logprobs(model, m, chunk_mib)
+            total += float(masked_k3(logp, reference_logprobs(model, reference, m, chunk_mib), m.mask)[1])
             tokens += float(m.mask.sum())
     return total / tokens if tokens else 0.0
+
+
+@dataclass
+class _Sums:
+    """One update's sums over the batch's micro-batches: loss and pg loss (already divided by the batch's
+    tokens), k3 and clipped tokens, and the sampler mismatch over the tokens with the engine's log-prob."""
+
+    loss: float = 0.0
+    pg: float = 0.0
+    kl: float = 0.0
+    clipped: float = 0.0
+    sampler_tokens: int = 0
+    sampler_abs_log_ratio: float = 0.0
+    sampler_capped: float = 0.0
 
 
 class GRPOTrainer:
@@ -227,6 +358,7 @@ class GRPOTrainer:
         if ref_model is not None:
             ref_model.eval()
             ref_model.requires_grad_(False)
+        check_lm_head(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the policy has no trainable parameters")
@@ -272,39 +404,45 @@ class GRPOTrainer:
         tokens: int,
         old: Sequence[torch.Tensor] | None,
         ref: Sequence[torch.Tensor] | None,
-    ) -> tuple[float, float, float, float]:
-        """Forward/backward of every micro-batch, leaving the batch's gradient in `.grad`.
-        Returns (loss, pg_loss, summed k3 over tokens, clipped tokens)."""
+    ) -> _Sums:
+        """Forward/backward of every micro-batch, leaving the batch's gradient in `.grad`."""
         cfg = self.config
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = pg_sum = kl_sum = clip_sum = 0.0
+        sums = _Sums()
         self.model.train()
         for i, m in enumerate(micros):
-            logp = response_logprobs(self.model, m.ids, m.attn, m.temps)
+            logp = micro_logprobs(self.model, m, cfg.logprob_chunk_mib)
             # one update per batch: the sampling policy IS the current one (ratio 1, no extra forward)
-            pg, clipped = clipped_surrogate(logp, logp.detach() if old is None else old[i], m.adv,
-                                            cfg.clip_low, cfg.clip_high)
+            pi_old = logp.detach() if old is None else old[i]
+            pg, clipped = clipped_surrogate(logp, pi_old, m.adv, cfg.clip_low, cfg.clip_high)
+            if m.sampler is not None:
+                weights, log_ratio, capped = truncated_importance_weights(pi_old, m.sampler, cfg.tis_low, cfg.tis_high)
+                if cfg.tis:
+                    pg = pg * weights
+                known = m.mask * (~torch.isnan(m.sampler)).float()
+                sums.sampler_tokens += int(known.sum())
+                sums.sampler_abs_log_ratio += float((log_ratio.abs() * known).sum())
+                sums.sampler_capped += float((capped * known).sum())
             per_token = pg
             if ref is not None:
                 kl, kl_tokens = masked_k3(logp, ref[i], m.mask)
                 per_token = pg + cfg.kl_beta * kl
-                kl_sum += float(kl_tokens)
+                sums.kl += float(kl_tokens)
             loss = (per_token * m.mask).sum() / tokens
             loss.backward()
-            loss_sum += float(loss.detach())
-            pg_sum += float((pg.detach() * m.mask).sum()) / tokens
-            clip_sum += float((clipped * m.mask).sum())
-        return loss_sum, pg_sum, kl_sum, clip_sum
+            sums.loss += float(loss.detach())
+            sums.pg += float((pg.detach() * m.mask).sum()) / tokens
+            sums.clipped += float((clipped * m.mask).sum())
+        return sums
 
-    def _stats(self, groups: Sequence[CandidateSet], tied: int, samples: int, tokens: int,
-               sums: tuple[float, float, float, float]) -> StepStats:
+    def _stats(self, groups: Sequence[CandidateSet], tied: int, samples: int, tokens: int, sums: _Sums) -> StepStats:
         all_scores = [s for g in groups for s in g.scores]
-        loss, pg, kl, clipped = sums
+        seen = sums.sampler_tokens
         return StepStats(
-            loss=loss,
-            pg_loss=pg,
-            kl=kl / tokens if tokens else 0.0,
-            clip_ratio=clipped / tokens if tokens else 0.0,
+            loss=sums.loss,
+            pg_loss=sums.pg,
+            kl=sums.kl / tokens if tokens else 0.0,
+            clip_ratio=sums.clipped / tokens if tokens else 0.0,
             grad_norm=0.0,
             reward_mean=sum(all_scores) / len(all_scores) if all_scores else 0.0,
             sets=len(groups),
@@ -312,15 +450,20 @@ class GRPOTrainer:
             samples=samples,
             tokens=tokens,
             updated=False,
-            nonfinite=not math.isfinite(loss),
+            nonfinite=not math.isfinite(sums.loss),
+            sampler_tokens=seen,
+            sampler_log_ratio=sums.sampler_abs_log_ratio / seen if seen else None,
+            sampler_capped=sums.sampler_capped / seen if seen else None,
         )
 
     def accumulate(self, groups: Sequence[CandidateSet]) -> StepStats:
         """The gradient of the first update over the batch, summed over micro-batches into `.grad`
         (no optimiser step)."""
         micros, tied, samples, tokens = self._batch(groups)
-        ref = [reference_logprobs(self.model, self.ref_model, m) for m in micros] if self.config.kl_beta > 0 and tokens else None
-        sums = self._backward(micros, tokens, None, ref) if tokens else (0.0, 0.0, 0.0, 0.0)
+        chunk = self.config.logprob_chunk_mib
+        ref = ([reference_logprobs(self.model, self.ref_model, m, chunk) for m in micros]
+               if self.config.kl_beta > 0 and tokens else None)
+        sums = self._backward(micros, tokens, None, ref) if tokens else _Sums()
         return self._stats(groups, tied, samples, tokens, sums)
 
     def step(self, groups: Sequence[CandidateSet]) -> StepStats:
@@ -330,17 +473,18 @@ class GRPOTrainer:
         micros, tied, samples, tokens = self._batch(groups)
         if not tokens:
             self.optimizer.zero_grad(set_to_none=True)
-            return self._stats(groups, tied, samples, tokens, (0.0, 0.0, 0.0, 0.0))
-        ref = [reference_logprobs(self.model, self.ref_model, m) for m in micros] if cfg.kl_beta > 0 else None
+            return self._stats(groups, tied, samples, tokens, _Sums())
+        ref = ([reference_logprobs(self.model, self.ref_model, m, cfg.logprob_chunk_mib) for m in micros]
+               if cfg.kl_beta > 0 else None)
         old = None
         if cfg.updates_per_batch > 1:
             # pi_old: the sampling policy's log-probs, taken once before the first update and detached,
             # so that updates 2.. see ratio != 1 and the clip bounds how far the batch moves the policy
             self.model.train()  # the same mode as the gradient forward: on update 1 the ratio is exactly 1
             with torch.no_grad():
-                old = [response_logprobs(self.model, m.ids, m.attn, m.temps) for m in micros]
+                old = [micro_logprobs(self.model, m, cfg.logprob_chunk_mib) for m in micros]
         applied, nonfinite, grad_norm = 0, False, 0.0
-        stats = self._stats(groups, tied, samples, tokens, (0.0, 0.0, 0.0, 0.0))
+        stats = self._stats(groups, tied, samples, tokens, _Sums())
         for _ in range(cfg.updates_per_batch):
             stats = self._stats(groups, tied, samples, tokens, self._backward(micros, tokens, old, ref))
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))

@@ -34,8 +34,9 @@ def sample_sets(settings: Settings, engine: Engine, prompts: Sequence[TrainPromp
     cfg = settings.train
     texts = [engine.render_chat(p.chat()) for p in prompts]
     # one seed for the whole batch: requests with equal params are generated together
+    # with the engine's own log-probs of each token: the trainer's importance weight (train.grpo.tis)
     params = SamplingParams(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, n=k,
-                            seed=seed)
+                            seed=seed, logprobs=cfg.grpo.tis)
     return texts, engine.generate([GenerationRequest(t, params) for t in texts])
 
 
@@ -94,7 +95,7 @@ def evaluate_candidate(
     parent_model = load_frozen(parent.path)
     def kl_to(reference: Any) -> float:
         return mean_kl(model, reference, rollouts, settings.train.temperature, pad_id,
-                       settings.train.grpo.micro_batch_size)
+                       settings.train.grpo.micro_batch_size, settings.train.grpo.logprob_chunk_mib)
 
     kl_parent = kl_to(parent_model)
     if base.version == parent.version:

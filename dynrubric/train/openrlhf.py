@@ -7,20 +7,27 @@
                         (`--data.input_key messages --data.apply_chat_template`)
         command.json    the exact argv of `python -m openrlhf.cli.train_ppo_ray`
         submit.sh       `ray job submit` of that argv
-        rayjob.yaml     the same as a KubeRay RayJob (entrypoint = the argv) with its own Ray cluster: the
-                        one generator `rayjob` also writes k8s/base/trainer/rayjob.yaml
+        rayjob.yaml     the same as a KubeRay RayJob with its own Ray cluster: the argv, then
+                        `dynrubric train openrlhf --finish N` (guards, registration) on its head
 
 GRPO maps onto OpenRLHF as: `--algo.advantage.estimator group_norm` (advantage (r - mean) / std within
 the n samples of a prompt), `--rollout.n_samples_per_prompt K`, `--algo.kl.use_loss --algo.kl.estimator
 k3 --algo.kl.init_coef beta` (KL to the reference in the loss), `--actor.eps_clip_low_high low high`,
 `--train.max_epochs` = `grpo.updates_per_batch`, and `--reward.remote_url` pointing at our reward
-server, whose group barrier scores each prompt's n samples as one candidate set.
+server, whose group barrier scores each prompt's n samples as one candidate set. `grpo.tis` maps to
+OpenRLHF's token-level clipped importance correction (`--algo.advantage.is_correction_level token
+--algo.advantage.is_correction_mode clip --algo.advantage.is_correction_threshold low high`, its TIS),
+which samples with vLLM's processed log-probs like the embedded trainer.
 
 The round's prompts and the watermark after them are taken when the job is emitted (job start): prompts
 that arrive while it runs are left for the next round, never marked consumed untrained. Held-out prompts
 are split off as in the embedded rounds and left out of the shard. `run` submits the job (Ray and GPUs
 required), waits, and `finish` puts the HF checkpoint OpenRLHF saves in `--ckpt.output_dir` through
 the same guards as an embedded round before registering it (a candidate, or rejected with the reason).
+Inside a Ray job (a KubeRay RayJob's head, `--in-ray-job`) `run` starts train_ppo_ray on that job's
+own cluster instead of submitting another job. k8s/base/trainer/rayjob.yaml (`cluster_rayjob`) is a
+RayJob whose head runs `dynrubric train openrlhf --run --in-ray-job`: the whole round, prompts from
+the replay store to a registered (or rejected) checkpoint, as `dynrubric train round` does in process.
 """
 
 from __future__ import annotations
@@ -108,6 +115,9 @@ def train_ppo_ray_argv(settings: Settings, model_path: str, prompts_path: str, o
     if g.lora_rank > 0:
         argv += ["--ds.lora.rank", str(g.lora_rank), "--ds.lora.alpha", str(g.lora_alpha),
                  "--ds.lora.target_modules", *g.lora_target_modules]
+    if g.tis:  # OpenRLHF's TIS: the token ratio pi_train / pi_vllm clamped into [low, high]
+        argv += ["--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "clip",
+                 "--algo.advantage.is_correction_threshold", str(g.tis_low), str(g.tis_high)]
     return argv + list(o.extra_args)
 
 
@@ -134,11 +144,18 @@ def shell_join(argv: list[str]) -> str:
     return " ".join(word(a) for a in argv)
 
 
-TRAIN_IMAGE = "dynrubric-train"  # k8s/base/kustomization.yaml `images:` maps it to a registry image
-MODELS_MOUNT = "/models"  # the dynrubric-models volume: policy, judge and the checkpoints OpenRLHF saves
+MODELS_MOUNT = "/models"  # the dynrubric-models volume: policy, judge, registered checkpoints
+CONFIG_MOUNT = "/etc/dynrubric"  # the ConfigMap dynrubric-config: the settings every dynrubric pod reads
 # the reward server admits only pods with these labels (k8s/base/network/policies.yaml)
 TRAINER_LABELS = {"app.kubernetes.io/name": "dynrubric-trainer", "app.kubernetes.io/component": "trainer"}
-RAY_VERSION = "2.48.0"  # the Ray of the dynrubric-train image
+# what the head runs in the cluster: a whole round, as `dynrubric train round` runs one in process
+CLUSTER_ROUND = ["dynrubric", "train", "openrlhf", "--run", "--in-ray-job"]
+# the head's settings on top of the ConfigMap: the guard's held-out evaluation loads the candidate and its
+# parent into an in-process engine on the head's GPU (the cluster's vLLM engines serve users and cannot
+# reload weights), and the registry is the PostgreSQL database of the Secret
+HEAD_ENV = {"DYNRUBRIC_CONFIG": f"{CONFIG_MOUNT}/dynrubric.yaml", "DYNRUBRIC_ENGINE__KIND": "transformers",
+            "DYNRUBRIC_ENGINE__DEVICE": "cuda", "DYNRUBRIC_ENGINE__DTYPE": "bfloat16"}
+SECRET_ENV = {"DYNRUBRIC_REWARD_TOKEN": "reward-token", "DYNRUBRIC_REGISTRY__URL": "registry-url"}
 
 
 def worker_gpus(settings: Settings) -> int:
@@ -148,16 +165,22 @@ def worker_gpus(settings: Settings) -> int:
     return o.gpus_per_node + -(-o.vllm_engines * o.vllm_tensor_parallel_size // o.num_nodes)
 
 
-def rayjob(settings: Settings, name: str, argv: list[str], *, suspend: bool) -> dict:
-    """The KubeRay RayJob that runs `argv` on a Ray cluster of its own: a CPU head (the driver, with
-    the reward token and the state volume) and `num_nodes` GPU workers sized from train.openrlhf.
-    The one generator of this manifest: `emit` writes it per round, k8s/tools/generate.py writes
-    k8s/base/trainer/rayjob.yaml from the k8s ConfigMap's settings."""
+def rayjob(settings: Settings, name: str, entrypoint: str, *, suspend: bool) -> dict:
+    """The KubeRay RayJob that runs the shell command `entrypoint` on a Ray cluster of its own: a head
+    (the driver: the ConfigMap's settings, the reward token and registry URL from the Secret, the
+    state volume, one GPU for the guard's evaluation; no Ray GPU) and `num_nodes` GPU workers sized
+    from train.openrlhf, in the image train.openrlhf.image of Ray train.openrlhf.ray_version. The one
+    generator of this manifest: `emit` writes it per round, k8s/tools/generate.py writes
+    k8s/base/trainer/rayjob.yaml (`cluster_rayjob`) from the k8s ConfigMap's settings."""
+    o = settings.train.openrlhf
     gpus = str(worker_gpus(settings))
-    nodes = settings.train.openrlhf.num_nodes
     # new dicts each time: YAML would otherwise write a shared one as an anchor and an alias
     no_usage_stats = lambda: {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"}  # noqa: E731
     models = lambda: {"name": "models", "persistentVolumeClaim": {"claimName": "dynrubric-models"}}  # noqa: E731
+    replay = lambda: {"name": "replay", "persistentVolumeClaim": {"claimName": "dynrubric-replay"}}  # noqa: E731
+    gpu_toleration = lambda: [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]  # noqa: E731
+    # the round's prompt shard, run state and OpenRLHF's output live on the replay volume (paths.state_dir)
+    state = lambda: {"name": "replay", "mountPath": str(settings.paths.state_dir)}  # noqa: E731
     head = {
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0"},
         "template": {
@@ -165,41 +188,43 @@ def rayjob(settings: Settings, name: str, argv: list[str], *, suspend: bool) -> 
             "spec": {
                 "containers": [{
                     "name": "ray-head",
-                    "image": TRAIN_IMAGE,
-                    "env": [{"name": "DYNRUBRIC_REWARD_TOKEN",
-                             "valueFrom": {"secretKeyRef": {"name": "dynrubric-secrets", "key": "reward-token"}}},
+                    "image": o.image,
+                    "env": [*({"name": k, "value": v} for k, v in HEAD_ENV.items()),
+                            *({"name": k, "valueFrom": {"secretKeyRef": {"name": "dynrubric-secrets", "key": key}}}
+                              for k, key in SECRET_ENV.items()),
                             no_usage_stats()],
                     "ports": [{"name": "gcs", "containerPort": 6379}, {"name": "dashboard", "containerPort": 8265},
                               {"name": "client", "containerPort": 10001}],
-                    "resources": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "16Gi"}},
-                    "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT},
-                                     {"name": "replay", "mountPath": str(settings.paths.state_dir), "readOnly": True}],
+                    "resources": {"requests": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "1"},
+                                  "limits": {"memory": "64Gi", "nvidia.com/gpu": "1"}},
+                    "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT}, state(),
+                                     {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}],
                 }],
-                "volumes": [models(), {"name": "replay",
-                                     "persistentVolumeClaim": {"claimName": "dynrubric-replay", "readOnly": True}}],
+                "tolerations": gpu_toleration(),
+                "volumes": [models(), replay(), {"name": "config", "configMap": {"name": "dynrubric-config"}}],
             },
         },
     }
     worker = {
         "groupName": "gpu",
-        "replicas": nodes,
-        "minReplicas": nodes,
-        "maxReplicas": nodes,
+        "replicas": o.num_nodes,
+        "minReplicas": o.num_nodes,
+        "maxReplicas": o.num_nodes,
         "rayStartParams": {},
         "template": {
             "metadata": {"labels": dict(TRAINER_LABELS)},
             "spec": {
                 "containers": [{
                     "name": "ray-worker",
-                    "image": TRAIN_IMAGE,
+                    "image": o.image,
                     "env": [no_usage_stats()],
                     "resources": {"requests": {"cpu": "16", "memory": "128Gi", "nvidia.com/gpu": gpus},
                                   "limits": {"memory": "128Gi", "nvidia.com/gpu": gpus}},
-                    "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT},
+                    "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT}, state(),
                                      {"name": "shm", "mountPath": "/dev/shm"}],
                 }],
-                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-                "volumes": [models(), {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}}],
+                "tolerations": gpu_toleration(),
+                "volumes": [models(), replay(), {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}}],
             },
         },
     }
@@ -208,15 +233,20 @@ def rayjob(settings: Settings, name: str, argv: list[str], *, suspend: bool) -> 
         "kind": "RayJob",
         "metadata": {"name": name, "labels": dict(TRAINER_LABELS)},
         "spec": {
-            "entrypoint": shell_join(argv),
+            "entrypoint": entrypoint,
             "suspend": suspend,
             "shutdownAfterJobFinishes": True,
             "ttlSecondsAfterFinished": 3600,
             "activeDeadlineSeconds": 86400,
             "submissionMode": "K8sJobMode",
-            "rayClusterSpec": {"rayVersion": RAY_VERSION, "headGroupSpec": head, "workerGroupSpecs": [worker]},
+            "rayClusterSpec": {"rayVersion": o.ray_version, "headGroupSpec": head, "workerGroupSpecs": [worker]},
         },
     }
+
+
+def cluster_rayjob(settings: Settings) -> dict:
+    """k8s/base/trainer/rayjob.yaml: one whole round per run of the (suspended) RayJob."""
+    return rayjob(settings, "dynrubric-train", shell_join(CLUSTER_ROUND), suspend=True)
 
 
 def emit(settings: Settings, runner: RoundRunner, source: PromptSource, round_id: int, parent: Checkpoint,
@@ -248,13 +278,38 @@ def emit(settings: Settings, runner: RoundRunner, source: PromptSource, round_id
             "#!/bin/sh\nset -e\n" + shell_join(["ray", "job", "submit", "--address", address, "--", *argv]) + "\n"
         )
         (tmp / "submit.sh").chmod(0o755)
-        job = rayjob(settings, f"dynrubric-round-{round_id}", argv, suspend=False)
+        finish_round = ["dynrubric", "train", "openrlhf", "--finish", str(round_id)]
+        job = rayjob(settings, f"dynrubric-round-{round_id}", f"{shell_join(argv)} && {shell_join(finish_round)}",
+                     suspend=False)
         (tmp / "rayjob.yaml").write_text(yaml.safe_dump(job, sort_keys=False, width=120))
     return Emitted(round_id, target, argv, len(prompts), parent, output_dir, heldout, watermark, watermark_after)
 
 
 def _shard_line(p: TrainPrompt) -> str:
     return json.dumps({"messages": p.chat(), "key": p.key}, ensure_ascii=False) + "\n"
+
+
+def _from_shard_line(line: str) -> TrainPrompt:
+    d = json.loads(line)
+    return TrainPrompt(key=d["key"], messages=tuple((m["role"], m["content"]) for m in d["messages"]))
+
+
+def emitted_round(settings: Settings, runner: RoundRunner, round_id: int) -> Emitted:
+    """A round `emit` wrote earlier, read back from its directory (to finish it after its job ran)."""
+    from dynrubric.train.rounds import run_dir_of
+
+    target = run_dir_of(settings) / "openrlhf" / f"round-{round_id:04d}"
+    if not (target / "command.json").is_file():
+        raise DynrubricError(f"round {round_id} was never emitted (no {target / 'command.json'})",
+                             "emit it first: `dynrubric train openrlhf --emit`")
+    if not (target / "output" / "config.json").is_file():
+        raise DynrubricError(f"round {round_id}'s job left no HF checkpoint in {target / 'output'}",
+                             "run its job first (submit.sh or rayjob.yaml); see `ray job logs` if it ran")
+    command = json.loads((target / "command.json").read_text())
+    heldout = [_from_shard_line(line) for line in (target / "heldout.jsonl").read_text().splitlines()]
+    prompts = len((target / "prompts.jsonl").read_text().splitlines())
+    return Emitted(round_id, target, command["argv"], prompts, runner.registry.get(command["parent"]),
+                   target / "output", heldout, command["watermark_before"], command["watermark_after"])
 
 
 def check_cluster() -> None:
@@ -274,10 +329,15 @@ def check_cluster() -> None:
                              "submit the emitted rayjob.yaml to a GPU cluster, or use `dynrubric train round`")
 
 
-def run(emitted: Emitted) -> None:
-    """Submit the emitted job to Ray and wait for the HF checkpoint it saves."""
-    check_cluster()
-    proc = subprocess.run(["sh", str(emitted.dir / "submit.sh")])
+def run(emitted: Emitted, *, in_ray_job: bool = False) -> None:
+    """Submit the emitted job to Ray and wait for the HF checkpoint it saves. `in_ray_job`: this process
+    is a Ray job's driver (a RayJob's head): train_ppo_ray runs here, on the job's own cluster."""
+    if in_ray_job:
+        # through the shell, like submit.sh: it expands the ${NAME} references (the reward token)
+        proc = subprocess.run(["sh", "-c", shell_join(emitted.argv)])
+    else:
+        check_cluster()
+        proc = subprocess.run(["sh", str(emitted.dir / "submit.sh")])
     if proc.returncode != 0:
         raise DynrubricError(f"the OpenRLHF job of round {emitted.round} failed (exit {proc.returncode})",
                              f"see `ray job logs`; the job is described in {emitted.dir}")

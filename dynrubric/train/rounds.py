@@ -109,6 +109,13 @@ class TrainMetrics:
             registry=registry)
         self.heldout_pass = Gauge("dynrubric_train_heldout_pass",
                                   "held-out ground-truth pass rate of the last round's candidate", registry=registry)
+        self.sampler_log_ratio = Gauge(
+            "dynrubric_train_sampler_log_ratio",
+            "sampler-trainer mismatch of the last policy step: mean |log pi_old - log pi_sampler| per token",
+            registry=registry)
+        self.sampler_capped = Gauge(
+            "dynrubric_train_sampler_capped_share",
+            "share of the last policy step's tokens whose truncated importance weight was capped", registry=registry)
         self.worker_failures = Counter(
             "dynrubric_train_worker_failures",
             "round workers (Ray actors, nodes) that died; the round resumed from its last published step",
@@ -349,6 +356,9 @@ class _Round:
                     self.metrics.reward_mean.set(record["reward_mean"])
                     self.metrics.kl.set(record["kl"])
                     self.metrics.tied_sets.inc(record["tied_sets"])
+                    if record.get("sampler_log_ratio") is not None:  # the sampling engine returned log-probs
+                        self.metrics.sampler_log_ratio.set(record["sampler_log_ratio"])
+                        self.metrics.sampler_capped.set(record["sampler_capped"])
                 elif record.get("gen_judge_user_agreement") is not None:
                     self.metrics.judge_user_agreement.set(record["gen_judge_user_agreement"])
                 self.progress.advance(f"round {self.id}", 1)

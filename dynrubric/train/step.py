@@ -25,7 +25,7 @@ from dynrubric.registry import Checkpoint
 from dynrubric.rubric.evaluator import Evaluator, EvaluatorMetrics, ScoredSet
 from dynrubric.rubric.gaps import CollapseDetector
 from dynrubric.rubric.generate import RUBRIC_SCHEMA_JSON, GenerationCounts
-from dynrubric.train.coevolve import RankedAnchors, completion_ids, generator_groups
+from dynrubric.train.coevolve import RankedAnchors, generator_groups, sampled_response
 from dynrubric.train.heldout import sample_sets
 from dynrubric.train.judging import ScoreChunk
 from dynrubric.train.prompts import TrainPrompt
@@ -198,7 +198,7 @@ def policy_step(settings: Settings, models: RoundModels, prompts: Sequence[Train
                 seed_of: Callable[[int], int], progress: Callable[[int], None]) -> tuple[dict[str, Any], list[list[str]]]:
     """One GRPO batch of the policy over `prompts`: (the step's record, the sampled responses).
     `seed`: the candidates' sampling seed; `seed_of(j)`: the j-th judging chunk's seed block."""
-    from dynrubric.train.grpo import CandidateSet, SampledResponse
+    from dynrubric.train.grpo import CandidateSet
 
     cfg = settings.train
     tok = models.policy_engine.tokenizer
@@ -213,7 +213,7 @@ def policy_step(settings: Settings, models: RoundModels, prompts: Sequence[Train
         prompt_ids = tuple(tok.encode(text, add_special_tokens=False))
         # an untrusted set (a known-bad anchor outranks a candidate) teaches nothing: zero advantage
         untrusted = None if sc.trusted else tuple(0.0 for _ in cs)
-        groups.append(CandidateSet(tuple(SampledResponse(prompt_ids, completion_ids(c, tok)) for c in cs), tuple(sc.scores),
+        groups.append(CandidateSet(tuple(sampled_response(prompt_ids, c, tok) for c in cs), tuple(sc.scores),
                             advantages=untrusted, temperature=cfg.temperature))
     stats = models.trainers.step("policy", groups)
     n = len(scored)

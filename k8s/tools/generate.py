@@ -5,7 +5,9 @@
   grafana_dashboard: "1", picked up by the Grafana sidecar of kube-prometheus-stack)
 - k8s/base/trainer/rayjob.yaml <- the settings of k8s/base/config/dynrubric.yaml (the ConfigMap every
   dynrubric pod, the reward server included, loads) through dynrubric/train/openrlhf.py's `rayjob`, the
-  generator `dynrubric train openrlhf --emit` uses too: one group size (train.candidates), one entrypoint
+  generator `dynrubric train openrlhf --emit` uses too: image, Ray version and GPUs from train.openrlhf;
+  its head runs a whole round (`dynrubric train openrlhf --run --in-ray-job`: train_ppo_ray with the flags
+  the same settings give, then the guards and the registration)
 
     python k8s/tools/generate.py          # rewrite the files
     python k8s/tools/generate.py --check  # exit 1 if they are out of date (tests/test_k8s.py runs this)
@@ -39,16 +41,7 @@ def _literal_presenter(dumper, data):
     return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|")
 
 
-class _Folded(str):
-    pass
-
-
-def _folded_presenter(dumper, data):
-    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=">")
-
-
 yaml.SafeDumper.add_representer(_Literal, _literal_presenter)
-yaml.SafeDumper.add_representer(_Folded, _folded_presenter)
 
 
 def _block_strings(node):
@@ -90,21 +83,16 @@ def grafana_dashboards() -> str:
 
 
 CONFIG = ROOT / "k8s" / "base" / "config" / "dynrubric.yaml"
-# where the round's inputs and output live in the cluster: the prompt file exported to the replay volume
-# (under paths.state_dir) before each round, and the checkpoint OpenRLHF saves on the models volume
-PROMPTS = "prompts/current.jsonl"
-OUTPUT_DIR = f"{openrlhf.MODELS_MOUNT}/checkpoints/latest"
 
 
 def trainer_rayjob() -> str:
-    settings = load_settings(CONFIG, environ={})
-    argv = openrlhf.entrypoint(settings, settings.models.policy, str(settings.paths.state_dir / PROMPTS), OUTPUT_DIR)
-    job = openrlhf.rayjob(settings, "dynrubric-train", argv, suspend=True)
-    job["spec"]["entrypoint"] = _Folded(job["spec"]["entrypoint"])  # one command, folded for reading
-    note = ("# One training round as a KubeRay RayJob: OpenRLHF's train_ppo_ray with group-normalised advantages\n"
-            "# over train.candidates samples per prompt, rewards from our group-barrier reward server (token as\n"
-            "# `?token=`, expanded from the pod's env by the shell). Created suspended, so that applying the\n"
-            "# manifests starts nothing: each round, export the prompts and resume it (k8s/README.md).\n")
+    job = openrlhf.cluster_rayjob(load_settings(CONFIG, environ={}))
+    note = ("# One training round as a KubeRay RayJob: its head takes the round's prompts from the replay store,\n"
+            "# runs OpenRLHF's train_ppo_ray on the job's GPU workers (group-normalised advantages over\n"
+            "# train.candidates samples per prompt, rewards from our group-barrier reward server), then puts the\n"
+            "# checkpoint through the guards and registers it, as `dynrubric train round` does in process.\n"
+            "# Created suspended, so that applying the manifests starts nothing: resume it for each round\n"
+            "# (k8s/README.md).\n")
     source = "k8s/base/config/dynrubric.yaml via dynrubric/train/openrlhf.py rayjob()"
     return HEADER.format(source=source) + note + yaml.safe_dump(job, sort_keys=False, width=110)
 

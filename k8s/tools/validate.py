@@ -11,8 +11,9 @@ Schemas
 
 References (what a schema cannot see): Services select some pod template; ServiceMonitors select a
 Service that has the named port; ConfigMaps, PVCs, HPA targets, Argo templates and Services, the
-reward URL of the RayJob exist; KafkaTopics name an existing Kafka; no Secret is inlined: no Secret
-objects, secret-like env vars come from secretKeyRef to the documented Secret and keys.
+reward URL the RayJob's round calls (train.openrlhf.reward_url of the settings ConfigMap) exist;
+KafkaTopics name an existing Kafka; no Secret is inlined: no Secret objects, secret-like env vars
+come from secretKeyRef to the documented Secret and keys.
 
 Least reach: every Deployment, Rollout and other long-running workload is selected by an ingress
 NetworkPolicy, and the in-namespace peers the policies admit are pods that exist.
@@ -31,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import render  # noqa: E402
+import yaml  # noqa: E402
 
 try:
     import jsonschema
@@ -45,6 +47,7 @@ kubernetes_validate.utils.schema_contents = cache(kubernetes_validate.utils.sche
 K8S_VERSION = "1.30"
 CRD_SCHEMAS = Path(__file__).resolve().parents[1] / "crd-schemas"
 SECRET_NAME = "dynrubric-secrets"
+CONFIG_MAP = "dynrubric-config"  # the settings every dynrubric pod reads (base/config/dynrubric.yaml)
 SECRET_KEYS = {"serving-token", "reward-token", "registry-url", "vllm-api-key"}  # k8s/README.md lists them
 SECRETISH = re.compile(r"TOKEN|PASSWORD|SECRET|API_KEY|CREDENTIAL|REGISTRY__URL", re.I)
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job", "Rollout", "ReplicaSet"}
@@ -233,11 +236,19 @@ def reference_problems(objs: list[dict]) -> list[str]:
                     if t["templateName"] not in names("AnalysisTemplate"):
                         problems.append(f"{where}: analysis template {t['templateName']} does not exist")
         if o["kind"] == "RayJob":
-            m = re.search(r"--reward\.remote_url\s+\"?http://([a-z0-9-]+):(\d+)/", o["spec"].get("entrypoint", ""))
+            m = re.match(r"http://([a-z0-9-]+):(\d+)/", _reward_url(by_kind.get("ConfigMap", {})))
             svc = by_kind.get("Service", {}).get(m.group(1)) if m else None
             if not m or svc is None or int(m.group(2)) not in {p["port"] for p in svc["spec"]["ports"]}:
-                problems.append(f"{where}: --reward.remote_url must point at an existing Service and port")
+                problems.append(f"{where}: train.openrlhf.reward_url in ConfigMap {CONFIG_MAP} (the job's "
+                                "--reward.remote_url) must point at an existing Service and port")
     return problems
+
+
+def _reward_url(config_maps: dict[str, dict]) -> str:
+    """train.openrlhf.reward_url of the settings ConfigMap: the URL the RayJob's train_ppo_ray calls."""
+    text = config_maps.get(CONFIG_MAP, {}).get("data", {}).get("dynrubric.yaml", "")
+    settings = yaml.safe_load(text) or {}
+    return str(settings.get("train", {}).get("openrlhf", {}).get("reward_url", ""))
 
 
 def validate(objs: list[dict]) -> list[str]:
