@@ -213,7 +213,7 @@ def up(
 DEMO_TRAINING = {
     "train": {"steps_per_round": 6, "prompts_per_step": 8, "candidates": 4, "max_new_tokens": 48, "heldout_prompts": 4,
               "max_kl": 0.3, "max_kl_to_base": 1.5},
-    "grpo": {"lr": 5e-5, "clip_high": 0.28, "kl_beta": 1e-3, "updates_per_batch": 1},
+    "grpo": {"lr": 5e-5, "clip_high": 0.28, "kl_beta": 1e-3, "updates_per_batch": 1, "compute_dtype": "bfloat16"},
     "coevolve": {"k_alt": 5, "k_alt_generator": 1, "sets_per_step": 2, "rubric_samples": 2},
     # a round's 40 policy sets come from at least this many distinct new prompts (20% of them are held out)
     "loop": {"min_new_prompts": 40},

@@ -401,6 +401,10 @@ class GRPOConfig(Section):
     )
     tis_low: float = Field(default=0.5, gt=0, le=1, description="lower truncation of the importance weight (OpenRLHF)")
     tis_high: float = Field(default=5.0, ge=1, description="upper truncation of the importance weight (OpenRLHF's)")
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32", description="the trainer's forward/backward: bfloat16 autocast of the transformer body "
+        "(weights, optimiser, LM head and log-softmax stay float32)",
+    )
     logprob_chunk_mib: int = Field(
         default=64, ge=1,
         description="the LM head's float32 logits are computed this many MiB at a time: bounds the trainer's "

@@ -180,6 +180,21 @@ def test_gradient_accumulation_equals_the_full_batch(tiny_model_dir: Path) -> No
     assert full.step(batch).updated and full.updates == 1
 
 
+def test_bfloat16_autocast_keeps_the_loss_and_the_gradients_direction(tiny_model_dir: Path) -> None:
+    """`grpo.compute_dtype: bfloat16` (the demo's: AMX makes the update ~2x faster on this CPU) runs the body's
+    matmuls in bfloat16 and keeps the weights, the head and the log-softmax in float32: the same loss to a few
+    parts in a thousand, and a gradient pointing the same way."""
+    batch = groups(5)
+    exact, fast = make_trainer(tiny_model_dir), make_trainer(tiny_model_dir, compute_dtype="bfloat16")
+    s_exact, s_fast = exact.accumulate(batch), fast.accumulate(batch)
+    assert s_fast.loss == pytest.approx(s_exact.loss, rel=2e-2, abs=2e-3)
+    g_exact = torch.cat([p.grad.flatten() for p in exact.model.parameters()])
+    g_fast = torch.cat([p.grad.flatten() for p in fast.model.parameters()])
+    assert float(torch.nn.functional.cosine_similarity(g_exact, g_fast, dim=0)) > 0.98
+    assert all(p.dtype == torch.float32 for p in fast.model.parameters())
+    assert fast.step(batch).updated
+
+
 def test_tied_sets_give_no_gradient_and_are_counted(tiny_model_dir: Path) -> None:
     trainer = make_trainer(tiny_model_dir)
     before = copy.deepcopy(trainer.model.state_dict())

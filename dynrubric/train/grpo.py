@@ -33,6 +33,7 @@ too) and `compute_approx_kl` (tested, also on the trainer's second update).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
@@ -176,8 +177,11 @@ def chunk_rows(vocab_size: int, chunk_mib: int) -> int:
 
 def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
                     temperature: torch.Tensor) -> torch.Tensor:
-    logits = head(hidden).float() / temperature.unsqueeze(-1)
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    # the head and the log-softmax in float32 even under the trainer's bfloat16 autocast (grpo.compute_dtype):
+    # bfloat16 logits would lose the small log-prob differences the ratio and the KL measure
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        logits = head(hidden.float()).float() / temperature.unsqueeze(-1)
+        return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def token_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
@@ -398,6 +402,14 @@ class GRPOTrainer:
         micros = micro_batches(rows, self.pad_token_id, cfg.micro_batch_size)
         return micros, tied, len(rows), sum(len(r.response_ids) for r, _, _ in rows)
 
+    def _autocast(self) -> Any:
+        """The precision of the trainer's forward and backward passes (`grpo.compute_dtype`): bfloat16 autocast runs
+        the transformer body's matmuls in bfloat16 (AMX on a recent Xeon, tensor cores on a GPU); the weights,
+        the optimiser, the LM head and the log-softmax stay float32."""
+        if self.config.compute_dtype == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=next(self.model.parameters()).device.type, dtype=torch.bfloat16)
+
     def _backward(
         self,
         micros: Sequence[_Micro],
@@ -411,7 +423,8 @@ class GRPOTrainer:
         sums = _Sums()
         self.model.train()
         for i, m in enumerate(micros):
-            logp = micro_logprobs(self.model, m, cfg.logprob_chunk_mib)
+            with self._autocast():
+                logp = micro_logprobs(self.model, m, cfg.logprob_chunk_mib)
             # one update per batch: the sampling policy IS the current one (ratio 1, no extra forward)
             pi_old = logp.detach() if old is None else old[i]
             pg, clipped = clipped_surrogate(logp, pi_old, m.adv, cfg.clip_low, cfg.clip_high)
@@ -461,8 +474,9 @@ class GRPOTrainer:
         (no optimiser step)."""
         micros, tied, samples, tokens = self._batch(groups)
         chunk = self.config.logprob_chunk_mib
-        ref = ([reference_logprobs(self.model, self.ref_model, m, chunk) for m in micros]
-               if self.config.kl_beta > 0 and tokens else None)
+        with self._autocast():
+            ref = ([reference_logprobs(self.model, self.ref_model, m, chunk) for m in micros]
+                   if self.config.kl_beta > 0 and tokens else None)
         sums = self._backward(micros, tokens, None, ref) if tokens else _Sums()
         return self._stats(groups, tied, samples, tokens, sums)
 
@@ -474,14 +488,15 @@ class GRPOTrainer:
         if not tokens:
             self.optimizer.zero_grad(set_to_none=True)
             return self._stats(groups, tied, samples, tokens, _Sums())
-        ref = ([reference_logprobs(self.model, self.ref_model, m, cfg.logprob_chunk_mib) for m in micros]
-               if cfg.kl_beta > 0 else None)
+        with self._autocast():
+            ref = ([reference_logprobs(self.model, self.ref_model, m, cfg.logprob_chunk_mib) for m in micros]
+                   if cfg.kl_beta > 0 else None)
         old = None
         if cfg.updates_per_batch > 1:
             # pi_old: the sampling policy's log-probs, taken once before the first update and detached,
             # so that updates 2.. see ratio != 1 and the clip bounds how far the batch moves the policy
             self.model.train()  # the same mode as the gradient forward: on update 1 the ratio is exactly 1
-            with torch.no_grad():
+            with torch.no_grad(), self._autocast():
                 old = [micro_logprobs(self.model, m, cfg.logprob_chunk_mib) for m in micros]
         applied, nonfinite, grad_norm = 0, False, 0.0
         stats = self._stats(groups, tied, samples, tokens, _Sums())
