@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,10 @@ class _Child:
     failed_checks: int = 0
     given_up: bool = False
     history: list[str] = field(default_factory=list)
+    # a (re)started service answers /health only once it has loaded (a vLLM server: a minute or more): until
+    # then its failed checks do not count, but it gets no longer than its start_timeout_s
+    ready: bool = False
+    started_at: float = field(default_factory=time.monotonic)
 
 
 class Supervisor:
@@ -96,6 +101,7 @@ class Supervisor:
         if spec.health_url is None:
             return
         if wait_until(child.proc, lambda: http_ok(spec.health_url, 2.0), spec.start_timeout_s, 0.3):
+            child.ready = True
             return
         raise DynrubricError(f"{spec.name} did not become healthy within {spec.start_timeout_s:.0f} s "
                              f"(exit code {child.proc.poll()}): {log_tail(self.log_path(spec.name))}",
@@ -115,12 +121,18 @@ class Supervisor:
                 if child.proc.poll() is not None:
                     reason = f"exited with code {child.proc.returncode}"
                 elif child.spec.health_url is not None and not http_ok(child.spec.health_url, 2.0):
-                    child.failed_checks += 1
-                    if child.failed_checks >= self.unhealthy_after:
-                        reason = f"failed {child.failed_checks} health checks in a row"
+                    if not child.ready:  # still starting: only its start timeout counts
+                        if time.monotonic() - child.started_at <= child.spec.start_timeout_s:
+                            continue
+                        reason = f"not healthy {child.spec.start_timeout_s:.0f} s after its start"
+                    else:
+                        child.failed_checks += 1
+                        if child.failed_checks >= self.unhealthy_after:
+                            reason = f"failed {child.failed_checks} health checks in a row"
+                    if reason is not None:
                         terminate(child.proc, timeout_s=10)
                 else:
-                    child.failed_checks = 0
+                    child.failed_checks, child.ready = 0, True
                 if reason is not None:
                     self._restart(child, reason)
 
@@ -134,6 +146,7 @@ class Supervisor:
         child.failed_checks = 0
         self.record_restart(child.spec.name, reason)
         child.proc = self._spawn(child.spec)
+        child.ready, child.started_at = False, time.monotonic()
 
     def check_alive(self) -> None:
         """Raise when a service was given up on (the main job cannot go on without it)."""

@@ -91,3 +91,52 @@ def test_dev_mode_engines_listen_on_loopback_only(tmp_path, tiny_model_dir):
     with Fleet([spec], tmp_path / "logs", CollectorRegistry()) as fleet:
         fleet.start(timeout_s=120)
         assert _listen_addresses(port) == {"0100007F"}  # 127.0.0.1, and nothing else
+
+
+# a service that takes `sys.argv[2]` seconds to load before it answers /healthz (a vLLM server takes a minute)
+SLOW_SERVICE = textwrap.dedent(
+    """
+    import http.server, sys, time
+    time.sleep(float(sys.argv[2]))
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+        def log_message(self, *a):
+            pass
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+    """
+)
+
+
+def test_a_slow_starting_service_is_given_its_start_timeout_not_killed_by_the_health_watcher(tmp_path):
+    """The supervisor's watcher, already running for a first service, must not count the failed health checks of
+    a second one that is still loading: seen in `up`, where it killed the rounds' vLLM server 6 s into its
+    minute-long start, again and again. A service that never gets healthy is still restarted, once its own
+    start timeout has passed."""
+    from dynrubric.supervisor import ChildSpec, Supervisor
+
+    lines: list[str] = []
+    sup = Supervisor(tmp_path / "logs", CollectorRegistry(), lines.append, health_interval_s=0.2, unhealthy_after=3)
+    try:
+        fast_port, slow_port = free_port(), free_port()
+        script = tmp_path / "service.py"
+        script.write_text(SLOW_SERVICE)
+        sup.start(ChildSpec("fast", [sys.executable, str(script), str(fast_port), "0"],
+                            health_url=f"http://127.0.0.1:{fast_port}/", start_timeout_s=30))
+        sup.start(ChildSpec("slow", [sys.executable, str(script), str(slow_port), "3"],
+                            health_url=f"http://127.0.0.1:{slow_port}/", start_timeout_s=30))
+        time.sleep(1.0)
+        assert sup.restart_counts() == {} and not any("restart" in line for line in lines), lines
+        never = free_port()
+        child = ChildSpec("never", [sys.executable, "-c", "import time; time.sleep(600)"],
+                          health_url=f"http://127.0.0.1:{never}/", start_timeout_s=1.0)
+        try:
+            sup.start(child)
+        except Exception:  # noqa: BLE001 - its first start fails its wait: what matters is the watcher's restart
+            pass
+        deadline = time.monotonic() + 10
+        while "never" not in sup.restart_counts() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sup.restart_counts().get("never", 0) >= 1 and "not healthy 1 s after its start" in "".join(lines)
+    finally:
+        sup.stop()
