@@ -224,7 +224,8 @@ def _demo_caps(settings) -> None:
     """Round sizes, optimiser and gate sample sizes a 2-core CPU gets through in minutes (sizes are caps: lower
     configs stay)."""
     train = DEMO_TRAINING["train"]
-    for key in ("steps_per_round", "prompts_per_step", "candidates", "max_new_tokens", "heldout_prompts"):
+    settings.train.steps_per_round = train["steps_per_round"]  # the round's shape: k_alt policy + k_alt_generator
+    for key in ("prompts_per_step", "candidates", "max_new_tokens", "heldout_prompts"):
         setattr(settings.train, key, min(getattr(settings.train, key), train[key]))
     for key in ("max_kl", "max_kl_to_base"):  # the guards allow the demo's learning rate its step
         setattr(settings.train, key, max(getattr(settings.train, key), train[key]))

@@ -655,6 +655,10 @@ class RolloutConfig(Section):
     consumer_group: str = Field(default="dynrubric-rollout-gate", min_length=1, description="online metrics' group")
     judge: bool = Field(default=False, description="judge shadow pairs (serving.shadow_rate) with the rubric evaluator "
                         "built from the engine and models sections")
+    judge_ground_truth: bool = Field(
+        default=True, description="decide a shadow pair by its prompt's ground truth (official checkers, computed "
+        "answers) where it has one; the rubric judge scores the rest (serving/judged.py)",
+    )
     judge_pairs_per_poll: int = Field(default=8, ge=1, description="judge cost cap: pairs scored per gate evaluation")
 
 

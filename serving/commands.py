@@ -161,7 +161,8 @@ def build_controller(settings, log=console.print):
 
         generator = build_engine(settings, "generator")
         verifier = generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
-        judge = PairJudge(Evaluator(generator, verifier, settings.rubric), settings.rubric.eps)
+        judge = PairJudge(Evaluator(generator, verifier, settings.rubric), settings.rubric.eps,
+                          ground_truth=r.judge_ground_truth)
     registry = open_registry(settings)
     controller = Controller(
         registry, open_rollout_store(settings, registry),

@@ -187,11 +187,11 @@ class ClosedLoop:
         self.traffic: UserTraffic | None = None
 
     # ------------------------------------------------------------ start-up
-    def _write_config(self) -> Path:
+    def _write_config(self, settings: Settings | None = None, name: str = "config.yaml") -> Path:
         import yaml
 
-        path = self.dir / "config.yaml"
-        atomic.write_text(path, yaml.safe_dump(plain_dump(self.settings), sort_keys=False))
+        path = self.dir / name
+        atomic.write_text(path, yaml.safe_dump(plain_dump(settings or self.settings), sort_keys=False))
         path.chmod(0o600)
         return path
 
@@ -252,8 +252,8 @@ class ClosedLoop:
             fleet.start(s.vllm.start_timeout_s)
             for spec in specs:
                 self.supervisor.record_pid(spec.name, fleet.process(spec.name).pid)
-            if all(spec.kind == "vllm" for spec in specs):
-                config = self._start_trainer_engine()
+            # the rounds read their own copy of the settings: on a vLLM fleet it names their own vLLM server
+            trainer_config = self._start_trainer_engine() if all(spec.kind == "vllm" for spec in specs) else config
 
             router_metrics = CollectorRegistry()  # the router's own /metrics, scraped as dynrubric-router
             producer = EventProducer(s.kafka, router_metrics)
@@ -294,7 +294,7 @@ class ClosedLoop:
                         break
                     cycle += 1
                     started = time.monotonic()
-                    self.results.append(self.cycle(cycle, config, runner, controller, registry))
+                    self.results.append(self.cycle(cycle, trainer_config, runner, controller, registry))
                     longest = max(longest, time.monotonic() - started)
             except KeyboardInterrupt:
                 self.log("interrupted: stopping users, draining, stopping every component "
@@ -306,13 +306,14 @@ class ClosedLoop:
         """The rounds' own vLLM server (a supervised child on every core): the policy samples its candidate sets and
         the held-out answers there, and the rubric generator writes its rubrics there, the two taking turns with
         their own weights (`engine.shared_servers`); the verifier, which only scores, stays in the trainer process.
-        The serving fleet is left to the users. Returns the children's config file, rewritten to say so."""
+        The serving fleet is left to the users. Returns the rounds' config file (`up/trainer.yaml`), which says so;
+        this process's settings, and the rollout judge built from them, keep their own engines."""
         from dynrubric import modelcache
         from dynrubric.config import VllmConfig
         from dynrubric.engines.vllm_server import VllmServer
 
-        s = self.settings
-        model = modelcache.resolve(s.paths.resolved_home(), s.models.verifier)
+        model = modelcache.resolve(self.settings.paths.resolved_home(), self.settings.models.verifier)
+        s = self.settings.model_copy(deep=True)
         server = VllmServer(model, VllmConfig(**{**s.vllm.model_dump(), "kv_cache_space_gib": TRAINER_KV_CACHE_GIB}),
                             port=free_port())
         env = {**server.environment(), "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}
@@ -325,7 +326,7 @@ class ClosedLoop:
         s.engine.policy_url = s.engine.generator_url = s.engine.verifier_url = None
         s.engine.shared_servers, s.engine.in_process = True, ["verifier"]
         self.log(f"trainer engine (vLLM, policy and rubric generator) at {server.base_url}")
-        return self._write_config()
+        return self._write_config(s, "trainer.yaml")
 
     def _start_prometheus(self, stack: ExitStack) -> None:
         """Debian's Prometheus scraping this run's services, with the shipped rules (alerts fire during the run)."""
@@ -402,7 +403,7 @@ class ClosedLoop:
         watermark = last["watermark_after"] if last else None
         need = self.settings.loop.min_new_prompts
         deadline = time.monotonic() + self.settings.loop.wait_timeout_s
-        seen = -1
+        seen, said_at = -1, 0.0
         while True:
             self.supervisor.check_alive()
             try:
@@ -412,8 +413,8 @@ class ClosedLoop:
             if len(prompts) >= need:
                 self.log(f"cycle {cycle}: {len(prompts)} new prompts since watermark {watermark!r}")
                 return
-            if len(prompts) != seen:
-                seen = len(prompts)
+            if len(prompts) != seen and (seen < 0 or time.monotonic() - said_at >= 15.0):  # a line every 15 s at most
+                seen, said_at = len(prompts), time.monotonic()
                 self.log(f"cycle {cycle}: waiting for new prompts ({seen}/{need})")
             if time.monotonic() > deadline:
                 raise DynrubricError(f"only {seen} new prompts arrived in {self.settings.loop.wait_timeout_s:.0f} s",

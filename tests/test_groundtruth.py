@@ -188,3 +188,26 @@ def test_the_guard_rejects_a_candidate_that_learned_to_echo_the_question(tiny_mo
                                       "reward_new": 0.9, "groundtruth": evidence})
     # the judge's held-out reward went up (0.3 -> 0.9): only ground truth shows the candidate is worse
     assert verdict.reason == "heldout_regression" and metrics["heldout_pass"] == 0.25
+
+
+def test_the_rollouts_judged_check_decides_a_pair_by_ground_truth_where_the_prompt_has_one():
+    """A shadow pair whose prompt states a ground truth is decided by it (1 / 1/2 / 0 for the canary), with no
+    model; only the other pairs reach the rubric judge."""
+    from serving.judged import PairJudge
+    from serving.online import ShadowPair
+
+    class Judge:
+        asked: list[str] = []
+
+        def score_sets(self, prompts, sets):
+            self.asked.extend(prompts)
+            return [type("Scored", (), {"scores": [0.9 if "good" in r else 0.1 for r in rs]})() for rs in sets]
+
+    judge = Judge()
+    q = "What is 7 + 5? Answer with the number only."
+    pairs = [ShadowPair("a", q, stable="13", canary="12"), ShadowPair("b", q, stable="12", canary="12"),
+             ShadowPair("c", q, stable="12", canary="It is 11."),
+             ShadowPair("d", "Tell me a story.", stable="meh", canary="a good story")]
+    assert PairJudge(judge, eps=0.02).score(pairs) == [1.0, 0.5, 0.0, 1.0]
+    assert judge.asked == ["Tell me a story."]
+    assert PairJudge(judge, eps=0.02, ground_truth=False).score(pairs[:1]) == [0.5]  # the stub judge ties them
