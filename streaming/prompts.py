@@ -22,7 +22,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dynrubric.errors import DynrubricError
-from dynrubric.rubric.groundtruth import GroundTruth, Instruction, derive
+from dynrubric.rubric.groundtruth import GroundTruth, derive
+from dynrubric.rubric.instructions import Instruction
 from streaming.events import ChatMessage
 
 

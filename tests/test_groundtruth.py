@@ -11,7 +11,8 @@ import pytest
 from dynrubric.config import RubricConfig, Settings
 from dynrubric.engines.base import Completion, Engine, GenerationRequest
 from dynrubric.rubric.evaluator import Evaluator
-from dynrubric.rubric.groundtruth import SUPPORTED, GroundTruth, Instruction, answer_matches, derive
+from dynrubric.rubric.groundtruth import GroundTruth, answer_matches, derive
+from dynrubric.rubric.instructions import SUPPORTED, Instruction
 from dynrubric.rubric.items import Rubric, RubricItem
 from dynrubric.train.policy_eval import EvalPrompt, decode_params, paired_bootstrap, sample_outcomes
 from dynrubric.train.prompts import make_prompt

@@ -11,21 +11,16 @@ the empty answer, an off-topic paragraph, and the question echoed back. They ser
 
    so an item credits a response only for what it gives beyond a known-bad answer. Checked items are
    exact and are not calibrated.
-2. Trust, with the same rubric and calibrated verdicts (`rubric.trust_rule`, ties within `eps` excused):
+2. Trust, per item a model or a vote wrote (generated, consensus; evaluator.py applies it), with the
+   calibrated verdicts (`rubric.trust_rule`, leads under `eps` excused):
 
-       every (default): untrusted when an anchor scores above ANY real candidate
-       best:            untrusted only when an anchor scores above the set's BEST real candidate
+       every (default): overruled when an anchor meets the item better than ANY real candidate
+       best:            overruled only when an anchor meets it better than the set's BEST candidate
 
-   `every` is the strict rule, and the default: a judge that puts the echoed question above a real
-   answer is wrong about that answer, or the answer is garbage; either way the set's gaps must not train
-   the policy. Measured on 30 sets of 4 SmolLM2 answers to the shipped prompts (the default judge): 14
-   sets had a score spread; `best` trusted all 14, `every` 3. In 6 of the 11 only `best` trusted, the
-   anchor's lead came from generated checks unrelated to their text (no_commas on "The response is
-   98") that the echo also meets: noise `best` would train on; in 5 from derived items, 4 of them the
-   prompt's own constraints (the echo contains the required word), where the judge was right and the
-   set's signal is lost. On the judge benchmark, whose ordered sets end in answers an anchor can beat
-   (empty, off-topic, meeting none of the constraints), `every` distrusts 62 of 66.
-   Untrusted sets get zero advantage from the trainer and are counted.
+   An overruled item is noise for this set and weighs nothing. Items read off the prompt (its ground
+   truth, the echo veto) are never overruled: the echoed question that contains the required keyword
+   meets that constraint for real. A set left with no item but the echo veto is untrusted: zero
+   advantage, counted. docs/benchmarks.md has what the rules did on real sets.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ An item may carry a `Check`; the evaluator then answers the item by running the 
 | final_number  | X                | the last number in the response equals X (1e-9 relative)          |
 | no_commas     | (none)           | the response has no comma                                         |
 | lowercase     | (none)           | the response has no upper-case letter                             |
-| instruction   | {id, kwargs}     | the official IFEval checker of that instruction passes (groundtruth.py) |
+| instruction   | {id, kwargs}     | the official IFEval checker of that instruction passes (instructions.py) |
 | echoes        | the question     | the response only repeats the question (`echoes` below)           |
 
 `instruction` and `echoes` are written by derived.py from the prompt itself; a generator cannot write
@@ -36,6 +36,8 @@ from typing import Any, Literal
 
 import regex
 from pydantic import BaseModel, ConfigDict, Field
+
+from dynrubric.rubric.instructions import parse_instruction
 
 CheckKind = Literal[
     "contains", "not_contains", "regex", "max_words", "min_words", "starts_with", "ends_with",
@@ -185,8 +187,6 @@ def run_check(check: Check, response: str) -> float:
     if kind == "lowercase":
         return float(response == response.lower())
     if kind == "instruction":
-        from dynrubric.rubric.groundtruth import parse_instruction  # groundtruth.py imports this module
-
         return float(parse_instruction(str(value)).follows(response))
     if kind == "echoes":
         return float(echoes(str(value), response))
