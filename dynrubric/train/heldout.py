@@ -82,7 +82,8 @@ def evaluate_candidate(
     else:
         rubric_writer = generator_engine
         if previous_generator is not None:
-            rubric_writer.load_weights(previous_generator, "previous-generator")
+            # named after the parent: the generator as the round that accepted the parent left it
+            rubric_writer.load_weights(previous_generator, parent.version)
     judge = Evaluator(rubric_writer, verifier_engine, settings.rubric, metrics=None)
     judged_by = {"generator": rubric_writer.policy_version, "verifier": verifier_engine.policy_version}
     sets = [[c.text for c in o] + [c.text for c in n] for o, n in zip(old, new, strict=True)]

@@ -370,7 +370,8 @@ def finish(settings: Settings, runner: RoundRunner, emitted: Emitted) -> dict:
         evaluation = evaluate_candidate(
             settings, candidate_dir=emitted.output_dir, candidate_version=f"{cfg.version_prefix}{emitted.round}",
             candidate_model=None, parent=parent, base=runner.base_of(parent), heldout=emitted.heldout,
-            policy_engine=policy, generator_engine=generator, previous_generator=None, verifier_engine=verifier,
+            policy_engine=policy, generator_engine=generator,
+            previous_generator=runner.generator_dir() if two_models else None, verifier_engine=verifier,
             pad_id=int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id),
             seed=(cfg.seed * 1_000_003 + emitted.round * 10_007 + 10_000 * 101) % (2**31),
         )

@@ -226,7 +226,8 @@ def policy_step(settings: Settings, models: RoundModels, prompts: Sequence[Train
         "nonsplit_share": sum(s.gaps.nonsplit_share for s in scored) / n,
         "untrusted_sets": sum(not s.trusted for s in scored),
         # per set, so that the trust rule can be checked from the run log: candidates' and anchors' scores
-        "set_scores": [{"scores": s.scores, "anchor_scores": s.anchor_scores, "trusted": s.trusted} for s in scored],
+        "set_scores": [{"scores": s.scores, "anchor_scores": s.anchor_scores, "trusted": s.trusted,
+                        "overruled_items": s.overruled_items} for s in scored],
         "rubric_sources": {src: sum(s.rubric_source == src for s in scored) for src in ("set", "prompt_only", "generic")},
         "fallbacks": {
             "parse_failures": counts.parse_failures,
