@@ -26,8 +26,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from dynrubric.cli import DEMO_TRAINING
 from dynrubric.ports import free_port
-from dynrubric.rubric.calibrate import anchors_outrank
 from dynrubric.train.grpo import group_advantages
 
 SCRIPT = Path(sys.executable).parent / "dynrubric"
@@ -155,25 +155,35 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
     for c in versions.values():
         assert c["parent"] is None or versions[c["parent"]]["created_at"] <= c["created_at"]
 
-    # round 1: one policy step (trusted sets only), one generator step, a guard verdict that is the one
-    # its bounds give on the held-out numbers
+    # round 1: the demo's shape (k_alt policy steps on trusted sets only, then a generator step), a guard
+    # verdict that is the one its bounds give on the held-out numbers
     summary = json.loads((state / "train" / "rounds" / "0001" / "summary.json").read_text())
-    assert summary["phases"] == {"policy": 1, "generator": 1}
+    demo = DEMO_TRAINING["coevolve"]
+    assert summary["phases"] == {"policy": demo["k_alt"], "generator": demo["k_alt_generator"]}
     steps = [json.loads(line) for line in (state / "train" / "runlog.jsonl").read_text().splitlines()]
-    policy = [s for s in steps if s.get("kind") == "step" and s.get("phase") == "policy"][0]
-    # a set where an anchor outranks any candidate contributes no advantage: it is counted among the tied
-    assert 0 <= policy["untrusted_sets"] <= policy["tied_sets"]
+    policy_steps = [s for s in steps if s.get("kind") == "step" and s.get("phase") == "policy" and s.get("round") == 1]
+    assert len(policy_steps) == demo["k_alt"]
     eps = float(env["DYNRUBRIC_RUBRIC__EPS"])
-    outranked = [anchors_outrank(s["scores"], s["anchor_scores"], eps, "every") for s in policy["set_scores"]]
-    assert [not s["trusted"] for s in policy["set_scores"]] == outranked and sum(outranked) == policy["untrusted_sets"], policy["set_scores"]
-    # the tiny random model's answers are near garbage: an anchor outranks one of them in about half of
-    # the sets, so a round may have nothing to learn from; when a set is trusted and not tied, it trains
-    trainable = any(s["trusted"] and group_advantages(s["scores"], 1e-6, eps) is not None for s in policy["set_scores"])
-    assert policy["updated"] is trainable and policy["updates"] == int(trainable), policy
+    trainable, applied = False, 0  # `updates`: the optimiser's update count so far (AdamW's step counter)
+    for policy in policy_steps:
+        # a set where an anchor outranks any candidate contributes no advantage: it is counted among the tied
+        assert 0 <= policy["untrusted_sets"] <= policy["tied_sets"]
+        # untrusted: the anchors overruled the set's rubric items, so none but the echo item weighs
+        untrusted = [not s["trusted"] for s in policy["set_scores"]]
+        assert sum(untrusted) == policy["untrusted_sets"], policy["set_scores"]
+        assert all(s["overruled_items"] > 0 for s in policy["set_scores"] if not s["trusted"]), policy["set_scores"]
+        # the tiny random model's answers are near garbage: an anchor outranks one of them in about half of
+        # the sets, so a step may have nothing to learn from; when a set is trusted and not tied, it trains
+        step_trainable = any(s["trusted"] and group_advantages(s["scores"], 1e-6, eps) is not None
+                             for s in policy["set_scores"])
+        applied += int(step_trainable)
+        assert policy["updated"] is step_trainable and policy["updates"] == applied, policy
+        trainable |= step_trainable
     held_out = summary["eval"]
-    if trainable:
-        assert versions["r1"]["weights_sha256"] != versions["base"]["weights_sha256"]
-        assert held_out["kl_to_parent"] > 0 and held_out["kl_to_base"] > 0, held_out
+    # five steps of sets judged with per-item trust: a round where nothing trains is a failure
+    assert trainable, [p["set_scores"] for p in policy_steps]
+    assert versions["r1"]["weights_sha256"] != versions["base"]["weights_sha256"]
+    assert held_out["kl_to_parent"] > 0 and held_out["kl_to_base"] > 0, held_out
     shown = json.loads(subprocess.run([str(SCRIPT), "config", "show", "--format", "json"], env=env,
                                       capture_output=True, text=True, timeout=120, check=True).stdout)["train"]
     broken = [name for name, bad in (
