@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from dynrubric.rubric.benchmark import all_tied, empty_on_top, kendall_tau, pairwise_accuracy, read_judge_sets
+from dynrubric.rubric.benchmark import (
+    RealSet,
+    all_tied,
+    empty_on_top,
+    kendall_tau,
+    pairwise_accuracy,
+    read_judge_sets,
+    read_real_sets,
+    summarise_real,
+)
 from dynrubric.rubric.calibrate import anchors_outrank, calibrate_row
 from dynrubric.rubric.checks import Check, CheckError, echoes, parse_check, run_check
 from dynrubric.rubric.derived import consensus_items, prompt_items
@@ -241,3 +250,61 @@ def test_eval_judge_through_the_console_script(tiny_model_dir, tmp_path):
     bad = subprocess.run([str(script), "eval-judge", str(sets), "--modes", "best"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "unknown mode" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_judge_on_real_output_counts_pairs_ties_and_the_advantage_sign():
+    """Pairs are (pass, fail) within separated sets, ties within eps count 1/2; a set trains right when its
+    passing answers get the larger mean advantage, no advantage when untrusted or tied."""
+    sets = [RealSet("q1", ["a", "b", "c"], [True, False, False]),  # separated: 2 pairs
+            RealSet("q2", ["a", "b"], [False, True]),  # separated: 1 pair
+            RealSet("q3", ["a", "b"], [True, True]),  # not separated: ignored
+            RealSet("q4", ["a", "b"], [True, False])]  # separated, untrusted
+    scores = [[0.9, 0.5, 0.9], [0.8, 0.2], [0.1, 0.9], [0.9, 0.1]]
+
+    def advantages(s):
+        mean = sum(s) / len(s)
+        return None if max(s) - min(s) < 0.02 else [x - mean for x in s]
+
+    r = summarise_real(sets, scores, [True, True, True, False], advantages, eps=0.02)
+    assert (r.sets, r.separated_sets, r.separated_pairs) == (4, 3, 4)
+    # q1: 0.9 vs 0.5 won, 0.9 vs 0.9 tie (1/2); q2: 0.2 vs 0.8 lost; q4: won
+    assert r.pairwise_accuracy == pytest.approx((1 + 0.5 + 0 + 1) / 4)
+    # q1: passing answer's advantage 0.9 - 0.767 > 0 (right); q2: 0.2 - 0.5 < 0 (wrong); q4 untrusted
+    assert (r.trains_right, r.trains_wrong, r.no_advantage) == (1, 1, 1)
+
+
+def test_eval_judge_real_judges_only_the_sets_the_checker_separates(tiny_model_dir, tmp_path):
+    sets = tmp_path / "real.jsonl"
+    sets.write_text("".join(json.dumps(s) + "\n" for s in [
+        {"prompt": "Say hi. Your answer must be in all lowercase letters.", "responses": ["hi", "Hi"],
+         "passed": [True, False]},
+        {"prompt": "Say hi without commas.", "responses": ["hi", "hi, you"], "passed": [True, False]},
+        {"prompt": "Say hi.", "responses": ["hi", "hello"], "passed": [True, True]},
+    ]))
+    env = {
+        **os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200",
+        "DYNRUBRIC_MODELS__GENERATOR": str(tiny_model_dir), "DYNRUBRIC_MODELS__VERIFIER": str(tiny_model_dir),
+        "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": "48", "DYNRUBRIC_RUBRIC__RETRIES": "0",
+        "DYNRUBRIC_RUBRIC__PROMPT_ONLY_RETRIES": "0",
+    }
+    script = Path(sys.executable).parent / "dynrubric"
+    r = subprocess.run([str(script), "eval-judge", str(sets), "--real", "--modes", "set", "--out", str(tmp_path / "out")],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-2].startswith("pairwise_accuracy_real[set]: ")
+    report = json.loads((tmp_path / "out" / "eval_judge_real.json").read_text())
+    result = report["results"]["set"]
+    assert (result["sets"], result["separated_sets"], result["separated_pairs"]) == (3, 2, 2)
+    assert [s["passed"] for s in report["sets"]] == [[True, False], [True, False]]  # the tied set was not judged
+    # lowercase and no-commas are read off the prompts: the checked items order both sets right
+    assert result["pairwise_accuracy"] == 1.0, report
+
+
+def test_the_shipped_real_output_sets_are_graded_by_their_prompts_ground_truth():
+    from dynrubric.rubric.groundtruth import derive
+
+    sets = read_real_sets(REPO / "dynrubric" / "data" / "judge_real.jsonl")
+    assert len(sets) >= 60 and sum(s.separated for s in sets) >= 20
+    for s in sets:
+        truth = derive(s.prompt)
+        assert truth.instructions and s.passed == [truth.passes(r) for r in s.responses], s.prompt

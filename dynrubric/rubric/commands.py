@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -322,6 +323,7 @@ def _eval_judge_real(settings, path: Path, modes: list[str], out: Path, batch: i
     if sample is not None:
         _sample_real_sets(settings, path, sample)
     sets = read_real_sets(path)
+    judged_sets = [s for s in sets if s.separated]  # the others have no order to recover: not judged
     with status(console, f"loading the {settings.engine.kind} engine"):
         generator = build_engine(settings, "generator")
         verifier = generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
@@ -331,16 +333,18 @@ def _eval_judge_real(settings, path: Path, modes: list[str], out: Path, batch: i
             config = settings.rubric.model_copy(update={"mode": mode})
             evaluator = Evaluator(generator, verifier, config)
             phase = f"sets judged ({mode})"
-            bars.start(phase, len(sets))
+            bars.start(phase, len(judged_sets))
             scored = []
-            for i in range(0, len(sets), batch):
-                chunk = sets[i : i + batch]
+            for i in range(0, len(judged_sets), batch):
+                chunk = judged_sets[i : i + batch]
                 scored += evaluator.score_sets([s.prompt for s in chunk], [s.responses for s in chunk],
                                                progress=lambda n: bars.advance(phase, n))
-            results[mode] = summarise_real(
-                sets, [s.scores for s in scored], [s.trusted for s in scored],
+            result = summarise_real(
+                judged_sets, [s.scores for s in scored], [s.trusted for s in scored],
                 lambda s: group_advantages(s, settings.train.grpo.adv_eps, config.eps), config.eps)
-            per_set += [{"mode": mode, "passed": rs.passed, **s.as_dict()} for rs, s in zip(sets, scored, strict=True)]
+            results[mode] = dataclasses.replace(result, sets=len(sets))
+            per_set += [{"mode": mode, "passed": rs.passed, **s.as_dict()}
+                        for rs, s in zip(judged_sets, scored, strict=True)]
     generator.close()
     if verifier is not generator:
         verifier.close()
