@@ -117,7 +117,8 @@ item_like = st.fixed_dictionaries(
     optional={
         "id": st.one_of(st.text(max_size=8), st.integers(), st.none()),
         "text": st.one_of(st.text(max_size=40), st.integers(), st.none()),
-        "weight": st.one_of(st.integers(-20, 20), st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=5), st.none()),
+        "weight": st.one_of(st.integers(-20, 20), st.floats(-20, 20), st.floats(allow_nan=True, allow_infinity=True),
+                            st.text(max_size=5), st.none()),
         "polarity": st.one_of(st.sampled_from([1, -1, 0, "+1", "-1", "negative", "positive", "?"]), st.none(), st.floats()),
     },
 )
@@ -164,7 +165,56 @@ def test_item_junk_never_gives_an_invalid_rubric(items, wrap, damage):
         rubric = parse_rubric(body)
     except RubricParseError:
         return
-    assert all(math.isfinite(i.weight) for i in rubric.items)
+    if damage == 0:  # the body decodes to `items` exactly: the weight rule, entry by entry
+        valid = [(" ".join(e["text"].split()), w) for e in items
+                 if isinstance(e.get("text"), str) and e["text"].strip() and _valid_polarity(e.get("polarity"))
+                 and (w := _rule_weight(e.get("weight", 1))) is not None]
+        assert len(rubric.items) <= len(valid)
+        for item in rubric.items:
+            # the entry that wrote the item, and the twins merged into it: the largest of their weights
+            first = next(w for text, w in valid if text == item.text)
+            assert first <= item.weight and item.weight in {w for _, w in valid}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.integers(-20, 20), st.floats(-20, 20), st.floats(allow_nan=True, allow_infinity=True),
+                          st.floats(-20, 20).map(str), st.booleans(), st.none()), min_size=1, max_size=12))
+def test_every_item_weight_follows_the_weight_rule(weights):
+    """Distinct texts (nothing merges): the items are the entries with a usable weight, in order, each
+    weight rounded to the nearest integer and clamped into 1..5."""
+    entries = [{"text": f"distinct property number {n} zz{n}", "weight": w} for n, w in enumerate(weights)]
+    expected = [(e["text"], w) for e in entries if (w := _rule_weight(e["weight"])) is not None]
+    try:
+        rubric = parse_rubric(json.dumps({"items": entries}, allow_nan=True))
+    except RubricParseError:
+        assert not expected
+        return
+    assert [(i.text, i.weight) for i in rubric.items] == expected
+
+
+def _rule_weight(value) -> int | None:
+    """The module docstring's weight rule: a finite number (or numeric string) rounded to the nearest
+    integer and clamped into 1..5; anything else drops the item."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            return None
+    if not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return min(5, max(1, round(value)))
+
+
+def _valid_polarity(value) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int | float):
+        return math.isfinite(value) and value != 0
+    return isinstance(value, str) and value.strip().lower() in {"1", "+1", "-1", "positive", "negative"}
 
 
 def test_an_item_written_four_times_is_a_one_item_rubric():
