@@ -117,6 +117,21 @@ def test_loss_and_gradients_match_openrlhf(clip_high: float) -> None:
     assert torch.allclose(k3(base, ref).double(), utils.compute_approx_kl(base, ref, kl_estimator="k3").double())
 
 
+def test_k3_values_by_hand_and_its_mean_under_pi_is_the_exact_kl() -> None:
+    """k3(x) = exp(-x) - 1 + x with x = log pi - log pi_ref, per token; its expectation under pi is
+    KL(pi || pi_ref) exactly. pi = (0.5, 0.3, 0.2), pi_ref = (0.2, 0.5, 0.3):
+    KL = 0.5 ln 2.5 + 0.3 ln 0.6 + 0.2 ln(2/3) = 0.4581454 - 0.1532477 - 0.0810930 = 0.2238047."""
+    pi = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    ref = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+    per_token = k3(pi.log(), ref.log())
+    # x = ln 2.5: 0.4 - 1 + 0.9162907; x = ln 0.6: 5/3 - 1 - 0.5108256; x = ln(2/3): 1.5 - 1 - 0.4054651
+    assert per_token.tolist() == pytest.approx([0.3162907, 0.1558411, 0.0945349], abs=1e-6)
+    assert float((pi * per_token).sum()) == pytest.approx(0.2238047, abs=1e-6)
+    assert float(k3(pi.log(), pi.log()).abs().max()) == 0.0
+    # the bound: a log-ratio of -30 is clamped to -10 and the value to 10 (exp(10) - 11 would be 22015)
+    assert float(k3(torch.tensor([-30.0]), torch.tensor([0.0]))) == 10.0
+
+
 def groups(seed: int, n_sets: int = 3, k: int = 4) -> list[CandidateSet]:
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -220,13 +235,26 @@ def test_lora_trains_only_the_adapter_and_saves_a_merged_model(tiny_model_dir: P
     assert trainer.ref_model is None  # the base weights under the adapter are the reference
     frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
     stats = trainer.step(groups(5))
-    assert stats.updated and stats.kl >= 0
+    # the adapter starts at zero (B = 0): the policy of the first step is its reference, KL exactly 0
+    assert stats.updated and stats.kl == pytest.approx(0.0, abs=1e-7)
     assert all(torch.equal(frozen[n], p) for n, p in trainer.model.named_parameters() if n in frozen)
+    second = trainer.step(groups(5))
+    assert second.updated and second.kl > 1e-6  # the trained adapter has moved the policy off its base
     trainer.save(tmp_path / "ckpt")
     from transformers import AutoModelForCausalLM
 
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "model")
     assert not any("lora" in n for n, _ in merged.named_parameters())
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    base_weights = dict(base.named_parameters())
+    changed = [n for n, p in merged.named_parameters() if not torch.equal(p, base_weights[n])]
+    assert changed and all(any(t in n for t in trainer.config.lora_target_modules) for n in changed)
+    # the merged checkpoint is the trained policy: the same logits as the model with its adapter
+    ids = torch.tensor([[5, 17, 42, 99, 7]])
+    trainer.model.eval()
+    with torch.no_grad():
+        assert torch.allclose(merged(input_ids=ids).logits, trainer.model(input_ids=ids).logits, atol=1e-5)
+        assert not torch.allclose(base(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-5)
 
 
 # ---------------------------------------------------------------- log-probs without the full distribution
