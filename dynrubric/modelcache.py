@@ -66,9 +66,7 @@ def resolve(home: Path, ref: str) -> Path:
     if ref in KNOWN_MODELS:
         path = models_dir(home) / ref
         if not is_ready(path):
-            raise DynrubricError(
-                f"model '{ref}' is not in the model cache at {path}", "run `dynrubric models prepare`"
-            )
+            raise DynrubricError(f"model '{ref}' is not in the model cache at {path}", "run `dynrubric models prepare`")
         return path
     path = Path(ref).expanduser()
     if (path / "config.json").is_file():

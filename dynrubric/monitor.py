@@ -64,9 +64,11 @@ def local_targets(settings) -> dict[str, list[str]]:
         port = getattr(section, field, None)
         if not isinstance(port, int) or isinstance(port, bool) or port == 0:
             continue
-        host = (getattr(section, "metrics_host", None) if field == "metrics_port" else None) or getattr(
-            section, "host", None
-        ) or getattr(getattr(settings, "serving", None), "host", None)
+        host = (
+            (getattr(section, "metrics_host", None) if field == "metrics_port" else None)
+            or getattr(section, "host", None)
+            or getattr(getattr(settings, "serving", None), "host", None)
+        )
         jobs[job] = [f"{host if isinstance(host, str) else '127.0.0.1'}:{port}"]
     for job, addresses in settings.monitoring.targets.items():
         jobs.setdefault(job, [])
@@ -86,8 +88,7 @@ def render_config(
         },
         "rule_files": [str(p.resolve()) for p in rules],
         "scrape_configs": [
-            {"job_name": job, "static_configs": [{"targets": addresses}]}
-            for job, addresses in sorted(targets.items())
+            {"job_name": job, "static_configs": [{"targets": addresses}]} for job, addresses in sorted(targets.items())
         ],
     }
 
@@ -190,7 +191,9 @@ def up_command(
     m = settings.monitoring
     work_dir = settings.paths.resolved_state() / "monitoring"
     running = start_prometheus(config, work_dir, m.prometheus_host, port or m.prometheus_port, m.retention)
-    console.print(f"[green]Prometheus ready[/] at {running.url} (alerts: {running.url}/alerts, log: {running.log_path})")
+    console.print(
+        f"[green]Prometheus ready[/] at {running.url} (alerts: {running.url}/alerts, log: {running.log_path})"
+    )
     for job in config["scrape_configs"]:
         console.print(f"  scraping {job['job_name']}: {', '.join(job['static_configs'][0]['targets'])}")
     console.print("Ctrl-C stops it.")

@@ -30,8 +30,17 @@ class Bars:
     def __init__(self, console: Console):
         self.console = console
         self.live = console.is_terminal
-        self.rich = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), console=console) if self.live else None
+        self.rich = (
+            RichProgress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=console,
+            )
+            if self.live
+            else None
+        )
         self.tasks: dict[str, int] = {}
         self.done: dict[str, tuple[int, int]] = {}  # plain mode: phase -> (done, total)
         self.t0 = time.monotonic()

@@ -122,9 +122,18 @@ class EmbeddedBroker:
                 )
             url = f"tcp://{self.host}:{port}"
             self.proc = process.spawn(
-                [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url,
-                 "--storage-engine", "memory://tansu/"],
-                self.log_path, env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
+                [
+                    str(binary),
+                    "broker",
+                    "--listener-url",
+                    url,
+                    "--advertised-listener-url",
+                    url,
+                    "--storage-engine",
+                    "memory://tansu/",
+                ],
+                self.log_path,
+                env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
                 own_group=self.detach,
             )
             if process.wait_until(self.proc, lambda: answers_kafka(self.host, port, 0.5), self.start_timeout_s, 0.02):

@@ -86,8 +86,12 @@ class BatchWriter:
         self.cfg = cfg
         self.filter = PromptFilter(cfg)
         self.scrub = load_scrubber(cfg)
-        self.store = StoreWriter(store_dir, dedupe_capacity=cfg.dedupe_capacity, lock_wait_s=cfg.store_lock_wait_s,
-                                 shared=cfg.shared_store or cfg.writers > 1)
+        self.store = StoreWriter(
+            store_dir,
+            dedupe_capacity=cfg.dedupe_capacity,
+            lock_wait_s=cfg.store_lock_wait_s,
+            shared=cfg.shared_store or cfg.writers > 1,
+        )
 
     def close(self) -> None:
         self.store.close()
@@ -125,7 +129,9 @@ class BatchWriter:
             raise
         except Exception as e:  # noqa: BLE001 - a value the store cannot hold: find the record
             if len(keep) == 1:
-                dead.append((keep[0][0], "store_error", f"the store could not write it: {type(e).__name__}: {e}"[:1000]))
+                dead.append(
+                    (keep[0][0], "store_error", f"the store could not write it: {type(e).__name__}: {e}"[:1000])
+                )
                 return CommitResult()
         mid = len(keep) // 2
         return self._commit_isolating(keep[:mid], dead).merged(self._commit_isolating(keep[mid:], dead))
@@ -159,8 +165,12 @@ def _child_main(conn, store_dir: Path, cfg: IngestConfig, parent_pid: int) -> No
     except EOFError:
         pass  # the parent is gone
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
-        conn.send(WriterFailure(f"the ingest writer failed: {type(e).__name__}: {e}",
-                                "check the disk under ingest.store_dir, then restart ingest"))
+        conn.send(
+            WriterFailure(
+                f"the ingest writer failed: {type(e).__name__}: {e}",
+                "check the disk under ingest.store_dir, then restart ingest",
+            )
+        )
     finally:
         writer.close()
 
@@ -259,8 +269,13 @@ class WriterPool:
             result = result.merged(part.result)
             dead.extend((start + i, reason, detail) for i, reason, detail in part.dead)
             filtered.update(part.filtered)
-        return WrittenBatch(result, dead, dict(filtered), sum(p.prepare_seconds for _, p in parts),
-                            sum(p.store_seconds for _, p in parts))
+        return WrittenBatch(
+            result,
+            dead,
+            dict(filtered),
+            sum(p.prepare_seconds for _, p in parts),
+            sum(p.store_seconds for _, p in parts),
+        )
 
     def close(self) -> None:
         for writer in self.writers:

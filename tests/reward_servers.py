@@ -59,7 +59,9 @@ class Replica:
 
 
 @contextlib.contextmanager
-def reward_replicas(count: int, env: dict[str, str], tmp: Path, start_timeout_s: float = 240) -> Iterator[list[Replica]]:
+def reward_replicas(
+    count: int, env: dict[str, str], tmp: Path, start_timeout_s: float = 240
+) -> Iterator[list[Replica]]:
     """`count` `dynrubric serve-reward` processes that know each other as replicas."""
     ports = [free_port() for _ in range(count)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
@@ -77,7 +79,10 @@ def reward_replicas(count: int, env: dict[str, str], tmp: Path, start_timeout_s:
             }
             proc = subprocess.Popen(
                 [sys.executable, "-m", "dynrubric", "serve-reward", "--port", str(port)],
-                cwd=REPO, env=full_env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                cwd=REPO,
+                env=full_env,
+                stdout=log.open("wb"),
+                stderr=subprocess.STDOUT,
             )
             replicas.append(Replica(url, proc, log))
         deadline = time.monotonic() + start_timeout_s
@@ -137,8 +142,6 @@ def openrlhf_rollout(
     params = SimpleNamespace(max_tokens=256, logprobs=None)
 
     async def run() -> list[dict[str, Any]]:
-        return await asyncio.gather(
-            *(executor.execute(p, None, params, 4096, tokenizer, llm) for p in jobs)
-        )
+        return await asyncio.gather(*(executor.execute(p, None, params, 4096, tokenizer, llm) for p in jobs))
 
     return asyncio.run(run())

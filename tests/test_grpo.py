@@ -33,7 +33,9 @@ TIE = RubricConfig().eps  # the rubric's tie threshold, 0.02
 def test_group_advantages_normalise_within_the_set_and_detect_ties() -> None:
     adv = group_advantages([1.0, 0.0, 0.0, 1.0], eps=1e-6, tie_eps=TIE)
     std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std().item()  # Bessel: 0.5774
-    assert adv == pytest.approx([0.5 / (std + 1e-6), -0.5 / (std + 1e-6)] * 1 + [-0.5 / (std + 1e-6), 0.5 / (std + 1e-6)])
+    assert adv == pytest.approx(
+        [0.5 / (std + 1e-6), -0.5 / (std + 1e-6)] * 1 + [-0.5 / (std + 1e-6), 0.5 / (std + 1e-6)]
+    )
     assert group_advantages([0.3, 0.3, 0.3, 0.3], 1e-6, TIE) is None
     assert group_advantages([0.5], 1e-6, TIE) is None
     assert group_advantages([0.5, float("nan"), 0.1, 0.9], 1e-6, TIE) is None
@@ -73,8 +75,10 @@ def test_the_loss_takes_log_probs_of_the_sampling_temperature(tiny_model_dir: Pa
     assert not all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(got, manual(1.0), strict=True))
     ids, attn, _ = collate(g.rollouts, 0)
     with torch.no_grad():
-        assert torch.allclose(response_logprobs(trainer.model, ids, attn, torch.full((4,), 0.7)),
-                              response_logprobs(trainer.model, ids, attn, 0.7))
+        assert torch.allclose(
+            response_logprobs(trainer.model, ids, attn, torch.full((4,), 0.7)),
+            response_logprobs(trainer.model, ids, attn, 0.7),
+        )
 
 
 @pytest.mark.skipif(openrlhf_dir() is None, reason="openrlhf is not installed (pip install --no-deps openrlhf==0.11.2)")
@@ -138,7 +142,8 @@ def groups(seed: int, n_sets: int = 3, k: int = 4) -> list[CandidateSet]:
     for s in range(n_sets):
         prompt = tuple(int(x) for x in torch.randint(5, 200, (5 + s,), generator=g))
         rollouts = tuple(
-            SampledResponse(prompt, tuple(int(x) for x in torch.randint(5, 200, (3 + j,), generator=g))) for j in range(k)
+            SampledResponse(prompt, tuple(int(x) for x in torch.randint(5, 200, (3 + j,), generator=g)))
+            for j in range(k)
         )
         scores = tuple(float(x) for x in torch.rand(k, generator=g))
         out.append(CandidateSet(rollouts, scores))
@@ -174,9 +179,11 @@ def test_the_second_update_clips_against_the_sampling_policy_like_openrlhf(tiny_
     assert s_one.clip_ratio == 0.0  # update 1: ratio 1, the clip cannot act
     lp = response_logprobs(one.model, ids, attn, 0.8)
     pg, clip_ratio, *_ = loss_mod.PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, token_level_loss=True)(
-        lp, old, adv, action_mask=mask)
-    theirs = pg + 0.05 * loss_mod.aggregate_loss(utils.compute_approx_kl(lp, ref, kl_estimator="k3"), mask,
-                                                 token_level_loss=True)
+        lp, old, adv, action_mask=mask
+    )
+    theirs = pg + 0.05 * loss_mod.aggregate_loss(
+        utils.compute_approx_kl(lp, ref, kl_estimator="k3"), mask, token_level_loss=True
+    )
     assert s_two.loss == pytest.approx(float(theirs.detach()), rel=1e-4, abs=1e-6)
     _, clipped = clipped_surrogate(lp.detach(), old, adv, 0.2, 0.28)
     assert s_two.clip_ratio == pytest.approx(float((clipped * mask).sum() / mask.sum()), abs=1e-6)
@@ -309,8 +316,16 @@ def test_a_model_whose_logits_are_not_its_head_is_refused(tmp_path: Path) -> Non
 
     from dynrubric.errors import DynrubricError
 
-    config = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=1.0)
+    config = Gemma2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        final_logit_softcapping=1.0,
+    )
     with pytest.raises(DynrubricError, match="gemma2 model's logits are not its LM head"):
         GRPOTrainer(Gemma2ForCausalLM(config), None, GRPOConfig(kl_beta=0.0), pad_token_id=0, tie_eps=TIE)
 
@@ -334,8 +349,13 @@ def test_truncated_importance_weights_match_openrlhf_tis() -> None:
     pg, _ = clipped_surrogate(lp_ours, old, adv, 0.2, 0.28)
     weights, log_ratio, capped = truncated_importance_weights(old, sampler, 0.5, 5.0)
     ours = (pg * weights * mask).sum() / mask.sum()
-    policy_loss = loss_mod.PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, is_correction_level="token",
-                                      is_correction_mode="clip", is_correction_threshold=(0.5, 5.0))
+    policy_loss = loss_mod.PolicyLoss(
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        is_correction_level="token",
+        is_correction_mode="clip",
+        is_correction_threshold=(0.5, 5.0),
+    )
     theirs, _, _, vllm_kl, filtered = policy_loss(lp_theirs, old, adv, action_mask=mask, rollout_log_probs=sampler)
     ours.backward()
     theirs.backward()
@@ -426,8 +446,14 @@ def test_the_in_process_engine_samples_with_the_trainers_log_probs(tiny_model_di
     prompts = [engine.render_chat([{"role": "user", "content": q}]) for q in ("What is 2 + 2?", "Yes or no?")]
     params = SamplingParams(max_tokens=12, temperature=0.7, n=4, seed=5, logprobs=True)
     outs = engine.generate([GenerationRequest(p, params) for p in prompts])
-    batch = [CandidateSet(tuple(sampled_response(tuple(tok.encode(p, add_special_tokens=False)), c, tok) for c in cs),
-                          tuple(float(i) for i in range(4)), temperature=0.7) for p, cs in zip(prompts, outs)]
+    batch = [
+        CandidateSet(
+            tuple(sampled_response(tuple(tok.encode(p, add_special_tokens=False)), c, tok) for c in cs),
+            tuple(float(i) for i in range(4)),
+            temperature=0.7,
+        )
+        for p, cs in zip(prompts, outs)
+    ]
     assert all(len(r.logprobs) == len(r.response_ids) for g in batch for r in g.rollouts)
     stats = make_trainer(tiny_model_dir, kl_beta=0.0).accumulate(batch)
     assert stats.sampler_tokens == stats.tokens > 0
@@ -447,12 +473,20 @@ def test_truncated_importance_sampling_on_the_real_vllm_server(vllm_server, smol
 
     with OpenAIHTTPEngine(vllm_server.base_url, smollm_dir) as engine:
         tok = engine.tokenizer
-        prompts = [engine.render_chat([{"role": "user", "content": q}])
-                   for q in ("Name a colour. One word.", "What is 3 + 4? Answer with the number only.")]
+        prompts = [
+            engine.render_chat([{"role": "user", "content": q}])
+            for q in ("Name a colour. One word.", "What is 3 + 4? Answer with the number only.")
+        ]
         params = SamplingParams(max_tokens=24, temperature=0.7, n=4, seed=11, logprobs=True)
         outs = engine.generate([GenerationRequest(p, params) for p in prompts])
-    batch = [CandidateSet(tuple(sampled_response(tuple(tok.encode(p, add_special_tokens=False)), c, tok) for c in cs),
-                          (0.0, 0.3, 0.6, 1.0), temperature=0.7) for p, cs in zip(prompts, outs, strict=True)]
+    batch = [
+        CandidateSet(
+            tuple(sampled_response(tuple(tok.encode(p, add_special_tokens=False)), c, tok) for c in cs),
+            (0.0, 0.3, 0.6, 1.0),
+            temperature=0.7,
+        )
+        for p, cs in zip(prompts, outs, strict=True)
+    ]
     assert any(c.finish_reason == "stop" for cs in outs for c in cs)  # a stop token's log-prob is in the batch
     assert all(r.logprobs is not None and len(r.logprobs) == len(r.response_ids) for g in batch for r in g.rollouts)
 

@@ -138,8 +138,12 @@ class TransformersEngine(Engine):
         # bookkeeping stays on the CPU; the model, its KV cache and the forward pass are on self.device
         dev = self.device
         out = self._model(
-            input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=positions.to(dev),
-            past_key_values=rows.cache, use_cache=True, logits_to_keep=keep.to(dev),
+            input_ids=ids.to(dev),
+            attention_mask=mask.to(dev),
+            position_ids=positions.to(dev),
+            past_key_values=rows.cache,
+            use_cache=True,
+            logits_to_keep=keep.to(dev),
         )
         self.tokens_processed += int(lengths.sum())
         logits = out.logits[torch.arange(len(segments)), torch.searchsorted(keep, last)].float().cpu()
@@ -286,8 +290,9 @@ class TransformersEngine(Engine):
         for _ in range(params.max_tokens):
             logits = rows.last_logits
             if not bool(torch.isfinite(logits[~done]).all()):
-                raise NonFiniteLogits(f"{self.policy_version}: the model's logits are NaN or infinite "
-                                      "(its weights are broken)")
+                raise NonFiniteLogits(
+                    f"{self.policy_version}: the model's logits are NaN or infinite (its weights are broken)"
+                )
             if counts is not None:
                 logits = logits - penalty * counts
             if grammar is not None:  # like vLLM, logprobs are those of the masked distribution

@@ -134,8 +134,16 @@ class OpenAIHTTPEngine(Engine):
                 if logprobs is not None:
                     stop_logprob, logprobs = logprobs[len(ids)], logprobs[: len(ids)]
             finish = "length" if c.get("finish_reason") == "length" else "stop"
-            out.append(Completion(text=c["text"], token_ids=tuple(ids), finish_reason=finish, logprobs=logprobs,
-                                  stop_token_id=stop_id, stop_logprob=stop_logprob))
+            out.append(
+                Completion(
+                    text=c["text"],
+                    token_ids=tuple(ids),
+                    finish_reason=finish,
+                    logprobs=logprobs,
+                    stop_token_id=stop_id,
+                    stop_logprob=stop_logprob,
+                )
+            )
         return out
 
     def _take_turn(self) -> None:

@@ -46,15 +46,28 @@ def truth_items(truth: GroundTruth) -> list[RubricItem]:
     for words, check in truth.checks:
         found.append((f"The response {words}.", check, CONSTRAINT_WEIGHT))
     if truth.answer is not None:
-        found.append((f"The response's final number is {_fmt(truth.answer)}.",
-                      Check(kind="final_number", value=truth.answer), ANSWER_WEIGHT))
-    return [RubricItem(id=f"p{n + 1}", text=t, weight=w, check=c, origin="ground_truth")
-            for n, (t, c, w) in enumerate(found)]
+        found.append(
+            (
+                f"The response's final number is {_fmt(truth.answer)}.",
+                Check(kind="final_number", value=truth.answer),
+                ANSWER_WEIGHT,
+            )
+        )
+    return [
+        RubricItem(id=f"p{n + 1}", text=t, weight=w, check=c, origin="ground_truth")
+        for n, (t, c, w) in enumerate(found)
+    ]
 
 
 def echo_item(question: str) -> RubricItem:
-    return RubricItem(id="e1", text="The response only repeats the question instead of answering it.", weight=ECHO_WEIGHT,
-                      polarity=-1, check=Check(kind="echoes", value=question), origin="echo")
+    return RubricItem(
+        id="e1",
+        text="The response only repeats the question instead of answering it.",
+        weight=ECHO_WEIGHT,
+        polarity=-1,
+        check=Check(kind="echoes", value=question),
+        origin="echo",
+    )
 
 
 def prompt_items(question: str) -> list[RubricItem]:
@@ -74,7 +87,10 @@ def consensus_items(responses: Sequence[str]) -> list[RubricItem]:
         return []
     return [
         RubricItem(
-            id="v1", text=f"The response's final number is {_fmt(top)}, the answer most candidates reach.",
-            weight=CONSENSUS_WEIGHT, check=Check(kind="final_number", value=top), origin="consensus",
+            id="v1",
+            text=f"The response's final number is {_fmt(top)}, the answer most candidates reach.",
+            weight=CONSENSUS_WEIGHT,
+            check=Check(kind="final_number", value=top),
+            origin="consensus",
         )
     ]

@@ -81,9 +81,7 @@ def response_prefix(question: str, response: str) -> str:
 
 def verifier_prompt(engine: Engine, question: str, response: str, criterion: str) -> str:
     user = f"{response_prefix(question, response)}{CRITERION_MARK}{criterion}\nDoes the response meet the criterion? Answer Yes or No."
-    return engine.render_chat(
-        [{"role": "system", "content": VERIFIER_INSTRUCTIONS}, {"role": "user", "content": user}]
-    )
+    return engine.render_chat([{"role": "system", "content": VERIFIER_INSTRUCTIONS}, {"role": "user", "content": user}])
 
 
 def verdict_from_logprobs(logprobs: dict[str, float], answers: AnswerTokens) -> float | None:

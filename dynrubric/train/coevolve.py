@@ -115,8 +115,14 @@ def agreement(ranked_scores: Sequence[float], eps: float) -> tuple[float, int]:
     pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
     if not pairs:
         return 0.0, 0
-    won = sum(1.0 if ranked_scores[i] - ranked_scores[j] >= eps else 0.5 if abs(ranked_scores[i] - ranked_scores[j]) < eps
-              else 0.0 for i, j in pairs)
+    won = sum(
+        1.0
+        if ranked_scores[i] - ranked_scores[j] >= eps
+        else 0.5
+        if abs(ranked_scores[i] - ranked_scores[j]) < eps
+        else 0.0
+        for i, j in pairs
+    )
     return won / len(pairs), len(pairs)
 
 
@@ -139,9 +145,7 @@ def temporal_anchors(
 ) -> list[str] | None:
     """[current response, one response per older version by increasing age]; None when no older
     version within [min_age, max_age] logged a response to the prompt."""
-    older = sorted(
-        (ages[v], v) for v, rs in by_version.items() if rs and v in ages and min_age <= ages[v] <= max_age
-    )
+    older = sorted((ages[v], v) for v, rs in by_version.items() if rs and v in ages and min_age <= ages[v] <= max_age)
     if not older:
         return None
     return [current_response] + [rng.choice(list(by_version[v])) for _, v in older]
@@ -151,14 +155,18 @@ def read_anchor_file(path: Path) -> dict[str, list[str]]:
     """Human-ranked anchors by prompt key: JSONL `{"prompt" | "messages", "responses": [best..worst]}`."""
     path = Path(path)
     if not path.is_file():
-        raise DynrubricError(f"anchors file {path} does not exist", "set train.coevolve.anchors_file, or anchors=temporal")
+        raise DynrubricError(
+            f"anchors file {path} does not exist", "set train.coevolve.anchors_file, or anchors=temporal"
+        )
     out: dict[str, list[str]] = {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
-            prompt = make_prompt(obj["prompt"] if "prompt" in obj else [(m["role"], m["content"]) for m in obj["messages"]])
+            prompt = make_prompt(
+                obj["prompt"] if "prompt" in obj else [(m["role"], m["content"]) for m in obj["messages"]]
+            )
             responses = [str(r) for r in obj["responses"]]
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise DynrubricError(
@@ -211,7 +219,10 @@ def generator_groups(
     tokens are never sampled, so the update only reweights choices the grammar allowed."""
     prompts = [set_prompt(p.question, responses) for p, responses in sets]
     params = SamplingParams(
-        max_tokens=config.generator_max_tokens, temperature=temperature, n=config.rubric_samples, seed=seed,
+        max_tokens=config.generator_max_tokens,
+        temperature=temperature,
+        n=config.rubric_samples,
+        seed=seed,
         json_schema=json_schema,
     )
     outputs = generator.generate([GenerationRequest(p, params) for p in prompts])
@@ -250,8 +261,9 @@ def generator_groups(
         anchor_all.extend(parsed)
         adv = [
             d + config.anchor_lambda * a + config.format_weight * f
-            for d, a, f in zip(normalised(disc, tie_eps), normalised(anch_filled, tie_eps), normalised(fmt, tie_eps),
-                               strict=True)
+            for d, a, f in zip(
+                normalised(disc, tie_eps), normalised(anch_filled, tie_eps), normalised(fmt, tie_eps), strict=True
+            )
         ]
         prompt_ids = tuple(tok.encode(gen_prompt, add_special_tokens=False))
         rollouts = tuple(sampled_response(prompt_ids, c, tok) for c in completions)
@@ -294,5 +306,6 @@ def completion_logprobs(completion, tokenizer) -> tuple[float, ...] | None:
 
 def sampled_response(prompt_ids: tuple[int, ...], completion, tokenizer) -> SampledResponse:
     """A completion as the trainer's rollout: its ids with the stop token, and the engine's log-probs."""
-    return SampledResponse(prompt_ids, completion_ids(completion, tokenizer),
-                           completion_logprobs(completion, tokenizer))
+    return SampledResponse(
+        prompt_ids, completion_ids(completion, tokenizer), completion_logprobs(completion, tokenizer)
+    )

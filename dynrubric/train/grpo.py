@@ -175,8 +175,9 @@ def chunk_rows(vocab_size: int, chunk_mib: int) -> int:
     return max(1, chunk_mib * 2**20 // (4 * vocab_size))
 
 
-def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
-                    temperature: torch.Tensor) -> torch.Tensor:
+def _chunk_logprobs(
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor
+) -> torch.Tensor:
     # the head and the log-softmax in float32 even under the trainer's bfloat16 autocast (grpo.compute_dtype):
     # bfloat16 logits would lose the small log-prob differences the ratio and the KL measure
     with torch.autocast(device_type=hidden.device.type, enabled=False):
@@ -184,8 +185,9 @@ def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.
         return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def token_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
-                   rows: int) -> torch.Tensor:
+def token_logprobs(
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor, rows: int
+) -> torch.Tensor:
     """`log_softmax(head(hidden) / T)[target]` per row of `hidden` (N x d), `rows` rows at a time: never
     more than one chunk's N_c x V logits exist. Under autograd each chunk is checkpointed: its forward
     keeps only its input, and the backward recomputes its logits, so the backward too holds one chunk
@@ -223,8 +225,9 @@ def response_logprobs(
     temps = temperature.float() if isinstance(temperature, torch.Tensor) else torch.full((b,), float(temperature))
     where = (mask > 0) if mask is not None else torch.ones((b, t), dtype=torch.bool)
     rows, cols = where.nonzero(as_tuple=True)
-    values = token_logprobs(head, hidden[rows, cols], input_ids[:, 1:][rows, cols], temps[rows],
-                            chunk_rows(head.weight.size(0), chunk_mib))
+    values = token_logprobs(
+        head, hidden[rows, cols], input_ids[:, 1:][rows, cols], temps[rows], chunk_rows(head.weight.size(0), chunk_mib)
+    )
     return values.new_zeros((b, t)).index_put((rows, cols), values)
 
 
@@ -283,10 +286,16 @@ def micro_batches(rows: Sequence[tuple[SampledResponse, float, float]], pad_id: 
     for start in range(0, len(rows), size):
         chunk = rows[start : start + size]
         ids, attn, mask = collate([r for r, _, _ in chunk], pad_id)
-        micros.append(_Micro(ids, attn, mask,
-                             torch.tensor([a for _, a, _ in chunk], dtype=torch.float32).unsqueeze(-1),
-                             torch.tensor([t for _, _, t in chunk], dtype=torch.float32),
-                             sampler_logprobs([r for r, _, _ in chunk], ids.size(1))))
+        micros.append(
+            _Micro(
+                ids,
+                attn,
+                mask,
+                torch.tensor([a for _, a, _ in chunk], dtype=torch.float32).unsqueeze(-1),
+                torch.tensor([t for _, _, t in chunk], dtype=torch.float32),
+                sampler_logprobs([r for r, _, _ in chunk], ids.size(1)),
+            )
+        )
     return micros
 
 
@@ -295,8 +304,9 @@ def micro_logprobs(model: torch.nn.Module, m: _Micro, chunk_mib: int) -> torch.T
     return response_logprobs(model, m.ids, m.attn, m.temps, m.mask, chunk_mib)
 
 
-def reference_logprobs(model: torch.nn.Module, reference: torch.nn.Module | None, m: _Micro,
-                       chunk_mib: int) -> torch.Tensor:
+def reference_logprobs(
+    model: torch.nn.Module, reference: torch.nn.Module | None, m: _Micro, chunk_mib: int
+) -> torch.Tensor:
     """The reference's response log-probs of a micro-batch, without gradient; `reference` None: the
     model's LoRA base weights (the adapter disabled) are the reference."""
     with torch.no_grad():
@@ -306,14 +316,23 @@ def reference_logprobs(model: torch.nn.Module, reference: torch.nn.Module | None
             return micro_logprobs(model, m, chunk_mib)
 
 
-def masked_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def masked_k3(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-token k3, its sum over the response tokens `mask` selects)."""
     kl = k3(logprobs, ref_logprobs)
     return kl, (kl.detach() * mask).sum()
 
 
-def mean_kl(model: torch.nn.Module, reference: torch.nn.Module | None, rollouts: Sequence[SampledResponse],
-            temperature: float, pad_id: int, micro_batch_size: int, chunk_mib: int) -> float:
+def mean_kl(
+    model: torch.nn.Module,
+    reference: torch.nn.Module | None,
+    rollouts: Sequence[SampledResponse],
+    temperature: float,
+    pad_id: int,
+    micro_batch_size: int,
+    chunk_mib: int,
+) -> float:
     """Mean per-token k3 KL(model || reference) over the response tokens of `rollouts`, log-probs at
     the loss temperature of samples drawn at `temperature` (the trainer's KL term, without gradient)."""
     rows = [(r, 0.0, loss_temperature(temperature)) for r in rollouts if r.response_ids]
@@ -475,8 +494,11 @@ class GRPOTrainer:
         micros, tied, samples, tokens = self._batch(groups)
         chunk = self.config.logprob_chunk_mib
         with self._autocast():
-            ref = ([reference_logprobs(self.model, self.ref_model, m, chunk) for m in micros]
-                   if self.config.kl_beta > 0 and tokens else None)
+            ref = (
+                [reference_logprobs(self.model, self.ref_model, m, chunk) for m in micros]
+                if self.config.kl_beta > 0 and tokens
+                else None
+            )
         sums = self._backward(micros, tokens, None, ref) if tokens else _Sums()
         return self._stats(groups, tied, samples, tokens, sums)
 
@@ -489,8 +511,11 @@ class GRPOTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             return self._stats(groups, tied, samples, tokens, _Sums())
         with self._autocast():
-            ref = ([reference_logprobs(self.model, self.ref_model, m, cfg.logprob_chunk_mib) for m in micros]
-                   if cfg.kl_beta > 0 else None)
+            ref = (
+                [reference_logprobs(self.model, self.ref_model, m, cfg.logprob_chunk_mib) for m in micros]
+                if cfg.kl_beta > 0
+                else None
+            )
         old = None
         if cfg.updates_per_batch > 1:
             # pi_old: the sampling policy's log-probs, taken once before the first update and detached,

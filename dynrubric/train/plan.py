@@ -112,8 +112,9 @@ class RunState:
     """The run's rounds on disk and in the registry: which round is next, what it builds on, its plan.
     `heldout`, when given, replaces the configured held-out prompts."""
 
-    def __init__(self, settings: Settings, registry: Registry, source: PromptSource,
-                 heldout: Sequence[TrainPrompt] | None = None):
+    def __init__(
+        self, settings: Settings, registry: Registry, source: PromptSource, heldout: Sequence[TrainPrompt] | None = None
+    ):
         self.settings = settings
         self.cfg = settings.train
         self.registry = registry
@@ -246,7 +247,9 @@ class RunState:
         none yet, the new prompt lowest in that order is held out. Held-out prompts are never trained."""
         n = self.cfg.heldout_prompts
         if self.heldout_override is not None or self.cfg.heldout_file:
-            held = self.heldout_override if self.heldout_override is not None else read_prompt_file(self.cfg.heldout_file)
+            held = (
+                self.heldout_override if self.heldout_override is not None else read_prompt_file(self.cfg.heldout_file)
+            )
         else:
             plans = [self.round_dir(r) / PLAN for r in self.completed_rounds() if (self.round_dir(r) / PLAN).is_file()]
             held = prompts_of(read_json(plans[-1])["heldout"]) if plans else []

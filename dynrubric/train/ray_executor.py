@@ -102,8 +102,9 @@ class RemoteEngine(Engine):
 class JudgeActor(Worker):
     """Rubric generation and verdicts for chunks of candidate sets, on engines built here once."""
 
-    def reset(self, settings: Settings, factory: EngineFactory, writer_role: str, writer_dir: Path,
-              verifier_dir: Path) -> None:
+    def reset(
+        self, settings: Settings, factory: EngineFactory, writer_role: str, writer_dir: Path, verifier_dir: Path
+    ) -> None:
         for engine in (getattr(self, "writer", None), getattr(self, "verifier", None)):
             if engine is not None:
                 engine.close()
@@ -189,8 +190,11 @@ class RayExecutor:
             actor = idle.pop()
             ray.get(actor.reset.remote(*args))
         else:
-            actor = ray.remote(cls).options(num_cpus=self.settings.ray.actor_cpus, max_restarts=0,
-                                            scheduling_strategy="SPREAD").remote(self.settings.engine.threads, *args)
+            actor = (
+                ray.remote(cls)
+                .options(num_cpus=self.settings.ray.actor_cpus, max_restarts=0, scheduling_strategy="SPREAD")
+                .remote(self.settings.engine.threads, *args)
+            )
         self.in_use.append((kind, actor))
         return actor
 
@@ -200,10 +204,15 @@ class RayExecutor:
     def trainers(self, spec: TrainerSpec) -> RemoteTrainers:
         return RemoteTrainers(self._actor("trainer", TrainerActor, spec))
 
-    def judges(self, writer: Engine, verifier: Engine, writer_role: str, writer_dir: Path,
-               verifier_dir: Path) -> Judges:
-        return RayJudges([self._actor("judge", JudgeActor, self.settings, self.factory, writer_role, writer_dir,
-                                      verifier_dir) for _ in range(self.settings.ray.judges)])
+    def judges(
+        self, writer: Engine, verifier: Engine, writer_role: str, writer_dir: Path, verifier_dir: Path
+    ) -> Judges:
+        return RayJudges(
+            [
+                self._actor("judge", JudgeActor, self.settings, self.factory, writer_role, writer_dir, verifier_dir)
+                for _ in range(self.settings.ray.judges)
+            ]
+        )
 
     def release(self) -> None:
         for kind, actor in self.in_use:
