@@ -15,11 +15,11 @@ The last line is `ratio: X.XX` (resident memory at the end / at half of the repl
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import sys
 import time
-import gc
-import os
 from pathlib import Path
 
 import numpy as np

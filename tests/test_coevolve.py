@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dynrubric.config import CoevolveConfig, RubricConfig
-from dynrubric.engines.base import Completion, Engine, GenerationRequest
+from dynrubric.engines.base import Completion, Engine
 from dynrubric.errors import DynrubricError
 from dynrubric.rubric.items import Rubric, RubricItem
 from dynrubric.rubric.score import aggregate

@@ -227,8 +227,8 @@ def test_engines_sharing_a_server_take_turns_with_their_own_weights(vllm_server,
 
 def test_unreachable_engine_is_one_clear_error(smollm_dir):
     from dynrubric.engines.http import OpenAIHTTPEngine
-    from dynrubric.ports import free_port
     from dynrubric.errors import DynrubricError
+    from dynrubric.ports import free_port
 
     with pytest.raises(DynrubricError, match="unreachable") as info:
         OpenAIHTTPEngine(f"http://127.0.0.1:{free_port()}", smollm_dir, timeout_s=2)

@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry
 from dynrubric.config import RubricConfig
 from dynrubric.engines.base import Completion, Engine, GenerationRequest
 from dynrubric.engines.hf import TransformersEngine
-from dynrubric.rubric.evaluator import Evaluator, EvaluatorMetrics
 from dynrubric.rubric.checks import run_check
+from dynrubric.rubric.evaluator import Evaluator, EvaluatorMetrics
 from dynrubric.rubric.items import Rubric, RubricItem
 from dynrubric.rubric.verify import CRITERION_MARK, AnswerTokens, Verifier
 

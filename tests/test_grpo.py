@@ -26,7 +26,6 @@ from dynrubric.train.grpo import (
 )
 from tests.openrlhf_shim import openrlhf_dir
 
-
 TIE = RubricConfig().eps  # the rubric's tie threshold, 0.02
 
 

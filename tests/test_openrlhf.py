@@ -12,7 +12,6 @@ import pytest
 import yaml
 
 from dynrubric.errors import DynrubricError
-
 from tests.openrlhf_shim import openrlhf_dir
 
 ROOT = Path(__file__).parents[1]

@@ -8,11 +8,10 @@ import subprocess
 import time
 
 import numpy as np
-import pytest
 from matplotlib.image import imread
 
-from dynrubric.run_page import RunPage, render_html
 from dynrubric.report import render
+from dynrubric.run_page import RunPage, render_html
 from tests.test_report import THRESHOLDS, write_log
 
 CHROMIUM_FLAGS = [

@@ -7,7 +7,6 @@ import threading
 import uuid
 
 import pytest
-
 from kafka import KafkaProducer
 from prometheus_client import CollectorRegistry
 

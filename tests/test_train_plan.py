@@ -11,7 +11,7 @@ from dynrubric.registry import CheckpointState, Registry
 from dynrubric.rubric.gaps import CollapseDetector, gap_stats
 from dynrubric.rubric.items import Rubric, RubricItem
 from dynrubric.train.prompts import JsonlPromptSource, ResponseHistory
-from dynrubric.train.rounds import PLAN, SUMMARY, RoundRunner, heldout_bucket
+from dynrubric.train.rounds import SUMMARY, RoundRunner, heldout_bucket
 from tests.train_harness import write_prompts
 
 

@@ -165,8 +165,8 @@ def score_on_ray(settings, source: Path, out: Path | None) -> None:
     """`dynrubric score --ray`: the sets of `source` through Ray Data and a pool of judge actors (rubric/bulk.py)."""
     import ray
 
-    from dynrubric.rubric import bulk
     from dynrubric.ray_cluster import connect
+    from dynrubric.rubric import bulk
 
     if not source.exists():
         raise DynrubricError(

@@ -45,6 +45,7 @@ from dynrubric.registry import CheckpointState, Registry
 from dynrubric.rubric.evaluator import EvaluatorMetrics
 from dynrubric.train.coevolve import RankedAnchors, feedback_ranking, lineage_ages, read_anchor_file, temporal_anchors
 from dynrubric.train.evaluation import evaluate_round, round_verdict
+from dynrubric.train.executor import Executor, InProcess
 from dynrubric.train.plan import (
     COLLAPSE,
     EVAL,
@@ -62,7 +63,6 @@ from dynrubric.train.plan import (
     write_json,
 )
 from dynrubric.train.prompts import PromptSource, TrainPrompt
-from dynrubric.train.executor import Executor, InProcess
 from dynrubric.train.step import EngineFactory, RoundModels, generator_step, policy_step
 
 __all__ = [
