@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from functools import partial
 from pathlib import Path
 
 OFF_TOPIC = [
@@ -132,6 +133,39 @@ def _sentence_words(rng: random.Random, topic_words: list[str], n: int) -> list[
     return words
 
 
+def _instruction_response(
+    rng: random.Random,
+    words: list[str],
+    required: str,
+    forbidden: str,
+    end_word: str,
+    limit: int,
+    fifth: str,
+    broken: set[str],
+) -> str:
+    """A response to an instruction question meeting every constraint except those in `broken`."""
+    pool = [w for w in words if w not in (required, forbidden, end_word)]
+    body = _sentence_words(rng, pool, rng.randint(8, 14))
+    if "required" not in broken:
+        body.insert(rng.randrange(len(body)), required)
+    if "forbidden" in broken:
+        body.insert(rng.randrange(len(body)), forbidden)
+    if "limit" in broken:
+        body += _sentence_words(rng, pool, limit + 5 - len(body))
+    text = " ".join(body)
+    if "end" not in broken:
+        text += f" {end_word}"
+    if fifth == "no_commas" and "no_commas" in broken:
+        parts = text.split(" ")
+        parts[2] += ","
+        parts[len(parts) // 2] += ","
+        text = " ".join(parts)
+    text = text[0].upper() + text[1:] + "."
+    if fifth == "lowercase" and "lowercase" not in broken:
+        text = text.lower()
+    return text
+
+
 def instruction_sets(rng: random.Random, n_ordered: int, n_equal: int) -> list[dict]:
     """Constraints: word limit, required word, forbidden word, end word, and no commas or lower case."""
     out = []
@@ -159,27 +193,7 @@ def instruction_sets(rng: random.Random, n_ordered: int, n_equal: int) -> list[d
             )
         constraints = ["limit", "required", "forbidden", "end", fifth]
 
-        def respond(broken: set[str]) -> str:
-            pool = [w for w in words if w not in (required, forbidden, end_word)]
-            body = _sentence_words(rng, pool, rng.randint(8, 14))
-            if "required" not in broken:
-                body.insert(rng.randrange(len(body)), required)
-            if "forbidden" in broken:
-                body.insert(rng.randrange(len(body)), forbidden)
-            if "limit" in broken:
-                body += _sentence_words(rng, pool, limit + 5 - len(body))
-            text = " ".join(body)
-            if "end" not in broken:
-                text += f" {end_word}"
-            if fifth == "no_commas" and "no_commas" in broken:
-                parts = text.split(" ")
-                parts[2] += ","
-                parts[len(parts) // 2] += ","
-                text = " ".join(parts)
-            text = text[0].upper() + text[1:] + "."
-            if fifth == "lowercase" and "lowercase" not in broken:
-                text = text.lower()
-            return text
+        respond = partial(_instruction_response, rng, words, required, forbidden, end_word, limit, fifth)
 
         if n < n_ordered:
             order = rng.sample(constraints, 5)

@@ -347,7 +347,7 @@ def _decision_times(
     for i, w in enumerate(steps):
         last = i == len(steps) - 1
 
-        def reach_at(t: float) -> _Reach:
+        def reach_at(t: float, w: float = w) -> _Reach:  # w: this step's weight, bound now
             h = [*history, (w, t)]
             return _Reach(*_arms(traffic, h), pop, traffic.pairs_per_s * sum(x for _, x in h), gate)
 

@@ -17,6 +17,7 @@ import struct
 import subprocess
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from dynrubric import atomic, process
@@ -136,7 +137,7 @@ class EmbeddedBroker:
                 env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
                 own_group=self.detach,
             )
-            if process.wait_until(self.proc, lambda: answers_kafka(self.host, port, 0.5), self.start_timeout_s, 0.02):
+            if process.wait_until(self.proc, partial(answers_kafka, self.host, port, 0.5), self.start_timeout_s, 0.02):
                 self.port = port
                 return self
             self.stop()

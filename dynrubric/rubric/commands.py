@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Annotated
 
@@ -303,7 +304,7 @@ def eval_judge(
             for i in range(0, len(sets), batch):
                 chunk = sets[i : i + batch]
                 scored += evaluator.score_sets(
-                    [s.prompt for s in chunk], [s.responses for s in chunk], progress=lambda n: bars.advance(phase, n)
+                    [s.prompt for s in chunk], [s.responses for s in chunk], progress=partial(bars.advance, phase)
                 )
             c = evaluator.counts
             sources = {src: sum(s.rubric_source == src for s in scored) for src in MODES}
@@ -438,13 +439,13 @@ def _eval_judge_real(settings, path: Path, modes: list[str], out: Path, batch: i
             for i in range(0, len(sets), batch):
                 chunk = sets[i : i + batch]
                 scored += evaluator.score_sets(
-                    [s.prompt for s in chunk], [s.responses for s in chunk], progress=lambda n: bars.advance(phase, n)
+                    [s.prompt for s in chunk], [s.responses for s in chunk], progress=partial(bars.advance, phase)
                 )
             results[mode] = summarise_real(
                 sets,
                 [s.scores for s in scored],
                 [s.trusted for s in scored],
-                lambda s: group_advantages(s, settings.train.grpo.adv_eps, config.eps),
+                partial(group_advantages, eps=settings.train.grpo.adv_eps, tie_eps=config.eps),
                 config.eps,
             )
             per_set += [{"mode": mode, "passed": rs.passed, **s.as_dict()} for rs, s in zip(sets, scored, strict=True)]
