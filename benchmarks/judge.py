@@ -237,14 +237,17 @@ def main() -> None:
     row("naive", naive_tok, naive_s)
 
     max_diff = max(
-        abs(a - b) for s1, s2 in zip(batched_v, unshared_v) for r1, r2 in zip(s1, s2) for a, b in zip(r1, r2)
+        abs(a - b)
+        for s1, s2 in zip(batched_v, unshared_v, strict=True)
+        for r1, r2 in zip(s1, s2, strict=True)
+        for a, b in zip(r1, r2, strict=True)
     )
     agree = (
         sum(
             (a >= 0.5) == (b >= 0.5)
-            for s1, s2 in zip(batched_v, naive_v)
-            for r1, r2 in zip(s1, s2)
-            for a, b in zip(r1, r2)
+            for s1, s2 in zip(batched_v, naive_v, strict=True)
+            for r1, r2 in zip(s1, s2, strict=True)
+            for a, b in zip(r1, r2, strict=True)
         )
         / pairs
     )
@@ -253,7 +256,8 @@ def main() -> None:
         f"naive/batched: tokens {naive_tok / batched_tok:.2f}x"
     )
     print(
-        f"batched vs unshared max |v| difference: {max_diff:.2e}; batched (v>=0.5) agrees with naive's written answer on {agree:.0%}"
+        f"batched vs unshared max |v| difference: {max_diff:.2e}; "
+        f"batched (v>=0.5) agrees with naive's written answer on {agree:.0%}"
     )
 
     schema = json.dumps(RUBRIC_SCHEMA)

@@ -217,7 +217,7 @@ def draw_judged(plot, table, judged: Sequence[JudgedRollout]) -> None:
         return
     xs = list(range(len(judged)))
     for verdict, color in (("pass", "tab:green"), ("fail", "tab:red")):
-        mine = [(x, j) for x, j in zip(xs, judged) if j.verdict == verdict]
+        mine = [(x, j) for x, j in zip(xs, judged, strict=True) if j.verdict == verdict]
         if mine:  # bounds clipped to 0..1, where a win rate lives
             plot.errorbar(
                 [x for x, _ in mine],

@@ -342,7 +342,7 @@ def gate_plan(
         apply_demo_gate(settings)
     g, r = settings.gate, settings.rollout
     plans = []
-    for rate, n in zip(rps, users * len(rps) if len(users) == 1 else users):
+    for rate, n in zip(rps, users * len(rps) if len(users) == 1 else users, strict=True):
         pairs = judged_pairs_per_s(rate, settings.serving.shadow_rate, r, None) if r.judge else 0.0
         plans.append(
             plan(

@@ -48,7 +48,7 @@ from pydantic import BaseModel
 from dynrubric.config import GateConfig
 
 
-class Verdict(str, Enum):
+class Verdict(str, Enum):  # noqa: UP042 - StrEnum changes str() and format() of a member
     PASS = "pass"
     FAIL = "fail"
     INCONCLUSIVE = "inconclusive"
@@ -191,7 +191,7 @@ def srm_p_value(stable_users: int, canary_users: int, canary_weight: float) -> f
     if n == 0 or not 0.0 < canary_weight < 1.0:
         return 1.0
     expected = (n * (1.0 - canary_weight), n * canary_weight)
-    chi2 = sum((o - e) ** 2 / e for o, e in zip((stable_users, canary_users), expected))
+    chi2 = sum((o - e) ** 2 / e for o, e in zip((stable_users, canary_users), expected, strict=True))
     return math.erfc(math.sqrt(chi2 / 2.0))  # survival function of chi-square with 1 df
 
 
@@ -279,7 +279,10 @@ def _srm(stable: ArmStats, canary: ArmStats, weight: float, cfg: GateConfig) -> 
     }
     if n == 0 or not 0.0 < weight < 1.0:
         return GateCheck(name="sample_ratio", verdict=Verdict.PASS, numbers=numbers, detail="nothing to compare")
-    chi2 = sum((o - e) ** 2 / e for o, e in zip((stable.step_users, canary.step_users), (n * (1 - weight), n * weight)))
+    chi2 = sum(
+        (o - e) ** 2 / e
+        for o, e in zip((stable.step_users, canary.step_users), (n * (1 - weight), n * weight), strict=True)
+    )
     boundary = srm_chi2_boundary(n, weight, cfg.srm_alpha, cfg.mixture_tau)
     numbers |= {"chi2": chi2, "chi2_boundary": boundary}
     if chi2 > boundary:

@@ -261,9 +261,9 @@ class WriterPool:
     def write(self, records: list[RawRecord]) -> WrittenBatch:
         size = max(1, -(-len(records) // len(self.writers)))
         starts = list(range(0, len(records), size))
-        for writer, start in zip(self.writers, starts):  # fewer slices than writers for a tiny batch
+        for writer, start in zip(self.writers, starts, strict=False):  # fewer slices than writers for a tiny batch
             writer.send(records[start : start + size])
-        parts = [(start, writer.written()) for writer, start in zip(self.writers, starts)]
+        parts = [(start, writer.written()) for writer, start in zip(self.writers, starts, strict=False)]
         result, dead, filtered = CommitResult(), [], Tally()
         for start, part in parts:
             result = result.merged(part.result)

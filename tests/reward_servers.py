@@ -67,7 +67,7 @@ def reward_replicas(
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     replicas: list[Replica] = []
     try:
-        for port, url in zip(ports, urls):
+        for port, url in zip(ports, urls, strict=True):
             log = tmp / f"reward-{port}.log"
             full_env = {
                 **os.environ,
@@ -132,7 +132,7 @@ def openrlhf_rollout(
     executor = SingleTurnAgentExecutor(remote_rm_url=urls)
     canned: dict[tuple[int, ...], list[list[int]]] = {}
     jobs = []
-    for prompt, resp in zip(prompts, responses):
+    for prompt, resp in zip(prompts, responses, strict=True):
         key = tuple(tokenizer(prompt, add_special_tokens=False)["input_ids"])
         for r in resp:
             # vLLM's token_ids end with the EOS token when a response stops

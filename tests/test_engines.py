@@ -173,7 +173,8 @@ def test_vllm_and_transformers_agree(vllm_server, smollm_dir):
     cheap = OpenAIHTTPEngine(vllm_server.base_url, smollm_dir).score_next_token(prompts, cands)
     assert all(row["Maybe"] == float("-inf") for row in cheap)
     assert all(
-        row["No"] == pytest.approx(rb["No"], abs=2e-3) for row, rb in zip(cheap, local.score_next_token(prompts, cands))
+        row["No"] == pytest.approx(rb["No"], abs=2e-3)
+        for row, rb in zip(cheap, local.score_next_token(prompts, cands), strict=True)
     )
 
     remote.load_weights(smollm_dir, "v-reloaded")

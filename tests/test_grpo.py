@@ -451,7 +451,7 @@ def test_the_in_process_engine_samples_with_the_trainers_log_probs(tiny_model_di
             tuple(float(i) for i in range(4)),
             temperature=0.7,
         )
-        for p, cs in zip(prompts, outs)
+        for p, cs in zip(prompts, outs, strict=True)
     ]
     assert all(len(r.logprobs) == len(r.response_ids) for g in batch for r in g.rollouts)
     stats = make_trainer(tiny_model_dir, kl_beta=0.0).accumulate(batch)

@@ -200,7 +200,7 @@ def test_where_each_rounds_time_went_is_the_run_logs_stage_seconds(tmp_path):
         assert [r.get_x() + r.get_width() / 2 for r in rects] == pytest.approx([1, 2])  # round 3: no bar
         assert [r.get_y() for r in rects] == pytest.approx(bottom), key
         assert [r.get_height() for r in rects] == pytest.approx([stages[0][key], stages[1][key]]), key
-        bottom = [b + r.get_height() for b, r in zip(bottom, rects)]
+        bottom = [b + r.get_height() for b, r in zip(bottom, rects, strict=True)]
     [wall] = [c for c in ax.collections if c.get_label() == "round wall-clock time"]
     assert [tuple(xy) for xy in wall.get_offsets().tolist()] == [
         (1, sum(stages[0].values()) + 0.5),

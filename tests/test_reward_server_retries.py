@@ -86,7 +86,7 @@ def test_openrlhf_retries_join_their_slot_and_every_sample_is_scored_once(tiny_m
     assert total["dynrubric_reward_cancelled_requests_total"] > 0, "abandoned requests were cancelled"
     # each replica says where it listens; each cancelled request is one line with its reason, no traceback
     logs = [r.log.read_text() for r in replicas]
-    for r, text in zip(replicas, logs):
+    for r, text in zip(replicas, logs, strict=True):
         assert f"reward server on {r.url} (POST /reward, /get_reward, /score_sets): group size {N}" in text, text
         assert "Traceback" not in text and "never retrieved" not in text, text
     cancelled = [line for text in logs for line in text.splitlines() if "cancelled a reward request" in line]

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,7 @@ def test_three_rounds_move_the_policy_toward_the_rubric_preferred_behaviour(tmp_
     # each round took its own prompts: the watermark moved 16 prompts per round
     assert [s["watermark_after"] for s in summaries] == ["16", "32", "48"]
     # a collapse in round N makes round N+1 start with a generator phase, and the summary says so
-    for before, after in zip(summaries, summaries[1:]):
+    for before, after in pairwise(summaries):
         assert bool(after["refresh"]) == before["collapse"]["fired"]
         if before["collapse"]["fired"]:
             assert after["steps"][0]["phase"] == "generator" and "collapse" in after["refresh"]

@@ -188,7 +188,7 @@ def shell_join(argv: list[str]) -> str:
             return shlex.quote(arg)
         literal = lambda s: re.sub(r'([\\"`$])', r"\\\1", s)  # noqa: E731
         parts, refs = _ENV_REF.split(arg), _ENV_REF.findall(arg)
-        return '"' + "".join(literal(p) + r for p, r in zip(parts, [*refs, ""])) + '"'
+        return '"' + "".join(literal(p) + r for p, r in zip(parts, [*refs, ""], strict=True)) + '"'
 
     return " ".join(word(a) for a in argv)
 
