@@ -82,8 +82,9 @@ def main() -> None:
         f"({[round(s.verify_seconds, 1) for s in scored]} per group)"
     )
     print(
-        f"batch of {len(QUESTIONS)} groups x {len(RESPONSES[0])}: {batch_s:.1f} s wall ({batch_s / len(QUESTIONS):.1f} s "
-        f"per group), {cpu_s:.1f} CPU-s on {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}"
+        f"batch of {len(QUESTIONS)} groups x {len(RESPONSES[0])}: {batch_s:.1f} s wall "
+        f"({batch_s / len(QUESTIONS):.1f} s per group), {cpu_s:.1f} CPU-s on {os.cpu_count()} cores, "
+        f"load average {os.getloadavg()[0]:.1f}"
     )
 
 

@@ -178,7 +178,9 @@ class RubricConfig(Section):
     )
     mode: Literal["set", "prompt_only", "generic"] = Field(
         default="set",
-        description="'prompt_only' skips the candidates in the generator prompt, 'generic' the generator (for comparison)",
+        description=(
+            "'prompt_only' skips the candidates in the generator prompt, 'generic' the generator (for comparison)"
+        ),
     )
     constrained: bool = Field(
         default=True,

@@ -13,7 +13,8 @@ with lognormal latencies, and a share of answered requests becomes a shadow pair
 and analysed per request, as the live gate gets them from the router's counters. A step still inconclusive after
 `max_step_requests` rolls back, as the controller does when a step times out.
 
-State is per user (the per-user rates' sums), updated only for the users of a batch, so a look costs O(batch), not O(users).
+State is per user (the per-user rates' sums), updated only for the users of a batch, so a look costs
+O(batch), not O(users).
 """
 
 from __future__ import annotations

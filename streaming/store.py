@@ -497,7 +497,8 @@ class ReplayStore:
             paths.update(
                 row[0]
                 for row in self.db.execute(
-                    f"SELECT s.path FROM feedback_shards f JOIN shards s USING (shard_id) WHERE f.request_id IN ({marks})",
+                    "SELECT s.path FROM feedback_shards f JOIN shards s USING (shard_id) "
+                    f"WHERE f.request_id IN ({marks})",
                     chunk,
                 )
             )

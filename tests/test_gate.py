@@ -278,7 +278,8 @@ def test_latency_aa_with_50_looks_keeps_false_rollbacks_rare():
         fixed_misses += fixed_missed
     print(
         f"\nA/A latency, {looks} looks: {fails}/{runs} rolled back; the p95 missed at some look by the "
-        f"confidence sequence {cs_misses}/{runs}, by the per-look fixed-n interval {fixed_misses}/{runs} (alpha {alpha})"
+        f"confidence sequence {cs_misses}/{runs}, by the per-look fixed-n interval {fixed_misses}/{runs} "
+        f"(alpha {alpha})"
     )
     # the premise: looking 50 times, the fixed-n interval misses the true p95 at some look far more often
     # than alpha (47/200 here), so the confidence sequence's bound below is not met by any interval for free

@@ -269,13 +269,16 @@ def test_overlays_differ_as_documented():
         assert all(o["metadata"]["labels"]["app.kubernetes.io/part-of"] == "dynrubric" for o in objs)
         images = {c["image"] for o in objs for pod in validate._pod_specs(o) for c in pod.get("containers", [])}
         assert all(":" in i and "/" in i for i in images), images  # every image resolved to registry/name:tag
-    engine_images = lambda objs: {
-        c["image"]
-        for o in objs
-        if o["metadata"]["name"] in ("vllm", "vllm-stable", "vllm-judge")  # noqa: E731
-        for pod in validate._pod_specs(o)
-        for c in pod["containers"]
-    }
+
+    def engine_images(objs: list[dict]) -> set[str]:
+        return {
+            c["image"]
+            for o in objs
+            if o["metadata"]["name"] in ("vllm", "vllm-stable", "vllm-judge")
+            for pod in validate._pod_specs(o)
+            for c in pod["containers"]
+        }
+
     assert engine_images(argo) == engine_images(prod), "prod-argo's vLLM image must match the base's"
 
 

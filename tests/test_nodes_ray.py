@@ -3,9 +3,9 @@
 `ray start --head` and a second node (`ray start --address ... --block`, its own process group and its
 own resource label) are separate processes started here. The round's actors are spread over both
 nodes. Once the round has published its first step, the whole worker node (its process group, its
-raylet and every worker process below it) is killed with SIGKILL. The round must notice, resume on the head from its last
-published step, and finish with the summary of an undisturbed in-process run, each step and set counted
-once.
+raylet and every worker process below it) is killed with SIGKILL. The round must notice, resume on the
+head from its last published step, and finish with the summary of an undisturbed in-process run, each
+step and set counted once.
 
 The file is named to run BEFORE tests/test_ray.py: after that module's local Ray (started and shut down
 in the same suite, also when this test ran in a fresh interpreter) every resumed round's TrainerActor

@@ -32,7 +32,10 @@ These items should split the candidates."""
 
 
 def test_bare_list_without_fence_and_python_literals():
-    raw = 'Items: [{"text": "Is polite", "weight": 1, "polarity": "positive"}, {"text": "Uses a list", "weight": 2, "polarity": "negative", "extra": None}] done'
+    raw = (
+        'Items: [{"text": "Is polite", "weight": 1, "polarity": "positive"}, '
+        '{"text": "Uses a list", "weight": 2, "polarity": "negative", "extra": None}] done'
+    )
     rubric = parse_rubric(raw)
     assert [i.polarity for i in rubric.items] == [1, -1]
     assert [i.id for i in rubric.items] == ["i1", "i2"]

@@ -93,7 +93,7 @@ def test_routes_sticky_logs_and_echoes(stack):
     version = {r["variant"]: r["policy_version"] for r in stack.router_state()["replicas"]}
     seen: dict[str, set[str]] = {}
     ids = {}
-    for i in range(3):
+    for _ in range(3):
         for u in range(12):
             r = chat(stack, f"user-{u}")
             assert r.status_code == 200, r.text

@@ -90,11 +90,10 @@ def test_collapse_window_counts_sets_across_rounds_and_skips_groups_of_one(tmp_p
     flat = gap_stats([[0.5] * 4, [0.5] * 4], rubric, [0.5] * 4, eps=0.02)  # non-splitting share 1.0
     single = gap_stats([[0.9], [0.1]], rubric, [0.5], eps=0.02)
     cfg = RubricConfig()
-    make = lambda: CollapseDetector(
-        cfg.collapse_window,
-        cfg.collapse_min_mean_gap,  # noqa: E731
-        cfg.collapse_max_nonsplit_share,
-    )
+
+    def make() -> CollapseDetector:
+        return CollapseDetector(cfg.collapse_window, cfg.collapse_min_mean_gap, cfg.collapse_max_nonsplit_share)
+
     first = make()
     assert not any(first.update(flat) for _ in range(cfg.collapse_window - 1))  # round 1: window not full yet
     saved = json.loads(json.dumps(first.state()))

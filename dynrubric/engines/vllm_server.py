@@ -31,14 +31,14 @@ class VllmServer:
     def __init__(
         self,
         model_dir: Path,
-        config: VllmConfig = VllmConfig(),
+        config: VllmConfig | None = None,
         *,
         port: int = 0,
         served_model_name: str | None = None,
         log_path: Path | None = None,
     ):
         self.model_dir = Path(model_dir)
-        self.config = config
+        self.config = config if config is not None else VllmConfig()
         self.host = LOOPBACK
         self.port = port or free_port()
         self.served_model_name = served_model_name or self.model_dir.name

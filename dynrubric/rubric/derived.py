@@ -6,9 +6,10 @@ can. These items join the generated items of every rubric.
 - `prompt_items(question)`: the prompt's ground truth (groundtruth.py: official IFEval instructions,
   checked by the official checkers; constraints in free words; the value of plain arithmetic), one item
   per part, and a negative item for a response that only repeats the question (the cheapest way to
-  "contain the keyword" or "stay under 40 words"), which the score applies as a veto (score.py). The evaluator never lets a calibration anchor
-  overrule these items, since an anchor that meets a prompt's constraint (the echoed question contains
-  its keyword) meets it for real; the ground-truth items hold `rubric.ground_truth_share` of the score.
+  "contain the keyword" or "stay under 40 words"), which the score applies as a veto (score.py). The
+  evaluator never lets a calibration anchor overrule these items, since an anchor that meets a prompt's
+  constraint (the echoed question contains its keyword) meets it for real; the ground-truth items hold
+  `rubric.ground_truth_share` of the score.
 - `consensus_items(responses)`: for a set whose candidates write final numbers and whose prompt has no
   computed answer, the number a strict plurality of at least two candidates (and at least 40% of those
   giving a number) reaches becomes a `final_number` item: self-consistency voting, the label test-time

@@ -144,7 +144,8 @@ _OFFICIAL: list[tuple[str, re.Pattern[str], Callable[[re.Match[str]], dict[str, 
             _words("There should be")
             + r"\s+(\d+)\s+"
             + _words(
-                "paragraphs. Paragraphs and only paragraphs are separated with each other by two new lines as if it was "
+                "paragraphs. Paragraphs and only paragraphs are separated with each other by two new lines "
+                "as if it was "
                 "'\\n\\n' in python. Paragraph"
             )
             + r"\s+(\d+)\s+"
@@ -188,7 +189,8 @@ _OFFICIAL: list[tuple[str, re.Pattern[str], Callable[[re.Match[str]], dict[str, 
         "detectable_format:constrained_response",
         re.compile(
             _words(
-                "Answer with one of the following options: ('My answer is yes.', 'My answer is no.', 'My answer is maybe.')"
+                "Answer with one of the following options: "
+                "('My answer is yes.', 'My answer is no.', 'My answer is maybe.')"
             )
         ),
         lambda m: {},
@@ -256,7 +258,8 @@ _OFFICIAL: list[tuple[str, re.Pattern[str], Callable[[re.Match[str]], dict[str, 
         "change_case:english_lowercase",
         re.compile(
             _words(
-                "Your entire response should be in English, and in all lowercase letters. No capital letters are allowed."
+                "Your entire response should be in English, and in all lowercase letters. "
+                "No capital letters are allowed."
             )
         ),
         lambda m: {},

@@ -80,7 +80,10 @@ def response_prefix(question: str, response: str) -> str:
 
 
 def verifier_prompt(engine: Engine, question: str, response: str, criterion: str) -> str:
-    user = f"{response_prefix(question, response)}{CRITERION_MARK}{criterion}\nDoes the response meet the criterion? Answer Yes or No."
+    user = (
+        f"{response_prefix(question, response)}{CRITERION_MARK}{criterion}\n"
+        "Does the response meet the criterion? Answer Yes or No."
+    )
     return engine.render_chat([{"role": "system", "content": VERIFIER_INSTRUCTIONS}, {"role": "user", "content": user}])
 
 
