@@ -139,7 +139,8 @@ class TrafficMeter:
         now = self.clock()
         self._forget(now)
         ends = [s for s, _ in list(self._seconds)[1:]] + [now]
-        active = sum(max(1.0, min(end - s, self.IDLE_S)) for (s, _), end in zip(self._seconds, ends, strict=True))
+        # with no seconds left, `ends` is [now] alone: the zip is empty
+        active = sum(max(1.0, min(end - s, self.IDLE_S)) for (s, _), end in zip(self._seconds, ends, strict=False))
         requests = sum(n for _, n in self._seconds)
         return {
             "window_s": self.window_s,
