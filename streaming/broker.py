@@ -202,6 +202,7 @@ def start_detached(pid_file: Path, host: str, port: int, start_timeout_s: float)
     log = pid_file.with_suffix(".log")
     log.parent.mkdir(parents=True, exist_ok=True)
     broker = EmbeddedBroker(port, host=host, start_timeout_s=start_timeout_s, log_path=log, detach=True).start()
+    assert broker.pid is not None, "start() leaves the broker running"
     state = BrokerState(broker.pid, host, broker.port, str(log))
     atomic.write_text(state_file(pid_file), json.dumps(state.__dict__))
     atomic.write_text(pid_file, f"{broker.pid}\n")

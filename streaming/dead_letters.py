@@ -83,7 +83,9 @@ class DeadLetterSender:
         return len(letters) - len(todo)
 
     def _quarantine(self, dl: DeadLetter, full: bytes) -> None:
-        directory = Path(self.cfg.dlq_quarantine_dir) / dl.source_topic
+        root = self.cfg.dlq_quarantine_dir
+        assert root is not None, "send() quarantines only with ingest.dlq_quarantine_dir set"
+        directory = Path(root) / dl.source_topic
         directory.mkdir(parents=True, exist_ok=True)
         final = directory / f"{dl.source_partition}-{dl.source_offset}.bin"
         tmp = directory / f".{final.name}.tmp"

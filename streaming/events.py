@@ -69,12 +69,15 @@ FinishReason = Literal[
 ]
 
 
-def _ident(max_length: int, min_length: int = 1) -> Any:
-    return Annotated[str, StringConstraints(min_length=min_length, max_length=max_length, pattern=_NO_CONTROL)]
-
+# identifiers: no control characters, bounded length (an empty one only where it says `0`)
+Id = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=_NO_CONTROL)]
+_Id0 = Annotated[str, StringConstraints(min_length=0, max_length=128, pattern=_NO_CONTROL)]
+_Arm = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=_NO_CONTROL)]
+_Arm0 = Annotated[str, StringConstraints(min_length=0, max_length=64, pattern=_NO_CONTROL)]
+_ModelName = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=_NO_CONTROL)]
+_Experiment0 = Annotated[str, StringConstraints(min_length=0, max_length=200, pattern=_NO_CONTROL)]
 
 Text = Annotated[str, StringConstraints(pattern=_TEXT)]
-Id = _ident(128)
 PolicyVersion = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
 FeedbackKind = Literal["thumbs_up", "thumbs_down", "regenerate", "copy", "dwell"]
 
@@ -150,8 +153,9 @@ EpochSeconds = Annotated[
 ]
 
 
-def _finite(**bounds: float) -> Any:
-    return Field(allow_inf_nan=False, **bounds)
+def _finite(**field: Any) -> Any:
+    """A pydantic Field of a finite number, with `field`'s bounds, default and description."""
+    return Field(allow_inf_nan=False, **field)
 
 
 class _Strict(BaseModel):
@@ -187,15 +191,15 @@ class QueryLogEvent(_Versioned):
     request_id: Id = Field(description="unique per request; the Kafka key and the dedupe key")
     ts: EpochSeconds = Field(description="when the response finished")
     user_key: Id = Field(description="hashed user id, never the raw id")
-    session_id: _ident(128, 0) | None = None
-    variant: _ident(64) = Field(
+    session_id: _Id0 | None = None
+    variant: _Arm = Field(
         description="A/B variant that served the request: an arm of the deployment "
         "(ingest.variants: stable, canary, replay)"
     )
     policy_version: PolicyVersion = Field(
         description="checkpoint version that produced the response (path-safe: the replay store partitions by it)"
     )
-    model: _ident(256)
+    model: _ModelName
     messages: list[ChatMessage] = Field(
         min_length=1, description="the chat prompt as sent to the model, without the response"
     )
@@ -208,19 +212,17 @@ class QueryLogEvent(_Versioned):
     prompt_tokens: int = Field(ge=0, le=MAX_TOKENS)
     completion_tokens: int = Field(ge=0, le=MAX_TOKENS)
     # the rollout gate's attribution (serving/online.py) and the judged check's shadow pairs
-    experiment_id: _ident(200, 0) | None = Field(default=None, description="the rollout this request belongs to")
-    assigned_variant: _ident(64, 0) | None = Field(
+    experiment_id: _Experiment0 | None = Field(default=None, description="the rollout this request belongs to")
+    assigned_variant: _Arm0 | None = Field(
         default=None, description="the arm the user is assigned to (SRM, attribution)"
     )
-    pair_id: _ident(128, 0) | None = Field(
-        default=None, description="links a served answer and its shadow (judged check)"
-    )
+    pair_id: _Id0 | None = Field(default=None, description="links a served answer and its shadow (judged check)")
     shadow: bool = Field(
         default=False, description="a shadow answer to the arm that did not serve: never shown, never trained on"
     )
 
 
-_DWELL_NEEDS_SECONDS = {
+_DWELL_NEEDS_SECONDS: dict[str, Any] = {
     "if": {"properties": {"kind": {"const": "dwell"}}, "required": ["kind"]},
     "then": {"properties": {"value": {"type": "number", "exclusiveMinimum": 0}}, "required": ["value"]},
 }
@@ -255,7 +257,10 @@ class FeedbackEvent(_Versioned):
 
 
 Event = QueryLogEvent | FeedbackEvent
-SCHEMA_FILE_OF_MODEL = {QueryLogEvent: "query-log.v1.json", FeedbackEvent: "feedback.v1.json"}
+SCHEMA_FILE_OF_MODEL: dict[type[QueryLogEvent] | type[FeedbackEvent], str] = {
+    QueryLogEvent: "query-log.v1.json",
+    FeedbackEvent: "feedback.v1.json",
+}
 
 
 def load_schema(model: type[QueryLogEvent] | type[FeedbackEvent]) -> dict[str, Any]:
@@ -307,7 +312,7 @@ class MalformedEvent(ValueError):
         super().__init__(f"{reason}: {detail}")
 
 
-_JSON_ERRORS = (
+_JSON_ERRORS: tuple[tuple[str, DeadLetterReason], ...] = (
     ("recursion limit exceeded", "too_deep"),
     ("number out of range", "number_range"),
     ("duplicate key", "duplicate_key"),
@@ -334,7 +339,7 @@ def parse_event(
     try:
         doc = jiter.from_json(raw, catch_duplicate_keys=True)
     except ValueError as e:
-        reason = next((r for text, r in _JSON_ERRORS if text in str(e)), "bad_json")
+        reason: DeadLetterReason = next((r for text, r in _JSON_ERRORS if text in str(e)), "bad_json")
         raise MalformedEvent(reason, f"not valid JSON: {str(e)[:200]}") from None
     if not isinstance(doc, dict):
         raise MalformedEvent("schema", f"expected a JSON object, got {type(doc).__name__}")

@@ -53,7 +53,7 @@ def events_of_line(
     else:
         raise ValueError("a line needs `messages`, `prompt`, or a feedback `kind` with `request_id`")
     response = line.get("response", line.get("answer", "")) or ""
-    request_id = line.get("request_id") if not fresh_ids and line.get("request_id") else uuid.uuid4().hex
+    request_id = line["request_id"] if not fresh_ids and line.get("request_id") else uuid.uuid4().hex
     event = QueryLogEvent(
         request_id=request_id,
         ts=line.get("ts", now),

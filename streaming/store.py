@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import cast
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -256,6 +257,7 @@ class StoreWriter:
                     (kind, path, date, version, len(items), min(tss), max(tss), now),
                 )
                 shard_id = cur.lastrowid
+                assert shard_id is not None, "an INSERT sets lastrowid"
                 result.shard_ids.append(shard_id)
                 result.written[kind] = result.written.get(kind, 0) + len(items)
                 # one statement per table (json_each), not one per row: every SQLite step releases and
@@ -326,7 +328,7 @@ def _writer_of(name: str) -> str | None:
 
 
 def _query_row(r: Stored) -> dict:
-    e: QueryLogEvent = r.event
+    e = cast(QueryLogEvent, r.event)
     messages = [{"role": m.role, "content": m.content} for m in e.messages]
     users = [m["content"] for m in messages if m["role"] == "user"]
     return {
@@ -354,7 +356,7 @@ def _query_row(r: Stored) -> dict:
 
 
 def _feedback_row(r: Stored) -> dict:
-    e: FeedbackEvent = r.event
+    e = cast(FeedbackEvent, r.event)
     return {
         "request_id": e.request_id,
         "ts": e.ts,

@@ -36,7 +36,10 @@ from streaming.filters import PromptFilter, load_scrubber, scrubbed
 from streaming.store import CommitResult, Stored, StoreWriter
 
 QUERY_LOG_KIND, FEEDBACK_KIND = 0, 1  # RawRecord.kind: which event model the record's topic carries
-MODEL_OF_KIND = {QUERY_LOG_KIND: QueryLogEvent, FEEDBACK_KIND: FeedbackEvent}
+MODEL_OF_KIND: dict[int, type[QueryLogEvent] | type[FeedbackEvent]] = {
+    QUERY_LOG_KIND: QueryLogEvent,
+    FEEDBACK_KIND: FeedbackEvent,
+}
 READY_TIMEOUT_S = 120  # start-up: a Python import, plus the store lock wait (added on top)
 
 
@@ -264,7 +267,9 @@ class WriterPool:
         for writer, start in zip(self.writers, starts, strict=False):  # fewer slices than writers for a tiny batch
             writer.send(records[start : start + size])
         parts = [(start, writer.written()) for writer, start in zip(self.writers, starts, strict=False)]
-        result, dead, filtered = CommitResult(), [], Tally()
+        result = CommitResult()
+        dead: list[tuple[int, str, str]] = []
+        filtered: Tally[str] = Tally()
         for start, part in parts:
             result = result.merged(part.result)
             dead.extend((start + i, reason, detail) for i, reason, detail in part.dead)
