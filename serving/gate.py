@@ -167,11 +167,14 @@ class JudgeStats:
         return self.canary_score / self.pairs if self.pairs else math.nan
 
 
+Numbers = dict[str, float | int | None]  # a check's numbers, as the gate's answer shows them
+
+
 class GateCheck(BaseModel):
     name: str
     verdict: Verdict
     detail: str
-    numbers: dict[str, float | int | None]
+    numbers: Numbers
 
 
 class GateResult(BaseModel):
@@ -271,7 +274,7 @@ def srm_chi2_boundary(n: int, canary_weight: float, alpha: float, tau: float) ->
 def _srm(stable: ArmStats, canary: ArmStats, weight: float, cfg: GateConfig) -> GateCheck:
     n = stable.step_users + canary.step_users
     p = srm_p_value(stable.step_users, canary.step_users, weight)
-    numbers: dict[str, float | int | None] = {
+    numbers: Numbers = {
         "stable_users": stable.step_users,
         "canary_users": canary.step_users,
         "expected_canary_share": weight,
@@ -304,7 +307,7 @@ def _min_samples(stable: ArmStats, canary: ArmStats, cfg: GateConfig) -> GateChe
         ("step_requests", "requests this step", cfg.min_requests_per_arm),
         ("rated", "rated requests", cfg.min_rated_per_arm),
     )
-    numbers: dict[str, float | int | None] = {
+    numbers: Numbers = {
         f"{arm}_{attr}": getattr(s, attr) for arm, s in (("stable", stable), ("canary", canary)) for attr, _, _ in need
     }
     short = [
@@ -320,7 +323,7 @@ def _min_samples(stable: ArmStats, canary: ArmStats, cfg: GateConfig) -> GateChe
 
 def _error_rate(stable: ArmStats, canary: ArmStats, cfg: GateConfig) -> GateCheck:
     harm, lo, hi = ratio_difference(canary.errors, stable.errors, cfg.guardrail_alpha / 2, cfg.mixture_tau)
-    numbers = {
+    numbers: Numbers = {
         "stable_error_rate": stable.errors.rate,
         "canary_error_rate": canary.errors.rate,
         "difference": harm,
@@ -348,7 +351,7 @@ def _error_rate_within_margin(stable: ArmStats, canary: ArmStats, cfg: GateConfi
     as the error-rate guardrail (its half of `guardrail_alpha`).
     """
     harm, lo, hi = ratio_difference(canary.errors, stable.errors, cfg.guardrail_alpha / 2, cfg.mixture_tau)
-    numbers = {
+    numbers: Numbers = {
         "stable_error_rate": stable.errors.rate,
         "canary_error_rate": canary.errors.rate,
         "difference": harm,
@@ -382,7 +385,7 @@ def latency_check(stable: LatencySketch, canary: LatencySketch, cfg: GateConfig)
     s, _, s_hi = quantile_cs(stable, 0.95, alpha, cfg.latency_tau)
     c, c_lo, _ = quantile_cs(canary, 0.95, alpha, cfg.latency_tau)
     limit = s_hi * (1.0 + cfg.latency_p95_margin)
-    numbers = {
+    numbers: Numbers = {
         "stable_p95_ms": s,
         "canary_p95_ms": c,
         "stable_p95_upper_ms": s_hi if math.isfinite(s_hi) else None,
@@ -413,7 +416,7 @@ def _judged(judge: JudgeStats, cfg: GateConfig) -> GateCheck:
         return GateCheck(name="judged_win_rate", verdict=Verdict.PASS, numbers={"pairs": 0}, detail="no judged pairs")
     lo, hi = judge_interval(judge, cfg.judge_alpha, cfg.judge_tau)
     bar = 0.5 - cfg.judge_margin
-    numbers = {"pairs": judge.pairs, "win_rate": judge.win_rate, "lower": lo, "upper": hi, "bar": bar}
+    numbers: Numbers = {"pairs": judge.pairs, "win_rate": judge.win_rate, "lower": lo, "upper": hi, "bar": bar}
     if hi < bar:
         return GateCheck(
             name="judged_win_rate",
@@ -442,7 +445,7 @@ def _judged_non_inferiority(judge: JudgeStats, cfg: GateConfig) -> GateCheck:
             detail="no judged pairs yet; a judged win rate above the bar is required to promote (gate.promote_on)",
         )
     lo, hi = judge_interval(judge, cfg.judge_alpha, cfg.judge_tau)
-    numbers = {"pairs": judge.pairs, "win_rate": judge.win_rate, "lower": lo, "upper": hi, "bar": bar}
+    numbers: Numbers = {"pairs": judge.pairs, "win_rate": judge.win_rate, "lower": lo, "upper": hi, "bar": bar}
     if lo > bar:
         return GateCheck(
             name="judged_non_inferiority",
@@ -464,7 +467,7 @@ def _primary(stable: ArmStats, canary: ArmStats, cfg: GateConfig, require_non_in
     alpha = cfg.alpha / 2  # Bonferroni over the two primary metrics
     pos_harm, pos_lo, pos_hi = ratio_difference(stable.positive, canary.positive, alpha, cfg.mixture_tau)
     reg_harm, reg_lo, reg_hi = ratio_difference(canary.regenerated, stable.regenerated, alpha, cfg.mixture_tau)
-    numbers = {
+    numbers: Numbers = {
         "stable_positive_rate": stable.positive.rate,
         "canary_positive_rate": canary.positive.rate,
         "positive_rate_drop": pos_harm,

@@ -413,6 +413,7 @@ class ClosedLoop:
         from streaming.store import ReplayStore, store_root
 
         producer.flush()
+        assert self.traffic is not None, "run() starts the users' traffic first"
         want = set(self.traffic.answered_ids)
         deadline = time.monotonic() + timeout_s
         missing = want
@@ -467,18 +468,21 @@ class ClosedLoop:
         from dynrubric.registry import CheckpointState
         from dynrubric.train.commands import round_report
 
+        traffic = self.traffic
+        assert traffic is not None, "run() starts the users' traffic first"
+
         self._wait_for_prompts(runner, cycle)
         round_id = runner.next_round()
         self.log(f"cycle {cycle}: training round {round_id} (log {self.supervisor.log_path('trainer')})")
         pause = self.settings.loop.pause_users_while_training
         if pause:
             self.log(f"cycle {cycle}: users paused while the round trains (loop.pause_users_while_training)")
-            self.traffic.pause()
+            traffic.pause()
         try:
             self.supervisor.run_job(ChildSpec("trainer", self._cli(config, "train", "round"), child_env()))
         finally:
             if pause:
-                self.traffic.resume()
+                traffic.resume()
         summary = runner.last_summary()
         for line in round_report(summary, runner.round_dir(summary["round"]) / "summary.json"):
             self.log(f"cycle {cycle}: {line}")
@@ -509,7 +513,7 @@ class ClosedLoop:
         served = sorted({r.policy_version for r in self.router.state.replicas if r.variant == "stable"})
         self.log(
             f"cycle {cycle}: serving policy version {serving} (stable engines report {', '.join(served)}); "
-            f"users answered {self.traffic.answered}, failed {self.traffic.failed}"
+            f"users answered {traffic.answered}, failed {traffic.failed}"
         )
         self.log(f"cycle {cycle}: {self._ground_truth_line(summary, serving)}")
         return result

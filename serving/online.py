@@ -102,8 +102,8 @@ class _Arm:
             requests=max(routed, self.requests),
             rated=self.rated,
             errors=UserRates.per_request(min(errors, routed), routed),
-            positive=UserRates(*self.pos),
-            regenerated=UserRates(*self.regen),
+            positive=UserRates(int(self.pos[0]), self.pos[1], self.pos[2]),
+            regenerated=UserRates(int(self.regen[0]), self.regen[1], self.regen[2]),
             latency=self.latency,
         )
 
@@ -155,7 +155,9 @@ class OnlineMetrics:
         self.state_path = Path(state_path) if state_path else None
         self.feedback_window_s = feedback_window_s
         self.max_waiting = max_waiting
-        self._consumer = None  # connected on the first poll, so a bad rollout request fails before Kafka is needed
+        # a kafka-python KafkaConsumer (untyped), connected on the first poll, so a bad rollout request fails
+        # before Kafka is needed
+        self._consumer: Any = None
         self._assigned: set = set()
         self._offsets: dict[str, int] = {}  # "topic:partition" -> next offset to read, as the state reflects
         self._reset(None)
@@ -214,7 +216,7 @@ class OnlineMetrics:
     def apply(self, topic: str, value: bytes | None) -> None:
         """Fold one record into the state (what `poll` does for each record it reads)."""
         try:
-            event = json.loads(value)
+            event = json.loads(value)  # type: ignore[arg-type]  # None (a tombstone): TypeError, below
         except (ValueError, TypeError):
             return  # ingest dead-letters malformed records; the gate just skips them
         if not isinstance(event, dict):

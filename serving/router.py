@@ -383,29 +383,31 @@ class Router:
             ]
         else:
             messages = [{"role": "user", "content": escape_controls(_text(body.get("prompt")))}]
-        return QueryLogEvent(
-            request_id=request_id,
-            ts=time.time(),
-            user_key=user_hash,
-            session_id=session_id,
-            variant=variant,
-            policy_version=policy_version,
-            model=model,
-            messages=messages,
-            response=escape_controls(response),
-            finish_reason=finish_reason or "stop",
-            sampling={
-                "temperature": float(body.get("temperature", 1.0)),
-                "top_p": float(body.get("top_p", 1.0)),
-                "max_tokens": int(body["max_tokens"]),
-            },
-            latency_ms=latency_s * 1000.0,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            experiment_id=experiment_id,
-            assigned_variant=assigned_variant,
-            pair_id=pair_id,
-            shadow=shadow,
+        return QueryLogEvent.model_validate(  # the same validation as QueryLogEvent(**fields)
+            {
+                "request_id": request_id,
+                "ts": time.time(),
+                "user_key": user_hash,
+                "session_id": session_id,
+                "variant": variant,
+                "policy_version": policy_version,
+                "model": model,
+                "messages": messages,
+                "response": escape_controls(response),
+                "finish_reason": finish_reason or "stop",
+                "sampling": {
+                    "temperature": float(body.get("temperature", 1.0)),
+                    "top_p": float(body.get("top_p", 1.0)),
+                    "max_tokens": int(body["max_tokens"]),
+                },
+                "latency_ms": latency_s * 1000.0,
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "experiment_id": experiment_id,
+                "assigned_variant": assigned_variant,
+                "pair_id": pair_id,
+                "shadow": shadow,
+            }
         )
 
     def _log(
