@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from pydantic import SecretStr
@@ -133,7 +133,7 @@ class OpenAIHTTPEngine(Engine):
                 stop_id, ids = ids[-1], ids[:-1]
                 if logprobs is not None:
                     stop_logprob, logprobs = logprobs[len(ids)], logprobs[: len(ids)]
-            finish = "length" if c.get("finish_reason") == "length" else "stop"
+            finish: Literal["stop", "length"] = "length" if c.get("finish_reason") == "length" else "stop"
             out.append(
                 Completion(
                     text=c["text"],

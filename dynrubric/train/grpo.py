@@ -38,7 +38,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeGuard, cast
 
 import torch
 
@@ -144,11 +144,28 @@ def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return ((-log_ratio).exp() - 1.0 + log_ratio).clamp(-10.0, 10.0)
 
 
+class CausalLM(Protocol):
+    """What the trainer calls on a policy beyond `torch.nn.Module`: a transformers causal LM, or a peft
+    wrapper of one."""
+
+    def get_decoder(self) -> torch.nn.Module: ...
+    def get_output_embeddings(self) -> torch.nn.Module: ...
+    def save_pretrained(self, save_directory: Path) -> None: ...
+
+
+class LoraPolicy(CausalLM, Protocol):
+    """A peft-wrapped policy (`is_lora`)."""
+
+    def disable_adapter(self) -> contextlib.AbstractContextManager[None]: ...
+    def merge_and_unload(self) -> CausalLM: ...
+
+
 def lm_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(the model without its LM head, the head): `model(x).logits == head(body(x).last_hidden_state)` for
     the causal LMs this trainer runs (Llama, Qwen, Mistral, SmolLM...); `check_lm_head` verifies it.
     Through a peft wrapper both resolve to the wrapped model's modules, adapters included."""
-    return model.get_decoder(), model.get_output_embeddings()
+    lm = cast(CausalLM, model)
+    return lm.get_decoder(), lm.get_output_embeddings()
 
 
 def check_lm_head(model: torch.nn.Module) -> None:
@@ -226,7 +243,11 @@ def response_logprobs(
     where = (mask > 0) if mask is not None else torch.ones((b, t), dtype=torch.bool)
     rows, cols = where.nonzero(as_tuple=True)
     values = token_logprobs(
-        head, hidden[rows, cols], input_ids[:, 1:][rows, cols], temps[rows], chunk_rows(head.weight.size(0), chunk_mib)
+        head,
+        hidden[rows, cols],
+        input_ids[:, 1:][rows, cols],
+        temps[rows],
+        chunk_rows(cast(torch.Tensor, head.weight).size(0), chunk_mib),
     )
     return values.new_zeros((b, t)).index_put((rows, cols), values)
 
@@ -312,7 +333,7 @@ def reference_logprobs(
     with torch.no_grad():
         if reference is not None:
             return micro_logprobs(reference, m, chunk_mib)
-        with model.disable_adapter():
+        with cast(LoraPolicy, model).disable_adapter():
             return micro_logprobs(model, m, chunk_mib)
 
 
@@ -549,7 +570,7 @@ class GRPOTrainer:
         self.optimizer.load_state_dict(torch.load(path, weights_only=True))
 
 
-def is_lora(model: torch.nn.Module) -> bool:
+def is_lora(model: torch.nn.Module) -> TypeGuard[LoraPolicy]:
     return hasattr(model, "disable_adapter") and hasattr(model, "merge_and_unload")
 
 
@@ -561,7 +582,7 @@ def save_policy(model: torch.nn.Module, directory: Path) -> None:
         merged = copy.deepcopy(model).merge_and_unload()
         merged.save_pretrained(directory)
     else:
-        model.save_pretrained(directory)
+        cast(CausalLM, model).save_pretrained(directory)
 
 
 def load_policy(model_dir: Path, config: GRPOConfig, adapter_dir: Path | None = None) -> torch.nn.Module:

@@ -24,6 +24,7 @@ import hashlib
 import json
 import random
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -220,7 +221,7 @@ def evaluate_versions(
         outcomes = store.get(version, key)
         if outcomes is None:
             engine.load_weights(path, version)
-            outcomes = sample_outcomes(engine, version, prompts, params, lambda n, v=version: progress(v, n))
+            outcomes = sample_outcomes(engine, version, prompts, params, partial(progress, version))
             store.put(outcomes)
         out[version] = outcomes
     return out

@@ -55,6 +55,8 @@ class Worker:
 
 
 class EngineActor(Worker):
+    engine: Engine  # set by reset()
+
     def reset(self, factory: EngineFactory, role: str, model_dir: Path) -> None:
         """A fresh engine in this process (a later round reuses the actor, not its engine)."""
         if getattr(self, "engine", None) is not None:
@@ -142,17 +144,21 @@ class RayJudges:
 
 class TrainerActor(Worker):
     def reset(self, spec: TrainerSpec) -> None:
-        self.trainers = None  # the last round's models go before the next ones load
+        self.trainers: Trainers | None = None  # the last round's models go before the next ones load
         self.trainers = Trainers(spec)
 
+    def loaded(self) -> Trainers:
+        assert self.trainers is not None, "reset() loads the trainers"
+        return self.trainers
+
     def pad_token_id(self) -> int:
-        return self.trainers.pad_token_id
+        return self.loaded().pad_token_id
 
     def step(self, phase: str, groups: list[Any]) -> dict[str, Any]:
-        return self.trainers.step(phase, groups)
+        return self.loaded().step(phase, groups)
 
     def save(self, directory: Path) -> None:
-        self.trainers.save(directory)
+        self.loaded().save(directory)
 
 
 class RemoteTrainers:

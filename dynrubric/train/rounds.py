@@ -34,7 +34,7 @@ import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -83,6 +83,8 @@ __all__ = [
     "run_dir_of",
 ]
 
+EngineRole = Literal["policy", "generator", "verifier"]  # EngineConfig.url_for's roles
+
 
 def check_frozen_judges(settings: Settings) -> None:
     """Over HTTP each role's engine is a server; publishing a step reloads the policy's (and, with two
@@ -92,12 +94,11 @@ def check_frozen_judges(settings: Settings) -> None:
     if engine.kind != "openai-http" or engine.shared_servers:
         return  # in-process engines hold their own weights; engines on a shared server reload theirs before use
     remote = [r for r in ("policy", "generator", "verifier") if r not in engine.in_process]
-    reloaded = [
-        r for r in (["policy"] if settings.train.coevolve.single_model else ["policy", "generator"]) if r in remote
-    ]
-    judges = [
-        r for r in (["verifier"] if settings.train.coevolve.single_model else ["verifier", "generator"]) if r in remote
-    ]
+    single = settings.train.coevolve.single_model
+    trained_roles: tuple[EngineRole, ...] = ("policy",) if single else ("policy", "generator")
+    judge_roles: tuple[EngineRole, ...] = ("verifier",) if single else ("verifier", "generator")
+    reloaded = [r for r in trained_roles if r in remote]
+    judges = [r for r in judge_roles if r in remote]
     for judge in judges:
         for trained in reloaded:
             if judge != trained and engine.url_for(judge) == engine.url_for(trained):
@@ -169,7 +170,7 @@ class RoundRunner(RunState):
         self,
         settings: Settings,
         registry: Registry,
-        source: PromptSource,
+        source: PromptSource | None,
         engines: EngineFactory,
         metrics: CollectorRegistry | None = None,
         progress: Progress | None = None,
@@ -265,6 +266,12 @@ class _Round:
         self.dir = state.round_dir(round_id)
         self.steps_dir = self.dir / "steps"
         self.models: RoundModels | None = None
+        self.collapse_fired = False  # a policy step's collapse detector fired this round (run() resets it)
+
+    def loaded(self) -> RoundModels:
+        """The round's models, once `setup` has loaded them."""
+        assert self.models is not None, "setup() loads the round's models first"
+        return self.models
 
     def setup(self) -> None:
         self.plan = self.state.make_plan(self.id)
@@ -323,14 +330,16 @@ class _Round:
             ranked = self.anchor_file.get(prompt.key)
             return RankedAnchors(ranked, "file") if ranked else None
         co = self.cfg.coevolve
-        if co.anchors == "feedback" and (users := feedback_ranking(self.state.source.feedback_by_response(prompt.key))):
+        if co.anchors == "feedback" and (
+            users := feedback_ranking(self.state.prompt_source().feedback_by_response(prompt.key))
+        ):
             return RankedAnchors(users, "users")
         lineage = {c.version: c.parent for c in self.state.registry.list()}
         # the policy being trained is one step past its parent: the parent's samples have age 1
         ages = {v: a + 1 for v, a in lineage_ages(lineage, self.parent.version).items()}
         ranked = temporal_anchors(
             rng.choice(list(current)),
-            self.state.source.responses_by_version(prompt.key),
+            self.state.prompt_source().responses_by_version(prompt.key),
             ages,
             co.min_age,
             co.max_age,
@@ -342,7 +351,7 @@ class _Round:
         if phase == "generator":
             return generator_step(
                 self.settings,
-                self.models,
+                self.loaded(),
                 self.batch(step, self.cfg.coevolve.sets_per_step),
                 self.seed(step),
                 self.anchors_for,
@@ -351,13 +360,13 @@ class _Round:
         prompts = self.batch(step, self.cfg.prompts_per_step)
         record, responses = policy_step(
             self.settings,
-            self.models,
+            self.loaded(),
             prompts,
             self.seed(step),
             lambda j: self.seed(step, 1000 + j),
             lambda n: self.progress.advance("score sets", n),
         )
-        self.collapse_fired = self.collapse_fired or self.models.collapse.collapsed
+        self.collapse_fired = self.collapse_fired or self.loaded().collapse.collapsed
         self.state.rollouts.append(
             [(p.key, self.parent.version, rs) for p, rs in zip(prompts, responses, strict=True)],
             origin=f"round/{self.id}/step/{step}",
@@ -368,13 +377,13 @@ class _Round:
         self.history.append(record)
         target = self.steps_dir / f"{step:04d}"
         with atomic.directory(target) as tmp:
-            self.models.save(tmp)
+            self.loaded().save(tmp)
             (tmp / "history.json").write_text(json.dumps(self.history, allow_nan=False, default=float))
-            (tmp / COLLAPSE).write_text(json.dumps(self.models.collapse.state()))
+            (tmp / COLLAPSE).write_text(json.dumps(self.loaded().collapse.state()))
         for old in self.steps_dir.iterdir():
             if old.name.isdigit() and old.name < target.name:
                 shutil.rmtree(old, ignore_errors=True)
-        self.models.load_published(target, self.version, step)
+        self.loaded().load_published(target, self.version, step)
 
     def log_steps(self) -> None:
         self.state.runlog.append(
@@ -384,7 +393,7 @@ class _Round:
     # ---------------------------------------------------------------- evaluation
     def evaluate(self) -> dict[str, Any]:
         final = self.latest_step()
-        m = self.models
+        m = self.loaded()
         return evaluate_round(
             self.dir / EVAL,
             settings=self.settings,
@@ -567,7 +576,7 @@ class _Round:
 
     def publish(self, summary: dict[str, Any]) -> dict[str, Any]:
         """The round's summary, written last: from here on the round is complete and never runs again."""
-        write_json(self.state.run_dir / COLLAPSE, self.models.collapse.state())
+        write_json(self.state.run_dir / COLLAPSE, self.loaded().collapse.state())
         write_json(self.dir / SUMMARY, summary)
         self.state.runlog.append(
             [{"key": f"round/{self.id}", "kind": "round", **{k: v for k, v in summary.items() if k != "steps"}}]
