@@ -221,6 +221,7 @@ def up(
             soft_wrap=True,
         )
     restarts = ", ".join(f"{k} {v}" for k, v in sorted(loop.supervisor.restart_counts().items())) or "none"
+    assert loop.traffic is not None, "the loop's run started the users' traffic"
     console.print(
         f"restarts: {restarts}; user requests answered {loop.traffic.answered}, failed {loop.traffic.failed}",
         markup=False,
@@ -234,7 +235,7 @@ def up(
 #: what `up --demo` trains with on a 2-core CPU, chosen by measurement (docs/benchmarks.md, the learning benchmark):
 #: rounds of five policy steps of 8 prompts x 4 answers and one generator step, a learning rate that moves a
 #: 135M model within a round (AdamW's state carried across the round's steps), and guards sized to that step
-DEMO_TRAINING = {
+DEMO_TRAINING: dict[str, dict[str, float | int | str]] = {
     "train": {
         "steps_per_round": 6,
         "prompts_per_step": 8,

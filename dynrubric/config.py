@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from dynrubric.errors import DynrubricError
@@ -879,7 +880,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _describe(error: ErrorDetails) -> str:
     key = ".".join(str(p) for p in error["loc"])
     env = ENV_PREFIX + "__".join(str(p).upper() for p in error["loc"])
     if error["type"] == "extra_forbidden":

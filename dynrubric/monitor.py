@@ -12,7 +12,7 @@ import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -20,6 +20,9 @@ from dynrubric.console import make_console
 from dynrubric.context import settings_of
 from dynrubric.errors import DynrubricError
 from dynrubric.process import http_ok, log_tail, spawn, stop_signals_interrupt, terminate, wait_until
+
+if TYPE_CHECKING:
+    from dynrubric.config import Settings
 
 MONITORING_DIR = Path(__file__).resolve().parents[1] / "monitoring"
 INSTALL_FIX = "run `make setup`, or `apt-get install prometheus` (Debian), then try again"
@@ -164,7 +167,7 @@ def start_prometheus(
 app = typer.Typer(help="Local Prometheus with the project's rules.", no_args_is_help=True)
 
 
-def _config_of(ctx: typer.Context) -> tuple[object, dict]:
+def _config_of(ctx: typer.Context) -> tuple[Settings, dict]:
     settings = settings_of(ctx)
     m = settings.monitoring
     return settings, render_config(local_targets(settings), rule_files(), m.scrape_interval_s, m.evaluation_interval_s)

@@ -33,7 +33,7 @@ def spawn(
             start_new_session=own_group,
         )
     finally:
-        if log is not subprocess.DEVNULL:
+        if not isinstance(log, int):  # not subprocess.DEVNULL
             log.close()  # the child holds its own descriptor
 
 

@@ -175,7 +175,7 @@ def judged_rollouts(rollouts: Iterable[dict[str, Any]]) -> list[JudgedRollout]:
         checks = (r.get("last_gate") or {}).get("checks", [])
         check = next((c for c in checks if c.get("name") == "judged_win_rate"), None)
         n = (check or {}).get("numbers", {})
-        if n.get("pairs"):
+        if check is not None and n.get("pairs"):  # no check: no numbers
             out.append(
                 JudgedRollout(
                     r["id"],

@@ -277,12 +277,12 @@ class GroupBarrier:
         waiter: asyncio.Future[SampleResult] = loop.create_future()
         retried = self._retry_slot(key, response)
         if retried is not None:
-            group, i = retried
+            retried_group, i = retried
             self.metrics.retries.inc()
-            if group.answers is not None:
-                waiter.set_result(group.answers[i])
+            if retried_group.answers is not None:
+                waiter.set_result(retried_group.answers[i])
             else:
-                group.slots[i].waiters.append(waiter)
+                retried_group.slots[i].waiters.append(waiter)
             return waiter
         group = self.open.get(key)
         if group is None:
@@ -485,7 +485,8 @@ def create_app(
         )
         gone = asyncio.ensure_future(client_gone(request))
         started = time.monotonic()
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        either: set[asyncio.Future[Any]] = {work, gone}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():  # the client went away: stop waiting (its samples' slots stay for a retry)
             work.cancel()
             # a cancelled gather keeps its CancelledError as an exception: taken here, asyncio prints no

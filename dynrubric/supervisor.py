@@ -113,9 +113,10 @@ class Supervisor:
 
     def _wait_ready(self, child: _Child) -> None:
         spec = child.spec
-        if spec.health_url is None:
+        url = spec.health_url
+        if url is None:
             return
-        if wait_until(child.proc, lambda: http_ok(spec.health_url, 2.0), spec.start_timeout_s, 0.3):
+        if wait_until(child.proc, lambda: http_ok(url, 2.0), spec.start_timeout_s, 0.3):
             child.ready = True
             return
         raise DynrubricError(
