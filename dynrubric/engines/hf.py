@@ -109,7 +109,8 @@ class TransformersEngine(Engine):
         self.policy_version = version
 
     def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False)
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
+        return ids
 
     def _new_cache(self) -> Any:
         from transformers import DynamicCache

@@ -93,10 +93,12 @@ class OpenAIHTTPEngine(Engine):
         models = self._request("GET", "/v1/models")["data"]
         if not models:
             raise DynrubricError(f"engine at {self.base_url} serves no model", "start it with a --model")
-        return models[0]["id"]
+        served: str = models[0]["id"]
+        return served
 
     def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False)
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
+        return ids
 
     # ------------------------------------------------------------------ generation
     def _complete(self, request: GenerationRequest) -> list[Completion]:

@@ -43,7 +43,7 @@ class VllmServer:
         self.port = port or free_port()
         self.served_model_name = served_model_name or self.model_dir.name
         self.log_path = log_path
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def base_url(self) -> str:

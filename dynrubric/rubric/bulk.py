@@ -99,7 +99,7 @@ class SetScorer:
         return rows
 
 
-def replay_sets(shards: Sequence[Path]):
+def replay_sets(shards: Sequence[Path]) -> Any:  # a ray.data.Dataset (ray is untyped)
     """A Dataset of `{prompt_key, prompt, responses}`: the query-log shards' responses grouped by prompt key."""
     import ray.data
 
@@ -114,7 +114,7 @@ def replay_sets(shards: Sequence[Path]):
     return rows.sort(["prompt_key", "ts"]).groupby("prompt_key").map_groups(to_set, batch_format="numpy")
 
 
-def file_sets(path: Path, read_jsonl: Callable[[Path], list[tuple[str, list[str]]]]):
+def file_sets(path: Path, read_jsonl: Callable[[Path], list[tuple[str, list[str]]]]) -> Any:  # a ray.data.Dataset
     """A Dataset of `{prompt, responses}` from a JSONL sets file or Parquet with those columns."""
     import ray.data
 
@@ -123,7 +123,7 @@ def file_sets(path: Path, read_jsonl: Callable[[Path], list[tuple[str, list[str]
     return ray.data.read_parquet(str(path), columns=["prompt", "responses"])
 
 
-def score_dataset(settings: Settings, sets: Any, advance: Callable[[int], None]) -> Iterator[dict]:
+def score_dataset(settings: Settings, sets: Any, advance: Callable[[int], None]) -> Iterator[dict[str, Any]]:
     """Scored rows of `sets` (a Dataset), in input order, scored on `ray.judges` actors; `advance(1)`
     per set as its row arrives."""
     import ray.data

@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, cast
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 from pydantic import ValidationError
@@ -19,7 +19,10 @@ from dynrubric.jsonl import jsonl_lines
 from dynrubric.progress import Bars, status
 
 if TYPE_CHECKING:
-    from dynrubric.engines.base import Engine
+    from collections.abc import Sequence
+
+    from dynrubric.config import Settings
+    from dynrubric.engines.base import Completion, Engine, GenerationRequest
 
 console = make_console()
 
@@ -44,21 +47,21 @@ class _ReportingEngine:
     (a rubric try generates up to rubric.generator_max_tokens tokens), so progress per set alone is not
     enough to show that work goes on."""
 
-    def __init__(self, engine, note: Callable[[str], None], max_tokens: int):
+    def __init__(self, engine: Engine, note: Callable[[str], None], max_tokens: int):
         self._engine = engine
         self._note = note
         self._max_tokens = max_tokens
         self._tries = 0
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def generate(self, requests):
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Completion]]:
         self._tries += 1
         self._note(f"rubric try {self._tries} (up to {self._max_tokens} tokens)")
         return self._engine.generate(requests)
 
-    def score_next_token(self, prompts, candidates):
+    def score_next_token(self, prompts: Sequence[str], candidates: Sequence[str]) -> list[dict[str, float]]:
         self._note(f"verdicts: {len(prompts)} item x response prompts")
         return self._engine.score_next_token(prompts, candidates)
 
@@ -167,7 +170,7 @@ def score(
         verifier.close()
 
 
-def score_on_ray(settings, source: Path, out: Path | None) -> None:
+def score_on_ray(settings: Settings, source: Path, out: Path | None) -> None:
     """`dynrubric score --ray`: the sets of `source` through Ray Data and a pool of judge actors (rubric/bulk.py)."""
     import ray
 
@@ -415,7 +418,9 @@ def eval_judge(
         )
 
 
-def _eval_judge_real(settings, path: Path, modes: list[str], out: Path, batch: int, sample: int | None) -> None:
+def _eval_judge_real(
+    settings: Settings, path: Path, modes: list[str], out: Path, batch: int, sample: int | None
+) -> None:
     """`eval-judge --real`: the judge on real policy answers, the official checkers' verdicts as the order."""
     from rich.table import Table
 
@@ -483,7 +488,7 @@ def _eval_judge_real(settings, path: Path, modes: list[str], out: Path, batch: i
         print(f"trains_right_share_real[{mode}]: {share:.3f} ({r.trains_right} of {r.separated_sets} separated sets)")
 
 
-def _sample_real_sets(settings, path: Path, n: int) -> None:
+def _sample_real_sets(settings: Settings, path: Path, n: int) -> None:
     """K answers of the policy per held-out instruction prompt (the training sampling settings), each graded by
     the prompt's ground truth, written to `path`."""
     from dynrubric import atomic

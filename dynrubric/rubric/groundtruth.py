@@ -330,7 +330,12 @@ _NO_COMMAS = re.compile(r"\b(?:no|without|do not use|don't use|avoid|never use)\
 _LOWERCASE = re.compile(r"\b(?:all\s+)?(?:in\s+)?lower[- ]?case(?:\s+letters)?\b|\bno capital letters\b", _I)
 _ONE_WORD = re.compile(r"\b(?:in|with|using)\s+(?:exactly\s+)?(?:one|a single)\s+word\b", _I)
 _ARITHMETIC = re.compile(r"\bwhat is\s+([\d\s.+\-*/x\u00d7\u00f7()]+?)\s*[?=]", _I)
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+_OPS: dict[type[ast.operator], Callable[[float, float], float]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+}
 
 
 def _number(token: str) -> int:

@@ -72,7 +72,8 @@ def truncate_tokens(engine: Engine, text: str, budget: int) -> str:
     ids = engine.tokenizer.encode(text, add_special_tokens=False)
     if len(ids) <= budget:
         return text
-    return engine.tokenizer.decode(ids[:budget], skip_special_tokens=True) + " ..."
+    cut: str = engine.tokenizer.decode(ids[:budget], skip_special_tokens=True)
+    return cut + " ..."
 
 
 def response_prefix(question: str, response: str) -> str:

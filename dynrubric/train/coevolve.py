@@ -39,10 +39,10 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from dynrubric.config import CoevolveConfig
-from dynrubric.engines.base import Engine, GenerationRequest, SamplingParams
+from dynrubric.engines.base import Completion, Engine, GenerationRequest, SamplingParams
 from dynrubric.errors import DynrubricError
 from dynrubric.rubric.items import Rubric, RubricParseError, parse_rubric
 from dynrubric.train.grpo import CandidateSet, SampledResponse
@@ -286,7 +286,7 @@ def generator_groups(
     return groups, stats
 
 
-def completion_ids(completion, tokenizer) -> tuple[int, ...]:
+def completion_ids(completion: Completion, tokenizer: Any) -> tuple[int, ...]:
     """The sampled token ids, with the end-of-sequence token the model chose to stop on (the tokenizer's
     when a stop string or a grammar ended it), so that the update also teaches when to stop."""
     ids = tuple(completion.token_ids)
@@ -296,7 +296,7 @@ def completion_ids(completion, tokenizer) -> tuple[int, ...]:
     return ids
 
 
-def completion_logprobs(completion, tokenizer) -> tuple[float, ...] | None:
+def completion_logprobs(completion: Completion, tokenizer: Any) -> tuple[float, ...] | None:
     """The engine's log-probs of `completion_ids`' tokens, or None: the engine returned none, or the
     end-of-sequence token appended was not sampled (a stop string or a grammar ended the completion)."""
     if completion.logprobs is None:
@@ -308,7 +308,7 @@ def completion_logprobs(completion, tokenizer) -> tuple[float, ...] | None:
     return (*completion.logprobs, completion.stop_logprob)
 
 
-def sampled_response(prompt_ids: tuple[int, ...], completion, tokenizer) -> SampledResponse:
+def sampled_response(prompt_ids: tuple[int, ...], completion: Completion, tokenizer: Any) -> SampledResponse:
     """A completion as the trainer's rollout: its ids with the stop token, and the engine's log-probs."""
     return SampledResponse(
         prompt_ids, completion_ids(completion, tokenizer), completion_logprobs(completion, tokenizer)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 from rich.table import Table
@@ -18,12 +18,23 @@ from dynrubric.context import settings_of
 from dynrubric.errors import DynrubricError
 from dynrubric.progress import Bars
 
+if TYPE_CHECKING:  # the commands import these inside their bodies (see above)
+    import uvicorn
+    from prometheus_client import CollectorRegistry
+
+    from dynrubric.config import Settings
+    from dynrubric.engines.base import Engine
+    from dynrubric.registry import Registry
+    from dynrubric.train.prompts import PromptSource
+    from dynrubric.train.rounds import EngineRole
+    from dynrubric.train.step import EngineFactory
+
 console = make_console()
 registry_app = typer.Typer(help="The checkpoint registry: versions, lineage, states.", no_args_is_help=True)
 train_app = typer.Typer(help="Policy updates: embedded GRPO rounds, OpenRLHF on Ray.", no_args_is_help=True)
 
 
-def _registry(ctx: typer.Context, existing: bool = False):
+def _registry(ctx: typer.Context, existing: bool = False) -> Registry:
     """The configured registry; with `existing`, a missing SQLite file is an error instead of a new
     empty registry (a command that only reads must not create state in the wrong place)."""
     from dynrubric.registry import open_registry, sqlite_path
@@ -108,7 +119,7 @@ def registry_reject(
 
 
 # ---------------------------------------------------------------- train
-def prompt_source(settings):
+def prompt_source(settings: Settings) -> PromptSource:
     """The composition root's choice of prompt source (ARCHITECTURE section 5)."""
     from dynrubric.train.prompts import JsonlPromptSource
     from dynrubric.train.rounds import response_history
@@ -131,7 +142,7 @@ def prompt_source(settings):
     return replay_prompt_source(settings)
 
 
-def engine_factory(settings):
+def engine_factory(settings: Settings) -> EngineFactory:
     """Engines by role over a model dir, as configured (in-process transformers or OpenAI HTTP). An HTTP engine of a
     role the round trains (policy, generator) is made to serve the model dir's weights; with
     `engine.shared_servers` the engines on one URL take turns on it (engines/http.py: SharedServer)."""
@@ -140,7 +151,7 @@ def engine_factory(settings):
     cfg = settings.engine
     servers: dict[str, SharedServer] = {}
 
-    def make(role: str, model_dir: Path):
+    def make(role: str, model_dir: Path) -> Engine:
         if cfg.kind == "transformers" or role in cfg.in_process:
             from dynrubric.engines.hf import TransformersEngine
 
@@ -149,7 +160,7 @@ def engine_factory(settings):
             )
         from dynrubric.engines.http import OpenAIHTTPEngine
 
-        url = cfg.url_for(role)
+        url = cfg.url_for(cast("EngineRole", role))  # the rounds ask for policy, generator or verifier
         shared = servers.setdefault(url, SharedServer()) if cfg.shared_servers else None
         engine = OpenAIHTTPEngine(url, model_dir, api_key=cfg.api_key, timeout_s=cfg.timeout_s, shared=shared)
         if shared is not None and role != "verifier":
@@ -159,7 +170,7 @@ def engine_factory(settings):
     return make
 
 
-def _serve_metrics(registry, port: int):
+def _serve_metrics(registry: CollectorRegistry, port: int) -> uvicorn.Server:
     import threading
 
     import uvicorn
@@ -218,7 +229,7 @@ def train_round(
             server.should_exit = True
 
 
-def round_report(summary: dict, path: Path) -> list[str]:
+def round_report(summary: dict[str, Any], path: Path) -> list[str]:
     """The end-of-round lines: verdict, where the rubrics came from, what fell back, collapse, timing."""
     guard = summary["guard"]
     policy = [s for s in summary.get("steps", []) if s.get("phase") == "policy"]
@@ -327,7 +338,7 @@ def eval_policy(
     console.print(table)
 
 
-def _delta(c: dict) -> str:
+def _delta(c: dict[str, Any]) -> str:
     return f"{c['delta']:+.3f} (95% CI {c['low']:+.3f}..{c['high']:+.3f})"
 
 

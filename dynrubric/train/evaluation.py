@@ -68,7 +68,8 @@ def evaluate_round(path: Path, **candidate: Any) -> dict[str, Any]:
     """The guards' evidence for the round, from `path` (eval.json) when it was gathered before, else
     `train.heldout.evaluate_candidate(**candidate)`, saved there."""
     if path.is_file():
-        return read_json(path)
+        saved: dict[str, Any] = read_json(path)
+        return saved
     result = evaluate_candidate(**candidate)
     write_json(path, result)
     return result

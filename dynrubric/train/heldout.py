@@ -23,13 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from dynrubric.config import Settings
-from dynrubric.engines.base import Engine, GenerationRequest, SamplingParams
+from dynrubric.engines.base import Completion, Engine, GenerationRequest, SamplingParams
 from dynrubric.registry import Checkpoint
 from dynrubric.rubric.evaluator import Evaluator
 from dynrubric.train.prompts import TrainPrompt
 
 
-def sample_sets(settings: Settings, engine: Engine, prompts: Sequence[TrainPrompt], k: int, seed: int):
+def sample_sets(
+    settings: Settings, engine: Engine, prompts: Sequence[TrainPrompt], k: int, seed: int
+) -> tuple[list[str], list[list[Completion]]]:
     """(rendered prompts, K completions each) at the training sampling parameters."""
     cfg = settings.train
     texts = [engine.render_chat(p.chat()) for p in prompts]
@@ -50,7 +52,7 @@ def load_frozen(model_dir: Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval().requires_grad_(False)
     return model
 

@@ -39,6 +39,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -186,7 +187,10 @@ def shell_join(argv: list[str]) -> str:
     def word(arg: str) -> str:
         if not _ENV_REF.search(arg):
             return shlex.quote(arg)
-        literal = lambda s: re.sub(r'([\\"`$])', r"\\\1", s)  # noqa: E731
+
+        def literal(s: str) -> str:
+            return re.sub(r'([\\"`$])', r"\\\1", s)
+
         parts, refs = _ENV_REF.split(arg), _ENV_REF.findall(arg)
         return '"' + "".join(literal(p) + r for p, r in zip(parts, [*refs, ""], strict=True)) + '"'
 
@@ -218,7 +222,7 @@ def worker_gpus(settings: Settings) -> int:
     return o.gpus_per_node + -(-o.vllm_engines * o.vllm_tensor_parallel_size // o.num_nodes)
 
 
-def rayjob(settings: Settings, name: str, entrypoint: str, *, suspend: bool) -> dict:
+def rayjob(settings: Settings, name: str, entrypoint: str, *, suspend: bool) -> dict[str, Any]:
     """The KubeRay RayJob that runs the shell command `entrypoint` on a Ray cluster of its own: a head
     (the driver: the ConfigMap's settings, the reward token and registry URL from the Secret, the
     state volume, one GPU for the guard's evaluation; no Ray GPU) and `num_nodes` GPU workers sized
@@ -227,13 +231,24 @@ def rayjob(settings: Settings, name: str, entrypoint: str, *, suspend: bool) -> 
     k8s/base/trainer/rayjob.yaml (`cluster_rayjob`) from the k8s ConfigMap's settings."""
     o = settings.train.openrlhf
     gpus = str(worker_gpus(settings))
+
     # new dicts each time: YAML would otherwise write a shared one as an anchor and an alias
-    no_usage_stats = lambda: {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"}  # noqa: E731
-    models = lambda: {"name": "models", "persistentVolumeClaim": {"claimName": "dynrubric-models"}}  # noqa: E731
-    replay = lambda: {"name": "replay", "persistentVolumeClaim": {"claimName": "dynrubric-replay"}}  # noqa: E731
-    gpu_toleration = lambda: [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]  # noqa: E731
+    def no_usage_stats() -> dict[str, str]:
+        return {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"}
+
+    def models() -> dict[str, Any]:
+        return {"name": "models", "persistentVolumeClaim": {"claimName": "dynrubric-models"}}
+
+    def replay() -> dict[str, Any]:
+        return {"name": "replay", "persistentVolumeClaim": {"claimName": "dynrubric-replay"}}
+
+    def gpu_toleration() -> list[dict[str, str]]:
+        return [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+
     # the round's prompt shard, run state and OpenRLHF's output live on the replay volume (paths.state_dir)
-    state = lambda: {"name": "replay", "mountPath": str(settings.paths.state_dir)}  # noqa: E731
+    def state() -> dict[str, str]:
+        return {"name": "replay", "mountPath": str(settings.paths.state_dir)}
+
     head = {
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0"},
         "template": {
@@ -318,7 +333,7 @@ def rayjob(settings: Settings, name: str, entrypoint: str, *, suspend: bool) -> 
     }
 
 
-def cluster_rayjob(settings: Settings) -> dict:
+def cluster_rayjob(settings: Settings) -> dict[str, Any]:
     """k8s/base/trainer/rayjob.yaml: one whole round per run of the (suspended) RayJob."""
     return rayjob(settings, "dynrubric-train", shell_join(CLUSTER_ROUND), suspend=True)
 
@@ -459,7 +474,7 @@ def run(emitted: Emitted, *, in_ray_job: bool = False) -> None:
         )
 
 
-def finish(settings: Settings, runner: RoundRunner, emitted: Emitted) -> dict:
+def finish(settings: Settings, runner: RoundRunner, emitted: Emitted) -> dict[str, Any]:
     """Guard the job's checkpoint against its parent on the held-out prompts (the embedded rounds'
     guards and evaluation), register it as a candidate or rejected, and write the round's summary
     with the watermark taken at job start."""

@@ -215,7 +215,8 @@ class RunState:
     def make_plan(self, round_id: int) -> dict[str, Any]:
         path = self.round_dir(round_id) / PLAN
         if path.is_file():
-            return read_json(path)
+            plan: dict[str, Any] = read_json(path)
+            return plan
         parent = self.head()
         last = self.last_summary()
         watermark = last["watermark_after"] if last else None

@@ -92,10 +92,12 @@ class RemoteEngine(Engine):
         return self._tokenizer
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Completion]]:
-        return ray.get(self.actor.generate.remote(list(requests)))
+        completions: list[list[Completion]] = ray.get(self.actor.generate.remote(list(requests)))
+        return completions
 
     def score_next_token(self, prompts: Sequence[str], candidates: Sequence[str]) -> list[dict[str, float]]:
-        return ray.get(self.actor.score_next_token.remote(list(prompts), list(candidates)))
+        scores: list[dict[str, float]] = ray.get(self.actor.score_next_token.remote(list(prompts), list(candidates)))
+        return scores
 
     def load_weights(self, path: Path, version: str) -> None:
         self.policy_version = ray.get(self.actor.load_weights.remote(path, version))
@@ -171,7 +173,8 @@ class RemoteTrainers:
         self.pad_token_id: int = ray.get(actor.pad_token_id.remote())
 
     def step(self, phase: str, groups: list[Any]) -> dict[str, Any]:
-        return ray.get(self.actor.step.remote(phase, list(groups)))
+        record: dict[str, Any] = ray.get(self.actor.step.remote(phase, list(groups)))
+        return record
 
     def save(self, directory: Path) -> None:
         ray.get(self.actor.save.remote(directory))

@@ -34,6 +34,7 @@ import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -192,7 +193,8 @@ class RoundRunner(RunState):
         round_id = self.next_round() if round_id is None else round_id
         done = self.round_dir(round_id) / SUMMARY
         if done.is_file():
-            return read_json(done)
+            summary: dict[str, Any] = read_json(done)
+            return summary
         failures = 0
         while True:
             executor = self.executor = self.executor or make_executor(self.settings, self.engines)
@@ -306,7 +308,7 @@ class _Round:
                 "set train.coevolve.anchors_file to a JSONL of ranked responses",
             )
 
-    def latest_step(self):
+    def latest_step(self) -> Path | None:
         if not self.steps_dir.is_dir():
             return None
         done = sorted(d for d in self.steps_dir.iterdir() if d.name.isdigit())
