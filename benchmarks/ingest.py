@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -41,24 +42,29 @@ SESSION_MS = 6000
 def make_event(i: int) -> bytes:
     """A realistic query log: a system prompt, a question of ~200 chars, a response of ~600 chars;
     90% from the stable version, 10% from a canary (two policy versions, two shards per batch)."""
-    return QueryLogEvent(
-        request_id=f"bench-{i}",
-        ts=1795000000.0 + i,
-        user_key=f"u{i % 97}",
-        session_id=f"s{i % 31}",
-        variant="stable" if i % 10 else "canary",
-        policy_version="v1" if i % 10 else "v2",
-        model="smollm2-135m",
-        messages=[
-            {"role": "system", "content": "You are a helpful assistant. Answer briefly and accurately."},
-            {"role": "user", "content": f"Question {i}: " + "explain how tides depend on the moon and the sun, " * 4},
-        ],
-        response=f"Answer {i}: " + "Tides rise and fall because the moon's gravity pulls on the oceans. " * 9,
-        finish_reason="stop",
-        sampling={"temperature": 0.7, "top_p": 0.95, "max_tokens": 256},
-        latency_ms=120.0 + i % 50,
-        prompt_tokens=60,
-        completion_tokens=140,
+    return QueryLogEvent.model_validate(
+        {
+            "request_id": f"bench-{i}",
+            "ts": 1795000000.0 + i,
+            "user_key": f"u{i % 97}",
+            "session_id": f"s{i % 31}",
+            "variant": "stable" if i % 10 else "canary",
+            "policy_version": "v1" if i % 10 else "v2",
+            "model": "smollm2-135m",
+            "messages": [
+                {"role": "system", "content": "You are a helpful assistant. Answer briefly and accurately."},
+                {
+                    "role": "user",
+                    "content": f"Question {i}: " + "explain how tides depend on the moon and the sun, " * 4,
+                },
+            ],
+            "response": f"Answer {i}: " + "Tides rise and fall because the moon's gravity pulls on the oceans. " * 9,
+            "finish_reason": "stop",
+            "sampling": {"temperature": 0.7, "top_p": 0.95, "max_tokens": 256},
+            "latency_ms": 120.0 + i % 50,
+            "prompt_tokens": 60,
+            "completion_tokens": 140,
+        }
     ).to_bytes()
 
 
@@ -90,6 +96,7 @@ def raw_rate(kafka: KafkaConfig, n: int, client: str) -> tuple[float, float]:
         if polled and first is None:
             first = time.monotonic()
         seen += sum(len(records) for records in polled.values())
+    assert first is not None  # seen > 0: a poll returned records
     seconds = time.monotonic() - first
     consumer.commit()
     consumer.close()
@@ -118,13 +125,16 @@ def raw_confluent_rate(kafka: KafkaConfig, n: int) -> tuple[float, float]:
         if messages and first is None:
             first = time.monotonic()
         seen += sum(1 for m in messages if m.error() is None)
+    assert first is not None  # seen > 0: a consume returned records
     seconds = time.monotonic() - first
     consumer.commit(asynchronous=False)
     consumer.close()
     return n / seconds, seconds
 
 
-def pipeline_rate(kafka: KafkaConfig, n: int, store: Path, client: str, writers: int) -> tuple[float, float, str]:
+def pipeline_rate(
+    kafka: KafkaConfig, n: int, store: Path, client: Literal["kafka-python", "confluent"], writers: int
+) -> tuple[float, float, str]:
     cfg = IngestConfig(
         group_id=f"bench-pipe-{uuid.uuid4().hex[:6]}",
         session_timeout_ms=SESSION_MS,
@@ -165,7 +175,7 @@ def main() -> None:
     raws, pipes = [], []
     try:
         kafka = KafkaConfig(
-            bootstrap_servers=args.bootstrap or broker.bootstrap_servers,
+            bootstrap_servers=args.bootstrap if broker is None else broker.bootstrap_servers,
             topic_prefix=f"bench{uuid.uuid4().hex[:6]}.",
             topic_partitions=3,
         )

@@ -77,6 +77,7 @@ def main() -> None:
     store = outcome_store(settings)
     base = store.get("base", key)
     last = store.get(versions[-1], key)
+    assert base is not None and last is not None, "eval-policy has just stored both"
     e = settings.evaluation
     c = compare(last, base, e.bootstrap_samples, e.confidence)
     print("learning curve (each round's candidate and its parent on the held-out prompts):")

@@ -38,7 +38,9 @@ TEMPERATURE = 0.7
 
 
 def status_kib(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1))
+    found = re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())
+    assert found is not None, f"no {field} in /proc/self/status"
+    return int(found.group(1))
 
 
 def worker(path: str, tokens: int, hidden: int, vocab: int, chunk_mib: int, out: Path) -> dict:

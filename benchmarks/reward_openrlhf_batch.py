@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
@@ -48,9 +49,12 @@ def main() -> None:
     model = modelcache.resolve(load_settings().paths.resolved_home(), "smollm2-135m")
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        cast(
+            str,
+            tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
+        )
         for q in QUESTIONS
-    ]
+    ]  # tokenize=False: the rendered text
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, linger in (("baseline (linger 0)", "0"), ("configured linger", None)):

@@ -216,7 +216,8 @@ def main() -> None:
     ours = time_ours(model_dir, batch, job["group"], job["steps"], 1e-6, job["beta"])
     python = ensure_trl_venv()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [python, __file__, "--trl-worker", json.dumps(job)] + (["--threads", str(a.threads)] if a.threads else [])
+    cmd: list[str | Path] = [python, __file__, "--trl-worker", json.dumps(job)]
+    cmd += ["--threads", str(a.threads)] if a.threads else []
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         sys.exit(f"TRL side failed:\n{proc.stderr[-3000:]}")

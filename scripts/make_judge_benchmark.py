@@ -127,7 +127,7 @@ FILLER = ["it", "feels", "calm", "and", "bright", "with", "many", "small", "deta
 
 
 def _sentence_words(rng: random.Random, topic_words: list[str], n: int) -> list[str]:
-    words = []
+    words: list[str] = []
     while len(words) < n:
         words.append(rng.choice(topic_words + FILLER))
     return words

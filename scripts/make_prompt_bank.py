@@ -20,6 +20,7 @@ import argparse
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 BASE_QUESTIONS = [
     "Describe a sunset over the sea.",
@@ -257,7 +258,8 @@ def arithmetic_prompt(rng: random.Random) -> dict:
 
 def build(seed: int, n_instruction: int, n_arithmetic: int) -> list[dict]:
     rng = random.Random(seed)
-    items, seen = [], set()
+    items: list[dict[str, Any]] = []
+    seen: set[str] = set()
     ids = list(ARGUMENTS)
     while len(items) < n_instruction:
         item = instruction_prompt(rng, ids[len(items) % len(ids)], rng.choice(BASE_QUESTIONS), rng.random() < 0.25)
@@ -265,7 +267,7 @@ def build(seed: int, n_instruction: int, n_arithmetic: int) -> list[dict]:
         if text not in seen:
             seen.add(text)
             items.append(item)
-    arithmetic = []
+    arithmetic: list[dict[str, Any]] = []
     while len(arithmetic) < n_arithmetic:
         item = arithmetic_prompt(rng)
         if item["messages"][0]["content"] not in seen:
