@@ -8,5 +8,9 @@ up: setup
 	.venv/bin/dynrubric doctor
 	.venv/bin/dynrubric up
 
+# lint, format and types first (config in pyproject.toml), then the suite
 test: setup
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+	.venv/bin/mypy
 	.venv/bin/python -m pytest

@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -41,16 +42,29 @@ SESSION_MS = 6000
 def make_event(i: int) -> bytes:
     """A realistic query log: a system prompt, a question of ~200 chars, a response of ~600 chars;
     90% from the stable version, 10% from a canary (two policy versions, two shards per batch)."""
-    return QueryLogEvent(
-        request_id=f"bench-{i}", ts=1795000000.0 + i, user_key=f"u{i % 97}", session_id=f"s{i % 31}",
-        variant="stable" if i % 10 else "canary", policy_version="v1" if i % 10 else "v2", model="smollm2-135m",
-        messages=[
-            {"role": "system", "content": "You are a helpful assistant. Answer briefly and accurately."},
-            {"role": "user", "content": f"Question {i}: " + "explain how tides depend on the moon and the sun, " * 4},
-        ],
-        response=f"Answer {i}: " + "Tides rise and fall because the moon's gravity pulls on the oceans. " * 9,
-        finish_reason="stop", sampling={"temperature": 0.7, "top_p": 0.95, "max_tokens": 256},
-        latency_ms=120.0 + i % 50, prompt_tokens=60, completion_tokens=140,
+    return QueryLogEvent.model_validate(
+        {
+            "request_id": f"bench-{i}",
+            "ts": 1795000000.0 + i,
+            "user_key": f"u{i % 97}",
+            "session_id": f"s{i % 31}",
+            "variant": "stable" if i % 10 else "canary",
+            "policy_version": "v1" if i % 10 else "v2",
+            "model": "smollm2-135m",
+            "messages": [
+                {"role": "system", "content": "You are a helpful assistant. Answer briefly and accurately."},
+                {
+                    "role": "user",
+                    "content": f"Question {i}: " + "explain how tides depend on the moon and the sun, " * 4,
+                },
+            ],
+            "response": f"Answer {i}: " + "Tides rise and fall because the moon's gravity pulls on the oceans. " * 9,
+            "finish_reason": "stop",
+            "sampling": {"temperature": 0.7, "top_p": 0.95, "max_tokens": 256},
+            "latency_ms": 120.0 + i % 50,
+            "prompt_tokens": 60,
+            "completion_tokens": 140,
+        }
     ).to_bytes()
 
 
@@ -67,9 +81,14 @@ def raw_rate(kafka: KafkaConfig, n: int, client: str) -> tuple[float, float]:
     if client == "confluent":
         return raw_confluent_rate(kafka, n)
     consumer = KafkaConsumer(
-        Topics.of(kafka).query_log, **connection_kwargs(kafka), group_id=f"bench-raw-{uuid.uuid4().hex[:6]}",
-        enable_auto_commit=False, auto_offset_reset="earliest", session_timeout_ms=SESSION_MS,
-        heartbeat_interval_ms=SESSION_MS // 3, max_poll_records=BATCH,
+        Topics.of(kafka).query_log,
+        **connection_kwargs(kafka),
+        group_id=f"bench-raw-{uuid.uuid4().hex[:6]}",
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        session_timeout_ms=SESSION_MS,
+        heartbeat_interval_ms=SESSION_MS // 3,
+        max_poll_records=BATCH,
     )
     seen, first = 0, None
     while seen < n:
@@ -77,6 +96,7 @@ def raw_rate(kafka: KafkaConfig, n: int, client: str) -> tuple[float, float]:
         if polled and first is None:
             first = time.monotonic()
         seen += sum(len(records) for records in polled.values())
+    assert first is not None  # seen > 0: a poll returned records
     seconds = time.monotonic() - first
     consumer.commit()
     consumer.close()
@@ -88,9 +108,16 @@ def raw_confluent_rate(kafka: KafkaConfig, n: int) -> tuple[float, float]:
 
     from streaming.consumers import confluent_settings
 
-    consumer = Consumer({**confluent_settings(kafka), "group.id": f"bench-raw-{uuid.uuid4().hex[:6]}",
-                         "enable.auto.commit": False, "auto.offset.reset": "earliest",
-                         "session.timeout.ms": SESSION_MS, "heartbeat.interval.ms": SESSION_MS // 3})
+    consumer = Consumer(
+        {
+            **confluent_settings(kafka),
+            "group.id": f"bench-raw-{uuid.uuid4().hex[:6]}",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "session.timeout.ms": SESSION_MS,
+            "heartbeat.interval.ms": SESSION_MS // 3,
+        }
+    )
     consumer.subscribe([Topics.of(kafka).query_log])
     seen, first = 0, None
     while seen < n:
@@ -98,22 +125,32 @@ def raw_confluent_rate(kafka: KafkaConfig, n: int) -> tuple[float, float]:
         if messages and first is None:
             first = time.monotonic()
         seen += sum(1 for m in messages if m.error() is None)
+    assert first is not None  # seen > 0: a consume returned records
     seconds = time.monotonic() - first
     consumer.commit(asynchronous=False)
     consumer.close()
     return n / seconds, seconds
 
 
-def pipeline_rate(kafka: KafkaConfig, n: int, store: Path, client: str, writers: int) -> tuple[float, float, str]:
-    cfg = IngestConfig(group_id=f"bench-pipe-{uuid.uuid4().hex[:6]}", session_timeout_ms=SESSION_MS,
-                       batch_max_records=BATCH, client=client, writers=writers)
+def pipeline_rate(
+    kafka: KafkaConfig, n: int, store: Path, client: Literal["kafka-python", "confluent"], writers: int
+) -> tuple[float, float, str]:
+    cfg = IngestConfig(
+        group_id=f"bench-pipe-{uuid.uuid4().hex[:6]}",
+        session_timeout_ms=SESSION_MS,
+        batch_max_records=BATCH,
+        client=client,
+        writers=writers,
+    )
     registry = CollectorRegistry()
     summary = Ingestor(kafka, cfg, store, registry).run(threading.Event(), until_idle_s=2.0)
     pauses = registry.get_sample_value("dynrubric_ingest_backpressure_pauses_total")
     if summary.written != n:
         raise SystemExit(f"pipeline wrote {summary.written} of {n} events")
-    detail = (f"prepare {summary.prepare_seconds:.2f}s, store {summary.store_seconds:.2f}s, "
-              f"{summary.batches} batches, {pauses:.0f} backpressure pauses")
+    detail = (
+        f"prepare {summary.prepare_seconds:.2f}s, store {summary.store_seconds:.2f}s, "
+        f"{summary.batches} batches, {pauses:.0f} backpressure pauses"
+    )
     return n / summary.busy_seconds, summary.busy_seconds, detail
 
 
@@ -123,8 +160,12 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=None)
     ap.add_argument("--bootstrap", default=None, help="an existing Kafka; default: start the embedded broker")
     ap.add_argument("--repeat", type=int, default=None, help="runs of each (best counts); default 2, 3 without --quick")
-    ap.add_argument("--client", choices=["kafka-python", "confluent"], default="kafka-python",
-                    help="the consumer library of both sides (ingest.client)")
+    ap.add_argument(
+        "--client",
+        choices=["kafka-python", "confluent"],
+        default="kafka-python",
+        help="the consumer library of both sides (ingest.client)",
+    )
     ap.add_argument("--writers", type=int, default=1, help="the pipeline's writer processes (ingest.writers)")
     args = ap.parse_args()
     n = args.events or (6_000 if args.quick else 40_000)
@@ -133,8 +174,11 @@ def main() -> None:
     broker = None if args.bootstrap else EmbeddedBroker(port=0).start()
     raws, pipes = [], []
     try:
-        kafka = KafkaConfig(bootstrap_servers=args.bootstrap or broker.bootstrap_servers,
-                            topic_prefix=f"bench{uuid.uuid4().hex[:6]}.", topic_partitions=3)
+        kafka = KafkaConfig(
+            bootstrap_servers=args.bootstrap if broker is None else broker.bootstrap_servers,
+            topic_prefix=f"bench{uuid.uuid4().hex[:6]}.",
+            topic_partitions=3,
+        )
         ensure_topics(kafka)
         print(f"producing {n} query-log events ({len(make_event(0))} bytes each) to {kafka.bootstrap_servers}")
         produce(kafka, n)

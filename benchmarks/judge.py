@@ -54,20 +54,31 @@ QUESTIONS = [
     "What causes the seasons on Earth?",
     "Summarise what a hash table is in one paragraph.",
 ]
-OPENINGS = ["Sure.", "Good question!", "Here is the answer.", "Let me explain.", "Short answer:", "Well,", "In brief:", "OK."]
+OPENINGS = [
+    "Sure.",
+    "Good question!",
+    "Here is the answer.",
+    "Let me explain.",
+    "Short answer:",
+    "Well,",
+    "In brief:",
+    "OK.",
+]
 BODY = (
     "The key idea is that {topic} follows from a few simple facts. First, consider what is being asked and "
     "what a careful reader would expect. Second, check each step against what is known. Third, state the "
     "result plainly. In this case the answer depends on {topic}, and I will keep it short."
 )
-RUBRIC = Rubric(items=[
-    RubricItem(id="answers", text="The response directly answers the question.", weight=5, polarity=1),
-    RubricItem(id="correct", text="The response is factually correct.", weight=5, polarity=1),
-    RubricItem(id="explains", text="The response gives a reason or explanation.", weight=3, polarity=1),
-    RubricItem(id="concise", text="The response is concise and stays on topic.", weight=2, polarity=1),
-    RubricItem(id="hedges", text="The response hedges or refuses instead of answering.", weight=3, polarity=-1),
-    RubricItem(id="filler", text="The response contains filler or repeated text.", weight=2, polarity=-1),
-])
+RUBRIC = Rubric(
+    items=[
+        RubricItem(id="answers", text="The response directly answers the question.", weight=5, polarity=1),
+        RubricItem(id="correct", text="The response is factually correct.", weight=5, polarity=1),
+        RubricItem(id="explains", text="The response gives a reason or explanation.", weight=3, polarity=1),
+        RubricItem(id="concise", text="The response is concise and stays on topic.", weight=2, polarity=1),
+        RubricItem(id="hedges", text="The response hedges or refuses instead of answering.", weight=3, polarity=-1),
+        RubricItem(id="filler", text="The response contains filler or repeated text.", weight=2, polarity=-1),
+    ]
+)
 
 # what constrained rubric generation is timed under: the generator's own schema
 RUBRIC_SCHEMA = rubric_schema()
@@ -126,8 +137,10 @@ def run_limit(engine: TransformersEngine, sets_tokens: list[list[int]]) -> float
 
 def generation_prompt(engine: TransformersEngine, question: str, responses: list[str]) -> str:
     shown = "\n\n".join(f"[Candidate {n}]\n{r}" for n, r in enumerate(responses, 1))
-    user = (f"Write a grading rubric as JSON that tells the better candidates from the worse ones.\n\n"
-            f"Question:\n{question}\n\n{shown}")
+    user = (
+        f"Write a grading rubric as JSON that tells the better candidates from the worse ones.\n\n"
+        f"Question:\n{question}\n\n{shown}"
+    )
     return engine.render_chat([{"role": "user", "content": user}])
 
 
@@ -148,8 +161,12 @@ def run_generation(
             return False
         return True
 
-    return (sum(len(c.token_ids) for c in outs), seconds, sum(valid(c.text) for c in outs),
-            sum(c.finish_reason == "stop" for c in outs))
+    return (
+        sum(len(c.token_ids) for c in outs),
+        seconds,
+        sum(valid(c.text) for c in outs),
+        sum(c.finish_reason == "stop" for c in outs),
+    )
 
 
 def run_naive(engine: TransformersEngine, verifier: Verifier, sets, max_tokens: int) -> tuple[int, float, list]:
@@ -180,8 +197,10 @@ def main() -> None:
     from dynrubric import modelcache
     from dynrubric.config import load_settings
 
-    model_dir = Path(args.model) if Path(args.model).is_dir() else modelcache.resolve(
-        load_settings().paths.resolved_home(), args.model
+    model_dir = (
+        Path(args.model)
+        if Path(args.model).is_dir()
+        else modelcache.resolve(load_settings().paths.resolved_home(), args.model)
     )
     n_sets = args.sets or (1 if args.quick else 8)
     engine = TransformersEngine(model_dir, threads=args.threads)
@@ -192,8 +211,10 @@ def main() -> None:
     set_tokens = [trie_tokens(engine, verifier.prompts(q, r, RUBRIC)) for q, r in sets]
     unique = sum(len(t) for t in set_tokens)
 
-    print(f"machine: {platform.node()} {platform.machine()}, torch threads {torch.get_num_threads()}; "
-          f"model {model_dir.name}; {n_sets} sets x K={args.k} responses x M={m} items = {n_sets * m * args.k} verdicts")
+    print(
+        f"machine: {platform.node()} {platform.machine()}, torch threads {torch.get_num_threads()}; "
+        f"model {model_dir.name}; {n_sets} sets x K={args.k} responses x M={m} items = {n_sets * m * args.k} verdicts"
+    )
     print(f"unique prompt tokens: {unique}")
     print(f"{'method':<10} {'tokens':>9} {'tok/unique':>10} {'seconds':>9} {'verdicts/s':>10}", flush=True)
     pairs = n_sets * m * args.k
@@ -215,13 +236,29 @@ def main() -> None:
     naive_tok, naive_s, naive_v = run_naive(engine, verifier, sets, args.naive_max_tokens)
     row("naive", naive_tok, naive_s)
 
-    max_diff = max(abs(a - b) for s1, s2 in zip(batched_v, unshared_v) for r1, r2 in zip(s1, s2) for a, b in zip(r1, r2))
-    agree = sum(
-        (a >= 0.5) == (b >= 0.5) for s1, s2 in zip(batched_v, naive_v) for r1, r2 in zip(s1, s2) for a, b in zip(r1, r2)
-    ) / pairs
-    print(f"unshared/batched: tokens {unshared_tok / batched_tok:.2f}x, time {unshared_s / batched_s:.2f}x; "
-          f"naive/batched: tokens {naive_tok / batched_tok:.2f}x")
-    print(f"batched vs unshared max |v| difference: {max_diff:.2e}; batched (v>=0.5) agrees with naive's written answer on {agree:.0%}")
+    max_diff = max(
+        abs(a - b)
+        for s1, s2 in zip(batched_v, unshared_v, strict=True)
+        for r1, r2 in zip(s1, s2, strict=True)
+        for a, b in zip(r1, r2, strict=True)
+    )
+    agree = (
+        sum(
+            (a >= 0.5) == (b >= 0.5)
+            for s1, s2 in zip(batched_v, naive_v, strict=True)
+            for r1, r2 in zip(s1, s2, strict=True)
+            for a, b in zip(r1, r2, strict=True)
+        )
+        / pairs
+    )
+    print(
+        f"unshared/batched: tokens {unshared_tok / batched_tok:.2f}x, time {unshared_s / batched_s:.2f}x; "
+        f"naive/batched: tokens {naive_tok / batched_tok:.2f}x"
+    )
+    print(
+        f"batched vs unshared max |v| difference: {max_diff:.2e}; "
+        f"batched (v>=0.5) agrees with naive's written answer on {agree:.0%}"
+    )
 
     schema = json.dumps(RUBRIC_SCHEMA)
     start = time.perf_counter()
@@ -229,15 +266,21 @@ def main() -> None:
     print(f"rubric schema compiled in {time.perf_counter() - start:.2f} s (once per engine)")
     gen = {}
     for name, constraint in (("free", None), ("json schema", schema)):
-        tokens, seconds, n_valid, n_done = run_generation(engine, sets, args.gen_samples, args.gen_max_tokens, constraint)
+        tokens, seconds, n_valid, n_done = run_generation(
+            engine, sets, args.gen_samples, args.gen_max_tokens, constraint
+        )
         gen[name] = tokens / seconds
-        print(f"generation {name:<11}: {tokens} tokens in {seconds:.2f} s; {n_valid}/{len(sets) * args.gen_samples} "
-              f"valid rubric JSON, {n_done} finished within {args.gen_max_tokens} tokens", flush=True)
+        print(
+            f"generation {name:<11}: {tokens} tokens in {seconds:.2f} s; {n_valid}/{len(sets) * args.gen_samples} "
+            f"valid rubric JSON, {n_done} finished within {args.gen_max_tokens} tokens",
+            flush=True,
+        )
 
     print(f"token ratio: {batched_tok / unique:.2f}")
     print(f"speedup: {naive_s / batched_s:.2f}")
     print(f"limit ratio: {batched_s / limit_s:.2f}")
     print(f"generation tokens/s: {gen['free']:.1f} without grammar, {gen['json schema']:.1f} with grammar")
+
 
 if __name__ == "__main__":
     main()

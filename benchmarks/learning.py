@@ -41,8 +41,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--state-dir", type=Path, required=True)
     ap.add_argument("--minutes", type=float, default=45.0, help="time budget of the closed loop")
-    ap.add_argument("--engine-kind", choices=["vllm", "transformers"], default=None,
-                    help="the serving engines (default: the config's, vLLM)")
+    ap.add_argument(
+        "--engine-kind",
+        choices=["vllm", "transformers"],
+        default=None,
+        help="the serving engines (default: the config's, vLLM)",
+    )
     ap.add_argument("--config", type=Path, default=None, help="a config file for `dynrubric -c`")
     args = ap.parse_args()
     state = args.state_dir.resolve()
@@ -73,14 +77,17 @@ def main() -> None:
     store = outcome_store(settings)
     base = store.get("base", key)
     last = store.get(versions[-1], key)
+    assert base is not None and last is not None, "eval-policy has just stored both"
     e = settings.evaluation
     c = compare(last, base, e.bootstrap_samples, e.confidence)
     print("learning curve (each round's candidate and its parent on the held-out prompts):")
     for ckpt in registry.list():
         truth = ckpt.metrics.get("heldout_vs_parent")
         if truth is not None:
-            print(f"  round {ckpt.round} {ckpt.version} ({ckpt.state.value}): pass {ckpt.metrics['heldout_pass']:.3f}, "
-                  f"{truth['delta']:+.3f} vs {ckpt.parent} (95% CI {truth['low']:+.3f}..{truth['high']:+.3f})")
+            print(
+                f"  round {ckpt.round} {ckpt.version} ({ckpt.state.value}): pass {ckpt.metrics['heldout_pass']:.3f}, "
+                f"{truth['delta']:+.3f} vs {ckpt.parent} (95% CI {truth['low']:+.3f}..{truth['high']:+.3f})"
+            )
     print(f"closed loop: {loop_s / 60:.1f} min; held-out prompts: {c.prompts}")
     print(f"heldout_pass[base]: {base.pass_rate():.3f}")
     print(f"heldout_pass[final]: {last.pass_rate():.3f}")

@@ -38,7 +38,9 @@ TEMPERATURE = 0.7
 
 
 def status_kib(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1))
+    found = re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())
+    assert found is not None, f"no {field} in /proc/self/status"
+    return int(found.group(1))
 
 
 def worker(path: str, tokens: int, hidden: int, vocab: int, chunk_mib: int, out: Path) -> dict:
@@ -72,8 +74,14 @@ def worker(path: str, tokens: int, hidden: int, vocab: int, chunk_mib: int, out:
 
 
 def run(path: str, args: argparse.Namespace, out: Path) -> dict:
-    job = {"path": path, "tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab,
-           "chunk_mib": args.chunk_mib, "out": str(out)}
+    job = {
+        "path": path,
+        "tokens": args.tokens,
+        "hidden": args.hidden,
+        "vocab": args.vocab,
+        "chunk_mib": args.chunk_mib,
+        "out": str(out),
+    }
     proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"the {path} path failed:\n{proc.stderr[-3000:]}")
@@ -93,8 +101,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         job = json.loads(args.worker)
-        print(json.dumps(worker(job["path"], job["tokens"], job["hidden"], job["vocab"], job["chunk_mib"],
-                                Path(job["out"]))))
+        print(
+            json.dumps(
+                worker(job["path"], job["tokens"], job["hidden"], job["vocab"], job["chunk_mib"], Path(job["out"]))
+            )
+        )
         return
     args.tokens = args.tokens or (512 if args.quick else 2048)
 
@@ -105,9 +116,11 @@ def main() -> None:
         full, chunked = (torch.load(Path(tmp) / f"{p}.pt") for p in ("full", "chunked"))
     diffs = {k: float((full[k] - chunked[k]).abs().max()) for k in ("logp", "grad_h", "grad_w")}
     logits_gib = args.tokens * args.vocab * 4 / 2**30
-    print(f"synthetic head: {args.tokens} tokens x hidden {args.hidden} -> vocabulary {args.vocab} "
-          f"(one float32 logits tensor: {logits_gib:.2f} GiB), temperature {TEMPERATURE}, "
-          f"chunks of {args.chunk_mib} MiB, torch threads {torch.get_num_threads()}")
+    print(
+        f"synthetic head: {args.tokens} tokens x hidden {args.hidden} -> vocabulary {args.vocab} "
+        f"(one float32 logits tensor: {logits_gib:.2f} GiB), temperature {TEMPERATURE}, "
+        f"chunks of {args.chunk_mib} MiB, torch threads {torch.get_num_threads()}"
+    )
     print(f"{'path':34}{'peak MiB':>10}{'seconds':>9}")
     for name, label in (("full", "full log_softmax (before)"), ("chunked", "chunked token_logprobs")):
         print(f"{label:34}{results[name]['peak_bytes'] / 2**20:>10.0f}{results[name]['seconds']:>9.2f}")

@@ -15,11 +15,11 @@ The last line is `ratio: X.XX` (resident memory at the end / at half of the repl
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import sys
 import time
-import gc
-import os
 from pathlib import Path
 
 import numpy as np
@@ -55,9 +55,20 @@ def main() -> None:
     started = time.perf_counter()
     for i in range(requests):
         u = int(users[i])
-        m.apply("q", json.dumps({"request_id": f"r{i}", "user_key": f"u{u}", "experiment_id": "ro-bench",
-                                 "assigned_variant": arms[u], "variant": arms[u], "ts": float(ts[i]),
-                                 "latency_ms": float(rng.lognormal(6.0, 0.5))}).encode())
+        m.apply(
+            "q",
+            json.dumps(
+                {
+                    "request_id": f"r{i}",
+                    "user_key": f"u{u}",
+                    "experiment_id": "ro-bench",
+                    "assigned_variant": arms[u],
+                    "variant": arms[u],
+                    "ts": float(ts[i]),
+                    "latency_ms": float(rng.lognormal(6.0, 0.5)),
+                }
+            ).encode(),
+        )
         n += 1
         if i % 5 < 3:
             m.apply("f", json.dumps({"request_id": f"r{i}", "kind": "thumbs_up" if i % 2 else "thumbs_down"}).encode())
@@ -68,8 +79,10 @@ def main() -> None:
     elapsed = time.perf_counter() - started
     for k in sorted(heap):
         print(f"{k:>9} events: {heap[k] / 2**20:7.1f} MiB resident")
-    print(f"{n} events in {elapsed:.0f} s; users {sum(len(a.users) for a in m.arms.values())}, "
-          f"window {len(m.window)} requests")
+    print(
+        f"{n} events in {elapsed:.0f} s; users {sum(len(a.users) for a in m.arms.values())}, "
+        f"window {len(m.window)} requests"
+    )
     print(f"ratio: {heap[max(heap)] / heap[min(k for k in heap if k >= args.events * 0.5)]:.2f}")
 
 

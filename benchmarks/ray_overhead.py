@@ -33,16 +33,29 @@ sys.path.insert(0, str(ROOT))  # the checkout this file is in, not another insta
 def settings_for(state: Path, model: str, executor: str, judges: int, quick: bool, actor_cpus: float = 0.0):
     from dynrubric.config import Settings
 
-    small = {"candidates": 4, "prompts_per_step": 4, "steps_per_round": 2, "max_prompts_per_round": 12,
-             "heldout_prompts": 2, "max_new_tokens": 16 if quick else 48, "judge_chunks": 2,
-             "coevolve": {"k_alt": 1, "rubric_samples": 2, "sets_per_step": 2, "generator_max_tokens": 64}}
-    return Settings.model_validate({
-        "paths": {"state_dir": str(state)},
-        "models": {"policy": model, "generator": model, "verifier": model},
-        "rubric": {"generator_max_tokens": 64 if quick else 160},
-        "train": {**small, "prompts_file": str(ROOT / "dynrubric" / "data" / "prompts.jsonl"), "executor": executor},
-        "ray": {"judges": judges, "actor_cpus": actor_cpus},
-    })
+    small = {
+        "candidates": 4,
+        "prompts_per_step": 4,
+        "steps_per_round": 2,
+        "max_prompts_per_round": 12,
+        "heldout_prompts": 2,
+        "max_new_tokens": 16 if quick else 48,
+        "judge_chunks": 2,
+        "coevolve": {"k_alt": 1, "rubric_samples": 2, "sets_per_step": 2, "generator_max_tokens": 64},
+    }
+    return Settings.model_validate(
+        {
+            "paths": {"state_dir": str(state)},
+            "models": {"policy": model, "generator": model, "verifier": model},
+            "rubric": {"generator_max_tokens": 64 if quick else 160},
+            "train": {
+                **small,
+                "prompts_file": str(ROOT / "dynrubric" / "data" / "prompts.jsonl"),
+                "executor": executor,
+            },
+            "ray": {"judges": judges, "actor_cpus": actor_cpus},
+        }
+    )
 
 
 def time_rounds(state: Path, model: str, executor: str, quick: bool) -> tuple[list[float], dict]:
@@ -73,10 +86,26 @@ def time_judging(state: Path, model: str, judges: int, quick: bool, cpus: int) -
 
     s = settings_for(state, model, "ray", judges, quick, actor_cpus=max(1, cpus // judges))  # they share the cores
     model_dir = modelcache.resolve(s.paths.resolved_home(), model)
-    questions = ["Name three colours.", "What is 12 times 3?", "Say hello politely.", "Describe the sea.",
-                 "Give one word for happy.", "List two fruits.", "What is the capital of France?", "Count to five."]
-    answers = ["Red, green and blue.", "36", "Hello there!", "It is large and blue.", "Glad", "Apple, pear",
-               "Paris", "1 2 3 4 5"]
+    questions = [
+        "Name three colours.",
+        "What is 12 times 3?",
+        "Say hello politely.",
+        "Describe the sea.",
+        "Give one word for happy.",
+        "List two fruits.",
+        "What is the capital of France?",
+        "Count to five.",
+    ]
+    answers = [
+        "Red, green and blue.",
+        "36",
+        "Hello there!",
+        "It is large and blue.",
+        "Glad",
+        "Apple, pear",
+        "Paris",
+        "1 2 3 4 5",
+    ]
     sets = [[a, a.upper(), f"I think: {a}", "I do not know."] for a in answers]
     chunks = [ScoreChunk(questions[:4], sets[:4], 1), ScoreChunk(questions[4:], sets[4:], 2)]
     executor = RayExecutor(s, engine_factory(s))
@@ -114,16 +143,20 @@ def main() -> None:
         ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
         try:
             remote, ray_summary = time_rounds(Path(tmp) / "ray", model, "ray", args.quick)
-            print(f"on Ray:     round 1 {remote[0]:.1f} s (starts the actors), round 2 {remote[1]:.1f} s "
-                  f"({ray_summary['phases']})")
+            print(
+                f"on Ray:     round 1 {remote[0]:.1f} s (starts the actors), round 2 {remote[1]:.1f} s "
+                f"({ray_summary['phases']})"
+            )
             print(f"  round 2 stages: {stages(ray_summary)}")
             print(f"first-round ratio (actor start included): {remote[0] / local[0]:.2f}")
             print(f"ratio: {remote[1] / local[1]:.2f}", flush=True)
             cpus = int(ray.cluster_resources()["CPU"])
             one = time_judging(Path(tmp) / "j1", model, 1, args.quick, cpus)
             two = time_judging(Path(tmp) / "j2", model, 2, args.quick, cpus)
-            print(f"judging 8 sets in 2 chunks on {cpus} CPUs: one judge actor {one:.1f} s (all {cpus} cores), "
-                  f"two judge actors {two:.1f} s ({max(1, cpus // 2)} each)")
+            print(
+                f"judging 8 sets in 2 chunks on {cpus} CPUs: one judge actor {one:.1f} s (all {cpus} cores), "
+                f"two judge actors {two:.1f} s ({max(1, cpus // 2)} each)"
+            )
             print(f"judging ratio: {two / one:.2f}")
         finally:
             ray.shutdown()

@@ -30,11 +30,19 @@ QUESTIONS = [
 ]
 RESPONSES = [
     ["42.", "17 + 25 = 42, since 17 + 20 = 37 and 37 + 5 = 42.", "It is 32.", "The sum is forty-two."],
-    ["Chlorophyll breaks down, so yellow and red pigments show.", "Because it gets cold.", "Leaves are green.",
-     "Shorter days stop chlorophyll production; carotenoids and anthocyanins remain visible."],
+    [
+        "Chlorophyll breaks down, so yellow and red pigments show.",
+        "Because it gets cold.",
+        "Leaves are green.",
+        "Shorter days stop chlorophyll production; carotenoids and anthocyanins remain visible.",
+    ],
     ["Use reversed(lst) or lst[::-1].", "lst.reverse() reverses in place.", "You cannot.", "Sort it descending."],
-    ["Keep a regular schedule and avoid screens before bed.", "Drink coffee at night.", "Sleep more.",
-     "Exercise during the day and keep your bedroom dark and cool."],
+    [
+        "Keep a regular schedule and avoid screens before bed.",
+        "Drink coffee at night.",
+        "Sleep more.",
+        "Exercise during the day and keep your bedroom dark and cool.",
+    ],
 ]
 
 
@@ -60,15 +68,24 @@ def main() -> None:
     scored = evaluator.score_sets(QUESTIONS, RESPONSES)
     batch_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu
     r = settings.rubric
-    print(f"rubric: generator_max_tokens={r.generator_max_tokens} retries={r.retries} "
-          f"prompt_only_retries={r.prompt_only_retries} max_items={r.max_items}")
-    print(f"sources: {[s.rubric_source for s in scored]}; parse failures {evaluator.counts.parse_failures}, "
-          f"prompt-only fallbacks {evaluator.counts.prompt_only_fallbacks}, generic {evaluator.counts.generic_fallbacks}")
+    print(
+        f"rubric: generator_max_tokens={r.generator_max_tokens} retries={r.retries} "
+        f"prompt_only_retries={r.prompt_only_retries} max_items={r.max_items}"
+    )
+    print(
+        f"sources: {[s.rubric_source for s in scored]}; parse failures {evaluator.counts.parse_failures}, "
+        f"prompt-only fallbacks {evaluator.counts.prompt_only_fallbacks}, generic {evaluator.counts.generic_fallbacks}"
+    )
     verify_s = sum(s.verify_seconds for s in scored)
-    print(f"rubric generation {batch_s - verify_s:.1f} s, verification {verify_s:.1f} s "
-          f"({[round(s.verify_seconds, 1) for s in scored]} per group)")
-    print(f"batch of {len(QUESTIONS)} groups x {len(RESPONSES[0])}: {batch_s:.1f} s wall ({batch_s / len(QUESTIONS):.1f} s "
-          f"per group), {cpu_s:.1f} CPU-s on {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"rubric generation {batch_s - verify_s:.1f} s, verification {verify_s:.1f} s "
+        f"({[round(s.verify_seconds, 1) for s in scored]} per group)"
+    )
+    print(
+        f"batch of {len(QUESTIONS)} groups x {len(RESPONSES[0])}: {batch_s:.1f} s wall "
+        f"({batch_s / len(QUESTIONS):.1f} s per group), {cpu_s:.1f} CPU-s on {os.cpu_count()} cores, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
 
 
 if __name__ == "__main__":

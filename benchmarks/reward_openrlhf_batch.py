@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
@@ -33,8 +34,11 @@ def one_batch(tokenizer, prompts: list[str], linger: str | None, tmp: Path) -> t
         start = time.monotonic()
         openrlhf_rollout([f"{server.url}/get_reward?token={TOKEN}"], tokenizer, prompts, RESPONSES)
         wall = time.monotonic() - start
-        return (wall, server.metric("dynrubric_reward_retried_samples_total"),
-                server.metric("dynrubric_reward_cancelled_requests_total"))
+        return (
+            wall,
+            server.metric("dynrubric_reward_retried_samples_total"),
+            server.metric("dynrubric_reward_cancelled_requests_total"),
+        )
 
 
 def main() -> None:
@@ -44,15 +48,23 @@ def main() -> None:
 
     model = modelcache.resolve(load_settings().paths.resolved_home(), "smollm2-135m")
     tokenizer = AutoTokenizer.from_pretrained(model)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-               for q in QUESTIONS]
+    prompts = [
+        cast(
+            str,
+            tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
+        )
+        for q in QUESTIONS
+    ]  # tokenize=False: the rendered text
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, linger in (("baseline (linger 0)", "0"), ("configured linger", None)):
             runs[name] = one_batch(tokenizer, prompts, linger, Path(tmp))
             wall, retried, cancelled = runs[name]
-            print(f"{name}: 4x4 batch answered in {wall:.1f} s (client timeout 180 s); retried {retried:.0f}, "
-                  f"cancelled {cancelled:.0f}", flush=True)
+            print(
+                f"{name}: 4x4 batch answered in {wall:.1f} s (client timeout 180 s); retried {retried:.0f}, "
+                f"cancelled {cancelled:.0f}",
+                flush=True,
+            )
     print(f"ratio: {runs['configured linger'][0] / runs['baseline (linger 0)'][0]:.2f}")
 
 

@@ -52,15 +52,18 @@ def time_ours(model_dir: Path, batch, group: int, steps: int, lr: float, beta: f
 
     prompt_ids, completion_ids, rewards = batch
     cfg = GRPOConfig(lr=lr, kl_beta=beta, micro_batch_size=completion_ids.size(0), clip_high=0.2)
-    trainer = GRPOTrainer(load_policy(model_dir, cfg), load_reference(model_dir, cfg), cfg, pad_token_id=0,
-                          tie_eps=RubricConfig().eps)
+    trainer = GRPOTrainer(
+        load_policy(model_dir, cfg), load_reference(model_dir, cfg), cfg, pad_token_id=0, tie_eps=RubricConfig().eps
+    )
     groups = []
     for p in range(prompt_ids.size(0)):
         rows = range(p * group, (p + 1) * group)
-        groups.append(CandidateSet(
-            tuple(SampledResponse(tuple(prompt_ids[p].tolist()), tuple(completion_ids[r].tolist())) for r in rows),
-            tuple(rewards[p].tolist()),
-        ))
+        groups.append(
+            CandidateSet(
+                tuple(SampledResponse(tuple(prompt_ids[p].tolist()), tuple(completion_ids[r].tolist())) for r in rows),
+                tuple(rewards[p].tolist()),
+            )
+        )
     times = []
     for _ in range(steps + 1):  # the first step warms up allocators and is dropped
         t0 = time.perf_counter()
@@ -79,14 +82,29 @@ def time_trl(model_dir: Path, batch, group: int, steps: int, lr: float, beta: fl
     prompt_ids, completion_ids, rewards = batch
     n = completion_ids.size(0)
     args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl-bench-"), per_device_train_batch_size=n, num_generations=group,
-        gradient_accumulation_steps=1, learning_rate=lr, beta=beta, epsilon=0.2, loss_type="bnpo",
-        max_completion_length=completion_ids.size(1), use_cpu=True, bf16=False, report_to=[], logging_steps=1,
-        max_grad_norm=1.0, adam_beta2=0.95, weight_decay=0.0, lr_scheduler_type="constant",
+        output_dir=tempfile.mkdtemp(prefix="trl-bench-"),
+        per_device_train_batch_size=n,
+        num_generations=group,
+        gradient_accumulation_steps=1,
+        learning_rate=lr,
+        beta=beta,
+        epsilon=0.2,
+        loss_type="bnpo",
+        max_completion_length=completion_ids.size(1),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        logging_steps=1,
+        max_grad_norm=1.0,
+        adam_beta2=0.95,
+        weight_decay=0.0,
+        lr_scheduler_type="constant",
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     trainer = GRPOTrainer(
-        model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+        model=model,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=args,
         train_dataset=Dataset.from_dict({"prompt": ["x"] * n}),
         processing_class=AutoTokenizer.from_pretrained(model_dir),
     )
@@ -98,9 +116,12 @@ def time_trl(model_dir: Path, batch, group: int, steps: int, lr: float, beta: fl
     adv = (adv / (rewards.std(-1, keepdim=True) + 1e-6)).reshape(-1)
     prompts = prompt_ids.repeat_interleave(group, dim=0)
     inputs = {
-        "prompt_ids": prompts, "prompt_mask": torch.ones_like(prompts),
-        "completion_ids": completion_ids, "completion_mask": torch.ones_like(completion_ids),
-        "advantages": adv, "num_items_in_batch": torch.tensor(float(completion_ids.numel())),
+        "prompt_ids": prompts,
+        "prompt_mask": torch.ones_like(prompts),
+        "completion_ids": completion_ids,
+        "completion_mask": torch.ones_like(completion_ids),
+        "advantages": adv,
+        "num_items_in_batch": torch.tensor(float(completion_ids.numel())),
     }
     times = []
     for _ in range(steps + 1):
@@ -109,7 +130,8 @@ def time_trl(model_dir: Path, batch, group: int, steps: int, lr: float, beta: fl
             with torch.no_grad():
                 ids = torch.cat([prompts, completion_ids], dim=1)
                 ref, _, _ = trainer._get_per_token_logps_and_entropies(
-                    trainer.ref_model, ids, torch.ones_like(ids), completion_ids.size(1))
+                    trainer.ref_model, ids, torch.ones_like(ids), completion_ids.size(1)
+                )
             inputs["ref_per_token_logps"] = ref
         loss = trainer.compute_loss(model, inputs)
         trainer.accelerator.backward(loss)
@@ -126,8 +148,12 @@ def ensure_trl_venv() -> Path:
         return python
     print(f"creating {TRL_VENV} (TRL in its own environment, over the shared torch/transformers)", file=sys.stderr)
     subprocess.run([sys.executable, "-m", "venv", TRL_VENV], check=True)
-    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     Path(site, "shared-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run([python, "-m", "pip", "install", "-q", "-c", CONSTRAINTS, "trl"], check=True)
     return python
@@ -177,25 +203,31 @@ def main() -> None:
     from transformers import AutoConfig
 
     job = {
-        "model": str(model_dir), "vocab": AutoConfig.from_pretrained(model_dir).vocab_size,
-        "prompts": a.prompts or (2 if a.quick else 4), "group": a.group,
+        "model": str(model_dir),
+        "vocab": AutoConfig.from_pretrained(model_dir).vocab_size,
+        "prompts": a.prompts or (2 if a.quick else 4),
+        "group": a.group,
         "prompt_len": a.prompt_len or (32 if a.quick else 64),
         "completion_len": a.completion_len or (16 if a.quick else 64),
-        "steps": a.steps or (3 if a.quick else 5), "beta": a.beta,
+        "steps": a.steps or (3 if a.quick else 5),
+        "beta": a.beta,
     }
     batch = make_batch(job["vocab"], job["prompts"], job["group"], job["prompt_len"], job["completion_len"], 0)
     ours = time_ours(model_dir, batch, job["group"], job["steps"], 1e-6, job["beta"])
     python = ensure_trl_venv()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [python, __file__, "--trl-worker", json.dumps(job)] + (["--threads", str(a.threads)] if a.threads else [])
+    cmd: list[str | Path] = [python, __file__, "--trl-worker", json.dumps(job)]
+    cmd += ["--threads", str(a.threads)] if a.threads else []
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         sys.exit(f"TRL side failed:\n{proc.stderr[-3000:]}")
     theirs = json.loads(proc.stdout.strip().splitlines()[-1])["times"]
     ours_med, trl_med = statistics.median(ours), statistics.median(theirs)
-    print(f"model {model_dir.name}: {job['prompts']} prompts x G={job['group']}, prompt {job['prompt_len']} + "
-          f"completion {job['completion_len']} tokens, beta {job['beta']}, {job['steps']} timed steps, "
-          f"torch threads {torch.get_num_threads()}")
+    print(
+        f"model {model_dir.name}: {job['prompts']} prompts x G={job['group']}, prompt {job['prompt_len']} + "
+        f"completion {job['completion_len']} tokens, beta {job['beta']}, {job['steps']} timed steps, "
+        f"torch threads {torch.get_num_threads()}"
+    )
     print(f"{'':18}{'median s/step':>15}{'min':>10}{'max':>10}")
     print(f"{'dynrubric GRPO':18}{ours_med:>15.4f}{min(ours):>10.4f}{max(ours):>10.4f}")
     print(f"{'TRL GRPOTrainer':18}{trl_med:>15.4f}{min(theirs):>10.4f}{max(theirs):>10.4f}")

@@ -154,8 +154,12 @@ def up(
     cycles: Annotated[int, typer.Option(help="cycles to run: train a round, roll its candidate out, gate, decide")] = 2,
     forever: Annotated[bool, typer.Option("--forever", help="run cycles until Ctrl-C (a standing deployment)")] = False,
     minutes: Annotated[
-        float | None, typer.Option(min=0.1, help="time budget: start no cycle that the last cycle's length says would "
-                                                 "end after this many minutes (with --forever: as many as fit)")
+        float | None,
+        typer.Option(
+            min=0.1,
+            help="time budget: start no cycle that the last cycle's length says would "
+            "end after this many minutes (with --forever: as many as fit)",
+        ),
     ] = None,
     engine_kind: Annotated[
         str | None, typer.Option(help="vllm | transformers: the kind of every fleet engine (default: serving.engines)")
@@ -164,13 +168,19 @@ def up(
         bool, typer.Option(help="start Debian's Prometheus scraping the run's services with the shipped rules")
     ] = True,
     demo: Annotated[
-        bool, typer.Option(help="small rounds and a small-traffic gate sized for a 2-core CPU, deciding rollouts on "
-                                "the judged shadow check (off: the configured train.*/rubric.*/gate.*/rollout.* "
-                                "values and serving.shadow_rate)")
+        bool,
+        typer.Option(
+            help="small rounds and a small-traffic gate sized for a 2-core CPU, deciding rollouts on "
+            "the judged shadow check (off: the configured train.*/rubric.*/gate.*/rollout.* "
+            "values and serving.shadow_rate)"
+        ),
     ] = True,
     drill_cycle: Annotated[
-        int | None, typer.Option(help="damage drill: roll out a copy of this cycle's candidate with NaN weights "
-                                      "instead of it; the gate must roll it back (loop.drill_cycle)")
+        int | None,
+        typer.Option(
+            help="damage drill: roll out a copy of this cycle's candidate with NaN weights "
+            "instead of it; the gate must roll it back (loop.drill_cycle)"
+        ),
     ] = None,
 ) -> None:
     """The main job, the closed loop on embedded defaults: broker, ingest, engine fleet (stable + canary),
@@ -190,19 +200,34 @@ def up(
     if drill_cycle is not None:
         settings.loop.drill_cycle = drill_cycle
     if not forever and settings.loop.drill_cycle is not None and settings.loop.drill_cycle > cycles:
-        raise DynrubricError(f"loop.drill_cycle {settings.loop.drill_cycle} is after the last of {cycles} cycle(s)",
-                             f"pass --cycles {settings.loop.drill_cycle} or more, or a smaller --drill-cycle")
+        raise DynrubricError(
+            f"loop.drill_cycle {settings.loop.drill_cycle} is after the last of {cycles} cycle(s)",
+            f"pass --cycles {settings.loop.drill_cycle} or more, or a smaller --drill-cycle",
+        )
     loop = ClosedLoop(settings, log=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
-    results = loop.run(None if forever else cycles, prometheus=prometheus,
-                       deadline=None if minutes is None else time.monotonic() + 60.0 * minutes)
+    results = loop.run(
+        None if forever else cycles,
+        prometheus=prometheus,
+        deadline=None if minutes is None else time.monotonic() + 60.0 * minutes,
+    )
     heading(console, f"{len(results)} cycle(s)")
     for r in results:
         took = "" if r.registered_to_canary_s is None else f"; registered -> canary {r.registered_to_canary_s:.1f} s"
-        console.print(f"cycle {r.cycle}: round {r.round} {r.version} {r.round_state}; rollout {r.decision}; "
-                      f"serving {r.serving}{took}", markup=False, highlight=False, soft_wrap=True)
+        console.print(
+            f"cycle {r.cycle}: round {r.round} {r.version} {r.round_state}; rollout {r.decision}; "
+            f"serving {r.serving}{took}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
     restarts = ", ".join(f"{k} {v}" for k, v in sorted(loop.supervisor.restart_counts().items())) or "none"
-    console.print(f"restarts: {restarts}; user requests answered {loop.traffic.answered}, failed {loop.traffic.failed}",
-                  markup=False, highlight=False, soft_wrap=True)
+    assert loop.traffic is not None, "the loop's run started the users' traffic"
+    console.print(
+        f"restarts: {restarts}; user requests answered {loop.traffic.answered}, failed {loop.traffic.failed}",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
     report(ctx, out=None)
     console.print(f"run page: {write_run_page(settings, results)}", markup=False, highlight=False, soft_wrap=True)
 
@@ -210,9 +235,16 @@ def up(
 #: what `up --demo` trains with on a 2-core CPU, chosen by measurement (docs/benchmarks.md, the learning benchmark):
 #: rounds of five policy steps of 8 prompts x 4 answers and one generator step, a learning rate that moves a
 #: 135M model within a round (AdamW's state carried across the round's steps), and guards sized to that step
-DEMO_TRAINING = {
-    "train": {"steps_per_round": 6, "prompts_per_step": 8, "candidates": 4, "max_new_tokens": 48, "heldout_prompts": 4,
-              "max_kl": 0.3, "max_kl_to_base": 1.5},
+DEMO_TRAINING: dict[str, dict[str, float | int | str]] = {
+    "train": {
+        "steps_per_round": 6,
+        "prompts_per_step": 8,
+        "candidates": 4,
+        "max_new_tokens": 48,
+        "heldout_prompts": 4,
+        "max_kl": 0.3,
+        "max_kl_to_base": 1.5,
+    },
     "grpo": {"lr": 5e-5, "clip_high": 0.28, "kl_beta": 1e-3, "updates_per_batch": 1, "compute_dtype": "bfloat16"},
     "coevolve": {"k_alt": 5, "k_alt_generator": 1, "sets_per_step": 2, "rubric_samples": 2},
     # a round's 40 policy sets come from at least this many distinct new prompts (20% of them are held out)
@@ -256,10 +288,23 @@ def report(
     r = settings.rubric
     judged = judged_rollouts(rollout_rows(settings))
     g = settings.train.grpo
-    render(log, out, Thresholds(r.collapse_min_mean_gap, r.collapse_max_nonsplit_share, r.collapse_window,
-                                settings.train.max_kl, g.tis_low, g.tis_high), judged)
-    console.print(f"report: {out} ({len(log.rounds)} rounds, {len(log.steps)} policy steps, "
-                  f"{len(judged)} rollouts with judged pairs)")
+    render(
+        log,
+        out,
+        Thresholds(
+            r.collapse_min_mean_gap,
+            r.collapse_max_nonsplit_share,
+            r.collapse_window,
+            settings.train.max_kl,
+            g.tis_low,
+            g.tis_high,
+        ),
+        judged,
+    )
+    console.print(
+        f"report: {out} ({len(log.rounds)} rounds, {len(log.steps)} policy steps, "
+        f"{len(judged)} rollouts with judged pairs)"
+    )
     for j in judged:
         console.print(f"  {j.line()}")
 

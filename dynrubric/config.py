@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from dynrubric.errors import DynrubricError
@@ -42,9 +43,7 @@ def default_state_dir() -> Path:
 
 
 class PathsConfig(Section):
-    home: Path = Field(
-        default=Path("~/.cache/dynrubric"), description="model cache and other per-user state"
-    )
+    home: Path = Field(default=Path("~/.cache/dynrubric"), description="model cache and other per-user state")
     state_dir: Path = Field(
         default_factory=default_state_dir,
         description="run state: replay store, registry, checkpoints, logs; default $XDG_STATE_HOME/dynrubric",
@@ -69,7 +68,8 @@ class EngineConfig(Section):
     kind: Literal["transformers", "openai-http"] = "transformers"
     base_url: str = Field(default="http://127.0.0.1:8000", description="openai-http only")
     policy_url: str | None = Field(
-        default=None, description="openai-http: the policy's server, reloaded with every training step; default base_url"
+        default=None,
+        description="openai-http: the policy's server, reloaded with every training step; default base_url",
     )
     generator_url: str | None = Field(
         default=None, description="openai-http: the rubric generator's server; default base_url"
@@ -80,11 +80,13 @@ class EngineConfig(Section):
         "shares a server with a model it reloads (the judge would no longer be frozen)",
     )
     in_process: list[Literal["policy", "generator", "verifier"]] = Field(
-        default_factory=list, description="openai-http: roles served by the in-process transformers engine instead "
+        default_factory=list,
+        description="openai-http: roles served by the in-process transformers engine instead "
         "(a verifier that only scores prompts is cheap in process)",
     )
     shared_servers: bool = Field(
-        default=False, description="openai-http: roles on one server take turns, each reloading its own weights "
+        default=False,
+        description="openai-http: roles on one server take turns, each reloading its own weights "
         "before its calls (one vLLM server for the policy and the rubric generator)",
     )
     api_key: SecretStr | None = None
@@ -149,7 +151,8 @@ class RubricConfig(Section):
     )
     max_items: int = Field(default=12, ge=2, le=12, description="items kept per rubric (highest weight first)")
     generator_max_tokens: int = Field(
-        default=256, ge=16,
+        default=256,
+        ge=16,
         description="token budget of the generator's answer (each try costs up to this many decode steps: "
         "benchmarks/reward_group.py)",
     )
@@ -158,31 +161,43 @@ class RubricConfig(Section):
     )
     generator_temperature: float = Field(default=0.7, ge=0.0, description="first try; retries keep it")
     generator_frequency_penalty: float = Field(
-        default=0.5, ge=0.0, le=2.0,
+        default=0.5,
+        ge=0.0,
+        le=2.0,
         description="subtracted from a token's logit per earlier use in the same rubric: a small generator "
         "otherwise writes one item four times (the copies merge into one, too few to be a rubric)",
     )
     retries: int = Field(
-        default=0, ge=0, le=20,
+        default=0,
+        ge=0,
+        le=20,
         description="extra set-conditioned tries (each with a new seed) before prompt-only; each is one more "
         "generator pass inside the reward server's time budget",
     )
-    prompt_only_retries: int = Field(default=0, ge=0, le=20, description="extra prompt-only tries before the generic rubric")
+    prompt_only_retries: int = Field(
+        default=0, ge=0, le=20, description="extra prompt-only tries before the generic rubric"
+    )
     mode: Literal["set", "prompt_only", "generic"] = Field(
         default="set",
-        description="'prompt_only' skips the candidates in the generator prompt, 'generic' the generator (for comparison)",
+        description=(
+            "'prompt_only' skips the candidates in the generator prompt, 'generic' the generator (for comparison)"
+        ),
     )
     constrained: bool = Field(
-        default=True, description="decode rubric generation under the rubric's JSON Schema (xgrammar / vLLM structured outputs)"
+        default=True,
+        description="decode rubric generation under the rubric's JSON Schema (xgrammar / vLLM structured outputs)",
     )
     prompt_constraints: bool = Field(
         default=True, description="add checkable items for the constraints the question states (word limits, ...)"
     )
     consensus: bool = Field(
-        default=True, description="set mode: add a final-number item for the answer a clear plurality of candidates reaches"
+        default=True,
+        description="set mode: add a final-number item for the answer a clear plurality of candidates reaches",
     )
     check_weight: float = Field(
-        default=1.0, ge=0.0, le=1.0,
+        default=1.0,
+        ge=0.0,
+        le=1.0,
         description="checked items: 1 = the check alone; below 1 blends check*w + P(yes)*(1-w)",
     )
     anchors: bool = Field(
@@ -194,16 +209,21 @@ class RubricConfig(Section):
         "any real candidate, 'best': the best one (rubric/calibrate.py); a set with no item left is untrusted",
     )
     ground_truth_share: float = Field(
-        default=0.75, ge=0.0, le=1.0,
+        default=0.75,
+        ge=0.0,
+        le=1.0,
         description="share of the score held by the prompt's own ground truth when it has any (rubric/score.py)",
     )
     generic_rubric: list[GenericRubricItem] = Field(
-        default_factory=_default_generic_rubric, min_length=2, max_length=12,
+        default_factory=_default_generic_rubric,
+        min_length=2,
+        max_length=12,
         description="last-resort rubric when the generator never produces a valid one",
     )
     eps: float = Field(default=0.02, gt=0.0, lt=1.0, description="two scores closer than this are a tie")
     collapse_window: int = Field(
-        default=8, ge=1,
+        default=8,
+        ge=1,
         description="sets in the collapse detector's window; training carries it across rounds (8: one demo round)",
     )
     collapse_min_mean_gap: float = Field(
@@ -224,12 +244,15 @@ class RewardServerConfig(Section):
         default=None, description="required on /reward and /score_sets (bearer header or ?token=)"
     )
     group_timeout_s: float = Field(
-        default=30.0, gt=0,
+        default=30.0,
+        gt=0,
         description="from a group's first arrival; then the partial group is scored (OpenRLHF sends a prompt's "
         "n samples at once: a whole group is in within seconds)",
     )
     batch_linger_s: float = Field(
-        default=0.5, ge=0.0, le=10.0,
+        default=0.5,
+        ge=0.0,
+        le=10.0,
         description="how long the scorer waits after a group closes for other open groups to close too, so "
         "that one batch judges them all (a batch costs about one rubric generation whatever its size)",
     )
@@ -247,7 +270,8 @@ class RewardServerConfig(Section):
         default=180.0, gt=0, description="the client's request timeout (OpenRLHF 0.11.2: 180 s, fixed in its code)"
     )
     scoring_time_s: float = Field(
-        default=140.0, gt=0,
+        default=140.0,
+        gt=0,
         description="the longest a closed group waits for its score (measure: benchmarks/reward_group.py; "
         "SmolLM2-135M on 2 CPU cores, defaults: 70-110 s for a batch of 4 groups of 4, judged as one batch: "
         "see batch_linger_s); "
@@ -269,16 +293,19 @@ class KafkaConfig(Section):
     ssl_keyfile: Path | None = None
     client_id: str = "dynrubric"
     topic_prefix: str = Field(
-        default="", pattern=r"^[A-Za-z0-9._-]*$",
+        default="",
+        pattern=r"^[A-Za-z0-9._-]*$",
         description="prepended to the topic names (dynrubric.query-log, ...): environments sharing a cluster",
     )
     topic_partitions: int = Field(default=3, ge=1, description="partitions of topics created at start-up")
     topic_replication_factor: int = Field(default=1, ge=1)
     topic_retention_ms: int = Field(default=7 * 24 * 3600 * 1000, ge=-1, description="-1 = keep forever")
     max_message_bytes: int = Field(
-        default=1_048_588, ge=1024,
+        default=1_048_588,
+        ge=1024,
         description="the largest record batch the broker takes (Kafka's message.max.bytes, its default): every "
-        "consumer fetches at least this much, so an oversize event reaches ingest and is dead-lettered")
+        "consumer fetches at least this much, so an oversize event reaches ingest and is dead-lettered",
+    )
     producer_buffer_events: int = Field(
         default=10_000, ge=1, description="events a producer holds locally before it drops (and counts) new ones"
     )
@@ -318,13 +345,17 @@ class IngestConfig(Section):
         "false: one writer, a second waits as a standby (store_lock_wait_s)",
     )
     writers: int = Field(
-        default=1, ge=1, le=64,
+        default=1,
+        ge=1,
+        le=64,
         description="writer processes of one ingest (validate, scrub, store a slice of each batch at once; "
         "more than one share the store like shared_store); about one per core the consumer leaves free",
     )
     max_event_bytes: int = Field(default=1_000_000, ge=64, description="larger records are dead-lettered")
     dlq_max_payload_bytes: int = Field(
-        default=65_536, ge=256, le=900_000,
+        default=65_536,
+        ge=256,
+        le=900_000,
         description="a dead letter's value is cut to this many bytes (headers keep the original length and sha256)",
     )
     dlq_quarantine_dir: Path | None = Field(
@@ -332,9 +363,11 @@ class IngestConfig(Section):
     )
     max_prompt_chars: int = Field(default=32_000, ge=1, description="longer prompts are filtered out")
     variants: list[str] = Field(
-        default=["stable", "canary", "replay"], min_length=1,
+        default=["stable", "canary", "replay"],
+        min_length=1,
         description="the arms of this deployment: a query-log event whose variant or assigned_variant is none of "
-        "them, exactly, is dead-lettered (unknown_variant); replay is what `dynrubric traffic replay` writes")
+        "them, exactly, is dead-lettered (unknown_variant); replay is what `dynrubric traffic replay` writes",
+    )
     deny_patterns: list[str] = Field(
         default_factory=list, description="regular expressions; a prompt matching any is filtered out"
     )
@@ -351,7 +384,8 @@ class IngestConfig(Section):
     )
     dedupe_capacity: int = Field(default=5_000_000, ge=1, description="request ids remembered (oldest forgotten)")
     store_lock_wait_s: float = Field(
-        default=0.0, ge=0,
+        default=0.0,
+        ge=0,
         description="wait this long for another ingest to release the store (a standby; not with shared_store); "
         "0 = fail at once",
     )
@@ -384,7 +418,9 @@ class GRPOConfig(Section):
     kl_beta: float = Field(default=1e-3, ge=0, description="weight of the k3 KL to the frozen reference; 0 = off")
     adv_eps: float = Field(default=1e-6, gt=0, description="advantage = (E - mean) / (std + adv_eps)")
     updates_per_batch: int = Field(
-        default=1, ge=1, le=16,
+        default=1,
+        ge=1,
+        le=16,
         description="optimiser updates per sampled batch; from the 2nd on the PPO ratio differs from 1 and "
         "clip_low/clip_high bound the step",
     )
@@ -402,11 +438,13 @@ class GRPOConfig(Section):
     tis_low: float = Field(default=0.5, gt=0, le=1, description="lower truncation of the importance weight (OpenRLHF)")
     tis_high: float = Field(default=5.0, ge=1, description="upper truncation of the importance weight (OpenRLHF's)")
     compute_dtype: Literal["float32", "bfloat16"] = Field(
-        default="float32", description="the trainer's forward/backward: bfloat16 autocast of the transformer body "
+        default="float32",
+        description="the trainer's forward/backward: bfloat16 autocast of the transformer body "
         "(weights, optimiser, LM head and log-softmax stay float32)",
     )
     logprob_chunk_mib: int = Field(
-        default=64, ge=1,
+        default=64,
+        ge=1,
         description="the LM head's float32 logits are computed this many MiB at a time: bounds the trainer's "
         "memory (the full batch x tokens x vocabulary is never built), not its result",
     )
@@ -417,7 +455,8 @@ class CoevolveConfig(Section):
 
     enabled: bool = Field(default=True, description="alternate policy and generator phases")
     single_model: bool = Field(
-        default=False, description="false: the generator is its own model (models.generator) with its own optimiser, "
+        default=False,
+        description="false: the generator is its own model (models.generator) with its own optimiser, "
         "so the served policy changes only through the policy objective; true: one shared model (EvoLM)",
     )
     k_alt: int = Field(default=50, ge=1, description="policy steps per phase before switching to the generator")
@@ -429,13 +468,16 @@ class CoevolveConfig(Section):
     anchor_lambda: float = Field(default=1.0, ge=0, description="R = R_disc + lambda * R_anchor")
     format_weight: float = Field(default=1.0, ge=0, description="weight of the format term (+1 parsed, 0 not)")
     anchors: Literal["feedback", "temporal", "file"] = Field(
-        default="feedback", description="where ranked anchor lists come from: feedback = the users' thumbs and "
+        default="feedback",
+        description="where ranked anchor lists come from: feedback = the users' thumbs and "
         "regenerations on logged responses (temporal contrast where a prompt has none), temporal, or a file",
     )
     anchors_file: Path | None = Field(
         default=None, description="JSONL of {prompt, responses: [best..worst]} (human-ranked) when anchors=file"
     )
-    min_age: int = Field(default=1, ge=1, description="temporal contrast: older version at least this many versions back")
+    min_age: int = Field(
+        default=1, ge=1, description="temporal contrast: older version at least this many versions back"
+    )
     max_age: int = Field(default=4, ge=1, description="... and at most this many")
     generator_lr: float | None = Field(default=None, gt=0, description="generator learning rate (default: grpo.lr)")
     generator_max_tokens: int = Field(default=256, ge=16, description="token budget of a sampled rubric")
@@ -458,12 +500,14 @@ class OpenRLHFConfig(Section):
     )
     extra_args: list[str] = Field(default_factory=list, description="appended verbatim to train_ppo_ray")
     image: str = Field(
-        default="dynrubric-train", min_length=1,
+        default="dynrubric-train",
+        min_length=1,
         description="image of the round's RayJob pods: dynrubric with openrlhf==0.11.2, Ray and vLLM on CUDA "
         "(pip install '.[openrlhf]')",
     )
     ray_version: str = Field(
-        default="2.55.0", pattern=r"^\d+\.\d+\.\d+$",
+        default="2.55.0",
+        pattern=r"^\d+\.\d+\.\d+$",
         description="the Ray version inside `image` (KubeRay's rayVersion; openrlhf 0.11.2 pins 2.55.0)",
     )
 
@@ -479,16 +523,19 @@ class RayConfig(Section):
     num_cpus: int | None = Field(default=None, ge=1, description="CPUs of a local Ray (address unset); default all")
     judges: int = Field(default=1, ge=1, description="judge actors; each holds its rubric writer and verifier once")
     actor_cpus: float = Field(
-        default=0.0, ge=0,
+        default=0.0,
+        ge=0,
         description="CPUs each actor reserves, and its torch threads (0: place by spreading, reserve nothing, "
         "use every core of the node; engine.threads overrides)",
     )
     max_restarts: int = Field(
-        default=3, ge=0,
+        default=3,
+        ge=0,
         description="times a round resumes from its last published step after a worker (actor, node) died",
     )
     restart_wait_s: float = Field(
-        default=10.0, ge=0,
+        default=10.0,
+        ge=0,
         description="wait before the n-th resume: n times this (the cluster needs seconds to declare a killed "
         "node dead; until then new actors may still be placed on it)",
     )
@@ -513,7 +560,8 @@ class TrainConfig(Section):
         "(see the ray section); both give the same round for the same seed",
     )
     judge_chunks: int = Field(
-        default=1, ge=1,
+        default=1,
+        ge=1,
         description="a step's candidate sets are judged in this many chunks, each with its own seed (Ray "
         "spreads them over its judges; the scores do not depend on the executor)",
     )
@@ -528,12 +576,15 @@ class TrainConfig(Section):
         description="JSONL held-out prompts for the guards (never trained on); default: split off by prompt key",
     )
     heldout_share: float = Field(
-        default=0.2, gt=0, lt=1,
+        default=0.2,
+        gt=0,
+        lt=1,
         description="share of new prompts held out (by prompt key, deterministic) when heldout_file is unset",
     )
     heldout_prompts: int = Field(default=8, ge=1, description="held-out prompts evaluated per round")
     candidates: int = Field(
-        default=4, ge=2,
+        default=4,
+        ge=2,
         description="K: responses sampled per prompt (one candidate set); the one group size: OpenRLHF's "
         "--rollout.n_samples_per_prompt and the reward server's group barrier use it too",
     )
@@ -544,7 +595,9 @@ class TrainConfig(Section):
     max_prompt_tokens: int = Field(default=512, ge=8, description="longer prompts are skipped (counted)")
     temperature: float = Field(default=1.0, gt=0)
     top_p: float = Field(
-        default=1.0, gt=0, le=1,
+        default=1.0,
+        gt=0,
+        le=1,
         description="sampling only: the loss takes log-probs of the full distribution at `temperature` (as OpenRLHF)",
     )
     seed: int = 0
@@ -554,7 +607,8 @@ class TrainConfig(Section):
     run_dir: Path | None = Field(default=None, description="round state, summaries, run log; default <state_dir>/train")
     max_kl: float = Field(default=0.05, gt=0, description="guard: per-token KL(new || parent) on held-out samples")
     max_kl_to_base: float = Field(
-        default=0.5, gt=0,
+        default=0.5,
+        gt=0,
         description="guard: per-token KL(new || base of the lineage) on held-out samples: the total drift the "
         "rounds may add up to (10x max_kl)",
     )
@@ -568,7 +622,8 @@ class EvaluationConfig(Section):
     round guard's "not worse than the parent"."""
 
     prompts_file: Path | None = Field(
-        default=None, description="JSONL prompt bank; its held-out prompts with ground truth are evaluated "
+        default=None,
+        description="JSONL prompt bank; its held-out prompts with ground truth are evaluated "
         "(default: the shipped bank, dynrubric/data/prompts.jsonl)",
     )
     max_prompts: int = Field(default=200, ge=1, description="held-out prompts evaluated per version (first by key)")
@@ -579,7 +634,8 @@ class EvaluationConfig(Section):
     bootstrap_samples: int = Field(default=2000, ge=100, description="paired bootstrap resamples of the prompts")
     confidence: float = Field(default=0.95, gt=0.5, lt=1.0, description="two-sided level of the CIs")
     guard: bool = Field(
-        default=True, description="reject a candidate whose pass rate is significantly below its parent's "
+        default=True,
+        description="reject a candidate whose pass rate is significantly below its parent's "
         "(the CI of the difference lies below 0)",
     )
 
@@ -613,7 +669,9 @@ class FleetEngineConfig(Section):
 class ServingConfig(Section):
     host: str = "127.0.0.1"
     port: int = Field(default=8200, ge=0, le=65535, description="router port")
-    router_url: str | None = Field(default=None, description="how the controller reaches the router; default http://host:port")
+    router_url: str | None = Field(
+        default=None, description="how the controller reaches the router; default http://host:port"
+    )
     fleet_port: int = Field(default=8300, ge=0, le=65535, description="port of the fleet's /healthz and /metrics")
     token: SecretStr | None = Field(default=None, description="bearer token for control endpoints")
     engine_api_key: SecretStr | None = Field(
@@ -627,17 +685,24 @@ class ServingConfig(Section):
         description="the fleet: which engine serves which variant on which port",
     )
     request_timeout_s: float = Field(default=120.0, gt=0, description="router -> engine timeout")
-    default_max_tokens: int = Field(default=256, ge=1, description="max_tokens the router sends (and logs) for a "
-                                    "request that names none")
+    default_max_tokens: int = Field(
+        default=256, ge=1, description="max_tokens the router sends (and logs) for a request that names none"
+    )
     health_interval_s: float = Field(default=5.0, gt=0, description="fleet health-check period")
     max_restarts: int = Field(default=5, ge=0, description="restarts of a dying engine before giving up")
     shadow_rate: float = Field(
-        default=0.0, ge=0, le=1,
+        default=0.0,
+        ge=0,
+        le=1,
         description="during a rollout, share of answered requests also sent to the other arm for the judged check",
     )
     shadow_max_inflight: int = Field(default=4, ge=1, description="shadow cost cap: shadow requests running at once")
-    traffic_window_s: float = Field(default=300.0, gt=0, description="the router reports requests/s and distinct "
-                                    "users over this window: the traffic each rollout's gate power is planned on")
+    traffic_window_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="the router reports requests/s and distinct "
+        "users over this window: the traffic each rollout's gate power is planned on",
+    )
 
 
 class RolloutConfig(Section):
@@ -646,17 +711,19 @@ class RolloutConfig(Section):
         default=[0.01, 0.05, 0.25, 0.5], min_length=1, description="canary traffic share of each step, then promotion"
     )
     poll_interval_s: float = Field(default=10.0, gt=0, description="how often the gate is evaluated")
-    max_step_s: float = Field(
-        default=3600.0, gt=0, description="a step still inconclusive after this long rolls back"
-    )
+    max_step_s: float = Field(default=3600.0, gt=0, description="a step still inconclusive after this long rolls back")
     feedback_window_s: float = Field(
         default=3600.0, gt=0, description="feedback counts for a request logged at most this long before it"
     )
     consumer_group: str = Field(default="dynrubric-rollout-gate", min_length=1, description="online metrics' group")
-    judge: bool = Field(default=False, description="judge shadow pairs (serving.shadow_rate) with the rubric evaluator "
-                        "built from the engine and models sections")
+    judge: bool = Field(
+        default=False,
+        description="judge shadow pairs (serving.shadow_rate) with the rubric evaluator "
+        "built from the engine and models sections",
+    )
     judge_ground_truth: bool = Field(
-        default=True, description="decide a shadow pair by its prompt's ground truth (official checkers, computed "
+        default=True,
+        description="decide a shadow pair by its prompt's ground truth (official checkers, computed "
         "answers) where it has one; the rubric judge scores the rest (serving/judged.py)",
     )
     judge_pairs_per_poll: int = Field(default=8, ge=1, description="judge cost cap: pairs scored per gate evaluation")
@@ -689,10 +756,12 @@ class GateConfig(Section):
     judge_margin: float = Field(default=0.05, ge=0, lt=0.5, description="fail below a win rate of 1/2 - margin")
     judge_tau: float = Field(default=0.1, gt=0, description="judged check's mixture scale")
     promote_on: list[Literal["feedback", "judged"]] = Field(
-        default=["feedback"], min_length=1,
+        default=["feedback"],
+        min_length=1,
         description="the evidence the last step must show within its margins before promotion: feedback (the "
         "positive-feedback and regenerate rates, per user) and/or judged (the judged win rate on shadow pairs: "
-        "needs rollout.judge and serving.shadow_rate > 0); harm on any metric rolls back at every step either way")
+        "needs rollout.judge and serving.shadow_rate > 0); harm on any metric rolls back at every step either way",
+    )
     simulation: GateSimulationConfig = GateSimulationConfig()
     error_rate_margin: float = Field(default=0.01, ge=0, le=1, description="absolute error-rate margin")
     latency_p95_margin: float = Field(default=0.25, ge=0, description="relative p95 latency margin")
@@ -706,21 +775,28 @@ class GateConfig(Section):
 class LoopConfig(Section):
     """`dynrubric up`: the main job's cycles (serving/loop.py) and its simulated users."""
 
-    min_new_prompts: int = Field(default=12, ge=1, description="distinct new prompts in the replay store before a round")
+    min_new_prompts: int = Field(
+        default=12, ge=1, description="distinct new prompts in the replay store before a round"
+    )
     wait_timeout_s: float = Field(default=900.0, gt=0, description="a cycle waiting longer for new prompts fails")
     users: int = Field(default=40, ge=1, description="distinct simulated users sending traffic through the router")
     users_rps: float = Field(default=1.0, gt=0, description="simulated requests per second (one at a time)")
     users_max_tokens: int = Field(default=48, ge=1, description="max_tokens of a simulated request")
     pause_users_while_training: bool = Field(
-        default=False, description="simulated users send nothing while a round trains (`up --demo` sets it: on one "
-        "2-core machine the stable engine serving them took ~80 % of a core and left the round ~30 %)")
+        default=False,
+        description="simulated users send nothing while a round trains (`up --demo` sets it: on one "
+        "2-core machine the stable engine serving them took ~80 % of a core and left the round ~30 %)",
+    )
     metrics_port: int = Field(default=8220, ge=0, le=65535, description="the main job's /metrics (restarts); 0 = off")
     health_interval_s: float = Field(default=2.0, gt=0, description="how often children are checked")
     max_restarts: int = Field(default=5, ge=0, description="restarts of one child before the main job gives up")
     drill_cycle: int | None = Field(
-        default=None, ge=1, description="damage drill: in this cycle a copy of the round's candidate with non-finite "
+        default=None,
+        ge=1,
+        description="damage drill: in this cycle a copy of the round's candidate with non-finite "
         "values in its weight matrices is registered and rolled out instead of it (the gate must roll it back on "
-        "errors while stable answers every user; the next cycle trains from the last promoted version); none = off")
+        "errors while stable answers every user; the next cycle trains from the last promoted version); none = off",
+    )
 
 
 # ---------------------------------------------------------------- monitoring/
@@ -787,17 +863,13 @@ def _read_yaml(path: Path) -> dict[str, Any]:
             f"config file {path} does not exist", f"pass an existing YAML file or unset {CONFIG_ENV}"
         ) from None
     except IsADirectoryError:
-        raise DynrubricError(
-            f"config file {path} is a directory", "pass a YAML file, e.g. -c dynrubric.yaml"
-        ) from None
+        raise DynrubricError(f"config file {path} is a directory", "pass a YAML file, e.g. -c dynrubric.yaml") from None
     except (PermissionError, UnicodeDecodeError) as e:
         raise DynrubricError(f"config file {path} cannot be read ({e})", "pass a readable UTF-8 YAML file") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise DynrubricError(
-            f"config file {path} is not valid YAML{where}", "fix the YAML syntax"
-        ) from None
+        raise DynrubricError(f"config file {path} is not valid YAML{where}", "fix the YAML syntax") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -808,7 +880,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _describe(error: ErrorDetails) -> str:
     key = ".".join(str(p) for p in error["loc"])
     env = ENV_PREFIX + "__".join(str(p).upper() for p in error["loc"])
     if error["type"] == "extra_forbidden":
@@ -883,9 +955,7 @@ def load_settings(path: Path | None = None, environ: dict[str, str] | None = Non
     if path:
         file_data = _anchor_paths(file_data, Settings, Path(path).absolute().parent)
     _check_env_names(environ)
-    env_source = EnvSettingsSource(
-        Settings, env_prefix=ENV_PREFIX, env_nested_delimiter="__", case_sensitive=False
-    )
+    env_source = EnvSettingsSource(Settings, env_prefix=ENV_PREFIX, env_nested_delimiter="__", case_sensitive=False)
     env_source.env_vars = {k.lower(): v for k, v in environ.items() if k != CONFIG_ENV}
     try:
         env_data = _anchor_paths(env_source(), Settings, Path.cwd())

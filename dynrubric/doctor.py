@@ -61,7 +61,9 @@ def check_vllm() -> DoctorCheck:
     broken = [d for d in ("torchvision", "torchaudio", "torchcodec") if _version(d)]
     if broken:
         return DoctorCheck(
-            "vllm", False, f"{v}, but CUDA builds of {', '.join(broken)} break `import vllm`",
+            "vllm",
+            False,
+            f"{v}, but CUDA builds of {', '.join(broken)} break `import vllm`",
             f"pip uninstall -y {' '.join(broken)}",
         )
     return DoctorCheck("vllm", True, v, "")
@@ -71,7 +73,9 @@ def check_prometheus() -> DoctorCheck:
     found = {b: shutil.which(b) for b in ("prometheus", "promtool")}
     missing = [b for b, p in found.items() if p is None]
     return DoctorCheck(
-        "prometheus", not missing, ", ".join(p for p in found.values() if p) or "not installed",
+        "prometheus",
+        not missing,
+        ", ".join(p for p in found.values() if p) or "not installed",
         "apt-get install prometheus",
     )
 

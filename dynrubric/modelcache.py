@@ -12,6 +12,7 @@ import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from dynrubric import atomic
 from dynrubric.errors import DynrubricError
@@ -66,9 +67,7 @@ def resolve(home: Path, ref: str) -> Path:
     if ref in KNOWN_MODELS:
         path = models_dir(home) / ref
         if not is_ready(path):
-            raise DynrubricError(
-                f"model '{ref}' is not in the model cache at {path}", "run `dynrubric models prepare`"
-            )
+            raise DynrubricError(f"model '{ref}' is not in the model cache at {path}", "run `dynrubric models prepare`")
         return path
     path = Path(ref).expanduser()
     if (path / "config.json").is_file():
@@ -91,7 +90,7 @@ def greedy_answer(model_dir: Path, question: str, max_new_tokens: int = 24) -> s
     ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-    return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    return cast(str, tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))  # one sequence: one str
 
 
 def prepare(home: Path, name: str) -> Path:

@@ -12,7 +12,7 @@ import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -20,6 +20,9 @@ from dynrubric.console import make_console
 from dynrubric.context import settings_of
 from dynrubric.errors import DynrubricError
 from dynrubric.process import http_ok, log_tail, spawn, stop_signals_interrupt, terminate, wait_until
+
+if TYPE_CHECKING:
+    from dynrubric.config import Settings
 
 MONITORING_DIR = Path(__file__).resolve().parents[1] / "monitoring"
 INSTALL_FIX = "run `make setup`, or `apt-get install prometheus` (Debian), then try again"
@@ -64,9 +67,11 @@ def local_targets(settings) -> dict[str, list[str]]:
         port = getattr(section, field, None)
         if not isinstance(port, int) or isinstance(port, bool) or port == 0:
             continue
-        host = (getattr(section, "metrics_host", None) if field == "metrics_port" else None) or getattr(
-            section, "host", None
-        ) or getattr(getattr(settings, "serving", None), "host", None)
+        host = (
+            (getattr(section, "metrics_host", None) if field == "metrics_port" else None)
+            or getattr(section, "host", None)
+            or getattr(getattr(settings, "serving", None), "host", None)
+        )
         jobs[job] = [f"{host if isinstance(host, str) else '127.0.0.1'}:{port}"]
     for job, addresses in settings.monitoring.targets.items():
         jobs.setdefault(job, [])
@@ -86,8 +91,7 @@ def render_config(
         },
         "rule_files": [str(p.resolve()) for p in rules],
         "scrape_configs": [
-            {"job_name": job, "static_configs": [{"targets": addresses}]}
-            for job, addresses in sorted(targets.items())
+            {"job_name": job, "static_configs": [{"targets": addresses}]} for job, addresses in sorted(targets.items())
         ],
     }
 
@@ -163,7 +167,7 @@ def start_prometheus(
 app = typer.Typer(help="Local Prometheus with the project's rules.", no_args_is_help=True)
 
 
-def _config_of(ctx: typer.Context) -> tuple[object, dict]:
+def _config_of(ctx: typer.Context) -> tuple[Settings, dict]:
     settings = settings_of(ctx)
     m = settings.monitoring
     return settings, render_config(local_targets(settings), rule_files(), m.scrape_interval_s, m.evaluation_interval_s)
@@ -190,7 +194,9 @@ def up_command(
     m = settings.monitoring
     work_dir = settings.paths.resolved_state() / "monitoring"
     running = start_prometheus(config, work_dir, m.prometheus_host, port or m.prometheus_port, m.retention)
-    console.print(f"[green]Prometheus ready[/] at {running.url} (alerts: {running.url}/alerts, log: {running.log_path})")
+    console.print(
+        f"[green]Prometheus ready[/] at {running.url} (alerts: {running.url}/alerts, log: {running.log_path})"
+    )
     for job in config["scrape_configs"]:
         console.print(f"  scraping {job['job_name']}: {', '.join(job['static_configs'][0]['targets'])}")
     console.print("Ctrl-C stops it.")

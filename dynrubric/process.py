@@ -16,17 +16,24 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 
-def spawn(cmd: Sequence[str], log_path: Path | None, *, env: Mapping[str, str] | None = None,
-          own_group: bool = True) -> subprocess.Popen:
+def spawn(
+    cmd: Sequence[str], log_path: Path | None, *, env: Mapping[str, str] | None = None, own_group: bool = True
+) -> subprocess.Popen:
     """Start `cmd` with stdout and stderr appended to `log_path` (discarded when None), stdin closed."""
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
     try:
-        return subprocess.Popen(list(cmd), env=None if env is None else dict(env), stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=own_group)
+        return subprocess.Popen(
+            list(cmd),
+            env=None if env is None else dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=own_group,
+        )
     finally:
-        if log is not subprocess.DEVNULL:
+        if not isinstance(log, int):  # not subprocess.DEVNULL
             log.close()  # the child holds its own descriptor
 
 
@@ -91,7 +98,9 @@ def stop_signals_interrupt() -> None:
     its children in order. Set explicitly: a process started in the background by a non-interactive
     shell, or by a parent that ignores SIGINT, inherits SIGINT ignored, and Python then keeps it so."""
     if threading.current_thread() is threading.main_thread():
+
         def handler(*_: object) -> None:
             raise KeyboardInterrupt
+
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)

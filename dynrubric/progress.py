@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichProgress
 
 
@@ -30,9 +30,18 @@ class Bars:
     def __init__(self, console: Console):
         self.console = console
         self.live = console.is_terminal
-        self.rich = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), console=console) if self.live else None
-        self.tasks: dict[str, int] = {}
+        self.rich = (
+            RichProgress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=console,
+            )
+            if self.live
+            else None
+        )
+        self.tasks: dict[str, TaskID] = {}
         self.done: dict[str, tuple[int, int]] = {}  # plain mode: phase -> (done, total)
         self.t0 = time.monotonic()
 

@@ -35,7 +35,7 @@ VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
 
-class CheckpointState(str, Enum):
+class CheckpointState(str, Enum):  # noqa: UP042 - StrEnum changes str() and format() of a member
     candidate = "candidate"
     canary = "canary"
     stable = "stable"

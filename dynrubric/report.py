@@ -107,8 +107,15 @@ def draw_stage_times(ax, rounds: list[dict[str, Any]]) -> None:
     timed, stages = stage_times(rounds)
     ax.set(title="where each round's time went (seconds per stage)", xlabel="round", ylabel="seconds")
     if not timed:
-        ax.text(0.5, 0.5, "no round recorded its stage times", ha="center", va="center", transform=ax.transAxes,
-                color="grey")
+        ax.text(
+            0.5,
+            0.5,
+            "no round recorded its stage times",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+            color="grey",
+        )
         return
     ids = [r["round"] for r in timed]
     bottom = [0.0] * len(ids)
@@ -118,8 +125,15 @@ def draw_stage_times(ax, rounds: list[dict[str, Any]]) -> None:
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     walls = [(r["round"], float(r["seconds"])) for r in timed if isinstance(r.get("seconds"), (int, float))]
     if walls:
-        ax.scatter([i for i, _ in walls], [w for _, w in walls], marker="_", s=500, color="black", zorder=3,
-                   label="round wall-clock time")
+        ax.scatter(
+            [i for i, _ in walls],
+            [w for _, w in walls],
+            marker="_",
+            s=500,
+            color="black",
+            zorder=3,
+            label="round wall-clock time",
+        )
     ax.set_xticks(ids)
     ax.set_ylim(0, max([*bottom, *(w for _, w in walls)]) * 1.6 or 1)  # headroom for the legend
     ax.legend(fontsize=8, loc="upper left", ncol=3, framealpha=0.6)
@@ -147,9 +161,11 @@ class JudgedRollout:
     bar: float  # 1/2 - judge_margin: an upper bound below it fails the canary
 
     def line(self) -> str:
-        return (f"{self.rollout_id} ({self.version}): {self.status}; judged {self.verdict}: canary win rate "
-                f"{self.win_rate:.2f} over {self.pairs} pairs, bounds [{max(self.lower, 0.0):.2f}, "
-                f"{min(self.upper, 1.0):.2f}], fails below {self.bar:.2f}")
+        return (
+            f"{self.rollout_id} ({self.version}): {self.status}; judged {self.verdict}: canary win rate "
+            f"{self.win_rate:.2f} over {self.pairs} pairs, bounds [{max(self.lower, 0.0):.2f}, "
+            f"{min(self.upper, 1.0):.2f}], fails below {self.bar:.2f}"
+        )
 
 
 def judged_rollouts(rollouts: Iterable[dict[str, Any]]) -> list[JudgedRollout]:
@@ -159,40 +175,79 @@ def judged_rollouts(rollouts: Iterable[dict[str, Any]]) -> list[JudgedRollout]:
         checks = (r.get("last_gate") or {}).get("checks", [])
         check = next((c for c in checks if c.get("name") == "judged_win_rate"), None)
         n = (check or {}).get("numbers", {})
-        if n.get("pairs"):
-            out.append(JudgedRollout(r["id"], r["version"], r["status"], r.get("reason"), check["verdict"],
-                                     int(n["pairs"]), float(n["win_rate"]), float(n["lower"]), float(n["upper"]),
-                                     float(n["bar"])))
+        if check is not None and n.get("pairs"):  # no check: no numbers
+            out.append(
+                JudgedRollout(
+                    r["id"],
+                    r["version"],
+                    r["status"],
+                    r.get("reason"),
+                    check["verdict"],
+                    int(n["pairs"]),
+                    float(n["win_rate"]),
+                    float(n["lower"]),
+                    float(n["upper"]),
+                    float(n["bar"]),
+                )
+            )
     return out
 
 
 def draw_judged(plot, table, judged: Sequence[JudgedRollout]) -> None:
     """Win rate with its bounds per rollout against the bar (`plot`), and the decisions as text (`table`)."""
-    plot.set(title="rollouts: rubric-judged canary win rate (shadow pairs)", xlabel="rollout",
-             ylabel="canary win rate (0..1)", ylim=UNIT)
+    plot.set(
+        title="rollouts: rubric-judged canary win rate (shadow pairs)",
+        xlabel="rollout",
+        ylabel="canary win rate (0..1)",
+        ylim=UNIT,
+    )
     table.set_title("rollout decisions and the judged check")
     table.axis("off")
     if not judged:
         for ax in (plot, table):
-            ax.text(0.5, 0.5, "no rollout with judged pairs\n(serving.shadow_rate, rollout.judge)", ha="center",
-                    va="center", transform=ax.transAxes, color="grey")
+            ax.text(
+                0.5,
+                0.5,
+                "no rollout with judged pairs\n(serving.shadow_rate, rollout.judge)",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+                color="grey",
+            )
         return
     xs = list(range(len(judged)))
     for verdict, color in (("pass", "tab:green"), ("fail", "tab:red")):
-        mine = [(x, j) for x, j in zip(xs, judged) if j.verdict == verdict]
+        mine = [(x, j) for x, j in zip(xs, judged, strict=True) if j.verdict == verdict]
         if mine:  # bounds clipped to 0..1, where a win rate lives
-            plot.errorbar([x for x, _ in mine], [j.win_rate for _, j in mine],
-                          yerr=[[j.win_rate - max(j.lower, 0.0) for _, j in mine],
-                                [min(j.upper, 1.0) - j.win_rate for _, j in mine]],
-                          fmt="o", capsize=4, color=color, zorder=3, label=f"judged check: {verdict}")
+            plot.errorbar(
+                [x for x, _ in mine],
+                [j.win_rate for _, j in mine],
+                yerr=[
+                    [j.win_rate - max(j.lower, 0.0) for _, j in mine],
+                    [min(j.upper, 1.0) - j.win_rate for _, j in mine],
+                ],
+                fmt="o",
+                capsize=4,
+                color=color,
+                zorder=3,
+                label=f"judged check: {verdict}",
+            )
     for bar in sorted({j.bar for j in judged}):
         plot.axhline(bar, label=f"fail: upper bound < {bar:.2f}", **THRESHOLD)
     plot.set_xticks(xs, [j.version for j in judged])
     plot.set_xlim(-0.5, len(judged) - 0.5)
     handles, labels = plot.get_legend_handles_labels()
     plot.legend(handles, labels, fontsize=8, loc="best", framealpha=0.6)
-    table.text(0.0, 1.0, "\n".join(j.line() for j in judged), ha="left", va="top", transform=table.transAxes,
-               fontsize=8, wrap=True)
+    table.text(
+        0.0,
+        1.0,
+        "\n".join(j.line() for j in judged),
+        ha="left",
+        va="top",
+        transform=table.transAxes,
+        fontsize=8,
+        wrap=True,
+    )
 
 
 def draw_learning_curve(ax, rounds: list[dict[str, Any]], line) -> list[int]:
@@ -205,20 +260,50 @@ def draw_learning_curve(ax, rounds: list[dict[str, Any]], line) -> list[int]:
     if truth:
         gt = [r["eval"]["groundtruth"] for r in truth]
         # the parent as a ring around the new checkpoint's dot: equal rates stay visible as two marks
-        line(ax, [r["round"] for r in truth], [g["pass"][g["vs_parent"]["reference"]] for g in gt], color="grey",
-             markerfacecolor="none", markersize=13, label="ground truth: parent")
+        line(
+            ax,
+            [r["round"] for r in truth],
+            [g["pass"][g["vs_parent"]["reference"]] for g in gt],
+            color="grey",
+            markerfacecolor="none",
+            markersize=13,
+            label="ground truth: parent",
+        )
         for accepted, color in ((True, "tab:green"), (False, "tab:red")):
-            mine = [(r, g) for r, g in zip(truth, gt, strict=True) if (r.get("guard") or {}).get("accepted") == accepted]
+            mine = [
+                (r, g) for r, g in zip(truth, gt, strict=True) if (r.get("guard") or {}).get("accepted") == accepted
+            ]
             if mine:
-                ax.scatter([r["round"] for r, _ in mine], [g["pass"][g["version"]] for _, g in mine], color=color,
-                           zorder=3, label="ground truth: new checkpoint, " + ("accepted" if accepted else "rejected"))
+                ax.scatter(
+                    [r["round"] for r, _ in mine],
+                    [g["pass"][g["version"]] for _, g in mine],
+                    color=color,
+                    zorder=3,
+                    label="ground truth: new checkpoint, " + ("accepted" if accepted else "rejected"),
+                )
         for r, g in zip(truth, gt, strict=True):
-            ax.annotate(f"{g['version']} {g['vs_base']['delta']:+.2f} vs base", (r["round"], g["pass"][g["version"]]),
-                        fontsize=7, xytext=(4, 4), textcoords="offset points")
-    line(ax, ids, [r["eval"]["reward_new"] for r in evaluated], color="tab:blue", linestyle="--", marker="x",
-         label="judge's held-out reward (not ground truth)")
-    ax.set(title="learning curve: held-out ground-truth pass rate per round", xlabel="round",
-           ylabel="pass rate / reward (0..1)", ylim=UNIT)
+            ax.annotate(
+                f"{g['version']} {g['vs_base']['delta']:+.2f} vs base",
+                (r["round"], g["pass"][g["version"]]),
+                fontsize=7,
+                xytext=(4, 4),
+                textcoords="offset points",
+            )
+    line(
+        ax,
+        ids,
+        [r["eval"]["reward_new"] for r in evaluated],
+        color="tab:blue",
+        linestyle="--",
+        marker="x",
+        label="judge's held-out reward (not ground truth)",
+    )
+    ax.set(
+        title="learning curve: held-out ground-truth pass rate per round",
+        xlabel="round",
+        ylabel="pass rate / reward (0..1)",
+        ylim=UNIT,
+    )
     return ids
 
 
@@ -232,14 +317,28 @@ def draw_mismatch(ratio_ax, capped_ax, steps: list[dict[str, Any]], t: Threshold
     # a ratio outside the truncation band: |log ratio| beyond log(1 / tis_low) or log(tis_high)
     cap = min(-math.log(t.tis_low), math.log(t.tis_high))
     if xs:
-        ratio_ax.axhline(cap, label=f"a token this far off is truncated (weight outside [{t.tis_low}, {t.tis_high}])",
-                         **THRESHOLD)
-    ratio_ax.set(title="sampler vs trainer: log-prob mismatch per policy step", xlabel="policy step",
-                 ylabel="|log ratio| per token", ylim=(0, max([cap, *ratios]) * 1.25))
-    line(capped_ax, *_series(steps, "sampler_capped"), color="tab:orange", marker="^",
-         label="tokens whose importance weight was truncated")
-    capped_ax.set(title="sampler vs trainer: truncated importance weights", xlabel="policy step",
-                  ylabel="share of tokens (0..1)", ylim=UNIT)
+        ratio_ax.axhline(
+            cap, label=f"a token this far off is truncated (weight outside [{t.tis_low}, {t.tis_high}])", **THRESHOLD
+        )
+    ratio_ax.set(
+        title="sampler vs trainer: log-prob mismatch per policy step",
+        xlabel="policy step",
+        ylabel="|log ratio| per token",
+        ylim=(0, max([cap, *ratios]) * 1.25),
+    )
+    line(
+        capped_ax,
+        *_series(steps, "sampler_capped"),
+        color="tab:orange",
+        marker="^",
+        label="tokens whose importance weight was truncated",
+    )
+    capped_ax.set(
+        title="sampler vs trainer: truncated importance weights",
+        xlabel="policy step",
+        ylabel="share of tokens (0..1)",
+        ylim=UNIT,
+    )
 
 
 def render(log: RunLog, out: Path, thresholds: Thresholds, judged: Sequence[JudgedRollout] = ()) -> Path:
@@ -274,8 +373,10 @@ def draw(log: RunLog, thresholds: Thresholds, judged: Sequence[JudgedRollout] = 
     for ax in axes[4]:
         ax.remove()
     times = fig.add_subplot(axes[4][0].get_gridspec()[4, :])
-    fig.suptitle(f"dynrubric run: {len(log.rounds)} rounds, {len(log.steps)} policy steps, "
-                 f"{len(log.generator_steps)} generator steps")
+    fig.suptitle(
+        f"dynrubric run: {len(log.rounds)} rounds, {len(log.steps)} policy steps, "
+        f"{len(log.generator_steps)} generator steps"
+    )
 
     def line(ax, xs, ys, **kw):
         if not xs:
@@ -301,35 +402,46 @@ def draw(log: RunLog, thresholds: Thresholds, judged: Sequence[JudgedRollout] = 
     line(ax, xs, kl, color="tab:red", label="k3 KL to the reference (training batch)")
     ax.axhline(t.max_kl, label=f"guard: held-out KL to parent > {t.max_kl} rejects", **THRESHOLD)
     top = max([t.max_kl, *kl]) * 1.15
-    ax.set(title="KL per policy step (per token), axis from 0 to the guard", xlabel="policy step",
-           ylabel="KL per token", ylim=(-0.03 * top, top))
+    ax.set(
+        title="KL per policy step (per token), axis from 0 to the guard",
+        xlabel="policy step",
+        ylabel="KL per token",
+        ylim=(-0.03 * top, top),
+    )
     finish(ax, "no policy steps")
 
     window_note = None
     sets = sets_scored(log.steps)
     if sets < t.collapse_window:
-        window_note = (f"collapse detector: {sets} sets scored in this run,\n"
-                       f"it needs {t.collapse_window} in its window: too few to decide,\nso it could not fire")
+        window_note = (
+            f"collapse detector: {sets} sets scored in this run,\n"
+            f"it needs {t.collapse_window} in its window: too few to decide,\nso it could not fire"
+        )
 
     ax = axes[1][0]
     line(ax, *_series(log.steps, "mean_gap"), color="tab:blue", label="mean |pairwise score gap|")
     line(ax, *_series(log.steps, "tie_rate"), color="tab:orange", marker="^", label="tie rate")
     ax.axhline(t.collapse_min_mean_gap, label=f"collapse: mean gap < {t.collapse_min_mean_gap}", **THRESHOLD)
-    ax.set(title="score gaps within candidate sets", xlabel="policy step", ylabel="share / score (0..1)",
-           ylim=UNIT)
+    ax.set(title="score gaps within candidate sets", xlabel="policy step", ylabel="share / score (0..1)", ylim=UNIT)
     finish(ax, "no policy steps")
 
     ax = axes[1][1]
     line(ax, *_series(log.steps, "nonsplit_share"), color="tab:purple", label="non-splitting items")
-    ax.axhline(t.collapse_max_nonsplit_share, label=f"collapse: share > {t.collapse_max_nonsplit_share}",
-               **THRESHOLD)
-    ax.set(title="share of rubric items that split nobody", xlabel="policy step", ylabel="share (0..1)",
-           ylim=UNIT)
+    ax.axhline(t.collapse_max_nonsplit_share, label=f"collapse: share > {t.collapse_max_nonsplit_share}", **THRESHOLD)
+    ax.set(title="share of rubric items that split nobody", xlabel="policy step", ylabel="share (0..1)", ylim=UNIT)
     finish(ax, "no policy steps")
     for ax in (axes[1][0], axes[1][1]):
         if window_note and log.steps:
-            ax.text(0.98, 0.5, window_note, ha="right", va="center", transform=ax.transAxes, fontsize=8,
-                    bbox={"facecolor": "lightyellow", "edgecolor": "grey"})
+            ax.text(
+                0.98,
+                0.5,
+                window_note,
+                ha="right",
+                va="center",
+                transform=ax.transAxes,
+                fontsize=8,
+                bbox={"facecolor": "lightyellow", "edgecolor": "grey"},
+            )
 
     ax = axes[2][0]
     bottom = [0.0] * len(log.steps)
@@ -339,10 +451,19 @@ def draw(log: RunLog, thresholds: Thresholds, judged: Sequence[JudgedRollout] = 
         if any(values):
             ax.bar(range(len(values)), values, bottom=bottom, color=colors[source], label=f"rubric from: {source}")
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    line(ax, *_series(log.steps, "untrusted_sets"), color="black", marker="X",
-         label="untrusted: an anchor outranked a candidate (no advantage)")
-    ax.set(title="where each scored set's rubric came from; untrusted sets", xlabel="policy step", ylabel="sets",
-           ylim=(0, max(bottom, default=0) * 1.3 or 1))  # headroom for the legend
+    line(
+        ax,
+        *_series(log.steps, "untrusted_sets"),
+        color="black",
+        marker="X",
+        label="untrusted: an anchor outranked a candidate (no advantage)",
+    )
+    ax.set(
+        title="where each scored set's rubric came from; untrusted sets",
+        xlabel="policy step",
+        ylabel="sets",
+        ylim=(0, max(bottom, default=0) * 1.3 or 1),
+    )  # headroom for the legend
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     finish(ax, "no scored sets")
 
@@ -350,20 +471,37 @@ def draw(log: RunLog, thresholds: Thresholds, judged: Sequence[JudgedRollout] = 
     failed = [float((s.get("fallbacks") or {}).get("parse_failures", 0)) for s in log.steps]
     if any(failed):
         ax.bar(range(len(failed)), failed, color="tab:gray", label="generator tries that gave no valid rubric")
-    ax.set(title="failed rubric-generator tries per step", xlabel="policy step", ylabel="tries",
-           ylim=(0, max(failed, default=0) * 1.3 or 1))
+    ax.set(
+        title="failed rubric-generator tries per step",
+        xlabel="policy step",
+        ylabel="tries",
+        ylim=(0, max(failed, default=0) * 1.3 or 1),
+    )
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     finish(ax, "no failed tries" if log.steps else "no policy steps")
 
     ax = axes[3][0]
-    line(ax, *_series(log.generator_steps, "reward_mean"), color="tab:brown", marker="s",
-         label="mean rubric reward (R_disc + anchor + format)")
-    line(ax, *_series(log.generator_steps, "gen_judge_user_agreement"), color="tab:cyan", marker="D",
-         label="judge-user agreement: user-ranked pairs ordered as the users did (0..1)")
+    line(
+        ax,
+        *_series(log.generator_steps, "reward_mean"),
+        color="tab:brown",
+        marker="s",
+        label="mean rubric reward (R_disc + anchor + format)",
+    )
+    line(
+        ax,
+        *_series(log.generator_steps, "gen_judge_user_agreement"),
+        color="tab:cyan",
+        marker="D",
+        label="judge-user agreement: user-ranked pairs ordered as the users did (0..1)",
+    )
     if _series(log.generator_steps, "gen_judge_user_agreement")[0]:
         ax.axhline(0.5, label="agreement of a coin flip", **THRESHOLD)
-    ax.set(title="co-evolution: generator reward and the judge's agreement with users", xlabel="generator step",
-           ylabel="reward / share")
+    ax.set(
+        title="co-evolution: generator reward and the judge's agreement with users",
+        xlabel="generator step",
+        ylabel="reward / share",
+    )
     finish(ax, "no generator steps in this run")
 
     ax = axes[3][1]

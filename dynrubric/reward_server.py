@@ -211,13 +211,12 @@ def check_fits_client_timeout(config: RewardServerConfig) -> None:
 
 class ServerMetrics:
     def __init__(self, registry: CollectorRegistry):
-        self.requests = Counter(
-            "dynrubric_reward_requests", "reward requests answered", ["outcome"], registry=registry
-        )
+        self.requests = Counter("dynrubric_reward_requests", "reward requests answered", ["outcome"], registry=registry)
         for outcome in ("ok", "error", "rejected"):
             self.requests.labels(outcome=outcome)
         self.partial_groups = Counter(
-            "dynrubric_reward_partial_groups", "groups scored at the timeout before n samples arrived",
+            "dynrubric_reward_partial_groups",
+            "groups scored at the timeout before n samples arrived",
             registry=registry,
         )
         self.singleton_groups = Counter(
@@ -226,20 +225,26 @@ class ServerMetrics:
             registry=registry,
         )
         self.verdict_latency = Histogram(
-            "dynrubric_reward_verdict_latency_seconds", "time to verify one set",
-            buckets=LATENCY_BUCKETS, registry=registry,
+            "dynrubric_reward_verdict_latency_seconds",
+            "time to verify one set",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
         self.retries = Counter(
-            "dynrubric_reward_retried_samples", "samples that arrived again and took over their existing slot",
+            "dynrubric_reward_retried_samples",
+            "samples that arrived again and took over their existing slot",
             registry=registry,
         )
         self.cancelled = Counter(
-            "dynrubric_reward_cancelled_requests", "requests cancelled because their client went away",
+            "dynrubric_reward_cancelled_requests",
+            "requests cancelled because their client went away",
             registry=registry,
         )
         self.batch_seconds = Histogram(
-            "dynrubric_reward_scoring_seconds", "time to score one batch of closed groups (compare reward_server.scoring_time_s)",
-            buckets=LATENCY_BUCKETS, registry=registry,
+            "dynrubric_reward_scoring_seconds",
+            "time to score one batch of closed groups (compare reward_server.scoring_time_s)",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
 
 
@@ -272,12 +277,12 @@ class GroupBarrier:
         waiter: asyncio.Future[SampleResult] = loop.create_future()
         retried = self._retry_slot(key, response)
         if retried is not None:
-            group, i = retried
+            retried_group, i = retried
             self.metrics.retries.inc()
-            if group.answers is not None:
-                waiter.set_result(group.answers[i])
+            if retried_group.answers is not None:
+                waiter.set_result(retried_group.answers[i])
             else:
-                group.slots[i].waiters.append(waiter)
+                retried_group.slots[i].waiters.append(waiter)
             return waiter
         group = self.open.get(key)
         if group is None:
@@ -376,8 +381,10 @@ class GroupBarrier:
         self.recent.append({"key": group.key, "partial": group.partial, **scored.as_dict()})
         mean = sum(scored.scores) / len(scored.scores)
         rewards = scored.scores if scored.trusted else [mean] * len(scored.scores)
-        group.answers = [SampleResult(reward=finite(r), score=finite(s), logs=logs)
-                         for r, s in zip(rewards, scored.scores, strict=True)]
+        group.answers = [
+            SampleResult(reward=finite(r), score=finite(s), logs=logs)
+            for r, s in zip(rewards, scored.scores, strict=True)
+        ]
         for slot, answer in zip(group.slots, group.answers, strict=True):
             for w in slot.waiters:
                 if not w.done():
@@ -459,29 +466,39 @@ def create_app(
             body: RewardRequest = await read_json(request, RewardRequest, config.max_body_bytes)
             prompts = body.prompts
             if prompts is not None and len(prompts) != len(body.query):
-                raise BadRequest(422, "prompts", f"field 'prompts' has {len(prompts)} entries for {len(body.query)} queries")
+                raise BadRequest(
+                    422, "prompts", f"field 'prompts' has {len(prompts)} entries for {len(body.query)} queries"
+                )
         except BadRequest as e:
             return reject(e)
-        labels = body.labels if body.labels is not None and len(body.labels) == len(body.query) else [None] * len(body.query)
+        labels = (
+            body.labels if body.labels is not None and len(body.labels) == len(body.query) else [None] * len(body.query)
+        )
         forwarded = request.headers.get(FORWARDED_HEADER) == "1"
-        work = asyncio.ensure_future(asyncio.gather(
-            *(
-                one_sample(q, prompts[i] if prompts is not None else None, labels[i], forwarded)
-                for i, q in enumerate(body.query)
+        work = asyncio.ensure_future(
+            asyncio.gather(
+                *(
+                    one_sample(q, prompts[i] if prompts is not None else None, labels[i], forwarded)
+                    for i, q in enumerate(body.query)
+                )
             )
-        ))
+        )
         gone = asyncio.ensure_future(client_gone(request))
         started = time.monotonic()
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        either: set[asyncio.Future[Any]] = {work, gone}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():  # the client went away: stop waiting (its samples' slots stay for a retry)
             work.cancel()
             # a cancelled gather keeps its CancelledError as an exception: taken here, asyncio prints no
             # "_GatheringFuture exception was never retrieved" traceback when the future is collected
             work.add_done_callback(lambda f: f.cancelled() or f.exception())
             metrics.cancelled.inc()
-            log.info("cancelled a reward request for %d sample(s) after %.1f s: its client disconnected (a client "
-                     "timeout; the samples keep their slots for its retry)", len(body.query),
-                     time.monotonic() - started)
+            log.info(
+                "cancelled a reward request for %d sample(s) after %.1f s: its client disconnected (a client "
+                "timeout; the samples keep their slots for its retry)",
+                len(body.query),
+                time.monotonic() - started,
+            )
             return JSONResponse({"detail": "client disconnected"}, status_code=499)
         gone.cancel()
         try:
@@ -554,7 +571,9 @@ def build_app(settings: Any) -> FastAPI:
 
     check_fits_client_timeout(settings.reward_server)  # before the models load: fail in a second, not a minute
     generator = build_engine(settings, "generator")
-    verifier = generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
+    verifier = (
+        generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
+    )
     registry = CollectorRegistry()
     evaluator = Evaluator(generator, verifier, settings.rubric, EvaluatorMetrics(registry))
     specials = [t for t in generator.tokenizer.all_special_tokens if t]

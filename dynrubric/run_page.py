@@ -29,10 +29,14 @@ VERDICT_COLOURS = {"pass": "tab:green", "fail": "tab:red", "inconclusive": "tab:
 @dataclass
 class RunPage:
     cycles: list[dict[str, Any]] = field(default_factory=list)  # loop.CycleResult as dicts
-    rollouts: list[dict[str, Any]] = field(default_factory=list)  # id, version, baseline, status, reason, steps, started_at, updated_at
+    rollouts: list[dict[str, Any]] = field(
+        default_factory=list
+    )  # id, version, baseline, status, reason, steps, started_at, updated_at
     gate_log: list[dict[str, Any]] = field(default_factory=list)  # {"ts", "rollout", "step", "verdict", "line"}
     lineage: list[dict[str, Any]] = field(default_factory=list)  # registry checkpoints as JSON
-    requests: list[dict[str, Any]] = field(default_factory=list)  # {"ts", "request_id", "variant", "policy_version", "latency_ms", "shadow"}
+    requests: list[dict[str, Any]] = field(
+        default_factory=list
+    )  # {"ts", "request_id", "variant", "policy_version", "latency_ms", "shadow"}
     feedback: list[dict[str, Any]] = field(default_factory=list)  # {"request_id", "kind"}
     alerts: list[dict[str, Any]] = field(default_factory=list)  # {"alertname", "severity", "first", "last"}
     training_png: Path | None = None
@@ -72,8 +76,14 @@ def rollout_figure(rollout: dict[str, Any], requests: list[dict[str, Any]], gate
     for verdict, colour in VERDICT_COLOURS.items():
         points = [g for g in gates if g["verdict"] == verdict]
         if points:
-            ax.scatter([g["ts"] - start for g in points], [rollout["steps"][g["step"]] for g in points], color=colour,
-                       marker="s", zorder=3, label=f"gate: {verdict}")
+            ax.scatter(
+                [g["ts"] - start for g in points],
+                [rollout["steps"][g["step"]] for g in points],
+                color=colour,
+                marker="s",
+                zorder=3,
+                label=f"gate: {verdict}",
+            )
     ax.set_ylim(0, 1)
     ax.set_xlabel("seconds since the rollout started")
     ax.set_ylabel("share of requests (0..1)")
@@ -99,8 +109,17 @@ def arm_rows(requests: list[dict[str, Any]], feedback: list[dict[str, Any]]) -> 
         rated = [r for r in rs if kinds[r["request_id"]] & {"thumbs_up", "thumbs_down"}]
         up = sum("thumbs_up" in kinds[r["request_id"]] for r in rated)
         regen = sum("regenerate" in kinds[r["request_id"]] for r in rs)
-        out.append([variant, version, str(len(rs)), f"{statistics.median(latency):.0f}", f"{p95:.0f}",
-                    f"{up / len(rated):.2f} of {len(rated)}" if rated else "-", f"{regen / len(rs):.2f}"])
+        out.append(
+            [
+                variant,
+                version,
+                str(len(rs)),
+                f"{statistics.median(latency):.0f}",
+                f"{p95:.0f}",
+                f"{up / len(rated):.2f} of {len(rated)}" if rated else "-",
+                f"{regen / len(rs):.2f}",
+            ]
+        )
     return out
 
 
@@ -123,18 +142,44 @@ white-space:pre-wrap}"""
 
 def render_html(page: RunPage, out: Path) -> Path:
     """Write `out` (run.html) and the PNGs it embeds beside it (`rollout-<id>.png`)."""
-    parts = [f"<!doctype html><html lang=en><head><meta charset=utf-8><title>dynrubric run report</title>"
-             f"<style>{STYLE}</style></head><body><h1>dynrubric run report</h1>"]
+    parts = [
+        f"<!doctype html><html lang=en><head><meta charset=utf-8><title>dynrubric run report</title>"
+        f"<style>{STYLE}</style></head><body><h1>dynrubric run report</h1>"
+    ]
     parts.append("<h2>Cycles</h2>")
-    parts.append(_table(["cycle", "round", "version", "round result", "rollout decision", "reason", "serving after",
-                         "registered -> canary serving"],
-                        [[c["cycle"], c["round"], c["version"], c["round_state"], c["decision"], c["reason"], c["serving"],
-                          "-" if c["registered_to_canary_s"] is None else f"{c['registered_to_canary_s']:.1f} s"]
-                         for c in page.cycles]))
+    parts.append(
+        _table(
+            [
+                "cycle",
+                "round",
+                "version",
+                "round result",
+                "rollout decision",
+                "reason",
+                "serving after",
+                "registered -> canary serving",
+            ],
+            [
+                [
+                    c["cycle"],
+                    c["round"],
+                    c["version"],
+                    c["round_state"],
+                    c["decision"],
+                    c["reason"],
+                    c["serving"],
+                    "-" if c["registered_to_canary_s"] is None else f"{c['registered_to_canary_s']:.1f} s",
+                ]
+                for c in page.cycles
+            ],
+        )
+    )
     parts.append("<h2>Training</h2>")
     if page.training_png is not None and page.training_png.is_file():
-        parts.append("<p>Reward, KL against the guard's limit, score gaps and non-splitting items against the "
-                     "collapse thresholds, rubric sources, generator reward, held-out reward per round.</p>")
+        parts.append(
+            "<p>Reward, KL against the guard's limit, score gaps and non-splitting items against the "
+            "collapse thresholds, rubric sources, generator reward, held-out reward per round.</p>"
+        )
         parts.append(_img(page.training_png.read_bytes(), "training panels"))
     else:
         parts.append("<p>no training run log yet</p>")
@@ -146,23 +191,55 @@ def render_html(page: RunPage, out: Path) -> Path:
         parts.append(f"<h3 class={html.escape(r['status'])}>{html.escape(r['id'])}: {html.escape(r['status'])}</h3>")
         parts.append(f"<p>{html.escape(r.get('reason') or '')}</p>")
         plan = (r.get("plan") or {}).get("lines")
-        parts.append(f"<pre class=plan>{html.escape(chr(10).join(plan))}</pre>" if plan else
-                     "<p>no gate power plan recorded (a rollout of an older version)</p>")
+        parts.append(
+            f"<pre class=plan>{html.escape(chr(10).join(plan))}</pre>"
+            if plan
+            else "<p>no gate power plan recorded (a rollout of an older version)</p>"
+        )
         parts.append(_img(png, f"traffic share of {r['id']}"))
-        parts.append(_table(["time", "gate evaluation"], [[f"{g['ts'] - r['started_at']:.0f} s", g["line"]]
-                                                          for g in gates]))
+        parts.append(
+            _table(["time", "gate evaluation"], [[f"{g['ts'] - r['started_at']:.0f} s", g["line"]] for g in gates])
+        )
     if not page.rollouts:
         parts.append("<p>none</p>")
     parts.append("<h2>Arms: latency and feedback</h2>")
-    parts.append(_table(["arm", "policy version", "requests", "p50 latency ms", "p95 latency ms", "thumbs-up rate",
-                         "regenerate rate"], arm_rows(page.requests, page.feedback)))
+    parts.append(
+        _table(
+            [
+                "arm",
+                "policy version",
+                "requests",
+                "p50 latency ms",
+                "p95 latency ms",
+                "thumbs-up rate",
+                "regenerate rate",
+            ],
+            arm_rows(page.requests, page.feedback),
+        )
+    )
     parts.append("<h2>Alerts Prometheus fired</h2>")
-    parts.append(_table(["alert", "severity", "first firing", "last firing"],
-                        [[a["alertname"], a.get("severity", ""), a["first"], a["last"]] for a in page.alerts]))
+    parts.append(
+        _table(
+            ["alert", "severity", "first firing", "last firing"],
+            [[a["alertname"], a.get("severity", ""), a["first"], a["last"]] for a in page.alerts],
+        )
+    )
     parts.append("<h2>Lineage of policy versions</h2>")
-    parts.append(_table(["version", "parent", "round", "state", "reason"],
-                        [[c["version"], c["parent"] or "-", "-" if c["round"] is None else c["round"], c["state"],
-                          c.get("reason") or ""] for c in page.lineage]))
+    parts.append(
+        _table(
+            ["version", "parent", "round", "state", "reason"],
+            [
+                [
+                    c["version"],
+                    c["parent"] or "-",
+                    "-" if c["round"] is None else c["round"],
+                    c["state"],
+                    c.get("reason") or "",
+                ]
+                for c in page.lineage
+            ],
+        )
+    )
     parts.append("</body></html>")
     atomic.write_text(out, "".join(parts))
     return out

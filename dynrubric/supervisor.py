@@ -51,15 +51,26 @@ class _Child:
 
 
 class Supervisor:
-    def __init__(self, log_dir: Path, metrics: CollectorRegistry, log: Callable[[str], None],
-                 health_interval_s: float = 2.0, max_restarts: int = 5, unhealthy_after: int = 3):
+    def __init__(
+        self,
+        log_dir: Path,
+        metrics: CollectorRegistry,
+        log: Callable[[str], None],
+        health_interval_s: float = 2.0,
+        max_restarts: int = 5,
+        unhealthy_after: int = 3,
+    ):
         self.log_dir = log_dir
         self.log = log
         self.health_interval_s = health_interval_s
         self.max_restarts = max_restarts
         self.unhealthy_after = unhealthy_after
-        self.restarts = Counter("dynrubric_restarts_total", "child processes of the main job restarted after "
-                                "dying or failing their health checks", ["component"], registry=metrics)
+        self.restarts = Counter(
+            "dynrubric_restarts_total",
+            "child processes of the main job restarted after dying or failing their health checks",
+            ["component"],
+            registry=metrics,
+        )
         self._children: dict[str, _Child] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -77,8 +88,12 @@ class Supervisor:
         atomic.write_text(self.log_dir / f"{name}.pid", f"{pid}\n")
 
     def restart_counts(self) -> dict[str, int]:
-        return {s.labels["component"]: int(s.value) for m in self.restarts.collect() for s in m.samples
-                if s.name.endswith("_total")}
+        return {
+            s.labels["component"]: int(s.value)
+            for m in self.restarts.collect()
+            for s in m.samples
+            if s.name.endswith("_total")
+        }
 
     # ------------------------------------------------------------ services
     def start(self, spec: ChildSpec) -> None:
@@ -98,14 +113,17 @@ class Supervisor:
 
     def _wait_ready(self, child: _Child) -> None:
         spec = child.spec
-        if spec.health_url is None:
+        url = spec.health_url
+        if url is None:
             return
-        if wait_until(child.proc, lambda: http_ok(spec.health_url, 2.0), spec.start_timeout_s, 0.3):
+        if wait_until(child.proc, lambda: http_ok(url, 2.0), spec.start_timeout_s, 0.3):
             child.ready = True
             return
-        raise DynrubricError(f"{spec.name} did not become healthy within {spec.start_timeout_s:.0f} s "
-                             f"(exit code {child.proc.poll()}): {log_tail(self.log_path(spec.name))}",
-                             f"read {self.log_path(spec.name)}")
+        raise DynrubricError(
+            f"{spec.name} did not become healthy within {spec.start_timeout_s:.0f} s "
+            f"(exit code {child.proc.poll()}): {log_tail(self.log_path(spec.name))}",
+            f"read {self.log_path(spec.name)}",
+        )
 
     def process(self, name: str) -> subprocess.Popen:
         return self._children[name].proc
@@ -139,8 +157,10 @@ class Supervisor:
     def _restart(self, child: _Child, reason: str) -> None:
         if child.restarts >= self.max_restarts:
             child.given_up = True
-            self.log(f"giving up on {child.spec.name}: {reason}, after {child.restarts} restarts "
-                     f"(log {self.log_path(child.spec.name)})")
+            self.log(
+                f"giving up on {child.spec.name}: {reason}, after {child.restarts} restarts "
+                f"(log {self.log_path(child.spec.name)})"
+            )
             return
         child.restarts += 1
         child.failed_checks = 0
@@ -152,8 +172,10 @@ class Supervisor:
         """Raise when a service was given up on (the main job cannot go on without it)."""
         for child in self._children.values():
             if child.given_up:
-                raise DynrubricError(f"{child.spec.name} keeps dying ({child.restarts} restarts)",
-                                     f"read {self.log_path(child.spec.name)}")
+                raise DynrubricError(
+                    f"{child.spec.name} keeps dying ({child.restarts} restarts)",
+                    f"read {self.log_path(child.spec.name)}",
+                )
 
     # ------------------------------------------------------------ jobs
     def run_job(self, spec: ChildSpec) -> None:
@@ -174,8 +196,10 @@ class Supervisor:
                 restarts += 1
                 self.record_restart(spec.name, f"killed by signal {-rc}")
                 continue
-            raise DynrubricError(f"{spec.name} failed with exit code {rc}: {log_tail(self.log_path(spec.name))}",
-                                 f"read {self.log_path(spec.name)}")
+            raise DynrubricError(
+                f"{spec.name} failed with exit code {rc}: {log_tail(self.log_path(spec.name))}",
+                f"read {self.log_path(spec.name)}",
+            )
 
     def stop(self) -> None:
         self._stop.set()

@@ -93,12 +93,18 @@ def demo_changes() -> str:
     _demo_caps(demo)
     before, after = _flat(plain.model_dump(mode="json")), _flat(demo.model_dump(mode="json"))
     rows = ["| key | default | with `--demo` |", "|---|---|---|"]
-    rows += [f"| `{k}` | `{json.dumps(before[k])}` | `{json.dumps(after[k])}` |"
-             for k in sorted(after) if after[k] != before.get(k)]
-    return ("## What `dynrubric up --demo` changes\n\n`--demo` is on by default for `up` (`--no-demo` turns it off): "
-            "round sizes, optimiser and gate sample sizes that a 2-core CPU gets through in minutes. Sizes are caps "
-            "and minimums floors, so a config that asks for less (or more) keeps it. Computed from the defaults:\n\n"
-            + "\n".join(rows) + "\n")
+    rows += [
+        f"| `{k}` | `{json.dumps(before[k])}` | `{json.dumps(after[k])}` |"
+        for k in sorted(after)
+        if after[k] != before.get(k)
+    ]
+    return (
+        "## What `dynrubric up --demo` changes\n\n`--demo` is on by default for `up` (`--no-demo` turns it off): "
+        "round sizes, optimiser and gate sample sizes that a 2-core CPU gets through in minutes. Sizes are caps "
+        "and minimums floors, so a config that asks for less (or more) keeps it. Computed from the defaults:\n\n"
+        + "\n".join(rows)
+        + "\n"
+    )
 
 
 def build() -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from functools import partial
 from pathlib import Path
 
 OFF_TOPIC = [
@@ -30,24 +31,36 @@ OFF_TOPIC = [
 # ---------------------------------------------------------------- arithmetic word problems
 # each: (question template, correct steps, slip step index, wrong-method steps); numbers filled at random
 ARITHMETIC = [
-    ("A baker makes {a} trays of {b} cookies and sells {c} cookies. How many cookies are left?",
-     lambda a, b, c: [(f"{a} x {b}", a * b), (f"{a * b} - {c}", a * b - c)],
-     lambda a, b, c: [(f"{a} + {b}", a + b), (f"{a + b} - {c}", a + b - c)]),
-    ("Sam has {a} marbles and buys {b} bags with {c} marbles in each. How many marbles does Sam have now?",
-     lambda a, b, c: [(f"{b} x {c}", b * c), (f"{a} + {b * c}", a + b * c)],
-     lambda a, b, c: [(f"{a} + {b} + {c}", a + b + c)]),
-    ("A train travels at {a} km per hour for {b} hours and then {c} km more. How far does it travel in total?",
-     lambda a, b, c: [(f"{a} x {b}", a * b), (f"{a * b} + {c}", a * b + c)],
-     lambda a, b, c: [(f"{a} + {b}", a + b), (f"{a + b} + {c}", a + b + c)]),
-    ("A shop has {a} boxes of {b} pens. It gives away {c} pens. How many pens does it keep?",
-     lambda a, b, c: [(f"{a} x {b}", a * b), (f"{a * b} - {c}", a * b - c)],
-     lambda a, b, c: [(f"{a} x {b} x {c}", a * b * c)]),
-    ("Mia reads {a} pages a day for {b} days, then {c} pages on the last day. How many pages does she read?",
-     lambda a, b, c: [(f"{a} x {b}", a * b), (f"{a * b} + {c}", a * b + c)],
-     lambda a, b, c: [(f"{a} + {b} + {c}", a + b + c)]),
-    ("A farmer has {a} rows of {b} apple trees. {c} trees are cut down. How many trees remain?",
-     lambda a, b, c: [(f"{a} x {b}", a * b), (f"{a * b} - {c}", a * b - c)],
-     lambda a, b, c: [(f"{a} + {b}", a + b), (f"{a + b} - {c}", a + b - c)]),
+    (
+        "A baker makes {a} trays of {b} cookies and sells {c} cookies. How many cookies are left?",
+        lambda a, b, c: [(f"{a} x {b}", a * b), (f"{a * b} - {c}", a * b - c)],
+        lambda a, b, c: [(f"{a} + {b}", a + b), (f"{a + b} - {c}", a + b - c)],
+    ),
+    (
+        "Sam has {a} marbles and buys {b} bags with {c} marbles in each. How many marbles does Sam have now?",
+        lambda a, b, c: [(f"{b} x {c}", b * c), (f"{a} + {b * c}", a + b * c)],
+        lambda a, b, c: [(f"{a} + {b} + {c}", a + b + c)],
+    ),
+    (
+        "A train travels at {a} km per hour for {b} hours and then {c} km more. How far does it travel in total?",
+        lambda a, b, c: [(f"{a} x {b}", a * b), (f"{a * b} + {c}", a * b + c)],
+        lambda a, b, c: [(f"{a} + {b}", a + b), (f"{a + b} + {c}", a + b + c)],
+    ),
+    (
+        "A shop has {a} boxes of {b} pens. It gives away {c} pens. How many pens does it keep?",
+        lambda a, b, c: [(f"{a} x {b}", a * b), (f"{a * b} - {c}", a * b - c)],
+        lambda a, b, c: [(f"{a} x {b} x {c}", a * b * c)],
+    ),
+    (
+        "Mia reads {a} pages a day for {b} days, then {c} pages on the last day. How many pages does she read?",
+        lambda a, b, c: [(f"{a} x {b}", a * b), (f"{a * b} + {c}", a * b + c)],
+        lambda a, b, c: [(f"{a} + {b} + {c}", a + b + c)],
+    ),
+    (
+        "A farmer has {a} rows of {b} apple trees. {c} trees are cut down. How many trees remain?",
+        lambda a, b, c: [(f"{a} x {b}", a * b), (f"{a * b} - {c}", a * b - c)],
+        lambda a, b, c: [(f"{a} + {b}", a + b), (f"{a + b} - {c}", a + b - c)],
+    ),
 ]
 
 
@@ -114,10 +127,43 @@ FILLER = ["it", "feels", "calm", "and", "bright", "with", "many", "small", "deta
 
 
 def _sentence_words(rng: random.Random, topic_words: list[str], n: int) -> list[str]:
-    words = []
+    words: list[str] = []
     while len(words) < n:
         words.append(rng.choice(topic_words + FILLER))
     return words
+
+
+def _instruction_response(
+    rng: random.Random,
+    words: list[str],
+    required: str,
+    forbidden: str,
+    end_word: str,
+    limit: int,
+    fifth: str,
+    broken: set[str],
+) -> str:
+    """A response to an instruction question meeting every constraint except those in `broken`."""
+    pool = [w for w in words if w not in (required, forbidden, end_word)]
+    body = _sentence_words(rng, pool, rng.randint(8, 14))
+    if "required" not in broken:
+        body.insert(rng.randrange(len(body)), required)
+    if "forbidden" in broken:
+        body.insert(rng.randrange(len(body)), forbidden)
+    if "limit" in broken:
+        body += _sentence_words(rng, pool, limit + 5 - len(body))
+    text = " ".join(body)
+    if "end" not in broken:
+        text += f" {end_word}"
+    if fifth == "no_commas" and "no_commas" in broken:
+        parts = text.split(" ")
+        parts[2] += ","
+        parts[len(parts) // 2] += ","
+        text = " ".join(parts)
+    text = text[0].upper() + text[1:] + "."
+    if fifth == "lowercase" and "lowercase" not in broken:
+        text = text.lower()
+    return text
 
 
 def instruction_sets(rng: random.Random, n_ordered: int, n_equal: int) -> list[dict]:
@@ -132,8 +178,8 @@ def instruction_sets(rng: random.Random, n_ordered: int, n_equal: int) -> list[d
         fifth_text = "Do not use any commas." if fifth == "no_commas" else "Write everything in lowercase letters."
         if phrasing == 0:
             question = (
-                f"Write a short description of {topic} in at most {limit} words. Include the word \"{required}\". "
-                f"Do not use the word \"{forbidden}\". End your response with the word \"{end_word}\". {fifth_text}"
+                f'Write a short description of {topic} in at most {limit} words. Include the word "{required}". '
+                f'Do not use the word "{forbidden}". End your response with the word "{end_word}". {fifth_text}'
             )
         elif phrasing == 1:
             question = (
@@ -147,27 +193,7 @@ def instruction_sets(rng: random.Random, n_ordered: int, n_equal: int) -> list[d
             )
         constraints = ["limit", "required", "forbidden", "end", fifth]
 
-        def respond(broken: set[str]) -> str:
-            pool = [w for w in words if w not in (required, forbidden, end_word)]
-            body = _sentence_words(rng, pool, rng.randint(8, 14))
-            if "required" not in broken:
-                body.insert(rng.randrange(len(body)), required)
-            if "forbidden" in broken:
-                body.insert(rng.randrange(len(body)), forbidden)
-            if "limit" in broken:
-                body += _sentence_words(rng, pool, limit + 5 - len(body))
-            text = " ".join(body)
-            if "end" not in broken:
-                text += f" {end_word}"
-            if fifth == "no_commas" and "no_commas" in broken:
-                parts = text.split(" ")
-                parts[2] += ","
-                parts[len(parts) // 2] += ","
-                text = " ".join(parts)
-            text = text[0].upper() + text[1:] + "."
-            if fifth == "lowercase" and "lowercase" not in broken:
-                text = text.lower()
-            return text
+        respond = partial(_instruction_response, rng, words, required, forbidden, end_word, limit, fifth)
 
         if n < n_ordered:
             order = rng.sample(constraints, 5)
@@ -182,17 +208,47 @@ def instruction_sets(rng: random.Random, n_ordered: int, n_equal: int) -> list[d
 # ---------------------------------------------------------------- factual questions with graded wrong answers
 # (question, correct, reason, near miss, clearly wrong)
 FACTS = [
-    ("What is the capital of Australia?", "Canberra", "It was purpose-built as the seat of government.", "Sydney", "Nairobi"),
+    (
+        "What is the capital of Australia?",
+        "Canberra",
+        "It was purpose-built as the seat of government.",
+        "Sydney",
+        "Nairobi",
+    ),
     ("How many legs does a spider have?", "8", "All arachnids have four pairs of legs.", "6", "100"),
     ("What is the chemical symbol for gold?", "Au", "It comes from the Latin word aurum.", "Ag", "Fe"),
     ("In what year did the Second World War end?", "1945", "Germany and Japan surrendered that year.", "1944", "1812"),
     ("What planet is closest to the Sun?", "Mercury", "It orbits the Sun in about 88 days.", "Venus", "Neptune"),
     ("How many continents are there on Earth?", "7", "The usual count lists seven landmasses.", "6", "12"),
-    ("Who wrote the play Romeo and Juliet?", "William Shakespeare", "He wrote it in the 1590s.", "Christopher Marlowe", "Charles Dickens"),
-    ("At what temperature in Celsius does water boil at sea level?", "100", "That is the boiling point at standard pressure.", "90", "0"),
-    ("What is the largest ocean on Earth?", "the Pacific Ocean", "It covers about a third of the planet's surface.", "the Atlantic Ocean", "the Caspian Sea"),
+    (
+        "Who wrote the play Romeo and Juliet?",
+        "William Shakespeare",
+        "He wrote it in the 1590s.",
+        "Christopher Marlowe",
+        "Charles Dickens",
+    ),
+    (
+        "At what temperature in Celsius does water boil at sea level?",
+        "100",
+        "That is the boiling point at standard pressure.",
+        "90",
+        "0",
+    ),
+    (
+        "What is the largest ocean on Earth?",
+        "the Pacific Ocean",
+        "It covers about a third of the planet's surface.",
+        "the Atlantic Ocean",
+        "the Caspian Sea",
+    ),
     ("How many sides does a hexagon have?", "6", "The prefix hexa means six.", "8", "3"),
-    ("What gas do plants absorb from the air for photosynthesis?", "carbon dioxide", "They use it with water and light to make sugar.", "oxygen", "helium"),
+    (
+        "What gas do plants absorb from the air for photosynthesis?",
+        "carbon dioxide",
+        "They use it with water and light to make sugar.",
+        "oxygen",
+        "helium",
+    ),
     ("How many minutes are in an hour?", "60", "An hour is divided into sixty minutes.", "100", "12"),
 ]
 
@@ -213,8 +269,12 @@ def factual_sets(rng: random.Random, n_ordered: int, n_equal: int) -> list[dict]
             out.append(_ordered(question, responses, "factual", rng))
         else:
             responses = [
-                f"The answer is {correct}.", f"{correct}.", f"It is {correct}.",
-                f"The correct answer is {correct}.", f"{correct}, as far as I know.", f"I would say {correct}.",
+                f"The answer is {correct}.",
+                f"{correct}.",
+                f"It is {correct}.",
+                f"The correct answer is {correct}.",
+                f"{correct}, as far as I know.",
+                f"I would say {correct}.",
             ]
             out.append({"prompt": question, "responses": responses, "collapsed": True, "kind": "factual"})
     return out
@@ -231,14 +291,14 @@ def _ordered(question: str, best_to_worst: list[str], kind: str, rng: random.Ran
 
 def build(seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
-    return (
-        arithmetic_sets(rng, 22, 8) + instruction_sets(rng, 22, 8) + factual_sets(rng, 22, 8)
-    )
+    return arithmetic_sets(rng, 22, 8) + instruction_sets(rng, 22, 8) + factual_sets(rng, 22, 8)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "dynrubric/data/judge_benchmark.jsonl")
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).resolve().parents[1] / "dynrubric/data/judge_benchmark.jsonl"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     sets = build(args.seed)

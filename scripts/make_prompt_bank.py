@@ -20,49 +20,137 @@ import argparse
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 BASE_QUESTIONS = [
-    "Describe a sunset over the sea.", "Explain why the sky is blue.", "Write a short note inviting a friend to lunch.",
-    "Give advice to someone who wants to start running.", "Describe your ideal weekend.", "Explain how a bicycle works.",
-    "Write a product description for a reusable water bottle.", "Tell me about the moon.", "Describe a busy market.",
-    "Explain what a library is for.", "Write a thank-you message to a teacher.", "Describe the taste of an apple.",
-    "Explain how plants grow.", "Give tips for a job interview.", "Describe a rainy day in a city.",
-    "Explain why people need sleep.", "Write a short story about a lost cat.", "Describe a mountain village.",
-    "Explain how to make a cup of tea.", "Give reasons to learn a second language.", "Describe a winter morning.",
-    "Explain what money is.", "Write an announcement for a school picnic.", "Describe a train journey.",
-    "Explain how bees make honey.", "Give advice for saving money.", "Describe an old lighthouse.",
-    "Explain why exercise is healthy.", "Write a review of a small cafe.", "Describe a garden in spring.",
-    "Explain how a compass works.", "Give tips for studying for an exam.", "Describe a birthday party.",
-    "Explain what clouds are made of.", "Write a short poem about the ocean.", "Describe a quiet forest.",
-    "Explain how to plant a tree.", "Give advice for a first day at a new job.", "Describe a city at night.",
-    "Explain why recycling matters.", "Write a message welcoming new neighbours.", "Describe a summer festival.",
-    "Explain how rain forms.", "Give tips for keeping a houseplant alive.", "Describe a visit to a museum.",
-    "Explain what a volcano is.", "Write a short speech for a friend's wedding.", "Describe the smell of fresh bread.",
-    "Explain how the heart works.", "Give advice for a long flight.", "Describe a snowy mountain.",
-    "Explain why the seasons change.", "Write a postcard from a beach holiday.", "Describe a football match.",
-    "Explain how a refrigerator keeps food cold.", "Give tips for cooking rice.", "Describe a desert at noon.",
-    "Explain what gravity does.", "Write a note apologising for being late.", "Describe a farmers market.",
-    "Explain how a rainbow appears.", "Give advice for learning to swim.", "Describe a small fishing boat.",
-    "Explain why we have time zones.", "Write a short ad for a bakery.", "Describe a walk along a river.",
-    "Explain how vaccines help the body.", "Give tips for a good night's sleep.", "Describe a crowded subway car.",
-    "Explain what a budget is.", "Write a welcome message for a new club member.", "Describe autumn leaves.",
-    "Explain how a battery stores energy.", "Give advice for moving to a new city.", "Describe a thunderstorm.",
-    "Explain why the ocean is salty.", "Write a short letter to a pen pal.", "Describe your favourite meal.",
-    "Explain how airplanes stay in the air.", "Give tips for writing a clear email.", "Describe a quiet library.",
-    "Explain what photosynthesis is.", "Write a short story about a brave mouse.", "Describe a campfire at night.",
-    "Explain how a camera takes a picture.", "Give advice for a road trip.", "Describe a hot summer afternoon.",
-    "Explain why bread rises.", "Write an invitation to a board game night.", "Describe a harbour at dawn.",
-    "Explain what an election is.", "Give tips for staying focused at work.", "Describe a snowman.",
-    "Explain how wind turbines make electricity.", "Write a short review of a favourite book.",
-    "Describe the first day of school.", "Explain why we should drink water.", "Give advice for a picnic.",
-    "Describe a zoo on a busy day.", "Explain how a clock keeps time.", "Write a motivational note for a friend.",
-    "Describe a cup of hot chocolate.", "Explain what friendship means.", "Give tips for learning to draw.",
+    "Describe a sunset over the sea.",
+    "Explain why the sky is blue.",
+    "Write a short note inviting a friend to lunch.",
+    "Give advice to someone who wants to start running.",
+    "Describe your ideal weekend.",
+    "Explain how a bicycle works.",
+    "Write a product description for a reusable water bottle.",
+    "Tell me about the moon.",
+    "Describe a busy market.",
+    "Explain what a library is for.",
+    "Write a thank-you message to a teacher.",
+    "Describe the taste of an apple.",
+    "Explain how plants grow.",
+    "Give tips for a job interview.",
+    "Describe a rainy day in a city.",
+    "Explain why people need sleep.",
+    "Write a short story about a lost cat.",
+    "Describe a mountain village.",
+    "Explain how to make a cup of tea.",
+    "Give reasons to learn a second language.",
+    "Describe a winter morning.",
+    "Explain what money is.",
+    "Write an announcement for a school picnic.",
+    "Describe a train journey.",
+    "Explain how bees make honey.",
+    "Give advice for saving money.",
+    "Describe an old lighthouse.",
+    "Explain why exercise is healthy.",
+    "Write a review of a small cafe.",
+    "Describe a garden in spring.",
+    "Explain how a compass works.",
+    "Give tips for studying for an exam.",
+    "Describe a birthday party.",
+    "Explain what clouds are made of.",
+    "Write a short poem about the ocean.",
+    "Describe a quiet forest.",
+    "Explain how to plant a tree.",
+    "Give advice for a first day at a new job.",
+    "Describe a city at night.",
+    "Explain why recycling matters.",
+    "Write a message welcoming new neighbours.",
+    "Describe a summer festival.",
+    "Explain how rain forms.",
+    "Give tips for keeping a houseplant alive.",
+    "Describe a visit to a museum.",
+    "Explain what a volcano is.",
+    "Write a short speech for a friend's wedding.",
+    "Describe the smell of fresh bread.",
+    "Explain how the heart works.",
+    "Give advice for a long flight.",
+    "Describe a snowy mountain.",
+    "Explain why the seasons change.",
+    "Write a postcard from a beach holiday.",
+    "Describe a football match.",
+    "Explain how a refrigerator keeps food cold.",
+    "Give tips for cooking rice.",
+    "Describe a desert at noon.",
+    "Explain what gravity does.",
+    "Write a note apologising for being late.",
+    "Describe a farmers market.",
+    "Explain how a rainbow appears.",
+    "Give advice for learning to swim.",
+    "Describe a small fishing boat.",
+    "Explain why we have time zones.",
+    "Write a short ad for a bakery.",
+    "Describe a walk along a river.",
+    "Explain how vaccines help the body.",
+    "Give tips for a good night's sleep.",
+    "Describe a crowded subway car.",
+    "Explain what a budget is.",
+    "Write a welcome message for a new club member.",
+    "Describe autumn leaves.",
+    "Explain how a battery stores energy.",
+    "Give advice for moving to a new city.",
+    "Describe a thunderstorm.",
+    "Explain why the ocean is salty.",
+    "Write a short letter to a pen pal.",
+    "Describe your favourite meal.",
+    "Explain how airplanes stay in the air.",
+    "Give tips for writing a clear email.",
+    "Describe a quiet library.",
+    "Explain what photosynthesis is.",
+    "Write a short story about a brave mouse.",
+    "Describe a campfire at night.",
+    "Explain how a camera takes a picture.",
+    "Give advice for a road trip.",
+    "Describe a hot summer afternoon.",
+    "Explain why bread rises.",
+    "Write an invitation to a board game night.",
+    "Describe a harbour at dawn.",
+    "Explain what an election is.",
+    "Give tips for staying focused at work.",
+    "Describe a snowman.",
+    "Explain how wind turbines make electricity.",
+    "Write a short review of a favourite book.",
+    "Describe the first day of school.",
+    "Explain why we should drink water.",
+    "Give advice for a picnic.",
+    "Describe a zoo on a busy day.",
+    "Explain how a clock keeps time.",
+    "Write a motivational note for a friend.",
+    "Describe a cup of hot chocolate.",
+    "Explain what friendship means.",
+    "Give tips for learning to draw.",
 ]
 
 # instruction id -> its arguments, drawn so that a short answer can meet it (None: no arguments)
 KEYWORD_POOL = [
-    "light", "water", "friend", "morning", "simple", "green", "home", "story", "happy", "quiet", "bright", "small",
-    "warm", "fresh", "road", "music", "garden", "market", "smile", "window",
+    "light",
+    "water",
+    "friend",
+    "morning",
+    "simple",
+    "green",
+    "home",
+    "story",
+    "happy",
+    "quiet",
+    "bright",
+    "small",
+    "warm",
+    "fresh",
+    "road",
+    "music",
+    "garden",
+    "market",
+    "smile",
+    "window",
 ]
 
 
@@ -78,15 +166,27 @@ ARGUMENTS = {
     "detectable_format:title": lambda r: {},
     "keywords:existence": lambda r: {"keywords": _two(r)},
     "keywords:forbidden_words": lambda r: {"forbidden_words": _two(r)},
-    "keywords:frequency": lambda r: {"keyword": r.choice(KEYWORD_POOL), "frequency": r.choice([2, 3]),
-                                     "relation": "at least"},
-    "keywords:letter_frequency": lambda r: {"letter": r.choice("bcdfgkmpw"), "let_frequency": r.choice([2, 3]),
-                                            "let_relation": "at least"},
-    "length_constraints:number_words": lambda r: r.choice([
-        {"num_words": r.choice([10, 15, 20, 25, 30]), "relation": "less than"},
-        {"num_words": r.choice([5, 8, 10, 15]), "relation": "at least"}]),
-    "startend:end_checker": lambda r: {"end_phrase": r.choice([
-        "Any other questions?", "Is there anything else I can help with?", "That is all.", "Hope this helps."])},
+    "keywords:frequency": lambda r: {
+        "keyword": r.choice(KEYWORD_POOL),
+        "frequency": r.choice([2, 3]),
+        "relation": "at least",
+    },
+    "keywords:letter_frequency": lambda r: {
+        "letter": r.choice("bcdfgkmpw"),
+        "let_frequency": r.choice([2, 3]),
+        "let_relation": "at least",
+    },
+    "length_constraints:number_words": lambda r: r.choice(
+        [
+            {"num_words": r.choice([10, 15, 20, 25, 30]), "relation": "less than"},
+            {"num_words": r.choice([5, 8, 10, 15]), "relation": "at least"},
+        ]
+    ),
+    "startend:end_checker": lambda r: {
+        "end_phrase": r.choice(
+            ["Any other questions?", "Is there anything else I can help with?", "That is all.", "Hope this helps."]
+        )
+    },
     "detectable_content:postscript": lambda r: {"postscript_marker": r.choice(["P.S.", "P.P.S"])},
     "detectable_format:number_highlighted_sections": lambda r: {"num_highlights": r.choice([1, 2])},
     "detectable_format:constrained_response": lambda r: {},
@@ -95,8 +195,10 @@ ARGUMENTS = {
     "detectable_format:json_format": lambda r: {},
     "combination:two_responses": lambda r: {},
     "length_constraints:number_paragraphs": lambda r: {"num_paragraphs": 2},
-    "detectable_format:multiple_sections": lambda r: {"section_spliter": r.choice(["Section", "SECTION"]),
-                                                      "num_sections": 2},
+    "detectable_format:multiple_sections": lambda r: {
+        "section_spliter": r.choice(["Section", "SECTION"]),
+        "num_sections": 2,
+    },
     "combination:repeat_prompt": None,  # its argument is the request itself
 }
 # pairs that cannot both hold, or that make one answer too long for the demo's 48 tokens
@@ -105,9 +207,14 @@ CONFLICTS = {
     frozenset({"detectable_format:json_format", "startend:quotation"}),
     frozenset({"detectable_format:constrained_response", "combination:two_responses"}),
 }
-NO_SECOND = {"detectable_format:constrained_response", "combination:repeat_prompt", "combination:two_responses",
-             "detectable_format:json_format", "detectable_format:multiple_sections",
-             "length_constraints:number_paragraphs"}
+NO_SECOND = {
+    "detectable_format:constrained_response",
+    "combination:repeat_prompt",
+    "combination:two_responses",
+    "detectable_format:json_format",
+    "detectable_format:multiple_sections",
+    "length_constraints:number_paragraphs",
+}
 
 OPS = [("+", lambda a, b: a + b), ("-", lambda a, b: a - b), ("*", lambda a, b: a * b)]
 
@@ -117,8 +224,7 @@ def instruction_prompt(rng: random.Random, first: str, base: str, second: bool) 
 
     ids = [first]
     if second and first not in NO_SECOND:
-        others = [i for i in ARGUMENTS if i not in NO_SECOND and i != first
-                  and frozenset({first, i}) not in CONFLICTS]
+        others = [i for i in ARGUMENTS if i not in NO_SECOND and i != first and frozenset({first, i}) not in CONFLICTS]
         ids.append(rng.choice(others))
     parts, instructions = [base], []
     for iid in ids:
@@ -133,20 +239,27 @@ def instruction_prompt(rng: random.Random, first: str, base: str, second: bool) 
         checker = INSTRUCTION_DICT["combination:repeat_prompt"]("combination:repeat_prompt")
         parts.append(checker.build_description(prompt_to_repeat=request))
         instructions.append({"id": "combination:repeat_prompt", "kwargs": {"prompt_to_repeat": request}})
-    return {"kind": "instruction", "messages": [{"role": "user", "content": " ".join(parts)}],
-            "instructions": instructions}
+    return {
+        "kind": "instruction",
+        "messages": [{"role": "user", "content": " ".join(parts)}],
+        "instructions": instructions,
+    }
 
 
 def arithmetic_prompt(rng: random.Random) -> dict:
     sym, fn = rng.choice(OPS)
     a, b = (rng.randint(2, 12), rng.randint(2, 12)) if sym == "*" else (rng.randint(10, 99), rng.randint(2, 60))
-    return {"kind": "arithmetic", "messages": [{"role": "user", "content": f"What is {a} {sym} {b}? "
-                                                "Answer with the number only."}], "answer": float(fn(a, b))}
+    return {
+        "kind": "arithmetic",
+        "messages": [{"role": "user", "content": f"What is {a} {sym} {b}? Answer with the number only."}],
+        "answer": float(fn(a, b)),
+    }
 
 
 def build(seed: int, n_instruction: int, n_arithmetic: int) -> list[dict]:
     rng = random.Random(seed)
-    items, seen = [], set()
+    items: list[dict[str, Any]] = []
+    seen: set[str] = set()
     ids = list(ARGUMENTS)
     while len(items) < n_instruction:
         item = instruction_prompt(rng, ids[len(items) % len(ids)], rng.choice(BASE_QUESTIONS), rng.random() < 0.25)
@@ -154,7 +267,7 @@ def build(seed: int, n_instruction: int, n_arithmetic: int) -> list[dict]:
         if text not in seen:
             seen.add(text)
             items.append(item)
-    arithmetic = []
+    arithmetic: list[dict[str, Any]] = []
     while len(arithmetic) < n_arithmetic:
         item = arithmetic_prompt(rng)
         if item["messages"][0]["content"] not in seen:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
 from dynrubric.console import make_console
 from dynrubric.context import settings_of
 from dynrubric.errors import DynrubricError
@@ -94,8 +95,13 @@ def fleet_up(ctx: typer.Context) -> None:
     version, path = _stable_weights(settings)
     metrics = CollectorRegistry()
     specs = specs_from_settings(settings, path, version)
-    fleet = Fleet(specs, settings.paths.resolved_state() / "fleet", metrics,
-                  settings.serving.health_interval_s, settings.serving.max_restarts)
+    fleet = Fleet(
+        specs,
+        settings.paths.resolved_state() / "fleet",
+        metrics,
+        settings.serving.health_interval_s,
+        settings.serving.max_restarts,
+    )
     with fleet:
         with status(console, f"starting {len(specs)} engine(s) on {version}"):
             fleet.start(settings.vllm.start_timeout_s)
@@ -114,10 +120,19 @@ def build_router(settings, producer, metrics):
     weights = Weights(version, str(path))
     state = RouterState(replicas, desired={"stable": weights, "canary": weights})
     s = settings.serving
-    return Router(state, producer, metrics, token=s.token, engine_api_key=s.engine_api_key,
-                  timeout_s=s.request_timeout_s, health_interval_s=s.health_interval_s, shadow_rate=s.shadow_rate,
-                  shadow_max_inflight=s.shadow_max_inflight, default_max_tokens=s.default_max_tokens,
-                  traffic_window_s=s.traffic_window_s)
+    return Router(
+        state,
+        producer,
+        metrics,
+        token=s.token,
+        engine_api_key=s.engine_api_key,
+        timeout_s=s.request_timeout_s,
+        health_interval_s=s.health_interval_s,
+        shadow_rate=s.shadow_rate,
+        shadow_max_inflight=s.shadow_max_inflight,
+        default_max_tokens=s.default_max_tokens,
+        traffic_window_s=s.traffic_window_s,
+    )
 
 
 def serve_router(ctx: typer.Context) -> None:
@@ -146,13 +161,19 @@ def build_controller(settings, log=console.print):
     metrics = CollectorRegistry()
     r = settings.rollout
     if "judged" in settings.gate.promote_on and settings.serving.shadow_rate == 0:
-        raise DynrubricError("gate.promote_on names judged, but serving.shadow_rate is 0: the router makes no shadow "
-                             "pairs to judge", "set serving.shadow_rate (0.5 in the demo), or drop judged from "
-                             "gate.promote_on")
-    online = OnlineMetrics(settings.kafka.bootstrap_servers, QUERY_LOG_TOPIC, FEEDBACK_TOPIC, group_id=r.consumer_group,
-                           state_path=settings.paths.resolved_state() / "rollout" / f"online-{r.consumer_group}.json",
-                           feedback_window_s=r.feedback_window_s,
-                           max_message_bytes=settings.kafka.max_message_bytes)
+        raise DynrubricError(
+            "gate.promote_on names judged, but serving.shadow_rate is 0: the router makes no shadow pairs to judge",
+            "set serving.shadow_rate (0.5 in the demo), or drop judged from gate.promote_on",
+        )
+    online = OnlineMetrics(
+        settings.kafka.bootstrap_servers,
+        QUERY_LOG_TOPIC,
+        FEEDBACK_TOPIC,
+        group_id=r.consumer_group,
+        state_path=settings.paths.resolved_state() / "rollout" / f"online-{r.consumer_group}.json",
+        feedback_window_s=r.feedback_window_s,
+        max_message_bytes=settings.kafka.max_message_bytes,
+    )
     judge = None
     if r.judge:
         from dynrubric.engines import build_engine
@@ -160,14 +181,23 @@ def build_controller(settings, log=console.print):
         from serving.judged import PairJudge
 
         generator = build_engine(settings, "generator")
-        verifier = generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
-        judge = PairJudge(Evaluator(generator, verifier, settings.rubric), settings.rubric.eps,
-                          ground_truth=r.judge_ground_truth)
+        verifier = (
+            generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
+        )
+        judge = PairJudge(
+            Evaluator(generator, verifier, settings.rubric), settings.rubric.eps, ground_truth=r.judge_ground_truth
+        )
     registry = open_registry(settings)
     controller = Controller(
-        registry, open_rollout_store(settings, registry),
-        RouterClient(_router_url(settings), settings.serving.token), online, r, settings.gate,
-        metrics=metrics, log=log, judge=judge,
+        registry,
+        open_rollout_store(settings, registry),
+        RouterClient(_router_url(settings), settings.serving.token),
+        online,
+        r,
+        settings.gate,
+        metrics=metrics,
+        log=log,
+        judge=judge,
     )
     return controller, metrics
 
@@ -177,8 +207,14 @@ def _run_with_gate_endpoint(settings, controller, metrics, fn):
 
     from serving.rollout import build_controller_app
 
-    server = uvicorn.Server(uvicorn.Config(build_controller_app(controller, metrics), host=settings.serving.host,
-                                           port=settings.rollout.port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_controller_app(controller, metrics),
+            host=settings.serving.host,
+            port=settings.rollout.port,
+            log_level="warning",
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -189,7 +225,9 @@ def _run_with_gate_endpoint(settings, controller, metrics, fn):
 
 
 @rollout_app.command("start")
-def rollout_start(ctx: typer.Context, version: Annotated[str, typer.Argument(help="registry version to roll out")]) -> None:
+def rollout_start(
+    ctx: typer.Context, version: Annotated[str, typer.Argument(help="registry version to roll out")]
+) -> None:
     """Canary VERSION through the traffic steps; promote or roll back. Serves GET /gate/{id} meanwhile."""
     settings = settings_of(ctx)
     controller, metrics = build_controller(settings)
@@ -226,15 +264,29 @@ def rollout_status(
     path = sqlite_path(settings)
     if path is not None and not path.is_file() and not legacy_store_path(settings).is_file():
         # reading must not create an empty registry in the wrong state dir
-        raise DynrubricError(f"no rollouts recorded: no registry database at {path}",
-                             "start one with `dynrubric rollout start VERSION`, or point DYNRUBRIC_PATHS__STATE_DIR "
-                             "(or registry.path / registry.url) at the registry the controller uses")
+        raise DynrubricError(
+            f"no rollouts recorded: no registry database at {path}",
+            "start one with `dynrubric rollout start VERSION`, or point DYNRUBRIC_PATHS__STATE_DIR "
+            "(or registry.path / registry.url) at the registry the controller uses",
+        )
     store = open_rollout_store(settings)
     for r in [store.get(rollout_id)] if rollout_id else store.list():
         gate = r.last_gate or {}
-        print(json.dumps({"id": r.id, "version": r.version, "baseline": r.baseline, "status": r.status,
-                          "step": r.step, "canary_weight": r.steps[r.step], "reason": r.reason,
-                          "last_verdict": gate.get("verdict"), "last_gate_reason": gate.get("reason")}))
+        print(
+            json.dumps(
+                {
+                    "id": r.id,
+                    "version": r.version,
+                    "baseline": r.baseline,
+                    "status": r.status,
+                    "step": r.step,
+                    "canary_weight": r.steps[r.step],
+                    "reason": r.reason,
+                    "last_verdict": gate.get("verdict"),
+                    "last_gate_reason": gate.get("reason"),
+                }
+            )
+        )
 
 
 # ---------------------------------------------------------------- gate
@@ -261,9 +313,11 @@ def gate_simulate(
     for name, canary in scenarios.items():
         results = simulate_many(ArmBehaviour(), canary, list(settings.rollout.steps), settings.gate, runs, seed)
         back = sum(r.outcome == "rolled_back" for r in results)
-        console.print(f"{name}: {back}/{runs} rolled back; median requests to decision "
-                      f"{statistics.median(r.requests for r in results):.0f} "
-                      f"(canary arm {statistics.median(r.canary_requests for r in results):.0f})")
+        console.print(
+            f"{name}: {back}/{runs} rolled back; median requests to decision "
+            f"{statistics.median(r.requests for r in results):.0f} "
+            f"(canary arm {statistics.median(r.canary_requests for r in results):.0f})"
+        )
 
 
 @gate_app.command("plan")
@@ -288,28 +342,49 @@ def gate_plan(
         apply_demo_gate(settings)
     g, r = settings.gate, settings.rollout
     plans = []
-    for rate, n in zip(rps, users * len(rps) if len(users) == 1 else users):
+    for rate, n in zip(rps, users * len(rps) if len(users) == 1 else users, strict=True):
         pairs = judged_pairs_per_s(rate, settings.serving.shadow_rate, r, None) if r.judge else 0.0
-        plans.append(plan(Traffic(rps=rate, users=n, pairs_per_s=pairs, source="planned"),
-                          Population.assumed(g.simulation), g, r))
-    table = Table(title=f"gate plan: smallest harm caught with 80% power within one step of {r.max_step_s:.0f} s; "
-                        f"promote on {' + '.join(g.promote_on)}; {plans[0].population}")
-    for col in ("req/s", "users", "pairs/s", "metric", "baseline", *(f"step {w:.0%}" for w in r.steps),
-                "promote within"):
+        plans.append(
+            plan(
+                Traffic(rps=rate, users=n, pairs_per_s=pairs, source="planned"), Population.assumed(g.simulation), g, r
+            )
+        )
+    table = Table(
+        title=f"gate plan: smallest harm caught with 80% power within one step of {r.max_step_s:.0f} s; "
+        f"promote on {' + '.join(g.promote_on)}; {plans[0].population}"
+    )
+    for col in (
+        "req/s",
+        "users",
+        "pairs/s",
+        "metric",
+        "baseline",
+        *(f"step {w:.0%}" for w in r.steps),
+        "promote within",
+    ):
         table.add_column(col)
     for p in plans:
         t = p.traffic
         for i, m in enumerate(p.metrics):
             first = i == 0
-            table.add_row(f"{t.rps:g}" if first else "", f"{t.users}" if first else "",
-                          f"{t.pairs_per_s:.2f}" if first else "", f"{m.metric}: {m.harm}", f"{m.baseline:.3f}",
-                          *("-" if d is None else f"{d:.3f}" for d in m.detectable),
-                          "not required" if m.promote_margin is None else f"{m.promote_margin:g}",
-                          end_section=i == len(p.metrics) - 1)
+            table.add_row(
+                f"{t.rps:g}" if first else "",
+                f"{t.users}" if first else "",
+                f"{t.pairs_per_s:.2f}" if first else "",
+                f"{m.metric}: {m.harm}",
+                f"{m.baseline:.3f}",
+                *("-" if d is None else f"{d:.3f}" for d in m.detectable),
+                "not required" if m.promote_margin is None else f"{m.promote_margin:g}",
+                end_section=i == len(p.metrics) - 1,
+            )
     console.print(table)
     for p in plans:
-        console.print(f"{p.traffic.rps:g} req/s, {p.traffic.users} users: {p.decision()}", markup=False,
-                      highlight=False, soft_wrap=True)
+        console.print(
+            f"{p.traffic.rps:g} req/s, {p.traffic.users} users: {p.decision()}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 # ---------------------------------------------------------------- users

@@ -64,8 +64,14 @@ def build_app(engine: Any, model_name: str) -> FastAPI:
 
     def run(prompt: str, body: _Sampling) -> tuple[str, str, int, int]:
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        params = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                seed=body.seed, stop=stop, frequency_penalty=body.frequency_penalty)
+        params = SamplingParams(
+            max_tokens=body.max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            stop=stop,
+            frequency_penalty=body.frequency_penalty,
+        )
         with lock:
             [[completion]] = engine.generate([GenerationRequest(prompt, params)])
             prompt_tokens = len(engine.tokenizer.encode(prompt, add_special_tokens=False))
@@ -85,14 +91,27 @@ def build_app(engine: Any, model_name: str) -> FastAPI:
         if not body.stream:
             choice = {"index": 0, "finish_reason": finish}
             choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-            return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name,
-                                 "choices": [choice], "usage": usage(p, c)})
+            return JSONResponse(
+                {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": model_name,
+                    "choices": [choice],
+                    "usage": usage(p, c),
+                }
+            )
 
         def chunk(delta: str | None, finish_reason: str | None, with_usage: bool = False) -> str:
             choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
             choice |= {"delta": {"content": delta} if delta is not None else {}} if chat else {"text": delta or ""}
-            data: dict[str, Any] = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
-                                    "model": model_name, "choices": [choice]}
+            data: dict[str, Any] = {
+                "id": rid,
+                "object": obj + ".chunk" if chat else obj,
+                "created": created,
+                "model": model_name,
+                "choices": [choice],
+            }
             if with_usage:
                 data["usage"] = usage(p, c)
             return f"data: {json.dumps(data)}\n\n"

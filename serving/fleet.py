@@ -55,9 +55,17 @@ class EngineSpec:
         if self.kind == "vllm":
             return self._vllm().command() + ["--max-num-seqs", "8"]
         return [
-            sys.executable, "-m", "serving.engine_server", "--model", str(self.model_dir),
-            "--served-model-name", SERVED_MODEL_NAME, "--port", str(self.port),
-            "--policy-version", self.policy_version,
+            sys.executable,
+            "-m",
+            "serving.engine_server",
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            SERVED_MODEL_NAME,
+            "--port",
+            str(self.port),
+            "--policy-version",
+            self.policy_version,
         ]
 
     def env(self) -> dict[str, str]:
@@ -81,9 +89,17 @@ def spread_cores(index: int) -> str:
 def specs_from_settings(settings: Settings, model_dir: Path, policy_version: str) -> list[EngineSpec]:
     engines: list[FleetEngineConfig] = settings.serving.engines
     return [
-        EngineSpec(name=e.name, variant=e.variant, kind=e.kind, port=e.port, model_dir=model_dir,
-                   policy_version=policy_version, kv_cache_space_gib=settings.vllm.kv_cache_space_gib,
-                   max_model_len=settings.vllm.max_model_len, cpus=spread_cores(i))
+        EngineSpec(
+            name=e.name,
+            variant=e.variant,
+            kind=e.kind,
+            port=e.port,
+            model_dir=model_dir,
+            policy_version=policy_version,
+            kv_cache_space_gib=settings.vllm.kv_cache_space_gib,
+            max_model_len=settings.vllm.max_model_len,
+            cpus=spread_cores(i),
+        )
         for i, e in enumerate(engines)
     ]
 
@@ -95,9 +111,15 @@ def is_healthy(base_url: str, timeout_s: float = 2.0) -> bool:
 class Fleet:
     """Start, watch and stop the engine processes. Use as a context manager."""
 
-    def __init__(self, specs: list[EngineSpec], log_dir: Path, metrics: CollectorRegistry,
-                 health_interval_s: float = 5.0, max_restarts: int = 5,
-                 on_restart: Callable[[str, str], None] | None = None):
+    def __init__(
+        self,
+        specs: list[EngineSpec],
+        log_dir: Path,
+        metrics: CollectorRegistry,
+        health_interval_s: float = 5.0,
+        max_restarts: int = 5,
+        on_restart: Callable[[str, str], None] | None = None,
+    ):
         """`on_restart(engine, reason)`: called after every restart (the main job logs and counts it)."""
         names = [s.name for s in specs]
         if len(set(names)) != len(names) or len({s.port for s in specs}) != len(specs):
@@ -111,10 +133,18 @@ class Fleet:
         self._restarts: dict[str, int] = {s.name: 0 for s in specs}
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
-        self._up = Gauge("dynrubric_fleet_engine_up", "1 when an engine answers its health check",
-                         ["engine", "variant"], registry=metrics)
-        self._restarted = Counter("dynrubric_fleet_engine_restarts_total", "engine processes restarted after dying",
-                                  ["engine"], registry=metrics)
+        self._up = Gauge(
+            "dynrubric_fleet_engine_up",
+            "1 when an engine answers its health check",
+            ["engine", "variant"],
+            registry=metrics,
+        )
+        self._restarted = Counter(
+            "dynrubric_fleet_engine_restarts_total",
+            "engine processes restarted after dying",
+            ["engine"],
+            registry=metrics,
+        )
 
     def _spawn(self, spec: EngineSpec) -> None:
         self._procs[spec.name] = spawn(spec.command(), self.log_dir / f"{spec.name}.log", env=spec.env())
@@ -141,8 +171,10 @@ class Fleet:
                 f"engine {spec.name} exited with code {proc.returncode} while starting",
                 f"read {self.log_dir / (spec.name + '.log')}",
             )
-        raise DynrubricError(f"engine {spec.name} did not answer /health within {timeout_s:.0f} s",
-                             f"read {self.log_dir / (spec.name + '.log')} or raise vllm.start_timeout_s")
+        raise DynrubricError(
+            f"engine {spec.name} did not answer /health within {timeout_s:.0f} s",
+            f"read {self.log_dir / (spec.name + '.log')} or raise vllm.start_timeout_s",
+        )
 
     def _watch(self) -> None:
         while not self._stop.wait(self.health_interval_s):

@@ -48,7 +48,7 @@ from pydantic import BaseModel
 from dynrubric.config import GateConfig
 
 
-class Verdict(str, Enum):
+class Verdict(str, Enum):  # noqa: UP042 - StrEnum changes str() and format() of a member
     PASS = "pass"
     FAIL = "fail"
     INCONCLUSIVE = "inconclusive"
@@ -167,11 +167,14 @@ class JudgeStats:
         return self.canary_score / self.pairs if self.pairs else math.nan
 
 
+Numbers = dict[str, float | int | None]  # a check's numbers, as the gate's answer shows them
+
+
 class GateCheck(BaseModel):
     name: str
     verdict: Verdict
     detail: str
-    numbers: dict[str, float | int | None]
+    numbers: Numbers
 
 
 class GateResult(BaseModel):
@@ -191,7 +194,7 @@ def srm_p_value(stable_users: int, canary_users: int, canary_weight: float) -> f
     if n == 0 or not 0.0 < canary_weight < 1.0:
         return 1.0
     expected = (n * (1.0 - canary_weight), n * canary_weight)
-    chi2 = sum((o - e) ** 2 / e for o, e in zip((stable_users, canary_users), expected))
+    chi2 = sum((o - e) ** 2 / e for o, e in zip((stable_users, canary_users), expected, strict=True))
     return math.erfc(math.sqrt(chi2 / 2.0))  # survival function of chi-square with 1 df
 
 
@@ -209,10 +212,14 @@ def mixture_half_width(variance: float, alpha: float, tau: float) -> float:
     if math.isinf(variance):
         return math.inf
     t2 = tau * tau
-    return math.sqrt(2.0 * variance * (variance + t2) / t2 * (math.log(1.0 / alpha) + 0.5 * math.log((variance + t2) / variance)))
+    return math.sqrt(
+        2.0 * variance * (variance + t2) / t2 * (math.log(1.0 / alpha) + 0.5 * math.log((variance + t2) / variance))
+    )
 
 
-def ratio_difference(worse_arm: UserRates, better_arm: UserRates, alpha: float, tau: float) -> tuple[float, float, float]:
+def ratio_difference(
+    worse_arm: UserRates, better_arm: UserRates, alpha: float, tau: float
+) -> tuple[float, float, float]:
     """(harm, lower, upper): harm = rate(worse_arm) - rate(better_arm) with its always-valid interval.
 
     "worse_arm" is the arm whose higher rate counts as harm; the arms are independent (their users are).
@@ -267,29 +274,48 @@ def srm_chi2_boundary(n: int, canary_weight: float, alpha: float, tau: float) ->
 def _srm(stable: ArmStats, canary: ArmStats, weight: float, cfg: GateConfig) -> GateCheck:
     n = stable.step_users + canary.step_users
     p = srm_p_value(stable.step_users, canary.step_users, weight)
-    numbers: dict[str, float | int | None] = {
-        "stable_users": stable.step_users, "canary_users": canary.step_users, "expected_canary_share": weight,
+    numbers: Numbers = {
+        "stable_users": stable.step_users,
+        "canary_users": canary.step_users,
+        "expected_canary_share": weight,
         "p_value_fixed_n": p,
     }
     if n == 0 or not 0.0 < weight < 1.0:
         return GateCheck(name="sample_ratio", verdict=Verdict.PASS, numbers=numbers, detail="nothing to compare")
-    chi2 = sum((o - e) ** 2 / e for o, e in zip((stable.step_users, canary.step_users), (n * (1 - weight), n * weight)))
+    chi2 = sum(
+        (o - e) ** 2 / e
+        for o, e in zip((stable.step_users, canary.step_users), (n * (1 - weight), n * weight), strict=True)
+    )
     boundary = srm_chi2_boundary(n, weight, cfg.srm_alpha, cfg.mixture_tau)
     numbers |= {"chi2": chi2, "chi2_boundary": boundary}
     if chi2 > boundary:
-        return GateCheck(name="sample_ratio", verdict=Verdict.FAIL, numbers=numbers,
-                     detail=f"users assigned per arm do not match the weight (chi2={chi2:.1f} > {boundary:.1f}, "
-                            f"fixed-n p={p:.2g})")
-    return GateCheck(name="sample_ratio", verdict=Verdict.PASS, numbers=numbers, detail=f"split matches the weight (chi2={chi2:.1f})")
+        return GateCheck(
+            name="sample_ratio",
+            verdict=Verdict.FAIL,
+            numbers=numbers,
+            detail=f"users assigned per arm do not match the weight (chi2={chi2:.1f} > {boundary:.1f}, "
+            f"fixed-n p={p:.2g})",
+        )
+    return GateCheck(
+        name="sample_ratio", verdict=Verdict.PASS, numbers=numbers, detail=f"split matches the weight (chi2={chi2:.1f})"
+    )
 
 
 def _min_samples(stable: ArmStats, canary: ArmStats, cfg: GateConfig) -> GateCheck:
-    need = (("users", "users", cfg.min_users_per_arm), ("step_requests", "requests this step", cfg.min_requests_per_arm),
-            ("rated", "rated requests", cfg.min_rated_per_arm))
-    numbers: dict[str, float | int | None] = {f"{arm}_{attr}": getattr(s, attr) for arm, s in (("stable", stable), ("canary", canary))
-                                              for attr, _, _ in need}
-    short = [f"{arm} has {getattr(s, attr)} {what} of {n}" for arm, s in (("stable", stable), ("canary", canary))
-             for attr, what, n in need if getattr(s, attr) < n]
+    need = (
+        ("users", "users", cfg.min_users_per_arm),
+        ("step_requests", "requests this step", cfg.min_requests_per_arm),
+        ("rated", "rated requests", cfg.min_rated_per_arm),
+    )
+    numbers: Numbers = {
+        f"{arm}_{attr}": getattr(s, attr) for arm, s in (("stable", stable), ("canary", canary)) for attr, _, _ in need
+    }
+    short = [
+        f"{arm} has {getattr(s, attr)} {what} of {n}"
+        for arm, s in (("stable", stable), ("canary", canary))
+        for attr, what, n in need
+        if getattr(s, attr) < n
+    ]
     if short:
         return GateCheck(name="min_samples", verdict=Verdict.INCONCLUSIVE, numbers=numbers, detail="; ".join(short))
     return GateCheck(name="min_samples", verdict=Verdict.PASS, numbers=numbers, detail="enough samples on both arms")
@@ -297,11 +323,21 @@ def _min_samples(stable: ArmStats, canary: ArmStats, cfg: GateConfig) -> GateChe
 
 def _error_rate(stable: ArmStats, canary: ArmStats, cfg: GateConfig) -> GateCheck:
     harm, lo, hi = ratio_difference(canary.errors, stable.errors, cfg.guardrail_alpha / 2, cfg.mixture_tau)
-    numbers = {"stable_error_rate": stable.errors.rate, "canary_error_rate": canary.errors.rate,
-               "difference": harm, "lower": lo, "upper": hi, "margin": cfg.error_rate_margin}
+    numbers: Numbers = {
+        "stable_error_rate": stable.errors.rate,
+        "canary_error_rate": canary.errors.rate,
+        "difference": harm,
+        "lower": lo,
+        "upper": hi,
+        "margin": cfg.error_rate_margin,
+    }
     if lo > cfg.error_rate_margin:
-        return GateCheck(name="error_rate", verdict=Verdict.FAIL, numbers=numbers,
-                     detail=f"canary error rate exceeds stable by more than {cfg.error_rate_margin} (lower bound {lo:.3f})")
+        return GateCheck(
+            name="error_rate",
+            verdict=Verdict.FAIL,
+            numbers=numbers,
+            detail=f"canary error rate exceeds stable by more than {cfg.error_rate_margin} (lower bound {lo:.3f})",
+        )
     return GateCheck(name="error_rate", verdict=Verdict.PASS, numbers=numbers, detail="not shown worse than the margin")
 
 
@@ -315,31 +351,58 @@ def _error_rate_within_margin(stable: ArmStats, canary: ArmStats, cfg: GateConfi
     as the error-rate guardrail (its half of `guardrail_alpha`).
     """
     harm, lo, hi = ratio_difference(canary.errors, stable.errors, cfg.guardrail_alpha / 2, cfg.mixture_tau)
-    numbers = {"stable_error_rate": stable.errors.rate, "canary_error_rate": canary.errors.rate,
-               "difference": harm, "lower": lo, "upper": hi, "margin": cfg.error_rate_margin}
+    numbers: Numbers = {
+        "stable_error_rate": stable.errors.rate,
+        "canary_error_rate": canary.errors.rate,
+        "difference": harm,
+        "lower": lo,
+        "upper": hi,
+        "margin": cfg.error_rate_margin,
+    }
     if hi >= cfg.error_rate_margin:
-        return GateCheck(name="error_rate_non_inferiority", verdict=Verdict.INCONCLUSIVE, numbers=numbers,
-                     detail=f"canary error rate {canary.errors.rate:.3f} (stable {stable.errors.rate:.3f}) not yet "
-                            f"shown within {cfg.error_rate_margin} of stable (upper bound {hi:.3f}); required to promote")
-    return GateCheck(name="error_rate_non_inferiority", verdict=Verdict.PASS, numbers=numbers,
-                 detail=f"canary error rate within {cfg.error_rate_margin} of stable (upper bound {hi:.3f})")
+        return GateCheck(
+            name="error_rate_non_inferiority",
+            verdict=Verdict.INCONCLUSIVE,
+            numbers=numbers,
+            detail=f"canary error rate {canary.errors.rate:.3f} (stable {stable.errors.rate:.3f}) not yet "
+            f"shown within {cfg.error_rate_margin} of stable (upper bound {hi:.3f}); required to promote",
+        )
+    return GateCheck(
+        name="error_rate_non_inferiority",
+        verdict=Verdict.PASS,
+        numbers=numbers,
+        detail=f"canary error rate within {cfg.error_rate_margin} of stable (upper bound {hi:.3f})",
+    )
 
 
 def latency_check(stable: LatencySketch, canary: LatencySketch, cfg: GateConfig) -> GateCheck:
     """The p95 guardrail: canary's lower bound above stable's upper bound times (1 + margin) fails."""
     if stable.n == 0 or canary.n == 0:
-        return GateCheck(name="latency_p95", verdict=Verdict.PASS, numbers={}, detail="no successful requests to compare")
+        return GateCheck(
+            name="latency_p95", verdict=Verdict.PASS, numbers={}, detail="no successful requests to compare"
+        )
     alpha = cfg.guardrail_alpha / 4  # half the guardrail budget, split over the two arms' sequences
     s, _, s_hi = quantile_cs(stable, 0.95, alpha, cfg.latency_tau)
     c, c_lo, _ = quantile_cs(canary, 0.95, alpha, cfg.latency_tau)
     limit = s_hi * (1.0 + cfg.latency_p95_margin)
-    numbers = {"stable_p95_ms": s, "canary_p95_ms": c, "stable_p95_upper_ms": s_hi if math.isfinite(s_hi) else None,
-               "canary_p95_lower_ms": c_lo, "margin": cfg.latency_p95_margin}
+    numbers: Numbers = {
+        "stable_p95_ms": s,
+        "canary_p95_ms": c,
+        "stable_p95_upper_ms": s_hi if math.isfinite(s_hi) else None,
+        "canary_p95_lower_ms": c_lo,
+        "margin": cfg.latency_p95_margin,
+    }
     if c_lo > limit:
-        return GateCheck(name="latency_p95", verdict=Verdict.FAIL, numbers=numbers,
-                     detail=f"canary p95 {c:.0f} ms is worse than stable {s:.0f} ms by more than {cfg.latency_p95_margin:.0%} "
-                            f"(canary lower bound {c_lo:.0f} ms > {limit:.0f} ms)")
-    return GateCheck(name="latency_p95", verdict=Verdict.PASS, numbers=numbers, detail="not shown worse than the margin")
+        return GateCheck(
+            name="latency_p95",
+            verdict=Verdict.FAIL,
+            numbers=numbers,
+            detail=f"canary p95 {c:.0f} ms is worse than stable {s:.0f} ms by more than {cfg.latency_p95_margin:.0%} "
+            f"(canary lower bound {c_lo:.0f} ms > {limit:.0f} ms)",
+        )
+    return GateCheck(
+        name="latency_p95", verdict=Verdict.PASS, numbers=numbers, detail="not shown worse than the margin"
+    )
 
 
 def judge_interval(judge: JudgeStats, alpha: float, tau: float) -> tuple[float, float]:
@@ -353,13 +416,21 @@ def _judged(judge: JudgeStats, cfg: GateConfig) -> GateCheck:
         return GateCheck(name="judged_win_rate", verdict=Verdict.PASS, numbers={"pairs": 0}, detail="no judged pairs")
     lo, hi = judge_interval(judge, cfg.judge_alpha, cfg.judge_tau)
     bar = 0.5 - cfg.judge_margin
-    numbers = {"pairs": judge.pairs, "win_rate": judge.win_rate, "lower": lo, "upper": hi, "bar": bar}
+    numbers: Numbers = {"pairs": judge.pairs, "win_rate": judge.win_rate, "lower": lo, "upper": hi, "bar": bar}
     if hi < bar:
-        return GateCheck(name="judged_win_rate", verdict=Verdict.FAIL, numbers=numbers,
-                     detail=f"the rubric judge prefers stable: canary win rate {judge.win_rate:.2f} over {judge.pairs} "
-                            f"pairs (upper bound {hi:.3f} < {bar:.3f})")
-    return GateCheck(name="judged_win_rate", verdict=Verdict.PASS, numbers=numbers,
-                 detail=f"canary win rate {judge.win_rate:.2f} over {judge.pairs} pairs, bounds [{lo:.2f}, {hi:.2f}]")
+        return GateCheck(
+            name="judged_win_rate",
+            verdict=Verdict.FAIL,
+            numbers=numbers,
+            detail=f"the rubric judge prefers stable: canary win rate {judge.win_rate:.2f} over {judge.pairs} "
+            f"pairs (upper bound {hi:.3f} < {bar:.3f})",
+        )
+    return GateCheck(
+        name="judged_win_rate",
+        verdict=Verdict.PASS,
+        numbers=numbers,
+        detail=f"canary win rate {judge.win_rate:.2f} over {judge.pairs} pairs, bounds [{lo:.2f}, {hi:.2f}]",
+    )
 
 
 def _judged_non_inferiority(judge: JudgeStats, cfg: GateConfig) -> GateCheck:
@@ -367,51 +438,94 @@ def _judged_non_inferiority(judge: JudgeStats, cfg: GateConfig) -> GateCheck:
     the same always-valid interval as the judged check's harm side (`judge_alpha`)."""
     bar = 0.5 - cfg.judge_margin
     if judge.pairs == 0:
-        return GateCheck(name="judged_non_inferiority", verdict=Verdict.INCONCLUSIVE, numbers={"pairs": 0, "bar": bar},
-                         detail="no judged pairs yet; a judged win rate above the bar is required to promote "
-                                "(gate.promote_on)")
+        return GateCheck(
+            name="judged_non_inferiority",
+            verdict=Verdict.INCONCLUSIVE,
+            numbers={"pairs": 0, "bar": bar},
+            detail="no judged pairs yet; a judged win rate above the bar is required to promote (gate.promote_on)",
+        )
     lo, hi = judge_interval(judge, cfg.judge_alpha, cfg.judge_tau)
-    numbers = {"pairs": judge.pairs, "win_rate": judge.win_rate, "lower": lo, "upper": hi, "bar": bar}
+    numbers: Numbers = {"pairs": judge.pairs, "win_rate": judge.win_rate, "lower": lo, "upper": hi, "bar": bar}
     if lo > bar:
-        return GateCheck(name="judged_non_inferiority", verdict=Verdict.PASS, numbers=numbers,
-                         detail=f"the rubric judge finds the canary within {cfg.judge_margin} of stable: win rate "
-                                f"{judge.win_rate:.2f} over {judge.pairs} pairs (lower bound {lo:.3f} > {bar:.3f})")
-    return GateCheck(name="judged_non_inferiority", verdict=Verdict.INCONCLUSIVE, numbers=numbers,
-                     detail=f"canary win rate {judge.win_rate:.2f} over {judge.pairs} pairs not yet shown above "
-                            f"{bar:.3f} (lower bound {lo:.3f}); required to promote (gate.promote_on)")
+        return GateCheck(
+            name="judged_non_inferiority",
+            verdict=Verdict.PASS,
+            numbers=numbers,
+            detail=f"the rubric judge finds the canary within {cfg.judge_margin} of stable: win rate "
+            f"{judge.win_rate:.2f} over {judge.pairs} pairs (lower bound {lo:.3f} > {bar:.3f})",
+        )
+    return GateCheck(
+        name="judged_non_inferiority",
+        verdict=Verdict.INCONCLUSIVE,
+        numbers=numbers,
+        detail=f"canary win rate {judge.win_rate:.2f} over {judge.pairs} pairs not yet shown above "
+        f"{bar:.3f} (lower bound {lo:.3f}); required to promote (gate.promote_on)",
+    )
 
 
 def _primary(stable: ArmStats, canary: ArmStats, cfg: GateConfig, require_non_inferiority: bool) -> GateCheck:
     alpha = cfg.alpha / 2  # Bonferroni over the two primary metrics
     pos_harm, pos_lo, pos_hi = ratio_difference(stable.positive, canary.positive, alpha, cfg.mixture_tau)
     reg_harm, reg_lo, reg_hi = ratio_difference(canary.regenerated, stable.regenerated, alpha, cfg.mixture_tau)
-    numbers = {
-        "stable_positive_rate": stable.positive.rate, "canary_positive_rate": canary.positive.rate,
-        "positive_rate_drop": pos_harm, "positive_rate_drop_lower": pos_lo, "positive_rate_drop_upper": pos_hi,
-        "stable_regenerate_rate": stable.regenerated.rate, "canary_regenerate_rate": canary.regenerated.rate,
-        "regenerate_rate_rise": reg_harm, "regenerate_rate_rise_lower": reg_lo, "regenerate_rate_rise_upper": reg_hi,
+    numbers: Numbers = {
+        "stable_positive_rate": stable.positive.rate,
+        "canary_positive_rate": canary.positive.rate,
+        "positive_rate_drop": pos_harm,
+        "positive_rate_drop_lower": pos_lo,
+        "positive_rate_drop_upper": pos_hi,
+        "stable_regenerate_rate": stable.regenerated.rate,
+        "canary_regenerate_rate": canary.regenerated.rate,
+        "regenerate_rate_rise": reg_harm,
+        "regenerate_rate_rise_lower": reg_lo,
+        "regenerate_rate_rise_upper": reg_hi,
         "alpha_per_metric": alpha,
     }
     worse = [name for name, lo in (("positive-feedback rate", pos_lo), ("regenerate rate", reg_lo)) if lo > 0.0]
     if worse:
-        return GateCheck(name="primary", verdict=Verdict.FAIL, numbers=numbers,
-                     detail=f"canary is significantly worse on {' and '.join(worse)}")
+        return GateCheck(
+            name="primary",
+            verdict=Verdict.FAIL,
+            numbers=numbers,
+            detail=f"canary is significantly worse on {' and '.join(worse)}",
+        )
     if pos_hi < cfg.positive_rate_margin and reg_hi < cfg.regenerate_rate_margin:
-        return GateCheck(name="primary", verdict=Verdict.PASS, numbers=numbers,
-                     detail="canary is within the non-inferiority margins on both metrics")
+        return GateCheck(
+            name="primary",
+            verdict=Verdict.PASS,
+            numbers=numbers,
+            detail="canary is within the non-inferiority margins on both metrics",
+        )
     if not require_non_inferiority:
-        return GateCheck(name="primary", verdict=Verdict.PASS, numbers=numbers,
-                     detail="no harm shown (non-inferiority is required at the last step)")
+        return GateCheck(
+            name="primary",
+            verdict=Verdict.PASS,
+            numbers=numbers,
+            detail="no harm shown (non-inferiority is required at the last step)",
+        )
     if "feedback" not in cfg.promote_on:
-        return GateCheck(name="primary", verdict=Verdict.PASS, numbers=numbers,
-                         detail="no harm shown (the feedback rates' margins are not required: gate.promote_on)")
-    return GateCheck(name="primary", verdict=Verdict.INCONCLUSIVE, numbers=numbers,
-                 detail="not yet shown within the margins nor worse")
+        return GateCheck(
+            name="primary",
+            verdict=Verdict.PASS,
+            numbers=numbers,
+            detail="no harm shown (the feedback rates' margins are not required: gate.promote_on)",
+        )
+    return GateCheck(
+        name="primary",
+        verdict=Verdict.INCONCLUSIVE,
+        numbers=numbers,
+        detail="not yet shown within the margins nor worse",
+    )
 
 
-def evaluate(stable: ArmStats, canary: ArmStats, canary_weight: float, cfg: GateConfig,
-             require_non_inferiority: bool = True, judge: JudgeStats = JudgeStats(),
-             experiment_id: str = "") -> GateResult:
+def evaluate(
+    stable: ArmStats,
+    canary: ArmStats,
+    canary_weight: float,
+    cfg: GateConfig,
+    require_non_inferiority: bool = True,
+    judge: JudgeStats = JudgeStats(),
+    experiment_id: str = "",
+) -> GateResult:
     """Run the checks in order; the first fail or inconclusive decides, else pass.
 
     `require_non_inferiority=False` (the steps before the last) passes a primary test that shows
@@ -435,11 +549,25 @@ def evaluate(stable: ArmStats, canary: ArmStats, canary_weight: float, cfg: Gate
         result = check()
         checks.append(result)
         if result.verdict is not Verdict.PASS:
-            return GateResult(verdict=result.verdict, reason=f"{result.name}: {result.detail}",
-                              canary_weight=canary_weight, experiment_id=experiment_id, checks=checks)
+            return GateResult(
+                verdict=result.verdict,
+                reason=f"{result.name}: {result.detail}",
+                canary_weight=canary_weight,
+                experiment_id=experiment_id,
+                checks=checks,
+            )
     # a promotion names the evidence it rests on; an earlier step the last check it passed
-    promoting = [c for c in checks if c.name in ("judged_non_inferiority", "error_rate_non_inferiority")
-                 or (c.name == "primary" and "feedback" in cfg.promote_on)] if last else []
+    promoting = (
+        [
+            c
+            for c in checks
+            if c.name in ("judged_non_inferiority", "error_rate_non_inferiority")
+            or (c.name == "primary" and "feedback" in cfg.promote_on)
+        ]
+        if last
+        else []
+    )
     reason = "; ".join(f"{c.name}: {c.detail}" for c in promoting) or checks[-1].detail
-    return GateResult(verdict=Verdict.PASS, reason=reason, canary_weight=canary_weight,
-                      experiment_id=experiment_id, checks=checks)
+    return GateResult(
+        verdict=Verdict.PASS, reason=reason, canary_weight=canary_weight, experiment_id=experiment_id, checks=checks
+    )

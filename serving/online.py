@@ -95,31 +95,58 @@ class _Arm:
         log counts requests later than the router, and only answered ones; a router restarted mid-rollout has
         counted fewer, a smaller sample of the same rate)."""
         self.flush_latency()
-        return ArmStats(step_users=self.step_users, step_requests=self.step_requests, users=len(self.users),
-                        requests=max(routed, self.requests), rated=self.rated,
-                        errors=UserRates.per_request(min(errors, routed), routed),
-                        positive=UserRates(*self.pos), regenerated=UserRates(*self.regen), latency=self.latency)
+        return ArmStats(
+            step_users=self.step_users,
+            step_requests=self.step_requests,
+            users=len(self.users),
+            requests=max(routed, self.requests),
+            rated=self.rated,
+            errors=UserRates.per_request(min(errors, routed), routed),
+            positive=UserRates(int(self.pos[0]), self.pos[1], self.pos[2]),
+            regenerated=UserRates(int(self.regen[0]), self.regen[1], self.regen[2]),
+            latency=self.latency,
+        )
 
     def to_json(self) -> dict[str, Any]:
         self.flush_latency()
-        return {"users": self.users, "pos": self.pos, "regen": self.regen, "requests": self.requests,
-                "rated": self.rated, "step_users": self.step_users, "step_requests": self.step_requests,
-                "latency": self.latency.state()}
+        return {
+            "users": self.users,
+            "pos": self.pos,
+            "regen": self.regen,
+            "requests": self.requests,
+            "rated": self.rated,
+            "step_users": self.step_users,
+            "step_requests": self.step_requests,
+            "latency": self.latency.state(),
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> _Arm:
         a = cls()
         a.users, a.pos, a.regen = d["users"], d["pos"], d["regen"]
-        a.requests, a.rated, a.step_users, a.step_requests = d["requests"], d["rated"], d["step_users"], d["step_requests"]
+        a.requests, a.rated, a.step_users, a.step_requests = (
+            d["requests"],
+            d["rated"],
+            d["step_users"],
+            d["step_requests"],
+        )
         a.latency = LatencySketch.from_state(d["latency"])
         return a
 
 
 class OnlineMetrics:
-    def __init__(self, bootstrap_servers: str, query_log_topic: str, feedback_topic: str, *,
-                 group_id: str = "dynrubric-rollout-gate", state_path: Path | None = None,
-                 feedback_window_s: float = 3600.0, max_waiting: int = 10_000,
-                 max_message_bytes: int = KafkaConfig().max_message_bytes):
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        query_log_topic: str,
+        feedback_topic: str,
+        *,
+        group_id: str = "dynrubric-rollout-gate",
+        state_path: Path | None = None,
+        feedback_window_s: float = 3600.0,
+        max_waiting: int = 10_000,
+        max_message_bytes: int = KafkaConfig().max_message_bytes,
+    ):
         self.bootstrap_servers = bootstrap_servers
         self.max_message_bytes = max_message_bytes
         self.query_log_topic = query_log_topic
@@ -128,7 +155,9 @@ class OnlineMetrics:
         self.state_path = Path(state_path) if state_path else None
         self.feedback_window_s = feedback_window_s
         self.max_waiting = max_waiting
-        self._consumer = None  # connected on the first poll, so a bad rollout request fails before Kafka is needed
+        # a kafka-python KafkaConsumer (untyped), connected on the first poll, so a bad rollout request fails
+        # before Kafka is needed
+        self._consumer: Any = None
         self._assigned: set = set()
         self._offsets: dict[str, int] = {}  # "topic:partition" -> next offset to read, as the state reflects
         self._reset(None)
@@ -142,7 +171,9 @@ class OnlineMetrics:
         self.arms = {a: _Arm() for a in ARMS}
         self.window: OrderedDict[str, list] = OrderedDict()  # request_id -> [arm, user, thumbs, regenerated, ts]
         self.early_feedback: OrderedDict[str, list[str]] = OrderedDict()
-        self.halves: OrderedDict[str, dict[str, Any]] = OrderedDict()  # pair_id -> {"served"|"shadow": (arm, prompt, text)}
+        self.halves: OrderedDict[str, dict[str, Any]] = (
+            OrderedDict()
+        )  # pair_id -> {"served"|"shadow": (arm, prompt, text)}
         self.pairs: deque[ShadowPair] = deque(maxlen=self.max_waiting)
         self.judge = JudgeStats()
         self.skipped = 0  # events of other experiments or outside any
@@ -168,17 +199,24 @@ class OnlineMetrics:
         self._offsets = d["offsets"]
 
     def to_json(self) -> dict[str, Any]:
-        return {"experiment": self.experiment, "step": self.step, "step_started_at": self.step_started_at,
-                "arms": {a: arm.to_json() for a, arm in self.arms.items()}, "window": list(self.window.items()),
-                "early_feedback": list(self.early_feedback.items()), "halves": list(self.halves.items()),
-                "pairs": [[p.pair_id, p.prompt, p.stable, p.canary] for p in self.pairs],
-                "judge": [self.judge.pairs, self.judge.canary_score], "offsets": self._offsets}
+        return {
+            "experiment": self.experiment,
+            "step": self.step,
+            "step_started_at": self.step_started_at,
+            "arms": {a: arm.to_json() for a, arm in self.arms.items()},
+            "window": list(self.window.items()),
+            "early_feedback": list(self.early_feedback.items()),
+            "halves": list(self.halves.items()),
+            "pairs": [[p.pair_id, p.prompt, p.stable, p.canary] for p in self.pairs],
+            "judge": [self.judge.pairs, self.judge.canary_score],
+            "offsets": self._offsets,
+        }
 
     # ------------------------------------------------------------ events
     def apply(self, topic: str, value: bytes | None) -> None:
         """Fold one record into the state (what `poll` does for each record it reads)."""
         try:
-            event = json.loads(value)
+            event = json.loads(value)  # type: ignore[arg-type]  # None (a tombstone): TypeError, below
         except (ValueError, TypeError):
             return  # ingest dead-letters malformed records; the gate just skips them
         if not isinstance(event, dict):
@@ -276,14 +314,23 @@ class OnlineMetrics:
 
         if self._consumer is None:
             try:
-                self._consumer = KafkaConsumer(bootstrap_servers=self.bootstrap_servers, group_id=self.group_id,
-                                               enable_auto_commit=False, auto_offset_reset="earliest",
-                                               **fetch_sizes(self.max_message_bytes))
+                self._consumer = KafkaConsumer(
+                    bootstrap_servers=self.bootstrap_servers,
+                    group_id=self.group_id,
+                    enable_auto_commit=False,
+                    auto_offset_reset="earliest",
+                    **fetch_sizes(self.max_message_bytes),
+                )
             except NoBrokersAvailable:
-                raise DynrubricError(f"no Kafka broker answers at {self.bootstrap_servers}",
-                                     "start one (`dynrubric broker start`) or fix kafka.bootstrap_servers") from None
-        parts = {TopicPartition(topic, p) for topic in (self.query_log_topic, self.feedback_topic)
-                 for p in self._consumer.partitions_for_topic(topic) or ()}
+                raise DynrubricError(
+                    f"no Kafka broker answers at {self.bootstrap_servers}",
+                    "start one (`dynrubric broker start`) or fix kafka.bootstrap_servers",
+                ) from None
+        parts = {
+            TopicPartition(topic, p)
+            for topic in (self.query_log_topic, self.feedback_topic)
+            for p in self._consumer.partitions_for_topic(topic) or ()
+        }
         new = parts - self._assigned
         if not new:
             return
@@ -324,14 +371,21 @@ class OnlineMetrics:
         if self.state_path is not None:
             atomic.write_text(self.state_path, json.dumps(self.to_json()))
         if self._consumer is not None and self._offsets:
-            self._consumer.commit({TopicPartition(k.rsplit(":", 1)[0], int(k.rsplit(":", 1)[1])):
-                                   OffsetAndMetadata(v, "", -1) for k, v in self._offsets.items()})
+            self._consumer.commit(
+                {
+                    TopicPartition(k.rsplit(":", 1)[0], int(k.rsplit(":", 1)[1])): OffsetAndMetadata(v, "", -1)
+                    for k, v in self._offsets.items()
+                }
+            )
 
     def committed(self) -> dict[str, int]:
         """The group's committed offsets ("topic:partition" -> offset) for the assigned partitions."""
         self._connect()
-        return {f"{tp.topic}:{tp.partition}": off for tp in self._assigned
-                if (off := self._consumer.committed(tp)) is not None}
+        return {
+            f"{tp.topic}:{tp.partition}": off
+            for tp in self._assigned
+            if (off := self._consumer.committed(tp)) is not None
+        }
 
     def close(self) -> None:
         if self._consumer is not None:

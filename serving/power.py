@@ -68,7 +68,6 @@ class Rate:
     def beta(cls, mean: float, concentration: float) -> Rate:
         return cls(mean, mean * (1.0 - mean) / (concentration + 1.0))
 
-
     def of_users(self, assigned: float, events_each: float) -> UserRates:
         """The `UserRates` of `assigned` users with a Poisson number of events each (mean `events_each`), of
         whom those with at least one count, at this rate's mean and spread."""
@@ -99,8 +98,13 @@ class Population:
 
     @classmethod
     def assumed(cls, sim: GateSimulationConfig) -> Population:
-        return cls(Rate.beta(sim.positive_mean, sim.concentration), Rate.beta(sim.regenerate_mean, sim.concentration),
-                   sim.rated_mean, 0.0, "assumed: gate.simulation's population, no errors")
+        return cls(
+            Rate.beta(sim.positive_mean, sim.concentration),
+            Rate.beta(sim.regenerate_mean, sim.concentration),
+            sim.rated_mean,
+            0.0,
+            "assumed: gate.simulation's population, no errors",
+        )
 
 
 class Traffic(BaseModel):
@@ -150,19 +154,26 @@ class _Reach:
     def _rate_variance(self, rate: Rate, share: float, harm: float) -> float:
         """Both arms' per-user rate variances, `share` of the requests counted (the rated ones, or all)."""
         worse = Rate(min(max(rate.mean + harm, 0.0), 1.0), rate.between)
-        return sum(r.of_users(arm.assigned, share * arm.requests / arm.assigned).variance() if arm.assigned
-                   else math.inf for r, arm in ((rate, self.stable), (worse, self.canary)))
+        return sum(
+            r.of_users(arm.assigned, share * arm.requests / arm.assigned).variance() if arm.assigned else math.inf
+            for r, arm in ((rate, self.stable), (worse, self.canary))
+        )
 
     def positive(self, harm: float = 0.0) -> float:
-        return _reach(self._rate_variance(self.pop.positive, self.pop.rated_share, -harm), self.cfg.alpha / 2,
-                      self.cfg.mixture_tau)
+        return _reach(
+            self._rate_variance(self.pop.positive, self.pop.rated_share, -harm),
+            self.cfg.alpha / 2,
+            self.cfg.mixture_tau,
+        )
 
     def regenerate(self, harm: float = 0.0) -> float:
         return _reach(self._rate_variance(self.pop.regenerate, 1.0, harm), self.cfg.alpha / 2, self.cfg.mixture_tau)
 
     def errors(self, harm: float = 0.0) -> float:
-        variance = sum(UserRates.per_request(round(min(e, 1.0) * arm.requests), max(1, round(arm.requests))).variance()
-                       for e, arm in ((self.pop.error_rate, self.stable), (self.pop.error_rate + harm, self.canary)))
+        variance = sum(
+            UserRates.per_request(round(min(e, 1.0) * arm.requests), max(1, round(arm.requests))).variance()
+            for e, arm in ((self.pop.error_rate, self.stable), (self.pop.error_rate + harm, self.canary))
+        )
         return _reach(variance, self.cfg.guardrail_alpha / 2, self.cfg.mixture_tau)
 
     def judged(self, harm: float = 0.0) -> float:
@@ -212,20 +223,27 @@ class GatePlan(BaseModel):
         steps = ", ".join(f"step {i} {'-' if s is None else f'{s:.0f} s'}" for i, s in enumerate(self.step_seconds))
         if self.decision_s is None:
             stuck = self.step_seconds.index(None)
-            return (f"no decision for an equal canary within max_step_s {self.max_step_s:.0f} s: step {stuck} is "
-                    f"held by {self.held_by} and rolls back at its timeout ({steps})")
+            return (
+                f"no decision for an equal canary within max_step_s {self.max_step_s:.0f} s: step {stuck} is "
+                f"held by {self.held_by} and rolls back at its timeout ({steps})"
+            )
         return f"an equal canary is promoted after about {self.decision_s:.0f} s ({steps})"
 
     def lines(self) -> list[str]:
         t = self.traffic
         judged = f", {t.pairs_per_s:.2f} judged pairs/s" if t.pairs_per_s else ""
-        out = [f"gate power at {t.rps:.2f} requests/s from {t.users} users{judged} ({t.source}; {self.population}): "
-               f"smallest harm caught with 80% power within max_step_s {self.max_step_s:.0f} s"]
+        out = [
+            f"gate power at {t.rps:.2f} requests/s from {t.users} users{judged} ({t.source}; {self.population}): "
+            f"smallest harm caught with 80% power within max_step_s {self.max_step_s:.0f} s"
+        ]
         shares = " / ".join(f"{w:.0%}" for w in self.steps)
         for m in self.metrics:
             per_step = " / ".join("-" if d is None else f"{d:.3f}" for d in m.detectable)
-            need = (f"; promotion needs it within {m.promote_margin:g}" if m.promote_margin is not None
-                    else "; not required to promote")
+            need = (
+                f"; promotion needs it within {m.promote_margin:g}"
+                if m.promote_margin is not None
+                else "; not required to promote"
+            )
             out.append(f"  {m.metric} ({m.baseline:.3f}): {m.harm} of {per_step} at steps {shares}{need}")
         out.append(f"  {self.decision()}")
         return out
@@ -242,55 +260,94 @@ def plan(traffic: Traffic, pop: Population, gate: GateConfig, rollout: RolloutCo
     alone = [_Reach(*_arms(traffic, [(w, T)]), pop, traffic.pairs_per_s * T, gate) for w in steps]
     feedback = "feedback" in gate.promote_on
     metrics = [
-        MetricPlan(metric="positive-feedback rate", baseline=pop.positive.mean, harm="a drop",
-                   detectable=[_cap(r.detectable(r.positive, 0.0), pop.positive.mean) for r in alone],
-                   promote_margin=gate.positive_rate_margin if feedback else None),
-        MetricPlan(metric="regenerate rate", baseline=pop.regenerate.mean, harm="a rise",
-                   detectable=[_cap(r.detectable(r.regenerate, 0.0), 1.0 - pop.regenerate.mean) for r in alone],
-                   promote_margin=gate.regenerate_rate_margin if feedback else None),
-        MetricPlan(metric="error rate", baseline=pop.error_rate, harm="a rise",
-                   detectable=[_cap(r.detectable(r.errors, gate.error_rate_margin), 1.0 - pop.error_rate)
-                               for r in alone],
-                   promote_margin=gate.error_rate_margin),
+        MetricPlan(
+            metric="positive-feedback rate",
+            baseline=pop.positive.mean,
+            harm="a drop",
+            detectable=[_cap(r.detectable(r.positive, 0.0), pop.positive.mean) for r in alone],
+            promote_margin=gate.positive_rate_margin if feedback else None,
+        ),
+        MetricPlan(
+            metric="regenerate rate",
+            baseline=pop.regenerate.mean,
+            harm="a rise",
+            detectable=[_cap(r.detectable(r.regenerate, 0.0), 1.0 - pop.regenerate.mean) for r in alone],
+            promote_margin=gate.regenerate_rate_margin if feedback else None,
+        ),
+        MetricPlan(
+            metric="error rate",
+            baseline=pop.error_rate,
+            harm="a rise",
+            detectable=[_cap(r.detectable(r.errors, gate.error_rate_margin), 1.0 - pop.error_rate) for r in alone],
+            promote_margin=gate.error_rate_margin,
+        ),
     ]
     if traffic.pairs_per_s > 0 or "judged" in gate.promote_on:
-        metrics.append(MetricPlan(metric="judged win rate", baseline=0.5, harm="a fall below 1/2",
-                                  detectable=[_cap(r.detectable(r.judged, gate.judge_margin), 0.5) for r in alone],
-                                  promote_margin=gate.judge_margin if "judged" in gate.promote_on else None))
+        metrics.append(
+            MetricPlan(
+                metric="judged win rate",
+                baseline=0.5,
+                harm="a fall below 1/2",
+                detectable=[_cap(r.detectable(r.judged, gate.judge_margin), 0.5) for r in alone],
+                promote_margin=gate.judge_margin if "judged" in gate.promote_on else None,
+            )
+        )
     step_seconds, held_by = _decision_times(traffic, pop, gate, steps, T)
-    return GatePlan(traffic=traffic, population=pop.source, steps=steps, max_step_s=T, metrics=metrics,
-                    step_seconds=step_seconds, held_by=held_by)
+    return GatePlan(
+        traffic=traffic,
+        population=pop.source,
+        steps=steps,
+        max_step_s=T,
+        metrics=metrics,
+        step_seconds=step_seconds,
+        held_by=held_by,
+    )
 
 
 def _holding(reach: _Reach, gate: GateConfig, last: bool) -> list[str]:
     """The conditions an equal canary does not yet meet four times in five with this traffic."""
-    held = [f"{name} ({have:.0f} of {need})" for name, have, need in (
-        ("users per arm", min(reach.stable.users, reach.canary.users), gate.min_users_per_arm),
-        ("requests this step per arm", min(reach.stable.step_requests, reach.canary.step_requests),
-         gate.min_requests_per_arm),
-        ("rated requests per arm", min(reach.rated(reach.stable), reach.rated(reach.canary)), gate.min_rated_per_arm),
-    ) if have < need]
+    held = [
+        f"{name} ({have:.0f} of {need})"
+        for name, have, need in (
+            ("users per arm", min(reach.stable.users, reach.canary.users), gate.min_users_per_arm),
+            (
+                "requests this step per arm",
+                min(reach.stable.step_requests, reach.canary.step_requests),
+                gate.min_requests_per_arm,
+            ),
+            (
+                "rated requests per arm",
+                min(reach.rated(reach.stable), reach.rated(reach.canary)),
+                gate.min_rated_per_arm,
+            ),
+        )
+        if have < need
+    ]
     if not last:
         return held
     wanted = [("error rate within its margin", reach.errors(), gate.error_rate_margin)]
     if "feedback" in gate.promote_on:
-        wanted += [("positive-feedback rate within its margin", reach.positive(), gate.positive_rate_margin),
-                   ("regenerate rate within its margin", reach.regenerate(), gate.regenerate_rate_margin)]
+        wanted += [
+            ("positive-feedback rate within its margin", reach.positive(), gate.positive_rate_margin),
+            ("regenerate rate within its margin", reach.regenerate(), gate.regenerate_rate_margin),
+        ]
     if "judged" in gate.promote_on:
-        wanted.append((f"judged win rate within its margin ({reach.pairs:.0f} pairs)", reach.judged(),
-                       gate.judge_margin))
+        wanted.append(
+            (f"judged win rate within its margin ({reach.pairs:.0f} pairs)", reach.judged(), gate.judge_margin)
+        )
     return held + [f"{name} (needs {margin:g}, shows {r:.3f})" for name, r, margin in wanted if not r < margin]
 
 
-def _decision_times(traffic: Traffic, pop: Population, gate: GateConfig, steps: list[float], T: float
-                    ) -> tuple[list[float | None], str | None]:
+def _decision_times(
+    traffic: Traffic, pop: Population, gate: GateConfig, steps: list[float], T: float
+) -> tuple[list[float | None], str | None]:
     times: list[float | None] = []
     history: list[tuple[float, float]] = []
     grid = [T ** (i / (SEARCH_POINTS - 1)) for i in range(SEARCH_POINTS)]  # 1 s .. T
     for i, w in enumerate(steps):
         last = i == len(steps) - 1
 
-        def reach_at(t: float) -> _Reach:
+        def reach_at(t: float, w: float = w) -> _Reach:  # w: this step's weight, bound now
             h = [*history, (w, t)]
             return _Reach(*_arms(traffic, h), pop, traffic.pairs_per_s * sum(x for _, x in h), gate)
 

@@ -83,8 +83,10 @@ CREATE TABLE IF NOT EXISTS rollouts (
     last_gate TEXT, plan TEXT
 )
 """
-LEGACY_COLUMNS = ("id, version, version_path, baseline, baseline_path, steps, status, step, step_started_at, "
-                  "started_at, updated_at, reason, last_gate")
+LEGACY_COLUMNS = (
+    "id, version, version_path, baseline, baseline_path, steps, status, step, step_started_at, "
+    "started_at, updated_at, reason, last_gate"
+)
 COLUMNS = LEGACY_COLUMNS + ", plan"
 
 
@@ -122,10 +124,38 @@ class RolloutStore:
 
     @staticmethod
     def _row(row: tuple) -> Rollout:
-        (rid, version, vpath, baseline, bpath, steps, status, step, step_started, started, updated, reason,
-         gate, plan) = row
-        return Rollout(rid, version, vpath, baseline, bpath, json.loads(steps), status, step, step_started, started,
-                       updated, reason, json.loads(gate) if gate else None, json.loads(plan) if plan else None)
+        (
+            rid,
+            version,
+            vpath,
+            baseline,
+            bpath,
+            steps,
+            status,
+            step,
+            step_started,
+            started,
+            updated,
+            reason,
+            gate,
+            plan,
+        ) = row
+        return Rollout(
+            rid,
+            version,
+            vpath,
+            baseline,
+            bpath,
+            json.loads(steps),
+            status,
+            step,
+            step_started,
+            started,
+            updated,
+            reason,
+            json.loads(gate) if gate else None,
+            json.loads(plan) if plan else None,
+        )
 
     def create(self, version: str, version_path: str, baseline: str, baseline_path: str, steps: list[float]) -> Rollout:
         now = time.time()
@@ -134,11 +164,29 @@ class RolloutStore:
             cur.execute(f"SELECT id, version FROM rollouts WHERE status IN ({','.join('?' * len(ACTIVE))})", ACTIVE)
             active = cur.fetchone()
             if active:
-                raise DynrubricError(f"rollout {active[0]} of {active[1]} is still in progress",
-                                     "wait for it, or `dynrubric rollout resume` it if its controller stopped")
-            cur.execute(f"INSERT INTO rollouts ({COLUMNS}) VALUES ({','.join('?' * 14)})",
-                        (rid, version, version_path, baseline, baseline_path, json.dumps(steps), "loading", 0, now, now,
-                         now, None, None, None))
+                raise DynrubricError(
+                    f"rollout {active[0]} of {active[1]} is still in progress",
+                    "wait for it, or `dynrubric rollout resume` it if its controller stopped",
+                )
+            cur.execute(
+                f"INSERT INTO rollouts ({COLUMNS}) VALUES ({','.join('?' * 14)})",
+                (
+                    rid,
+                    version,
+                    version_path,
+                    baseline,
+                    baseline_path,
+                    json.dumps(steps),
+                    "loading",
+                    0,
+                    now,
+                    now,
+                    now,
+                    None,
+                    None,
+                    None,
+                ),
+            )
         return self.get(rid)
 
     def get(self, rollout_id: str) -> Rollout:
@@ -163,8 +211,10 @@ class RolloutStore:
                 fields[name] = json.dumps(fields[name])
         fields["updated_at"] = time.time()
         with self._tx() as cur:
-            cur.execute(f"UPDATE rollouts SET {', '.join(f'{k} = ?' for k in fields)} WHERE id = ?",
-                        (*fields.values(), rollout_id))
+            cur.execute(
+                f"UPDATE rollouts SET {', '.join(f'{k} = ?' for k in fields)} WHERE id = ?",
+                (*fields.values(), rollout_id),
+            )
         return self.get(rollout_id)
 
 
@@ -198,12 +248,18 @@ class RouterClient:
         try:
             r = self._http.request(method, path, **kw)
         except httpx.HTTPError as e:
-            raise DynrubricError(f"router at {self._http.base_url} unreachable: {e}",
-                                 "start it with `dynrubric serve-router`") from e
+            raise DynrubricError(
+                f"router at {self._http.base_url} unreachable: {e}", "start it with `dynrubric serve-router`"
+            ) from e
         if r.status_code != 200:
-            detail = r.json().get("detail", r.text) if r.headers.get("content-type", "").startswith("application/json") else r.text
-            raise DynrubricError(f"router refused {method} {path}: HTTP {r.status_code}: {detail}",
-                                 "check the router and engine logs")
+            detail = (
+                r.json().get("detail", r.text)
+                if r.headers.get("content-type", "").startswith("application/json")
+                else r.text
+            )
+            raise DynrubricError(
+                f"router refused {method} {path}: HTTP {r.status_code}: {detail}", "check the router and engine logs"
+            )
         return r.json()
 
     def state(self) -> dict[str, Any]:
@@ -213,8 +269,11 @@ class RouterClient:
         return self._call("POST", "/control/traffic", json={"canary_weight": canary_weight, "experiment": experiment})
 
     def load(self, variant: str, version: str, path: str, best_effort: bool = False) -> dict[str, Any]:
-        return self._call("POST", f"/control/variants/{variant}/weights",
-                          json={"version": version, "path": path, "best_effort": best_effort})
+        return self._call(
+            "POST",
+            f"/control/variants/{variant}/weights",
+            json={"version": version, "path": path, "best_effort": best_effort},
+        )
 
     def close(self) -> None:
         self._http.close()
@@ -223,23 +282,37 @@ class RouterClient:
 def check_weights(ckpt: Checkpoint) -> None:
     """The checkpoint's directory exists and holds the weights the registry recorded."""
     if not ckpt.path.is_dir():
-        raise DynrubricError(f"weights of {ckpt.version} are missing: {ckpt.path} does not exist",
-                             "register the checkpoint again")
+        raise DynrubricError(
+            f"weights of {ckpt.version} are missing: {ckpt.path} does not exist", "register the checkpoint again"
+        )
     sha = weights_sha256(ckpt.path)
     if sha != ckpt.weights_sha256:
-        raise DynrubricError(f"weights of {ckpt.version} in {ckpt.path} changed since registration "
-                             f"(sha256 {sha[:12]} != {ckpt.weights_sha256[:12]})", "register the checkpoint again")
+        raise DynrubricError(
+            f"weights of {ckpt.version} in {ckpt.path} changed since registration "
+            f"(sha256 {sha[:12]} != {ckpt.weights_sha256[:12]})",
+            "register the checkpoint again",
+        )
 
 
 class Controller:
-    def __init__(self, registry: Registry, store: RolloutStore, router: RouterClient, online: Any,
-                 rollout_cfg: RolloutConfig, gate_cfg: GateConfig, metrics: CollectorRegistry | None = None,
-                 sleep: Callable[[float], None] = time.sleep, log: Callable[[str], None] = lambda _: None,
-                 judge: Any = None):
+    def __init__(
+        self,
+        registry: Registry,
+        store: RolloutStore,
+        router: RouterClient,
+        online: Any,
+        rollout_cfg: RolloutConfig,
+        gate_cfg: GateConfig,
+        metrics: CollectorRegistry | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        log: Callable[[str], None] = lambda _: None,
+        judge: Any = None,
+    ):
         if "judged" in gate_cfg.promote_on and judge is None:
-            raise DynrubricError("gate.promote_on names judged, but the controller has no judge: no rollout could "
-                                 "ever be promoted", "set rollout.judge: true (and serving.shadow_rate > 0), or "
-                                 "drop judged from gate.promote_on")
+            raise DynrubricError(
+                "gate.promote_on names judged, but the controller has no judge: no rollout could ever be promoted",
+                "set rollout.judge: true (and serving.shadow_rate > 0), or drop judged from gate.promote_on",
+            )
         self.registry = registry
         self.store = store
         self.router = router
@@ -251,12 +324,17 @@ class Controller:
         self.log = log
         m = metrics or CollectorRegistry()
         self.m_step = Gauge("dynrubric_rollout_step", "index of the current traffic step (-1 when idle)", registry=m)
-        self.m_step_started = Gauge("dynrubric_rollout_step_started_timestamp_seconds", "when the current step began",
-                                    registry=m)
+        self.m_step_started = Gauge(
+            "dynrubric_rollout_step_started_timestamp_seconds", "when the current step began", registry=m
+        )
         self.m_verdicts = Counter("dynrubric_rollout_gate_verdicts_total", "gate evaluations", ["verdict"], registry=m)
         self.m_outcomes = Counter("dynrubric_rollout_outcomes_total", "finished rollouts", ["outcome"], registry=m)
-        self.m_judge = Gauge("dynrubric_rollout_judge_win_rate", "judged canary win rate over shadow pairs, with its "
-                             "always-valid bounds", ["bound"], registry=m)
+        self.m_judge = Gauge(
+            "dynrubric_rollout_judge_win_rate",
+            "judged canary win rate over shadow pairs, with its always-valid bounds",
+            ["bound"],
+            registry=m,
+        )
         self.m_judge_pairs = Gauge("dynrubric_rollout_judge_pairs", "shadow pairs the judge scored", registry=m)
         self.m_step.set(-1)
         self._online_lock = threading.Lock()
@@ -267,13 +345,17 @@ class Controller:
         """Validate everything before anything changes, then record the rollout as `loading`."""
         ckpt = self.registry.get(version)
         if ckpt.state is not CheckpointState.candidate:
-            raise DynrubricError(f"checkpoint {version} is {ckpt.state.value}; only a candidate can be rolled out",
-                                 "register new weights as a new version")
+            raise DynrubricError(
+                f"checkpoint {version} is {ckpt.state.value}; only a candidate can be rolled out",
+                "register new weights as a new version",
+            )
         check_weights(ckpt)
         baseline = self.registry.stable()
         if baseline is None:
-            raise DynrubricError("the registry has no stable version to compare the canary with",
-                                 "promote one first: `dynrubric registry promote VERSION`")
+            raise DynrubricError(
+                "the registry has no stable version to compare the canary with",
+                "promote one first: `dynrubric registry promote VERSION`",
+            )
         check_weights(baseline)
         state = self.router.state()
         if not any(r["variant"] == "canary" and r["healthy"] for r in state["replicas"]):
@@ -291,12 +373,22 @@ class Controller:
         assumed (`gate.simulation`): the judge's throughput is the one measured in earlier rollouts, if any."""
         meter = router_state.get("traffic") or {}
         rps = float(meter.get("rps", 0.0))
-        pairs = 0.0 if self.judge is None else judged_pairs_per_s(rps, float(router_state.get("shadow_rate", 0.0)),
-                                                                  self.cfg, self._judge_s_per_pair)
-        judge_speed = ("" if self.judge is None or self._judge_s_per_pair is None
-                       else f", judge {self._judge_s_per_pair:.1f} s a pair")
-        traffic = Traffic(rps=rps, users=int(meter.get("users", 0)), pairs_per_s=pairs,
-                          source=f"router, last {float(meter.get('window_s', 0.0)):.0f} s{judge_speed}")
+        pairs = (
+            0.0
+            if self.judge is None
+            else judged_pairs_per_s(rps, float(router_state.get("shadow_rate", 0.0)), self.cfg, self._judge_s_per_pair)
+        )
+        judge_speed = (
+            ""
+            if self.judge is None or self._judge_s_per_pair is None
+            else f", judge {self._judge_s_per_pair:.1f} s a pair"
+        )
+        traffic = Traffic(
+            rps=rps,
+            users=int(meter.get("users", 0)),
+            pairs_per_s=pairs,
+            source=f"router, last {float(meter.get('window_s', 0.0)):.0f} s{judge_speed}",
+        )
         return plan(traffic, Population.assumed(self.gate_cfg.simulation), self.gate_cfg, self.cfg)
 
     # ------------------------------------------------------------ the loop
@@ -342,8 +434,12 @@ class Controller:
                 self.online.add_judged(self.judge.score(pairs))
                 if pairs:
                     self._judge_s_per_pair = (time.monotonic() - started) / len(pairs)
-            arms = {v: self.online.arm_stats(v, counters.get(v, {}).get("errors", 0), counters.get(v, {}).get("requests", 0))
-                    for v in ("stable", "canary")}
+            arms = {
+                v: self.online.arm_stats(
+                    v, counters.get(v, {}).get("errors", 0), counters.get(v, {}).get("requests", 0)
+                )
+                for v in ("stable", "canary")
+            }
             judged = self.online.judge
             self.online.checkpoint()
         if judged.pairs:
@@ -351,22 +447,33 @@ class Controller:
             for bound, value in (("estimate", judged.win_rate), ("lower", lo), ("upper", hi)):
                 self.m_judge.labels(bound).set(value)
         self.m_judge_pairs.set(judged.pairs)
-        return evaluate(arms["stable"], arms["canary"], r.steps[r.step], self.gate_cfg,
-                        require_non_inferiority=r.step == len(r.steps) - 1, judge=judged, experiment_id=r.id)
+        return evaluate(
+            arms["stable"],
+            arms["canary"],
+            r.steps[r.step],
+            self.gate_cfg,
+            require_non_inferiority=r.step == len(r.steps) - 1,
+            judge=judged,
+            experiment_id=r.id,
+        )
 
     def _stepping(self, r: Rollout) -> Rollout:
         router_state = self.router.state()
         down = [x["name"] for x in router_state["replicas"] if x["variant"] == "canary" and not x["healthy"]]
         if down and not any(x["variant"] == "canary" and x["healthy"] for x in router_state["replicas"]):
-            return self.store.update(r.id, status="rolling_back",
-                                     reason=f"no canary engine answers at step {r.step} (down: {', '.join(down)})")
+            return self.store.update(
+                r.id,
+                status="rolling_back",
+                reason=f"no canary engine answers at step {r.step} (down: {', '.join(down)})",
+            )
         result = self.gate(r, router_state)
         self.m_verdicts.labels(result.verdict.value).inc()
         self.log(f"{r.id} step {r.step} ({r.steps[r.step]:.0%}): {result.verdict.value}: {result.reason}")
         gate = result.model_dump(mode="json")
         if result.verdict is Verdict.FAIL:
-            return self.store.update(r.id, status="rolling_back", reason=f"gate failed at step {r.step}: {result.reason}",
-                                     last_gate=gate)
+            return self.store.update(
+                r.id, status="rolling_back", reason=f"gate failed at step {r.step}: {result.reason}", last_gate=gate
+            )
         if result.verdict is Verdict.PASS:
             if r.step + 1 == len(r.steps):
                 return self.store.update(r.id, status="promoting", last_gate=gate)
@@ -374,14 +481,21 @@ class Controller:
             try:
                 self.router.traffic(r.steps[r.step + 1], r.id)
             except DynrubricError as e:  # e.g. the canary died between the gate and the step
-                return self.store.update(r.id, status="rolling_back", last_gate=gate,
-                                         reason=f"could not move to step {r.step + 1}: {e.problem}")
+                return self.store.update(
+                    r.id,
+                    status="rolling_back",
+                    last_gate=gate,
+                    reason=f"could not move to step {r.step + 1}: {e.problem}",
+                )
             self._enter_step(r.step + 1, now)
             return self.store.update(r.id, step=r.step + 1, step_started_at=now, last_gate=gate)
         if time.time() - r.step_started_at > self.cfg.max_step_s:
-            return self.store.update(r.id, status="rolling_back", last_gate=gate,
-                                     reason=f"step {r.step} still inconclusive after {self.cfg.max_step_s:.0f} s: "
-                                            f"{result.reason}")
+            return self.store.update(
+                r.id,
+                status="rolling_back",
+                last_gate=gate,
+                reason=f"step {r.step} still inconclusive after {self.cfg.max_step_s:.0f} s: {result.reason}",
+            )
         r = self.store.update(r.id, last_gate=gate)
         self.sleep(self.cfg.poll_interval_s)
         return r
@@ -424,14 +538,21 @@ def build_controller_app(controller: Controller, metrics: CollectorRegistry) -> 
     from dynrubric.service import make_app
 
     app = make_app("dynrubric rollout controller", metrics)
+
     @app.get("/gate/{rollout_id}")
     def gate(rollout_id: str) -> dict[str, Any]:
         try:
             r = controller.store.get(rollout_id)
         except DynrubricError as e:
             raise HTTPException(404, str(e)) from None
-        body = {"rollout_id": r.id, "version": r.version, "status": r.status, "step": r.step,
-                "canary_weight": r.steps[r.step], "reason": r.reason}
+        body = {
+            "rollout_id": r.id,
+            "version": r.version,
+            "status": r.status,
+            "step": r.step,
+            "canary_weight": r.steps[r.step],
+            "reason": r.reason,
+        }
         if r.status == "stepping":
             result = controller.gate(r).model_dump(mode="json")
         elif r.status in ("rolling_back", "rolled_back", "failed"):

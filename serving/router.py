@@ -139,10 +139,16 @@ class TrafficMeter:
         now = self.clock()
         self._forget(now)
         ends = [s for s, _ in list(self._seconds)[1:]] + [now]
-        active = sum(max(1.0, min(end - s, self.IDLE_S)) for (s, _), end in zip(self._seconds, ends))
+        # with no seconds left, `ends` is [now] alone: the zip is empty
+        active = sum(max(1.0, min(end - s, self.IDLE_S)) for (s, _), end in zip(self._seconds, ends, strict=False))
         requests = sum(n for _, n in self._seconds)
-        return {"window_s": self.window_s, "requests": requests, "users": len(self._users), "active_s": active,
-                "rps": requests / active if active else 0.0}
+        return {
+            "window_s": self.window_s,
+            "requests": requests,
+            "users": len(self._users),
+            "active_s": active,
+            "rps": requests / active if active else 0.0,
+        }
 
 
 def hash_user(user_key: str) -> str:
@@ -217,10 +223,22 @@ def _no_text(data: Any, chat: bool) -> str | None:
 
 # ---------------------------------------------------------------- the app
 class Router:
-    def __init__(self, state: RouterState, producer: Any, metrics: CollectorRegistry, *, token: SecretStr | None,
-                 engine_api_key: SecretStr | None = None, timeout_s: float = 120.0, health_interval_s: float = 5.0,
-                 shadow_rate: float = 0.0, shadow_max_inflight: int = 4, seed: int | None = None,
-                 default_max_tokens: int = 256, traffic_window_s: float = 300.0):
+    def __init__(
+        self,
+        state: RouterState,
+        producer: Any,
+        metrics: CollectorRegistry,
+        *,
+        token: SecretStr | None,
+        engine_api_key: SecretStr | None = None,
+        timeout_s: float = 120.0,
+        health_interval_s: float = 5.0,
+        shadow_rate: float = 0.0,
+        shadow_max_inflight: int = 4,
+        seed: int | None = None,
+        default_max_tokens: int = 256,
+        traffic_window_s: float = 300.0,
+    ):
         """`producer`: an EventProducer whose metrics are registered in `metrics` (the router's /metrics).
         `engine_api_key`: sent as a bearer token on every call to an engine (vLLM's --api-key).
         `default_max_tokens`: sent to the engine when a request names no max_tokens, so the logged
@@ -240,16 +258,26 @@ class Router:
         self.health_interval_s = health_interval_s
         self.metrics = m = metrics
         self.m_requests = Counter("dynrubric_router_requests_total", "requests served", ["variant", "code"], registry=m)
-        self.m_errors = Counter("dynrubric_router_errors_total", "requests that failed on every replica tried",
-                                ["variant"], registry=m)
-        self.m_latency = Histogram("dynrubric_router_request_latency_seconds", "end-to-end request latency",
-                                   ["variant"], registry=m,
-                                   buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160))
+        self.m_errors = Counter(
+            "dynrubric_router_errors_total", "requests that failed on every replica tried", ["variant"], registry=m
+        )
+        self.m_latency = Histogram(
+            "dynrubric_router_request_latency_seconds",
+            "end-to-end request latency",
+            ["variant"],
+            registry=m,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160),
+        )
         self.m_tokens = Counter("dynrubric_router_tokens_total", "tokens processed", ["variant", "kind"], registry=m)
-        self.m_weight = Gauge("dynrubric_router_variant_weight", "traffic share of each variant", ["variant"], registry=m)
-        self.m_shadow = Counter("dynrubric_router_shadow_requests_total",
-                                "sampled requests for the judged check: sent, skipped at the cost cap, failed",
-                                ["outcome"], registry=m)
+        self.m_weight = Gauge(
+            "dynrubric_router_variant_weight", "traffic share of each variant", ["variant"], registry=m
+        )
+        self.m_shadow = Counter(
+            "dynrubric_router_shadow_requests_total",
+            "sampled requests for the judged check: sent, skipped at the cost cap, failed",
+            ["outcome"],
+            registry=m,
+        )
         self._set_weight_gauges()
         self._client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
@@ -291,8 +319,9 @@ class Router:
                 raise EngineFailure(f"{replica.name}: {why}")
         return resp
 
-    async def _forward(self, variant: str, path: str, body: dict[str, Any], stream: bool
-                       ) -> tuple[str, Replica, str, httpx.Response]:
+    async def _forward(
+        self, variant: str, path: str, body: dict[str, Any], stream: bool
+    ) -> tuple[str, Replica, str, httpx.Response]:
         """First answer from: a replica of `variant`, another one, then (for canary) stable.
 
         Returns the variant and replica that answered and the policy version the replica had when
@@ -321,35 +350,84 @@ class Router:
         self.state.arm(final).errors += 1
         self.m_errors.labels(final).inc()
         self.m_requests.labels(final, "502").inc()
-        raise HTTPException(502, f"no engine of variant {variant} could answer: {'; '.join(failures) or 'none healthy'}")
+        raise HTTPException(
+            502, f"no engine of variant {variant} could answer: {'; '.join(failures) or 'none healthy'}"
+        )
 
-    def _event(self, *, request_id: str, user_hash: str, session_id: str | None, variant: str, policy_version: str,
-               model: str, body: dict[str, Any], response: str, finish_reason: str | None, latency_s: float,
-               prompt_tokens: int, completion_tokens: int, experiment_id: str | None, assigned_variant: str,
-               pair_id: str | None = None, shadow: bool = False) -> Any:
+    def _event(
+        self,
+        *,
+        request_id: str,
+        user_hash: str,
+        session_id: str | None,
+        variant: str,
+        policy_version: str,
+        model: str,
+        body: dict[str, Any],
+        response: str,
+        finish_reason: str | None,
+        latency_s: float,
+        prompt_tokens: int,
+        completion_tokens: int,
+        experiment_id: str | None,
+        assigned_variant: str,
+        pair_id: str | None = None,
+        shadow: bool = False,
+    ) -> Any:
         from streaming.events import QueryLogEvent, escape_controls
 
         # control characters a model or a user wrote are logged as visible escapes (the event's text rule)
         if "messages" in body:
-            messages = [{"role": m.get("role"), "content": escape_controls(_text(m.get("content")))}
-                        for m in body["messages"]]
+            messages = [
+                {"role": m.get("role"), "content": escape_controls(_text(m.get("content")))} for m in body["messages"]
+            ]
         else:
             messages = [{"role": "user", "content": escape_controls(_text(body.get("prompt")))}]
-        return QueryLogEvent(
-            request_id=request_id, ts=time.time(), user_key=user_hash, session_id=session_id,
-            variant=variant, policy_version=policy_version, model=model,
-            messages=messages, response=escape_controls(response), finish_reason=finish_reason or "stop",
-            sampling={"temperature": float(body.get("temperature", 1.0)), "top_p": float(body.get("top_p", 1.0)),
-                      "max_tokens": int(body["max_tokens"])},
-            latency_ms=latency_s * 1000.0, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-            experiment_id=experiment_id, assigned_variant=assigned_variant, pair_id=pair_id, shadow=shadow,
+        return QueryLogEvent.model_validate(  # the same validation as QueryLogEvent(**fields)
+            {
+                "request_id": request_id,
+                "ts": time.time(),
+                "user_key": user_hash,
+                "session_id": session_id,
+                "variant": variant,
+                "policy_version": policy_version,
+                "model": model,
+                "messages": messages,
+                "response": escape_controls(response),
+                "finish_reason": finish_reason or "stop",
+                "sampling": {
+                    "temperature": float(body.get("temperature", 1.0)),
+                    "top_p": float(body.get("top_p", 1.0)),
+                    "max_tokens": int(body["max_tokens"]),
+                },
+                "latency_ms": latency_s * 1000.0,
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "experiment_id": experiment_id,
+                "assigned_variant": assigned_variant,
+                "pair_id": pair_id,
+                "shadow": shadow,
+            }
         )
 
-    def _log(self, meta: dict[str, Any], response: str, finish_reason: str | None, latency_s: float,
-             prompt_tokens: int, completion_tokens: int) -> None:
+    def _log(
+        self,
+        meta: dict[str, Any],
+        response: str,
+        finish_reason: str | None,
+        latency_s: float,
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> None:
         try:
-            event = self._event(**meta, response=response, finish_reason=finish_reason, latency_s=latency_s,
-                                prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+            event = self._event(
+                **meta,
+                response=response,
+                finish_reason=finish_reason,
+                latency_s=latency_s,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+            )
         except ValueError as e:  # a request the engine accepted but the event schema does not (odd roles)
             log.warning("request %s not logged: %s", meta["request_id"], e)
             return
@@ -386,13 +464,22 @@ class Router:
         served, replica, version, resp = await self._forward(variant, path, upstream, stream)
         headers = {REQUEST_ID_HEADER: request_id, "x-dynrubric-variant": served, "x-dynrubric-policy-version": version}
         experiment = self.state.experiment if self.state.canary_weight > 0 else None
-        meta = dict(request_id=request_id, user_hash=user_hash, session_id=session_id, variant=served,
-                    policy_version=version, model=replica.served_model, body=body, experiment_id=experiment,
-                    assigned_variant=variant)
+        meta = dict(
+            request_id=request_id,
+            user_hash=user_hash,
+            session_id=session_id,
+            variant=served,
+            policy_version=version,
+            model=replica.served_model,
+            body=body,
+            experiment_id=experiment,
+            assigned_variant=variant,
+        )
         if resp.status_code != 200:  # 4xx: the client's mistake, passed through
             self.m_requests.labels(served, str(resp.status_code)).inc()
-            return Response(resp.content, status_code=resp.status_code, headers=headers,
-                            media_type=resp.headers.get("content-type"))
+            return Response(
+                resp.content, status_code=resp.status_code, headers=headers, media_type=resp.headers.get("content-type")
+            )
         if not stream:
             data = resp.json()
             choice = data["choices"][0]
@@ -406,9 +493,13 @@ class Router:
                 self._shadow(meta, path, upstream, chat)
             self._log(meta, text or "", choice.get("finish_reason"), latency, p, c)
             return JSONResponse(data, headers=headers)
-        return StreamingResponse(self._relay(resp, chat, started, meta), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(
+            self._relay(resp, chat, started, meta), media_type="text/event-stream", headers=headers
+        )
 
-    async def _relay(self, resp: httpx.Response, chat: bool, started: float, meta: dict[str, Any]) -> AsyncIterator[bytes]:
+    async def _relay(
+        self, resp: httpx.Response, chat: bool, started: float, meta: dict[str, Any]
+    ) -> AsyncIterator[bytes]:
         parts: list[str] = []
         finish: str | None = None
         p = c = 0
@@ -417,7 +508,9 @@ class Router:
                 if line.startswith("data: ") and line != "data: [DONE]":
                     chunk = json.loads(line[6:])
                     for choice in chunk.get("choices") or []:
-                        parts.append((choice.get("delta") or {}).get("content") or "" if chat else choice.get("text") or "")
+                        parts.append(
+                            (choice.get("delta") or {}).get("content") or "" if chat else choice.get("text") or ""
+                        )
                         finish = choice.get("finish_reason") or finish
                     if chunk.get("usage"):
                         p, c = int(chunk["usage"]["prompt_tokens"]), int(chunk["usage"]["completion_tokens"])
@@ -457,17 +550,32 @@ class Router:
         choice = data["choices"][0]
         usage = data.get("usage") or {}
         self.m_shadow.labels("sent").inc()
-        meta |= dict(request_id=f"{meta['request_id']}:shadow", variant=other, assigned_variant=other,
-                     policy_version=version, model=replica.served_model, shadow=True)
-        self._log(meta, (choice["message"]["content"] if chat else choice["text"]) or "", choice.get("finish_reason"),
-                  time.perf_counter() - started, int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
+        meta |= dict(
+            request_id=f"{meta['request_id']}:shadow",
+            variant=other,
+            assigned_variant=other,
+            policy_version=version,
+            model=replica.served_model,
+            shadow=True,
+        )
+        self._log(
+            meta,
+            (choice["message"]["content"] if chat else choice["text"]) or "",
+            choice.get("finish_reason"),
+            time.perf_counter() - started,
+            int(usage.get("prompt_tokens", 0)),
+            int(usage.get("completion_tokens", 0)),
+        )
 
     # ------------------------------------------------------------ weights and health
     async def _reload(self, replica: Replica, weights: Weights) -> None:
         assert self._client is not None
         try:
-            r = await self._client.post(f"{replica.base_url}/collective_rpc", timeout=max(self.timeout_s, 300.0),
-                                        json={"method": "reload_weights", "kwargs": {"weights_path": weights.path}})
+            r = await self._client.post(
+                f"{replica.base_url}/collective_rpc",
+                timeout=max(self.timeout_s, 300.0),
+                json={"method": "reload_weights", "kwargs": {"weights_path": weights.path}},
+            )
             if r.status_code == 200:
                 r = await self._client.post(f"{replica.base_url}/reset_prefix_cache")
         except httpx.HTTPError as e:
@@ -503,8 +611,9 @@ class Router:
                             await self._reload(r, previous)
                         except EngineFailure:
                             r.healthy = False  # the health loop reloads it when it answers again
-                raise HTTPException(502, f"loading {weights.version} on {variant} failed, "
-                                         f"no replica changed: {e}") from e
+                raise HTTPException(
+                    502, f"loading {weights.version} on {variant} failed, no replica changed: {e}"
+                ) from e
         self.state.desired[variant] = weights
         return failed
 
@@ -533,10 +642,22 @@ class Router:
             "canary_weight": s.canary_weight,
             "experiment": s.experiment,
             "desired": {v: {"version": w.version, "path": w.path} for v, w in s.desired.items()},
-            "replicas": [{"name": r.name, "variant": r.variant, "base_url": r.base_url, "policy_version": r.policy_version,
-                          "healthy": r.healthy, "drained": r.drained, "inflight": r.inflight} for r in s.replicas],
-            "counters": {e: {v: {"requests": c.requests, "errors": c.errors} for v, c in arms.items()}
-                         for e, arms in s.counters.items()},
+            "replicas": [
+                {
+                    "name": r.name,
+                    "variant": r.variant,
+                    "base_url": r.base_url,
+                    "policy_version": r.policy_version,
+                    "healthy": r.healthy,
+                    "drained": r.drained,
+                    "inflight": r.inflight,
+                }
+                for r in s.replicas
+            ],
+            "counters": {
+                e: {v: {"requests": c.requests, "errors": c.errors} for v, c in arms.items()}
+                for e, arms in s.counters.items()
+            },
             "traffic": self.traffic.snapshot(),
             "shadow_rate": self.shadow_rate,
         }
@@ -574,8 +695,13 @@ class Router:
 
             user = request.headers.get(USER_KEY_HEADER) or body.user or "anonymous"
             try:  # the event model is the schema: it has the last word on values (a dwell needs seconds > 0)
-                event = FeedbackEvent(request_id=body.request_id, ts=time.time(), user_key=hash_user(user),
-                                      kind=body.kind, value=body.value)
+                event = FeedbackEvent(
+                    request_id=body.request_id,
+                    ts=time.time(),
+                    user_key=hash_user(user),
+                    kind=body.kind,
+                    value=body.value,
+                )
             except ValueError as e:
                 raise HTTPException(422, f"feedback not accepted by the event schema: {e}") from None
             if not self.producer.send_feedback(event):

@@ -41,9 +41,19 @@ class Outcome:
 
 
 class SimulatedUsers:
-    def __init__(self, router_url: str, prompts: Sequence[PromptItem], *, n_users: int = 50, noise: float = 0.1,
-                 rated_share: float = 0.9, regenerate_p: float = 0.5, max_tokens: int = 48, seed: int = 0,
-                 timeout_s: float = 300.0):
+    def __init__(
+        self,
+        router_url: str,
+        prompts: Sequence[PromptItem],
+        *,
+        n_users: int = 50,
+        noise: float = 0.1,
+        rated_share: float = 0.9,
+        regenerate_p: float = 0.5,
+        max_tokens: int = 48,
+        seed: int = 0,
+        timeout_s: float = 300.0,
+    ):
         if not prompts:
             raise ValueError("simulated users need at least one checkable prompt")
         if any(p.kind == "open" for p in prompts):
@@ -66,10 +76,15 @@ class SimulatedUsers:
 
     def one(self, client: httpx.Client) -> Outcome | None:
         user, prompt, u_rate, u_noise, u_regen = self._draw()
-        resp = client.post(f"{self.router_url}/v1/chat/completions", headers={"x-user-key": user}, json={
-            "messages": [m.model_dump() for m in prompt.messages], "max_tokens": self.max_tokens,
-            "temperature": 0.0,
-        })
+        resp = client.post(
+            f"{self.router_url}/v1/chat/completions",
+            headers={"x-user-key": user},
+            json={
+                "messages": [m.model_dump() for m in prompt.messages],
+                "max_tokens": self.max_tokens,
+                "temperature": 0.0,
+            },
+        )
         if resp.status_code != 200:
             return None
         rid = resp.headers["x-request-id"]
@@ -81,10 +96,12 @@ class SimulatedUsers:
         if not ok and u_regen < self.regenerate_p:
             feedback.append("regenerate")
         for kind in feedback:
-            client.post(f"{self.router_url}/v1/feedback", headers={"x-user-key": user},
-                        json={"request_id": rid, "kind": kind}).raise_for_status()
-        return Outcome(rid, user, resp.headers["x-dynrubric-variant"], resp.headers["x-dynrubric-policy-version"], ok,
-                       feedback)
+            client.post(
+                f"{self.router_url}/v1/feedback", headers={"x-user-key": user}, json={"request_id": rid, "kind": kind}
+            ).raise_for_status()
+        return Outcome(
+            rid, user, resp.headers["x-dynrubric-variant"], resp.headers["x-dynrubric-policy-version"], ok, feedback
+        )
 
     def run(self, requests: int, concurrency: int = 2) -> dict[str, Any]:
         """Send `requests` requests; a summary per variant (requests, checks passed, failures)."""
@@ -96,5 +113,8 @@ class SimulatedUsers:
             c = by_variant.setdefault(o.variant, Counter())
             c["requests"] += 1
             c["ok"] += o.ok
-        return {"failed_requests": len(outcomes) - len(done),
-                "variants": {v: dict(c) for v, c in by_variant.items()}, "outcomes": done}
+        return {
+            "failed_requests": len(outcomes) - len(done),
+            "variants": {v: dict(c) for v, c in by_variant.items()},
+            "outcomes": done,
+        }

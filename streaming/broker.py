@@ -17,6 +17,7 @@ import struct
 import subprocess
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from dynrubric import atomic, process
@@ -122,12 +123,21 @@ class EmbeddedBroker:
                 )
             url = f"tcp://{self.host}:{port}"
             self.proc = process.spawn(
-                [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url,
-                 "--storage-engine", "memory://tansu/"],
-                self.log_path, env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
+                [
+                    str(binary),
+                    "broker",
+                    "--listener-url",
+                    url,
+                    "--advertised-listener-url",
+                    url,
+                    "--storage-engine",
+                    "memory://tansu/",
+                ],
+                self.log_path,
+                env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
                 own_group=self.detach,
             )
-            if process.wait_until(self.proc, lambda: answers_kafka(self.host, port, 0.5), self.start_timeout_s, 0.02):
+            if process.wait_until(self.proc, partial(answers_kafka, self.host, port, 0.5), self.start_timeout_s, 0.02):
                 self.port = port
                 return self
             self.stop()
@@ -192,6 +202,7 @@ def start_detached(pid_file: Path, host: str, port: int, start_timeout_s: float)
     log = pid_file.with_suffix(".log")
     log.parent.mkdir(parents=True, exist_ok=True)
     broker = EmbeddedBroker(port, host=host, start_timeout_s=start_timeout_s, log_path=log, detach=True).start()
+    assert broker.pid is not None, "start() leaves the broker running"
     state = BrokerState(broker.pid, host, broker.port, str(log))
     atomic.write_text(state_file(pid_file), json.dumps(state.__dict__))
     atomic.write_text(pid_file, f"{broker.pid}\n")

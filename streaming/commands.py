@@ -7,11 +7,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
 from dynrubric.console import make_console
 from dynrubric.context import settings_of
 
-broker_app = typer.Typer(help="The embedded Kafka-protocol broker (Tansu, memory storage, loopback).",
-                         no_args_is_help=True)
+broker_app = typer.Typer(
+    help="The embedded Kafka-protocol broker (Tansu, memory storage, loopback).", no_args_is_help=True
+)
 traffic_app = typer.Typer(help="Synthetic traffic for tests, benchmarks and demos.", no_args_is_help=True)
 console = make_console()
 
@@ -35,7 +37,9 @@ def broker_start(
     from streaming.broker import start_detached
 
     s = settings_of(ctx)
-    state = start_detached(_pid_file(s), s.broker.host, s.broker.port if port is None else port, s.broker.start_timeout_s)
+    state = start_detached(
+        _pid_file(s), s.broker.host, s.broker.port if port is None else port, s.broker.start_timeout_s
+    )
     console.print(f"[green]broker running[/] pid {state.pid} at {state.bootstrap_servers} (log {state.log})")
     if state.bootstrap_servers != s.kafka.bootstrap_servers:
         console.print(f"clients: export DYNRUBRIC_KAFKA__BOOTSTRAP_SERVERS={state.bootstrap_servers}", markup=False)
@@ -60,7 +64,10 @@ def broker_status(ctx: typer.Context) -> None:
         console.print("no broker running")
         raise typer.Exit(1)
     ok = answers_kafka(state.host, state.port)
-    console.print(f"broker pid {state.pid} at {state.bootstrap_servers}: " + ("[green]answers[/]" if ok else "[red]not answering[/]"))
+    console.print(
+        f"broker pid {state.pid} at {state.bootstrap_servers}: "
+        + ("[green]answers[/]" if ok else "[red]not answering[/]")
+    )
     if not ok:
         raise typer.Exit(1)
 
@@ -71,15 +78,22 @@ def ingest(
         float | None, typer.Option(help="exit after this many seconds without new records (default: run until SIGTERM)")
     ] = None,
     store: Annotated[Path | None, typer.Option(help="replay store dir (default ingest.store_dir)")] = None,
-    metrics_port: Annotated[int | None, typer.Option(help="port of /healthz /metrics (default ingest.metrics_port)")] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="port of /healthz /metrics (default ingest.metrics_port)")
+    ] = None,
 ) -> None:
     """Consume query logs and feedback into the replay store (validate, dead-letter, dedupe, filter, scrub)."""
     from streaming.ingest import serve
 
     s = settings_of(ctx)
     cfg = s.ingest if metrics_port is None else s.ingest.model_copy(update={"metrics_port": metrics_port})
-    summary = serve(s.kafka, cfg, store or store_dir(s), until_idle_s=until_idle,
-                    announce=lambda line: console.print(line, markup=False))
+    summary = serve(
+        s.kafka,
+        cfg,
+        store or store_dir(s),
+        until_idle_s=until_idle,
+        announce=lambda line: console.print(line, markup=False),
+    )
     console.print(
         f"ingest stopped: consumed {summary.consumed}, written {summary.written}, duplicates {summary.duplicates}, "
         f"dead-lettered {summary.dead_lettered}, filtered {summary.filtered}, batches {summary.batches}"
@@ -100,8 +114,9 @@ def traffic_replay(
 
     s = settings_of(ctx)
     # a live bar only in a terminal: in a log, rich's transient bar leaves an empty line and nothing else
-    stats = replay(s.kafka, file, rate=rate, policy_version=policy_version, repeat=repeat, raw=raw,
-                   progress=console.is_terminal)
+    stats = replay(
+        s.kafka, file, rate=rate, policy_version=policy_version, repeat=repeat, raw=raw, progress=console.is_terminal
+    )
     console.print(
         f"sent {stats.query_logs} query-log and {stats.feedback} feedback events "
         f"({stats.raw} raw) in {stats.seconds:.1f}s; dropped {stats.dropped}, delivery errors {stats.delivery_errors}"

@@ -105,8 +105,16 @@ class KafkaPythonConsumer(Consumer):
 
     def poll(self, timeout_s: float, max_records: int) -> list[Fetched]:
         polled = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
-        return [Fetched(tp.topic, tp.partition, [r.offset for r in records], [r.key for r in records],
-                        [r.value for r in records]) for tp, records in polled.items()]
+        return [
+            Fetched(
+                tp.topic,
+                tp.partition,
+                [r.offset for r in records],
+                [r.key for r in records],
+                [r.value for r in records],
+            )
+            for tp, records in polled.items()
+        ]
 
     def assignment(self) -> list[Partition]:
         return [(tp.topic, tp.partition) for tp in self._consumer.assignment()]
@@ -150,9 +158,14 @@ def confluent_settings(kafka: KafkaConfig) -> dict[str, Any]:
         "client.id": kw["client_id"],
         "security.protocol": kw["security_protocol"],
     }
-    names = {"sasl_mechanism": "sasl.mechanisms", "sasl_plain_username": "sasl.username",
-             "sasl_plain_password": "sasl.password", "ssl_cafile": "ssl.ca.location",
-             "ssl_certfile": "ssl.certificate.location", "ssl_keyfile": "ssl.key.location"}
+    names = {
+        "sasl_mechanism": "sasl.mechanisms",
+        "sasl_plain_username": "sasl.username",
+        "sasl_plain_password": "sasl.password",
+        "ssl_cafile": "ssl.ca.location",
+        "ssl_certfile": "ssl.certificate.location",
+        "ssl_keyfile": "ssl.key.location",
+    }
     conf.update({names[k]: v for k, v in kw.items() if k in names and v is not None})
     return conf
 
@@ -164,24 +177,29 @@ class ConfluentConsumer(Consumer):
         confluent = require("confluent_kafka", "confluent", "ingest.client: confluent")
         self._tp = confluent.TopicPartition
         self._errors = confluent.KafkaError
-        self._consumer = confluent.Consumer({
-            **confluent_settings(kafka),
-            "group.id": cfg.group_id,
-            "enable.auto.commit": False,
-            "auto.offset.reset": "earliest",
-            "session.timeout.ms": cfg.session_timeout_ms,
-            "heartbeat.interval.ms": heartbeat_ms(cfg),
-            "enable.partition.eof": False,
-            "logger": log,
-        })
+        self._consumer = confluent.Consumer(
+            {
+                **confluent_settings(kafka),
+                "group.id": cfg.group_id,
+                "enable.auto.commit": False,
+                "auto.offset.reset": "earliest",
+                "session.timeout.ms": cfg.session_timeout_ms,
+                "heartbeat.interval.ms": heartbeat_ms(cfg),
+                "enable.partition.eof": False,
+                "logger": log,
+            }
+        )
 
     def subscribe(self, topics: Sequence[str], on_assigned: OnPartitions, on_revoked: OnPartitions) -> None:
         def parts(tps) -> list[Partition]:
             return [(tp.topic, tp.partition) for tp in tps]
 
         # eager rebalancing: librdkafka assigns the partitions itself once on_assign returns
-        self._consumer.subscribe(list(topics), on_assign=lambda _, tps: on_assigned(parts(tps)),
-                                 on_revoke=lambda _, tps: on_revoked(parts(tps)))
+        self._consumer.subscribe(
+            list(topics),
+            on_assign=lambda _, tps: on_assigned(parts(tps)),
+            on_revoke=lambda _, tps: on_revoked(parts(tps)),
+        )
 
     def poll(self, timeout_s: float, max_records: int) -> list[Fetched]:
         by_partition: dict[Partition, Fetched] = {}
@@ -189,8 +207,10 @@ class ConfluentConsumer(Consumer):
             error = msg.error()
             if error is not None:
                 if error.fatal():
-                    raise DynrubricError(f"the Kafka consumer failed: {error.str()}",
-                                         "check the broker and the kafka.* connection settings")
+                    raise DynrubricError(
+                        f"the Kafka consumer failed: {error.str()}",
+                        "check the broker and the kafka.* connection settings",
+                    )
                 log.warning("Kafka consumer error (retried by librdkafka): %s", error.str())
                 continue
             key = (msg.topic(), msg.partition())

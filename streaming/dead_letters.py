@@ -41,7 +41,10 @@ class DeadLetterSender:
         self.cfg = cfg
         self.topic = topic
         self.producer = KafkaProducer(
-            **connection_kwargs(kafka), acks="all", retries=5, linger_ms=5,
+            **connection_kwargs(kafka),
+            acks="all",
+            retries=5,
+            linger_ms=5,
             max_request_size=max(1_048_576, 2 * cfg.dlq_max_payload_bytes),
         )
         self._sent: set[Source] = set()
@@ -51,26 +54,38 @@ class DeadLetterSender:
         self.producer.close(timeout=10)
 
     def letter(self, reason: str, detail: str, *, raw, key, topic: str, partition: int, offset: int) -> DeadLetter:
-        return DeadLetter.of(reason, detail, raw=raw, key=key, topic=topic, partition=partition, offset=offset,
-                             max_payload_bytes=self.cfg.dlq_max_payload_bytes)
+        return DeadLetter.of(
+            reason,
+            detail,
+            raw=raw,
+            key=key,
+            topic=topic,
+            partition=partition,
+            offset=offset,
+            max_payload_bytes=self.cfg.dlq_max_payload_bytes,
+        )
 
     def send(self, letters: list[tuple[DeadLetter, bytes | None]]) -> int:
         """Send (letter, full value) pairs and wait for every ack; return how many were skipped because
         the dead-letter topic already holds them. Raises when one was not delivered."""
         with self._lock:
-            todo = [(dl, full) for dl, full in letters if (dl.source_topic, dl.source_partition, dl.source_offset) not in self._sent]
+            todo = [
+                (dl, full)
+                for dl, full in letters
+                if (dl.source_topic, dl.source_partition, dl.source_offset) not in self._sent
+            ]
         for dl, full in todo:
             if dl.truncated and self.cfg.dlq_quarantine_dir is not None and full is not None:
                 self._quarantine(dl, full)
-        futures = [
-            self.producer.send(self.topic, key=dl.key, value=dl.raw, headers=dl.headers()) for dl, _ in todo
-        ]
+        futures = [self.producer.send(self.topic, key=dl.key, value=dl.raw, headers=dl.headers()) for dl, _ in todo]
         for future in futures:
             future.get(timeout=30)
         return len(letters) - len(todo)
 
     def _quarantine(self, dl: DeadLetter, full: bytes) -> None:
-        directory = Path(self.cfg.dlq_quarantine_dir) / dl.source_topic
+        root = self.cfg.dlq_quarantine_dir
+        assert root is not None, "send() quarantines only with ingest.dlq_quarantine_dir set"
+        directory = Path(root) / dl.source_topic
         directory.mkdir(parents=True, exist_ok=True)
         final = directory / f"{dl.source_partition}-{dl.source_offset}.bin"
         tmp = directory / f".{final.name}.tmp"

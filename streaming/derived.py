@@ -100,7 +100,7 @@ def arrow_fields(model: type[BaseModel], flatten: tuple[str, ...] = ()) -> list[
         if name == "schema_version":
             continue
         if name in flatten:
-            fields.extend(arrow_fields(info.annotation))
+            fields.extend(arrow_fields(typing.cast(type[BaseModel], info.annotation)))  # a nested model
             continue
         fields.append(pa.field(name, _arrow_type(info.annotation)))
     return fields

@@ -58,20 +58,26 @@ _TEXT = rf"^[^{_TEXT_CONTROLS}]*$"
 _CONTROL_IN_TEXT = re.compile(f"[{_TEXT_CONTROLS}]")
 # RFC 3339's date-time, strictly: ASCII digits, a "T", an offset within +-14:00 (the real ones), nothing after it.
 # The same text is the JSON Schema's pattern, where "$" ends the input (ECMA-262); here it is fullmatch'ed.
-RFC3339_PATTERN = (r"^([0-9]{4})-([0-9]{2})-([0-9]{2})[Tt]([0-9]{2}):([0-9]{2}):([0-9]{2})(\.[0-9]{1,32})?"
-                   r"([Zz]|[+-](?:0[0-9]|1[0-3]):[0-5][0-9]|[+-]14:00)$")
+RFC3339_PATTERN = (
+    r"^([0-9]{4})-([0-9]{2})-([0-9]{2})[Tt]([0-9]{2}):([0-9]{2}):([0-9]{2})(\.[0-9]{1,32})?"
+    r"([Zz]|[+-](?:0[0-9]|1[0-3]):[0-5][0-9]|[+-]14:00)$"
+)
 _RFC3339 = re.compile(RFC3339_PATTERN)
 # what vLLM (FINISH_REASON_STRINGS) and OpenAI's API report
-FinishReason = Literal["stop", "length", "abort", "error", "repetition", "tool_calls", "content_filter",
-                       "function_call"]
+FinishReason = Literal[
+    "stop", "length", "abort", "error", "repetition", "tool_calls", "content_filter", "function_call"
+]
 
 
-def _ident(max_length: int, min_length: int = 1) -> Any:
-    return Annotated[str, StringConstraints(min_length=min_length, max_length=max_length, pattern=_NO_CONTROL)]
-
+# identifiers: no control characters, bounded length (an empty one only where it says `0`)
+Id = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=_NO_CONTROL)]
+_Id0 = Annotated[str, StringConstraints(min_length=0, max_length=128, pattern=_NO_CONTROL)]
+_Arm = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=_NO_CONTROL)]
+_Arm0 = Annotated[str, StringConstraints(min_length=0, max_length=64, pattern=_NO_CONTROL)]
+_ModelName = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=_NO_CONTROL)]
+_Experiment0 = Annotated[str, StringConstraints(min_length=0, max_length=200, pattern=_NO_CONTROL)]
 
 Text = Annotated[str, StringConstraints(pattern=_TEXT)]
-Id = _ident(128)
 PolicyVersion = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
 FeedbackKind = Literal["thumbs_up", "thumbs_down", "regenerate", "copy", "dwell"]
 
@@ -87,8 +93,10 @@ def rfc3339_seconds(text: str) -> float:
     """Seconds since the epoch of an RFC 3339 timestamp (any fraction digits, an offset within +-14:00, Z)."""
     m = _RFC3339.fullmatch(text)
     if m is None:
-        raise ValueError(f"ts {text[:40]!r} is neither epoch seconds nor an RFC 3339 timestamp (ASCII digits, "
-                         f"YYYY-MM-DDThh:mm:ss[.frac] then Z or an offset within +-14:00)")
+        raise ValueError(
+            f"ts {text[:40]!r} is neither epoch seconds nor an RFC 3339 timestamp (ASCII digits, "
+            f"YYYY-MM-DDThh:mm:ss[.frac] then Z or an offset within +-14:00)"
+        )
     y, mo, d, h, mi, s = (int(g) for g in m.groups()[:6])
     leap = s == 60  # RFC 3339 allows a leap second; datetime does not
     try:
@@ -96,7 +104,11 @@ def rfc3339_seconds(text: str) -> float:
     except ValueError as e:
         raise ValueError(f"ts {text!r} is not a real date and time: {e}") from None
     offset = m.group(8)
-    shift = 0 if offset in ("Z", "z") else (1 if offset[0] == "+" else -1) * (int(offset[1:3]) * 3600 + int(offset[4:6]) * 60)
+    shift = (
+        0
+        if offset in ("Z", "z")
+        else (1 if offset[0] == "+" else -1) * (int(offset[1:3]) * 3600 + int(offset[4:6]) * 60)
+    )
     return base + leap + float("0" + (m.group(7) or "")) - shift
 
 
@@ -119,29 +131,31 @@ def _epoch_seconds(value: Any) -> float:
     for unit, factor in (("milliseconds", 1e3), ("microseconds", 1e6), ("nanoseconds", 1e9)):
         if TS_MIN <= seconds / factor < TS_MAX:
             raise PydanticCustomError(
-                "ts_units", "ts {ts} looks like epoch {unit}; send seconds since the epoch",
+                "ts_units",
+                "ts {ts} looks like epoch {unit}; send seconds since the epoch",
                 {"ts": repr(value), "unit": unit},
             )
-    raise PydanticCustomError(
-        "ts_window", "ts {ts} is outside 2000-01-01..2100-01-01", {"ts": repr(value)[:40]}
-    )
+    raise PydanticCustomError("ts_window", "ts {ts} is outside 2000-01-01..2100-01-01", {"ts": repr(value)[:40]})
 
 
 EpochSeconds = Annotated[
     float,
     BeforeValidator(_epoch_seconds),
-    WithJsonSchema({
-        "anyOf": [
-            {"type": "number", "minimum": TS_MIN, "exclusiveMaximum": TS_MAX},
-            {"type": "string", "format": "date-time", "maxLength": 64, "pattern": RFC3339_PATTERN},
-        ],
-        "description": "seconds since the Unix epoch, or an RFC 3339 timestamp; 2000-01-01 <= ts < 2100-01-01",
-    }),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "number", "minimum": TS_MIN, "exclusiveMaximum": TS_MAX},
+                {"type": "string", "format": "date-time", "maxLength": 64, "pattern": RFC3339_PATTERN},
+            ],
+            "description": "seconds since the Unix epoch, or an RFC 3339 timestamp; 2000-01-01 <= ts < 2100-01-01",
+        }
+    ),
 ]
 
 
-def _finite(**bounds: float) -> Any:
-    return Field(allow_inf_nan=False, **bounds)
+def _finite(**field: Any) -> Any:
+    """A pydantic Field of a finite number, with `field`'s bounds, default and description."""
+    return Field(allow_inf_nan=False, **field)
 
 
 class _Strict(BaseModel):
@@ -177,29 +191,38 @@ class QueryLogEvent(_Versioned):
     request_id: Id = Field(description="unique per request; the Kafka key and the dedupe key")
     ts: EpochSeconds = Field(description="when the response finished")
     user_key: Id = Field(description="hashed user id, never the raw id")
-    session_id: _ident(128, 0) | None = None
-    variant: _ident(64) = Field(description="A/B variant that served the request: an arm of the deployment "
-                                "(ingest.variants: stable, canary, replay)")
+    session_id: _Id0 | None = None
+    variant: _Arm = Field(
+        description="A/B variant that served the request: an arm of the deployment "
+        "(ingest.variants: stable, canary, replay)"
+    )
     policy_version: PolicyVersion = Field(
         description="checkpoint version that produced the response (path-safe: the replay store partitions by it)"
     )
-    model: _ident(256)
-    messages: list[ChatMessage] = Field(min_length=1, description="the chat prompt as sent to the model, without the response")
+    model: _ModelName
+    messages: list[ChatMessage] = Field(
+        min_length=1, description="the chat prompt as sent to the model, without the response"
+    )
     response: Text
-    finish_reason: FinishReason | None = Field(default=None,
-                                               description="as the engine reports it: vLLM's and OpenAI's values")
+    finish_reason: FinishReason | None = Field(
+        default=None, description="as the engine reports it: vLLM's and OpenAI's values"
+    )
     sampling: Sampling
     latency_ms: float = _finite(ge=0, le=MAX_LATENCY_MS)
     prompt_tokens: int = Field(ge=0, le=MAX_TOKENS)
     completion_tokens: int = Field(ge=0, le=MAX_TOKENS)
     # the rollout gate's attribution (serving/online.py) and the judged check's shadow pairs
-    experiment_id: _ident(200, 0) | None = Field(default=None, description="the rollout this request belongs to")
-    assigned_variant: _ident(64, 0) | None = Field(default=None, description="the arm the user is assigned to (SRM, attribution)")
-    pair_id: _ident(128, 0) | None = Field(default=None, description="links a served answer and its shadow (judged check)")
-    shadow: bool = Field(default=False, description="a shadow answer to the arm that did not serve: never shown, never trained on")
+    experiment_id: _Experiment0 | None = Field(default=None, description="the rollout this request belongs to")
+    assigned_variant: _Arm0 | None = Field(
+        default=None, description="the arm the user is assigned to (SRM, attribution)"
+    )
+    pair_id: _Id0 | None = Field(default=None, description="links a served answer and its shadow (judged check)")
+    shadow: bool = Field(
+        default=False, description="a shadow answer to the arm that did not serve: never shown, never trained on"
+    )
 
 
-_DWELL_NEEDS_SECONDS = {
+_DWELL_NEEDS_SECONDS: dict[str, Any] = {
     "if": {"properties": {"kind": {"const": "dwell"}}, "required": ["kind"]},
     "then": {"properties": {"value": {"type": "number", "exclusiveMinimum": 0}}, "required": ["value"]},
 }
@@ -216,7 +239,10 @@ class FeedbackEvent(_Versioned):
     user_key: Id = Field(description="hashed user id, never the raw id")
     kind: FeedbackKind
     value: float | None = _finite(
-        default=None, ge=0, le=MAX_FEEDBACK_VALUE, description="dwell: seconds spent reading (> 0); the other kinds: 1 or null"
+        default=None,
+        ge=0,
+        le=MAX_FEEDBACK_VALUE,
+        description="dwell: seconds spent reading (> 0); the other kinds: 1 or null",
     )
 
     @model_validator(mode="after")
@@ -231,7 +257,10 @@ class FeedbackEvent(_Versioned):
 
 
 Event = QueryLogEvent | FeedbackEvent
-SCHEMA_FILE_OF_MODEL = {QueryLogEvent: "query-log.v1.json", FeedbackEvent: "feedback.v1.json"}
+SCHEMA_FILE_OF_MODEL: dict[type[QueryLogEvent] | type[FeedbackEvent], str] = {
+    QueryLogEvent: "query-log.v1.json",
+    FeedbackEvent: "feedback.v1.json",
+}
 
 
 def load_schema(model: type[QueryLogEvent] | type[FeedbackEvent]) -> dict[str, Any]:
@@ -261,8 +290,12 @@ DeadLetterReason = Literal[
     "missing_value",  # a feedback event without `value` (null is fine, absent is not)
     "store_error",  # valid, but the store could not write it (isolated from its batch)
 ]
-_REASON_OF_ERROR = {"ts_units": "ts_units", "ts_window": "ts_window", "ts_format": "ts_format",
-                    "finite_number": "non_finite"}
+_REASON_OF_ERROR = {
+    "ts_units": "ts_units",
+    "ts_window": "ts_window",
+    "ts_format": "ts_format",
+    "finite_number": "non_finite",
+}
 # fields Python callers may leave to their default, which the wire must name, and the reason of a record without
 WIRE_REQUIRED: dict[type, dict[str, DeadLetterReason]] = {
     QueryLogEvent: {"schema_version": "schema_version"},
@@ -279,15 +312,19 @@ class MalformedEvent(ValueError):
         super().__init__(f"{reason}: {detail}")
 
 
-_JSON_ERRORS = (
+_JSON_ERRORS: tuple[tuple[str, DeadLetterReason], ...] = (
     ("recursion limit exceeded", "too_deep"),
     ("number out of range", "number_range"),
     ("duplicate key", "duplicate_key"),
 )
 
 
-def parse_event(model: type[QueryLogEvent] | type[FeedbackEvent], raw: bytes | None, max_bytes: int,
-                arms: Collection[str] | None = None) -> Event:
+def parse_event(
+    model: type[QueryLogEvent] | type[FeedbackEvent],
+    raw: bytes | None,
+    max_bytes: int,
+    arms: Collection[str] | None = None,
+) -> Event:
     """Validate one record's bytes as a `model` event; raise MalformedEvent (and only that) saying why not.
 
     Bounded: at most `max_bytes`; the JSON parser (jiter, pydantic's own) stops at MAX_DEPTH levels of
@@ -302,7 +339,7 @@ def parse_event(model: type[QueryLogEvent] | type[FeedbackEvent], raw: bytes | N
     try:
         doc = jiter.from_json(raw, catch_duplicate_keys=True)
     except ValueError as e:
-        reason = next((r for text, r in _JSON_ERRORS if text in str(e)), "bad_json")
+        reason: DeadLetterReason = next((r for text, r in _JSON_ERRORS if text in str(e)), "bad_json")
         raise MalformedEvent(reason, f"not valid JSON: {str(e)[:200]}") from None
     if not isinstance(doc, dict):
         raise MalformedEvent("schema", f"expected a JSON object, got {type(doc).__name__}")
@@ -315,14 +352,17 @@ def parse_event(model: type[QueryLogEvent] | type[FeedbackEvent], raw: bytes | N
         raise _classified(e) from None
     missing = sorted(WIRE_REQUIRED[model].keys() - doc.keys())
     if missing:
-        raise MalformedEvent(WIRE_REQUIRED[model][missing[0]], f"{missing[0]} is missing (null where there is nothing "
-                                                               "to say)")
+        raise MalformedEvent(
+            WIRE_REQUIRED[model][missing[0]], f"{missing[0]} is missing (null where there is nothing to say)"
+        )
     if arms is not None and isinstance(event, QueryLogEvent):
         for name in ("variant", "assigned_variant"):
             value = getattr(event, name)
             if value is not None and value not in arms:
-                raise MalformedEvent("unknown_variant", f"{name} {value!r} is not an arm of this deployment "
-                                                        f"(ingest.variants: {', '.join(arms)})")
+                raise MalformedEvent(
+                    "unknown_variant",
+                    f"{name} {value!r} is not an arm of this deployment (ingest.variants: {', '.join(arms)})",
+                )
     return event
 
 
@@ -402,10 +442,22 @@ class DeadLetter:
     @classmethod
     def from_record(cls, value: bytes | None, key: bytes | None, headers) -> DeadLetter:
         """Read one back from a consumed dead-letter record (headers as (name, bytes) pairs)."""
-        h = {name[len(cls.HEADER_PREFIX):]: v.decode() for name, v in headers or () if name.startswith(cls.HEADER_PREFIX)}
+        h = {
+            name[len(cls.HEADER_PREFIX) :]: v.decode()
+            for name, v in headers or ()
+            if name.startswith(cls.HEADER_PREFIX)
+        }
         length = h.get("original.length")
         return cls(
-            value, key, h["source.topic"], int(h["source.partition"]), int(h["source.offset"]),
-            h["reason"], h["error"], float(h["ts"]), int(length) if length is not None else None,
-            h.get("original.sha256"), h.get("truncated") == "true",
+            value,
+            key,
+            h["source.topic"],
+            int(h["source.partition"]),
+            int(h["source.offset"]),
+            h["reason"],
+            h["error"],
+            float(h["ts"]),
+            int(length) if length is not None else None,
+            h.get("original.sha256"),
+            h.get("truncated") == "true",
         )

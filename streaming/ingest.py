@@ -45,12 +45,16 @@ class IngestMetrics:
     """The ingest rows of monitoring/README.md, on the service's own registry."""
 
     def __init__(self, registry: CollectorRegistry):
-        self.consumed = Counter("dynrubric_ingest_consumed_total", "records read from Kafka", ["topic"], registry=registry)
+        self.consumed = Counter(
+            "dynrubric_ingest_consumed_total", "records read from Kafka", ["topic"], registry=registry
+        )
         self.written = Counter(
             "dynrubric_ingest_written_total", "records written to the replay store", ["topic"], registry=registry
         )
         self.dead_lettered = Counter(
-            "dynrubric_ingest_dead_lettered_total", "records sent to the dead-letter topic", ["reason"],
+            "dynrubric_ingest_dead_lettered_total",
+            "records sent to the dead-letter topic",
+            ["reason"],
             registry=registry,
         )
         self.duplicates = Counter(
@@ -60,15 +64,20 @@ class IngestMetrics:
             "dynrubric_ingest_filtered_total", "records dropped by filters", ["reason"], registry=registry
         )
         self.lag = Gauge(
-            "dynrubric_ingest_lag_messages", "high-watermark minus committed offset", ["topic", "partition"],
+            "dynrubric_ingest_lag_messages",
+            "high-watermark minus committed offset",
+            ["topic", "partition"],
             registry=registry,
         )
         self.batch_latency = Histogram(
-            "dynrubric_ingest_batch_latency_seconds", "time to process one batch until its commit",
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=registry,
+            "dynrubric_ingest_batch_latency_seconds",
+            "time to process one batch until its commit",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=registry,
         )
         self.pauses = Counter(
-            "dynrubric_ingest_backpressure_pauses_total", "times the consumer paused because the writer lagged",
+            "dynrubric_ingest_backpressure_pauses_total",
+            "times the consumer paused because the writer lagged",
             registry=registry,
         )
         self.unaccounted = Counter(
@@ -264,8 +273,9 @@ class Ingestor:
                 batch, outcome = self._done.get(block=block, timeout=60 if block else None)
             except queue.Empty:
                 if block:
-                    raise DynrubricError("the replay-store writer made no progress for 60 s",
-                                         "check the disk under ingest.store_dir") from None
+                    raise DynrubricError(
+                        "the replay-store writer made no progress for 60 s", "check the disk under ingest.store_dir"
+                    ) from None
                 return
             block = False
             self._in_flight -= 1
@@ -330,8 +340,15 @@ class Ingestor:
                 letters = []
                 for i, reason, detail in written.dead:
                     rec = batch.records[i]
-                    letter = self.dlq.letter(reason, detail, raw=rec.value, key=batch.keys[i], topic=batch.topics[i],
-                                             partition=rec.partition, offset=rec.offset)
+                    letter = self.dlq.letter(
+                        reason,
+                        detail,
+                        raw=rec.value,
+                        key=batch.keys[i],
+                        topic=batch.topics[i],
+                        partition=rec.partition,
+                        offset=rec.offset,
+                    )
                     letters.append((letter, rec.value))
                 # raises when a dead letter was not delivered: nothing of the batch is committed
                 self.metrics.dlq_already_sent.inc(self.dlq.send(letters))

@@ -64,8 +64,11 @@ def fetch_sizes(max_message_bytes: int) -> dict[str, int]:
     """
     partition = max(max_message_bytes, 1 << 20)
     fetch = max(FETCH_BYTES, 2 * partition)
-    return {"max_partition_fetch_bytes": partition, "fetch_max_bytes": fetch,
-            "receive_message_max_bytes": fetch + FRAME_HEADROOM}
+    return {
+        "max_partition_fetch_bytes": partition,
+        "fetch_max_bytes": fetch,
+        "receive_message_max_bytes": fetch + FRAME_HEADROOM,
+    }
 
 
 def consumer_kwargs(kafka: KafkaConfig) -> dict[str, Any]:
@@ -98,7 +101,9 @@ def ensure_topics(kafka: KafkaConfig, names: tuple[str, ...] | list[str] | None 
         # kafka-python 2.3 cannot parse the authorized-operations bits Tansu returns with it
         for name in names:
             topic = NewTopic(
-                name, kafka.topic_partitions, kafka.topic_replication_factor,
+                name,
+                kafka.topic_partitions,
+                kafka.topic_replication_factor,
                 topic_configs={"retention.ms": str(kafka.topic_retention_ms)},
             )
             try:

@@ -68,7 +68,9 @@ class EventProducer:
             "dynrubric_producer_delivery_errors_total", "events whose delivery failed", ["topic"], registry=registry
         )
         self._dropped = Counter(
-            "dynrubric_producer_dropped_total", "events dropped because the local buffer was full", ["topic"],
+            "dynrubric_producer_dropped_total",
+            "events dropped because the local buffer was full",
+            ["topic"],
             registry=registry,
         )
         self._lock = threading.Lock()

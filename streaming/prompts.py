@@ -69,7 +69,9 @@ def load_prompts(path: Path | None = None) -> list[PromptItem]:
             try:
                 items.append(PromptItem.model_validate_json(line))
             except ValueError as e:
-                raise DynrubricError(f"{path}:{n} is not a valid prompt line: {e}", "see streaming/prompts.py") from None
+                raise DynrubricError(
+                    f"{path}:{n} is not a valid prompt line: {e}", "see streaming/prompts.py"
+                ) from None
     return items
 
 

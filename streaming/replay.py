@@ -39,7 +39,9 @@ class ReplayStats:
     seconds: float = 0.0
 
 
-def events_of_line(line: dict, *, policy_version: str, fresh_ids: bool, now: float) -> list[QueryLogEvent | FeedbackEvent]:
+def events_of_line(
+    line: dict, *, policy_version: str, fresh_ids: bool, now: float
+) -> list[QueryLogEvent | FeedbackEvent]:
     """The events one JSONL line stands for (a query-log event and its feedback, or one feedback event)."""
     if line.get("kind") in FEEDBACK_KINDS and "messages" not in line and "prompt" not in line:
         fields = {"ts": now, "user_key": "replay-user", **line}
@@ -51,7 +53,7 @@ def events_of_line(line: dict, *, policy_version: str, fresh_ids: bool, now: flo
     else:
         raise ValueError("a line needs `messages`, `prompt`, or a feedback `kind` with `request_id`")
     response = line.get("response", line.get("answer", "")) or ""
-    request_id = line.get("request_id") if not fresh_ids and line.get("request_id") else uuid.uuid4().hex
+    request_id = line["request_id"] if not fresh_ids and line.get("request_id") else uuid.uuid4().hex
     event = QueryLogEvent(
         request_id=request_id,
         ts=line.get("ts", now),
@@ -71,8 +73,7 @@ def events_of_line(line: dict, *, policy_version: str, fresh_ids: bool, now: flo
     kinds = line.get("feedback") or []
     kinds = [kinds] if isinstance(kinds, str) else kinds
     feedback = [
-        FeedbackEvent(request_id=request_id, ts=now, user_key=event.user_key, kind=kind, value=1.0)
-        for kind in kinds
+        FeedbackEvent(request_id=request_id, ts=now, user_key=event.user_key, kind=kind, value=1.0) for kind in kinds
     ]
     return [event, *feedback]
 
@@ -105,8 +106,9 @@ def replay(
                     raise ValueError("not a JSON object")
                 parsed.append(obj)
             except ValueError as e:
-                raise DynrubricError(f"{file}:{n} is not a JSON object ({e})",
-                                     "fix the line, or pass --raw to send lines unchecked") from None
+                raise DynrubricError(
+                    f"{file}:{n} is not a JSON object ({e})", "fix the line, or pass --raw to send lines unchecked"
+                ) from None
 
     stats = ReplayStats()
     total = len(lines) * repeat
@@ -125,8 +127,9 @@ def replay(
                     stats.raw += 1
                 else:
                     try:
-                        events = events_of_line(parsed[i], policy_version=policy_version, fresh_ids=repeat > 1,
-                                                now=time.time())
+                        events = events_of_line(
+                            parsed[i], policy_version=policy_version, fresh_ids=repeat > 1, now=time.time()
+                        )
                     except (ValueError, TypeError) as e:
                         raise DynrubricError(f"{file}:{i + 1}: {e}", "fix the line, or pass --raw") from None
                     for event in events:

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import cast
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -53,18 +54,22 @@ WRITERS = ".writers"  # shared stores: one lock file per live writer
 QUERY_LOG, FEEDBACK = "query_log", "feedback"
 
 # generated from the event models (streaming/derived.py), then the store's own columns
-QUERY_LOG_SCHEMA = pa.schema([
-    *arrow_fields(QueryLogEvent, flatten=("sampling",)),
-    ("prompt_key", pa.string()),
-    ("prompt_text", pa.string()),
-    ("source_partition", pa.int32()),
-    ("source_offset", pa.int64()),
-])
-FEEDBACK_SCHEMA = pa.schema([
-    *arrow_fields(FeedbackEvent),
-    ("source_partition", pa.int32()),
-    ("source_offset", pa.int64()),
-])
+QUERY_LOG_SCHEMA = pa.schema(
+    [
+        *arrow_fields(QueryLogEvent, flatten=("sampling",)),
+        ("prompt_key", pa.string()),
+        ("prompt_text", pa.string()),
+        ("source_partition", pa.int32()),
+        ("source_offset", pa.int64()),
+    ]
+)
+FEEDBACK_SCHEMA = pa.schema(
+    [
+        *arrow_fields(FeedbackEvent),
+        ("source_partition", pa.int32()),
+        ("source_offset", pa.int64()),
+    ]
+)
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS shards (
@@ -130,8 +135,7 @@ class StoreWriter:
     """Appends batches to the store exactly once (see the module docstring). One per store, or several
     with `shared`."""
 
-    def __init__(self, root: Path, *, dedupe_capacity: int = 5_000_000, lock_wait_s: float = 0.0,
-                 shared: bool = False):
+    def __init__(self, root: Path, *, dedupe_capacity: int = 5_000_000, lock_wait_s: float = 0.0, shared: bool = False):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.dedupe_capacity = dedupe_capacity
@@ -191,8 +195,11 @@ class StoreWriter:
         removed = 0
         for kind in (QUERY_LOG, FEEDBACK):
             for f in (self.root / kind).rglob("*") if (self.root / kind).exists() else ():
-                if f.is_file() and f.relative_to(self.root).as_posix() not in registered \
-                        and _writer_of(f.name) not in live:
+                if (
+                    f.is_file()
+                    and f.relative_to(self.root).as_posix() not in registered
+                    and _writer_of(f.name) not in live
+                ):
                     f.unlink()
                     removed += 1
         return removed
@@ -250,6 +257,7 @@ class StoreWriter:
                     (kind, path, date, version, len(items), min(tss), max(tss), now),
                 )
                 shard_id = cur.lastrowid
+                assert shard_id is not None, "an INSERT sets lastrowid"
                 result.shard_ids.append(shard_id)
                 result.written[kind] = result.written.get(kind, 0) + len(items)
                 # one statement per table (json_each), not one per row: every SQLite step releases and
@@ -264,16 +272,16 @@ class StoreWriter:
                 self.db.execute(
                     f"INSERT INTO {lookup} SELECT value, ? FROM json_each(?)", (shard_id, json.dumps(sorted(values)))
                 )
-            self.db.execute(
-                "DELETE FROM seen WHERE seq <= (SELECT MAX(seq) FROM seen) - ?", (self.dedupe_capacity,)
-            )
+            self.db.execute("DELETE FROM seen WHERE seq <= (SELECT MAX(seq) FROM seen) - ?", (self.dedupe_capacity,))
             self.db.execute("COMMIT")
         except BaseException:
             self.db.execute("ROLLBACK")
             raise
 
     def _known(self, keys: list[str]) -> set[str]:
-        rows = self.db.execute("SELECT key FROM seen WHERE key IN (SELECT value FROM json_each(?))", (json.dumps(keys),))
+        rows = self.db.execute(
+            "SELECT key FROM seen WHERE key IN (SELECT value FROM json_each(?))", (json.dumps(keys),)
+        )
         return {row[0] for row in rows}
 
     def _write_shard(self, kind: str, date: str, version: str | None, rows: list[dict]) -> str:
@@ -320,25 +328,43 @@ def _writer_of(name: str) -> str | None:
 
 
 def _query_row(r: Stored) -> dict:
-    e: QueryLogEvent = r.event
+    e = cast(QueryLogEvent, r.event)
     messages = [{"role": m.role, "content": m.content} for m in e.messages]
     users = [m["content"] for m in messages if m["role"] == "user"]
     return {
-        "request_id": e.request_id, "ts": e.ts, "user_key": e.user_key, "session_id": e.session_id,
-        "variant": e.variant, "policy_version": e.policy_version, "model": e.model, "messages": messages,
-        "prompt_key": prompt_key((m["role"], m["content"]) for m in messages), "prompt_text": users[-1] if users else "",
-        "response": e.response, "finish_reason": e.finish_reason, "temperature": e.sampling.temperature,
-        "top_p": e.sampling.top_p, "max_tokens": e.sampling.max_tokens, "latency_ms": e.latency_ms,
-        "prompt_tokens": e.prompt_tokens, "completion_tokens": e.completion_tokens,
-        "source_partition": r.partition, "source_offset": r.offset,
+        "request_id": e.request_id,
+        "ts": e.ts,
+        "user_key": e.user_key,
+        "session_id": e.session_id,
+        "variant": e.variant,
+        "policy_version": e.policy_version,
+        "model": e.model,
+        "messages": messages,
+        "prompt_key": prompt_key((m["role"], m["content"]) for m in messages),
+        "prompt_text": users[-1] if users else "",
+        "response": e.response,
+        "finish_reason": e.finish_reason,
+        "temperature": e.sampling.temperature,
+        "top_p": e.sampling.top_p,
+        "max_tokens": e.sampling.max_tokens,
+        "latency_ms": e.latency_ms,
+        "prompt_tokens": e.prompt_tokens,
+        "completion_tokens": e.completion_tokens,
+        "source_partition": r.partition,
+        "source_offset": r.offset,
     }
 
 
 def _feedback_row(r: Stored) -> dict:
-    e: FeedbackEvent = r.event
+    e = cast(FeedbackEvent, r.event)
     return {
-        "request_id": e.request_id, "ts": e.ts, "user_key": e.user_key, "kind": e.kind, "value": e.value,
-        "source_partition": r.partition, "source_offset": r.offset,
+        "request_id": e.request_id,
+        "ts": e.ts,
+        "user_key": e.user_key,
+        "kind": e.kind,
+        "value": e.value,
+        "source_partition": r.partition,
+        "source_offset": r.offset,
     }
 
 
@@ -413,13 +439,18 @@ class ReplayStore:
             if limit is not None and len(prompts) >= limit:
                 break
             table = pq.read_table(
-                self.root / path, columns=["prompt_key", "messages", "prompt_text", "request_id", "policy_version", "ts"]
+                self.root / path,
+                columns=["prompt_key", "messages", "prompt_text", "request_id", "policy_version", "ts"],
             )
             for r in table.to_pylist():
                 if r["prompt_key"] not in prompts:
                     prompts[r["prompt_key"]] = LoggedPrompt(
-                        r["prompt_key"], tuple(r["messages"]), r["prompt_text"], r["request_id"],
-                        r["policy_version"], r["ts"],
+                        r["prompt_key"],
+                        tuple(r["messages"]),
+                        r["prompt_text"],
+                        r["request_id"],
+                        r["policy_version"],
+                        r["ts"],
                     )
             watermark = shard_id
         return list(prompts.values()), watermark
@@ -447,7 +478,11 @@ class ReplayStore:
         for r in sorted(rows, key=lambda r: r["ts"]):
             out[r["policy_version"]].append(
                 LoggedResponse(
-                    r["request_id"], r["policy_version"], r["response"], r["finish_reason"], r["ts"],
+                    r["request_id"],
+                    r["policy_version"],
+                    r["response"],
+                    r["finish_reason"],
+                    r["ts"],
                     tuple(feedback.get(r["request_id"], ())),
                 )
             )
@@ -464,7 +499,8 @@ class ReplayStore:
             paths.update(
                 row[0]
                 for row in self.db.execute(
-                    f"SELECT s.path FROM feedback_shards f JOIN shards s USING (shard_id) WHERE f.request_id IN ({marks})",
+                    "SELECT s.path FROM feedback_shards f JOIN shards s USING (shard_id) "
+                    f"WHERE f.request_id IN ({marks})",
                     chunk,
                 )
             )
@@ -479,8 +515,10 @@ class ReplayStore:
 
     def shard_paths(self, kind: str = QUERY_LOG) -> list[Path]:
         """The shards of one kind the manifest lists (readers must not see any other file), oldest first."""
-        return [self.root / row[0] for row in
-                self.db.execute("SELECT path FROM shards WHERE kind = ? ORDER BY shard_id", (kind,))]
+        return [
+            self.root / row[0]
+            for row in self.db.execute("SELECT path FROM shards WHERE kind = ? ORDER BY shard_id", (kind,))
+        ]
 
     def table(self, kind: str = QUERY_LOG) -> pa.Table:
         """Everything of one kind the manifest lists, as one Arrow table (analysis, tests, export)."""
@@ -492,7 +530,6 @@ class ReplayStore:
 
     def shard_count(self) -> int:
         return self.db.execute("SELECT COUNT(*) FROM shards").fetchone()[0]
-
 
 
 class ReplayPromptSource:
@@ -508,8 +545,7 @@ class ReplayPromptSource:
     def new_prompts(self, since_watermark: str | None, limit: int) -> tuple[list[TrainPrompt], str | None]:
         logged, watermark = self.store.new_prompts(int(since_watermark or 0), limit)
         prompts = [
-            TrainPrompt(key=p.prompt_key, messages=tuple((m["role"], m["content"]) for m in p.messages))
-            for p in logged
+            TrainPrompt(key=p.prompt_key, messages=tuple((m["role"], m["content"]) for m in p.messages)) for p in logged
         ]
         return prompts, str(watermark) if logged else since_watermark
 
@@ -517,8 +553,11 @@ class ReplayPromptSource:
         return {v: [r.response for r in rs] for v, rs in self.store.responses_by_version(prompt_key).items()}
 
     def feedback_by_response(self, prompt_key: str) -> list[tuple[str, list[str]]]:
-        return [(r.response, [f.kind for f in r.feedback])
-                for rs in self.store.responses_by_version(prompt_key).values() for r in rs]
+        return [
+            (r.response, [f.kind for f in r.feedback])
+            for rs in self.store.responses_by_version(prompt_key).values()
+            for r in rs
+        ]
 
 
 def store_root(settings: Settings) -> Path:

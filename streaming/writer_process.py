@@ -36,7 +36,10 @@ from streaming.filters import PromptFilter, load_scrubber, scrubbed
 from streaming.store import CommitResult, Stored, StoreWriter
 
 QUERY_LOG_KIND, FEEDBACK_KIND = 0, 1  # RawRecord.kind: which event model the record's topic carries
-MODEL_OF_KIND = {QUERY_LOG_KIND: QueryLogEvent, FEEDBACK_KIND: FeedbackEvent}
+MODEL_OF_KIND: dict[int, type[QueryLogEvent] | type[FeedbackEvent]] = {
+    QUERY_LOG_KIND: QueryLogEvent,
+    FEEDBACK_KIND: FeedbackEvent,
+}
 READY_TIMEOUT_S = 120  # start-up: a Python import, plus the store lock wait (added on top)
 
 
@@ -86,8 +89,12 @@ class BatchWriter:
         self.cfg = cfg
         self.filter = PromptFilter(cfg)
         self.scrub = load_scrubber(cfg)
-        self.store = StoreWriter(store_dir, dedupe_capacity=cfg.dedupe_capacity, lock_wait_s=cfg.store_lock_wait_s,
-                                 shared=cfg.shared_store or cfg.writers > 1)
+        self.store = StoreWriter(
+            store_dir,
+            dedupe_capacity=cfg.dedupe_capacity,
+            lock_wait_s=cfg.store_lock_wait_s,
+            shared=cfg.shared_store or cfg.writers > 1,
+        )
 
     def close(self) -> None:
         self.store.close()
@@ -125,7 +132,9 @@ class BatchWriter:
             raise
         except Exception as e:  # noqa: BLE001 - a value the store cannot hold: find the record
             if len(keep) == 1:
-                dead.append((keep[0][0], "store_error", f"the store could not write it: {type(e).__name__}: {e}"[:1000]))
+                dead.append(
+                    (keep[0][0], "store_error", f"the store could not write it: {type(e).__name__}: {e}"[:1000])
+                )
                 return CommitResult()
         mid = len(keep) // 2
         return self._commit_isolating(keep[:mid], dead).merged(self._commit_isolating(keep[mid:], dead))
@@ -159,8 +168,12 @@ def _child_main(conn, store_dir: Path, cfg: IngestConfig, parent_pid: int) -> No
     except EOFError:
         pass  # the parent is gone
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
-        conn.send(WriterFailure(f"the ingest writer failed: {type(e).__name__}: {e}",
-                                "check the disk under ingest.store_dir, then restart ingest"))
+        conn.send(
+            WriterFailure(
+                f"the ingest writer failed: {type(e).__name__}: {e}",
+                "check the disk under ingest.store_dir, then restart ingest",
+            )
+        )
     finally:
         writer.close()
 
@@ -251,16 +264,23 @@ class WriterPool:
     def write(self, records: list[RawRecord]) -> WrittenBatch:
         size = max(1, -(-len(records) // len(self.writers)))
         starts = list(range(0, len(records), size))
-        for writer, start in zip(self.writers, starts):  # fewer slices than writers for a tiny batch
+        for writer, start in zip(self.writers, starts, strict=False):  # fewer slices than writers for a tiny batch
             writer.send(records[start : start + size])
-        parts = [(start, writer.written()) for writer, start in zip(self.writers, starts)]
-        result, dead, filtered = CommitResult(), [], Tally()
+        parts = [(start, writer.written()) for writer, start in zip(self.writers, starts, strict=False)]
+        result = CommitResult()
+        dead: list[tuple[int, str, str]] = []
+        filtered: Tally[str] = Tally()
         for start, part in parts:
             result = result.merged(part.result)
             dead.extend((start + i, reason, detail) for i, reason, detail in part.dead)
             filtered.update(part.filtered)
-        return WrittenBatch(result, dead, dict(filtered), sum(p.prepare_seconds for _, p in parts),
-                            sum(p.store_seconds for _, p in parts))
+        return WrittenBatch(
+            result,
+            dead,
+            dict(filtered),
+            sum(p.prepare_seconds for _, p in parts),
+            sum(p.store_seconds for _, p in parts),
+        )
 
     def close(self) -> None:
         for writer in self.writers:

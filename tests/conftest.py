@@ -41,7 +41,9 @@ def vllm_server(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         if not server.is_alive():
             # a test that failed on a dead server blames its own step; this says what killed the server
             tail = log.read_text(errors="replace")[-4000:]
-            pytest.fail(f"the session's vLLM server died (exit code {server.process.returncode}); its log ends:\n{tail}")
+            pytest.fail(
+                f"the session's vLLM server died (exit code {server.process.returncode}); its log ends:\n{tail}"
+            )
 
 
 @pytest.fixture(scope="session")

@@ -48,8 +48,20 @@ def alerting_rules() -> dict[str, dict]:
 
 
 _KEYWORDS = {
-    "and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right", "bool",
-    "offset", "inf", "nan", "atan2",
+    "and",
+    "or",
+    "unless",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "offset",
+    "inf",
+    "nan",
+    "atan2",
 }
 _GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
 
@@ -84,6 +96,7 @@ def table_name_of(series: str, table: dict[str, TableMetric]) -> str | None:
 def unknown_metrics(expr: str, table: dict[str, TableMetric], recorded: set[str]) -> set[str]:
     """Names in `expr` that are neither table metrics, nor recording rules, nor Prometheus's own."""
     return {
-        n for n in promql_metric_names(expr)
+        n
+        for n in promql_metric_names(expr)
         if n not in recorded and n not in PROMETHEUS_SYNTHETIC and table_name_of(n, table) is None
     }

@@ -71,10 +71,7 @@ def train_ppo_ray_parse(argv: list[str]) -> Any:
     assert root is not None, "openrlhf is not installed"
     source = (root / "cli" / "train_ppo_ray.py").read_text()
     tree = ast.parse(source)
-    main_block = next(
-        node for node in tree.body
-        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
-    )
+    main_block = next(node for node in tree.body if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test))
     code = compile(ast.Module(body=main_block.body, type_ignores=[]), str(root / "cli" / "train_ppo_ray.py"), "exec")
     captured: dict[str, Any] = {}
     namespace: dict[str, Any] = {"__name__": "__main__", "train": lambda args: captured.setdefault("args", args)}

@@ -59,13 +59,15 @@ class Replica:
 
 
 @contextlib.contextmanager
-def reward_replicas(count: int, env: dict[str, str], tmp: Path, start_timeout_s: float = 240) -> Iterator[list[Replica]]:
+def reward_replicas(
+    count: int, env: dict[str, str], tmp: Path, start_timeout_s: float = 240
+) -> Iterator[list[Replica]]:
     """`count` `dynrubric serve-reward` processes that know each other as replicas."""
     ports = [free_port() for _ in range(count)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     replicas: list[Replica] = []
     try:
-        for port, url in zip(ports, urls):
+        for port, url in zip(ports, urls, strict=True):
             log = tmp / f"reward-{port}.log"
             full_env = {
                 **os.environ,
@@ -77,7 +79,10 @@ def reward_replicas(count: int, env: dict[str, str], tmp: Path, start_timeout_s:
             }
             proc = subprocess.Popen(
                 [sys.executable, "-m", "dynrubric", "serve-reward", "--port", str(port)],
-                cwd=REPO, env=full_env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                cwd=REPO,
+                env=full_env,
+                stdout=log.open("wb"),
+                stderr=subprocess.STDOUT,
             )
             replicas.append(Replica(url, proc, log))
         deadline = time.monotonic() + start_timeout_s
@@ -127,7 +132,7 @@ def openrlhf_rollout(
     executor = SingleTurnAgentExecutor(remote_rm_url=urls)
     canned: dict[tuple[int, ...], list[list[int]]] = {}
     jobs = []
-    for prompt, resp in zip(prompts, responses):
+    for prompt, resp in zip(prompts, responses, strict=True):
         key = tuple(tokenizer(prompt, add_special_tokens=False)["input_ids"])
         for r in resp:
             # vLLM's token_ids end with the EOS token when a response stops
@@ -137,8 +142,6 @@ def openrlhf_rollout(
     params = SimpleNamespace(max_tokens=256, logprobs=None)
 
     async def run() -> list[dict[str, Any]]:
-        return await asyncio.gather(
-            *(executor.execute(p, None, params, 4096, tokenizer, llm) for p in jobs)
-        )
+        return await asyncio.gather(*(executor.execute(p, None, params, 4096, tokenizer, llm) for p in jobs))
 
     return asyncio.run(run())

@@ -41,8 +41,10 @@ SIGNAL_PROMPTS = [
 
 
 def signal_prompts() -> list[PromptItem]:
-    return [PromptItem(id=i, kind=kind, messages=[ChatMessage(role="user", content=text)])
-            for i, kind, text in SIGNAL_PROMPTS]
+    return [
+        PromptItem(id=i, kind=kind, messages=[ChatMessage(role="user", content=text)])
+        for i, kind, text in SIGNAL_PROMPTS
+    ]
 
 
 def wait_for(condition, timeout_s: float, what: str, every_s: float = 0.2):
@@ -90,8 +92,10 @@ def damage(model_dir: Path, out: Path, scale: float = 2.0) -> Path:
     for f in out.glob("*.safetensors"):
         sd = load_file(f)
         g = torch.Generator().manual_seed(0)
-        sd = {k: (v + torch.randn(v.shape, generator=g) * v.float().std() * scale).to(v.dtype) if v.ndim == 2 else v
-              for k, v in sd.items()}
+        sd = {
+            k: (v + torch.randn(v.shape, generator=g) * v.float().std() * scale).to(v.dtype) if v.ndim == 2 else v
+            for k, v in sd.items()
+        }
         save_file(sd, f, metadata={"format": "pt"})
     return out
 
@@ -110,21 +114,49 @@ class Stack:
     def router_url(self) -> str:
         return self.router_server.url
 
-    def controller(self, rollout: RolloutConfig, gate: GateConfig, sleep=time.sleep, judge=None,
-                   metrics: CollectorRegistry | None = None) -> Controller:
+    def controller(
+        self,
+        rollout: RolloutConfig,
+        gate: GateConfig,
+        sleep=time.sleep,
+        judge=None,
+        metrics: CollectorRegistry | None = None,
+    ) -> Controller:
         """A controller as a new process would build it: its online metrics resume from the stack's state file."""
-        online = OnlineMetrics(self.bootstrap, QUERY_LOG_TOPIC, FEEDBACK_TOPIC, group_id=f"gate-{self.state_dir.name}",
-                               state_path=self.state_dir / "online.json")
-        return Controller(self.registry, RolloutStore(self.registry),
-                          RouterClient(self.router_url, TOKEN), online, rollout, gate, metrics=metrics, sleep=sleep,
-                          log=print, judge=judge)
+        online = OnlineMetrics(
+            self.bootstrap,
+            QUERY_LOG_TOPIC,
+            FEEDBACK_TOPIC,
+            group_id=f"gate-{self.state_dir.name}",
+            state_path=self.state_dir / "online.json",
+        )
+        return Controller(
+            self.registry,
+            RolloutStore(self.registry),
+            RouterClient(self.router_url, TOKEN),
+            online,
+            rollout,
+            gate,
+            metrics=metrics,
+            sleep=sleep,
+            log=print,
+            judge=judge,
+        )
 
     def router_state(self) -> dict:
         return httpx.get(f"{self.router_url}/v1/router/state").json()
 
 
-def start_stack(tmp: Path, bootstrap: str, base_model: Path, kind: str, health_interval_s: float = 1.0,
-                max_restarts: int = 5, stable_server=None, shadow_rate: float = 0.0) -> Stack:
+def start_stack(
+    tmp: Path,
+    bootstrap: str,
+    base_model: Path,
+    kind: str,
+    health_interval_s: float = 1.0,
+    max_restarts: int = 5,
+    stable_server=None,
+    shadow_rate: float = 0.0,
+) -> Stack:
     """Registry with v0 stable, a two-engine fleet (stable + canary) on v0, the router in-process.
 
     `stable_server` (the session's `vllm_server`, serving `base_model`) stands in for the fleet's
@@ -135,10 +167,13 @@ def start_stack(tmp: Path, bootstrap: str, base_model: Path, kind: str, health_i
     v0 = registry.register(base_model, None, 0, {}, version="v0")
     registry.promote("v0")
     variants = ("canary",) if stable_server is not None else ("stable", "canary")
-    specs = [EngineSpec(f"{kind}-{variant}", variant, kind, free_port(), v0.path, "v0", cpus=spread_cores(i + 1))
-             for i, variant in enumerate(variants)]
-    fleet = Fleet(specs, tmp / "fleet", CollectorRegistry(), health_interval_s=health_interval_s,
-                  max_restarts=max_restarts)
+    specs = [
+        EngineSpec(f"{kind}-{variant}", variant, kind, free_port(), v0.path, "v0", cpus=spread_cores(i + 1))
+        for i, variant in enumerate(variants)
+    ]
+    fleet = Fleet(
+        specs, tmp / "fleet", CollectorRegistry(), health_interval_s=health_interval_s, max_restarts=max_restarts
+    )
     try:
         fleet.start(timeout_s=600)
     except BaseException:
@@ -149,11 +184,27 @@ def start_stack(tmp: Path, bootstrap: str, base_model: Path, kind: str, health_i
     weights = Weights("v0", str(v0.path))
     replicas = [Replica(s.name, s.variant, s.base_url, "v0") for s in specs]
     if stable_server is not None:
-        replicas.insert(0, Replica("vllm-session-stable", "stable", stable_server.base_url, "v0",
-                                   served_model=stable_server.served_model_name))
+        replicas.insert(
+            0,
+            Replica(
+                "vllm-session-stable",
+                "stable",
+                stable_server.base_url,
+                "v0",
+                served_model=stable_server.served_model_name,
+            ),
+        )
     state = RouterState(replicas, desired={"stable": weights, "canary": weights})
-    router = Router(state, producer, metrics, token=TOKEN, timeout_s=120, health_interval_s=health_interval_s,
-                    shadow_rate=shadow_rate, seed=0)
+    router = Router(
+        state,
+        producer,
+        metrics,
+        token=TOKEN,
+        timeout_s=120,
+        health_interval_s=health_interval_s,
+        shadow_rate=shadow_rate,
+        seed=0,
+    )
     server = ThreadServer(router.app, free_port()).__enter__()
     return Stack(registry, fleet, router, server, producer, bootstrap, tmp)
 

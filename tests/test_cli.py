@@ -26,8 +26,7 @@ def cli_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def run(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, env=cli_env(env), cwd=cwd,
-                          timeout=300)
+    return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, env=cli_env(env), cwd=cwd, timeout=300)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
@@ -67,10 +66,13 @@ def test_usage_error_with_debug_shows_the_traceback():
     assert "Traceback" in result.stderr and "No such option" in result.stderr
 
 
-@pytest.mark.parametrize(("var", "suggestion"), [
-    ("DYNRUBRIC_ENGNE__KIND", "DYNRUBRIC_ENGINE__KIND"),  # a typo
-    ("DYNRUBRIC_HOME", "DYNRUBRIC_PATHS__HOME"),  # a guess
-])
+@pytest.mark.parametrize(
+    ("var", "suggestion"),
+    [
+        ("DYNRUBRIC_ENGNE__KIND", "DYNRUBRIC_ENGINE__KIND"),  # a typo
+        ("DYNRUBRIC_HOME", "DYNRUBRIC_PATHS__HOME"),  # a guess
+    ],
+)
 def test_unknown_environment_variable(var, suggestion):
     assert_one_line_error(run("config", "show", env={var: "x"}), var, f"did you mean {suggestion}?")
 
@@ -80,8 +82,14 @@ def test_config_show_round_trips_through_a_pipe(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(json.dumps({"rubric": {"generic_rubric": [{"text": long_item}, {"text": "Short."}]}}))
     env = cli_env({"COLUMNS": "40"})
-    shown = subprocess.run(f"'{SCRIPT}' -c '{cfg}' config show | '{SCRIPT}' -c /dev/stdin config show",
-                           shell=True, capture_output=True, text=True, env=env, timeout=120)
+    shown = subprocess.run(
+        f"'{SCRIPT}' -c '{cfg}' config show | '{SCRIPT}' -c /dev/stdin config show",
+        shell=True,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert shown.returncode == 0, shown.stderr
     first = run("-c", str(cfg), "config", "show", env={"COLUMNS": "40"})
     assert shown.stdout == first.stdout
@@ -96,15 +104,21 @@ def test_relative_paths_resolve_the_same_from_any_directory(tmp_path):
     cfg.write_text("paths:\n  state_dir: state\n")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    shown = [json.loads(run("-c", str(cfg), "config", "show", "--format", "json", cwd=cwd).stdout)
-             for cwd in (cfg.parent, elsewhere)]
+    shown = [
+        json.loads(run("-c", str(cfg), "config", "show", "--format", "json", cwd=cwd).stdout)
+        for cwd in (cfg.parent, elsewhere)
+    ]
     assert shown[0]["paths"]["state_dir"] == shown[1]["paths"]["state_dir"] == str(cfg.parent / "state")
 
 
 def test_reading_commands_do_not_create_missing_state(tmp_path):
     env = {"XDG_STATE_HOME": str(tmp_path / "xdg")}  # the default state dir, empty
-    assert_one_line_error(run("registry", "list", env=env, cwd=tmp_path), "no checkpoint registry",
-                          str(tmp_path / "xdg" / "dynrubric"), "dynrubric up")
+    assert_one_line_error(
+        run("registry", "list", env=env, cwd=tmp_path),
+        "no checkpoint registry",
+        str(tmp_path / "xdg" / "dynrubric"),
+        "dynrubric up",
+    )
     assert_one_line_error(run("report", env=env, cwd=tmp_path), "no run log", "dynrubric up")
     assert_one_line_error(run("rollout", "status", env=env, cwd=tmp_path), "no rollouts recorded", "rollout start")
     assert not (tmp_path / "xdg").exists() and not (tmp_path / "var").exists()
@@ -186,14 +200,29 @@ def test_training_refuses_a_verifier_on_the_server_the_policy_reloads(tmp_path):
     step publishes. Refused at start, naming both keys; own URLs per role pass that check."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
-    env = {"DYNRUBRIC_ENGINE__KIND": "openai-http", "DYNRUBRIC_TRAIN__PROMPTS_FILE": str(prompts),
-           "DYNRUBRIC_PATHS__STATE_DIR": str(tmp_path / "state")}
-    assert_one_line_error(run("train", "round", env=env), "engine.verifier_url (unset, so engine.base_url) and "
-                          "engine.policy_url (unset, so engine.base_url)", "verifier would not be frozen")
-    shared = {**env, "DYNRUBRIC_ENGINE__POLICY_URL": "http://127.0.0.1:1/",
-              "DYNRUBRIC_ENGINE__VERIFIER_URL": "http://127.0.0.1:1/"}
+    env = {
+        "DYNRUBRIC_ENGINE__KIND": "openai-http",
+        "DYNRUBRIC_TRAIN__PROMPTS_FILE": str(prompts),
+        "DYNRUBRIC_PATHS__STATE_DIR": str(tmp_path / "state"),
+    }
+    assert_one_line_error(
+        run("train", "round", env=env),
+        "engine.verifier_url (unset, so engine.base_url) and engine.policy_url (unset, so engine.base_url)",
+        "verifier would not be frozen",
+    )
+    shared = {
+        **env,
+        "DYNRUBRIC_ENGINE__POLICY_URL": "http://127.0.0.1:1/",
+        "DYNRUBRIC_ENGINE__VERIFIER_URL": "http://127.0.0.1:1/",
+    }
     assert_one_line_error(run("train", "round", env=shared), "engine.verifier_url and engine.policy_url")
-    two_models = {**env, "DYNRUBRIC_ENGINE__VERIFIER_URL": "http://127.0.0.1:2/",
-                  "DYNRUBRIC_TRAIN__COEVOLVE__SINGLE_MODEL": "false"}
-    assert_one_line_error(run("train", "round", env=two_models), "engine.generator_url (unset, so engine.base_url) and "
-                          "engine.policy_url", "generator would not be frozen")
+    two_models = {
+        **env,
+        "DYNRUBRIC_ENGINE__VERIFIER_URL": "http://127.0.0.1:2/",
+        "DYNRUBRIC_TRAIN__COEVOLVE__SINGLE_MODEL": "false",
+    }
+    assert_one_line_error(
+        run("train", "round", env=two_models),
+        "engine.generator_url (unset, so engine.base_url) and engine.policy_url",
+        "generator would not be frozen",
+    )

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dynrubric.config import CoevolveConfig, RubricConfig
-from dynrubric.engines.base import Completion, Engine, GenerationRequest
+from dynrubric.engines.base import Completion, Engine
 from dynrubric.errors import DynrubricError
 from dynrubric.rubric.items import Rubric, RubricItem
 from dynrubric.rubric.score import aggregate
@@ -90,8 +90,16 @@ class ScriptedGenerator(Engine):
     def generate(self, requests):
         out = []
         for r in requests:
-            out.append([Completion(self.texts[i % len(self.texts)], tuple(self._tok.encode(self.texts[i % len(self.texts)],
-                        add_special_tokens=False)), "stop") for i in range(r.params.n)])
+            out.append(
+                [
+                    Completion(
+                        self.texts[i % len(self.texts)],
+                        tuple(self._tok.encode(self.texts[i % len(self.texts)], add_special_tokens=False)),
+                        "stop",
+                    )
+                    for i in range(r.params.n)
+                ]
+            )
         return out
 
     def score_next_token(self, prompts, candidates):
@@ -105,15 +113,29 @@ def test_generator_groups_reward_splitting_parseable_rubrics_above_the_rest(tiny
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    splitting = json.dumps({"items": [{"id": "k", "text": "mentions u", "weight": 3, "polarity": 1},
-                                      {"id": "p", "text": "is polite", "weight": 1, "polarity": 1}]})
-    flat = json.dumps({"items": [{"id": "p", "text": "is polite", "weight": 3, "polarity": 1},
-                                 {"id": "q", "text": "is in English", "weight": 1, "polarity": 1}]})
+    splitting = json.dumps(
+        {
+            "items": [
+                {"id": "k", "text": "mentions u", "weight": 3, "polarity": 1},
+                {"id": "p", "text": "is polite", "weight": 1, "polarity": 1},
+            ]
+        }
+    )
+    flat = json.dumps(
+        {
+            "items": [
+                {"id": "p", "text": "is polite", "weight": 3, "polarity": 1},
+                {"id": "q", "text": "is in English", "weight": 1, "polarity": 1},
+            ]
+        }
+    )
     engine = ScriptedGenerator(tok, [splitting, flat, "not json at all", splitting])
 
     def verify(question, responses, rubric):
-        return [[1.0 if ("u" in r) else 0.0 for r in responses] if "mentions u" in i.text else [1.0] * len(responses)
-                for i in rubric.items]
+        return [
+            [1.0 if ("u" in r) else 0.0 for r in responses] if "mentions u" in i.text else [1.0] * len(responses)
+            for i in rubric.items
+        ]
 
     def apply(question, rubric, responses):
         return aggregate(verify(question, responses, rubric), rubric)
@@ -121,9 +143,17 @@ def test_generator_groups_reward_splitting_parseable_rubrics_above_the_rest(tiny
     prompt = make_prompt("Say something.")
     responses = ["blue", "red", "sun", "tree"]
     groups, stats = generator_groups(
-        engine, lambda q, rs: f"rubric for {q}", verify, apply, [(prompt, responses)],
+        engine,
+        lambda q, rs: f"rubric for {q}",
+        verify,
+        apply,
+        [(prompt, responses)],
         [RankedAnchors(["blue sun", "red tree"], "users")],
-        CoevolveConfig(rubric_samples=4), max_items=12, temperature=0.7, tie_eps=RubricConfig().eps, seed=0,
+        CoevolveConfig(rubric_samples=4),
+        max_items=12,
+        temperature=0.7,
+        tie_eps=RubricConfig().eps,
+        seed=0,
     )
     [g] = groups
     assert g.temperature == 0.7  # the generator's loss takes log-probs at its sampling temperature
@@ -138,9 +168,14 @@ def test_generator_groups_reward_splitting_parseable_rubrics_above_the_rest(tiny
 
 
 def test_feedback_ranks_a_prompts_logged_responses_by_what_users_said() -> None:
-    logged = [("It is 4.", ["thumbs_up", "copy"]), ("It is 5.", ["thumbs_down", "regenerate"]),
-              ("It is 4.", ["thumbs_up"]), ("Four.", ["thumbs_up", "thumbs_down"]), ("No idea.", ["dwell"]),
-              ("", ["thumbs_up"])]
+    logged = [
+        ("It is 4.", ["thumbs_up", "copy"]),
+        ("It is 5.", ["thumbs_down", "regenerate"]),
+        ("It is 4.", ["thumbs_up"]),
+        ("Four.", ["thumbs_up", "thumbs_down"]),
+        ("No idea.", ["dwell"]),
+        ("", ["thumbs_up"]),
+    ]
     # mean values: "It is 4." +1, "Four." 0, "It is 5." -1; dwell and copy are no verdict; empty answers skipped
     assert feedback_ranking(logged) == ["It is 4.", "Four.", "It is 5."]
     assert feedback_ranking([("a", ["thumbs_up"]), ("b", ["thumbs_up"])]) is None  # the users told nothing apart
@@ -151,8 +186,16 @@ def test_feedback_ranks_a_prompts_logged_responses_by_what_users_said() -> None:
 
 
 def test_guards_name_the_reason() -> None:
-    ok = dict(nonfinite_steps=[], kl=0.01, max_kl=0.05, kl_to_base=0.1, max_kl_to_base=0.15, reward_parent=0.5,
-              reward_new=0.52, max_reward_drop=0.05)
+    ok = dict(
+        nonfinite_steps=[],
+        kl=0.01,
+        max_kl=0.05,
+        kl_to_base=0.1,
+        max_kl_to_base=0.15,
+        reward_parent=0.5,
+        reward_new=0.52,
+        max_reward_drop=0.05,
+    )
     assert guards.check(**ok).accepted
     assert guards.check(**{**ok, "nonfinite_steps": [2]}).reason == "nonfinite"
     assert guards.check(**{**ok, "kl": 0.2}).reason == "kl"
@@ -211,14 +254,16 @@ def test_schedule_alternates_k_alt_steps_and_starts_with_the_generator_after_a_c
     from dynrubric.registry import Registry
     from dynrubric.train.rounds import RoundRunner
 
-    settings = Settings.model_validate({"paths": {"state_dir": str(tmp_path)},
-                                        "train": {"coevolve": {"k_alt": 2}, "steps_per_round": 4}})
+    settings = Settings.model_validate(
+        {"paths": {"state_dir": str(tmp_path)}, "train": {"coevolve": {"k_alt": 2}, "steps_per_round": 4}}
+    )
     runner = RoundRunner(settings, Registry(tmp_path / "r.sqlite"), None, None)  # type: ignore[arg-type]
     assert runner.schedule(1, 4, refresh=False) == ["policy", "policy", "generator", "generator"]
     assert runner.schedule(2, 4, refresh=False) == ["policy", "policy", "generator", "generator"]
     assert runner.schedule(2, 4, refresh=True) == ["generator", "generator", "policy", "policy"]
-    uneven = Settings.model_validate({"paths": {"state_dir": str(tmp_path)},
-                                      "train": {"coevolve": {"k_alt": 3, "k_alt_generator": 1}}})
+    uneven = Settings.model_validate(
+        {"paths": {"state_dir": str(tmp_path)}, "train": {"coevolve": {"k_alt": 3, "k_alt_generator": 1}}}
+    )
     five = RoundRunner(uneven, runner.registry, None, None)  # type: ignore[arg-type]
     assert five.schedule(1, 4, refresh=False) == ["policy"] * 3 + ["generator"]  # each round: 3 policy, 1 generator
     assert five.schedule(2, 4, refresh=False) == ["policy"] * 3 + ["generator"]
@@ -233,14 +278,20 @@ def test_file_anchors_are_found_for_prompts_from_the_replay_source(tmp_path: Pat
     from streaming.store import ReplayPromptSource, Stored, StoreWriter
     from tests.test_streaming_producer import query_event
 
-    chats = [[{"role": "user", "content": "2+2?"}],
-             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fox."}]]
+    chats = [
+        [{"role": "user", "content": "2+2?"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fox."}],
+    ]
     writer = StoreWriter(tmp_path / "replay")
     writer.commit([Stored(query_event(f"r{i}", policy_version="v1", messages=m), 0, i) for i, m in enumerate(chats)])
     writer.close()
     anchors_path = tmp_path / "anchors.jsonl"
-    anchors_path.write_text(json.dumps({"prompt": "2+2?", "responses": ["4", "5"]}) + "\n"
-                            + json.dumps({"messages": chats[1], "responses": ["A red fox.", "Foxes!"]}) + "\n")
+    anchors_path.write_text(
+        json.dumps({"prompt": "2+2?", "responses": ["4", "5"]})
+        + "\n"
+        + json.dumps({"messages": chats[1], "responses": ["A red fox.", "Foxes!"]})
+        + "\n"
+    )
     anchors = read_anchor_file(anchors_path)
     prompts, _ = ReplayPromptSource(tmp_path / "replay").new_prompts(None, 10)
     assert len(prompts) == 2
@@ -258,16 +309,25 @@ def test_users_feedback_in_the_replay_store_ranks_a_prompts_responses(tmp_path: 
 
     chat = [{"role": "user", "content": "What is 2 + 2?"}]
     writer = StoreWriter(tmp_path / "replay")
-    logged = [query_event("a", policy_version="base", messages=chat, response="5"),
-              query_event("b", policy_version="r1", messages=chat, response="It is 4."),
-              query_event("c", policy_version="r1", messages=chat, response="It is 4.")]
+    logged = [
+        query_event("a", policy_version="base", messages=chat, response="5"),
+        query_event("b", policy_version="r1", messages=chat, response="It is 4."),
+        query_event("c", policy_version="r1", messages=chat, response="It is 4."),
+    ]
     writer.commit([Stored(e, 0, i) for i, e in enumerate(logged)])
     votes = [("a", "thumbs_down"), ("a", "regenerate"), ("b", "thumbs_up"), ("c", "thumbs_up"), ("c", "copy")]
-    writer.commit([Stored(FeedbackEvent(request_id=rid, ts=1795000000.0 + i, user_key="u1", kind=kind,
-                                        value=1.0), 1, i) for i, (rid, kind) in enumerate(votes)])
+    writer.commit(
+        [
+            Stored(FeedbackEvent(request_id=rid, ts=1795000000.0 + i, user_key="u1", kind=kind, value=1.0), 1, i)
+            for i, (rid, kind) in enumerate(votes)
+        ]
+    )
     writer.close()
     source = ReplayPromptSource(tmp_path / "replay")
     [prompt], _ = source.new_prompts(None, 10)
     assert sorted((r, sorted(kinds)) for r, kinds in source.feedback_by_response(prompt.key)) == [
-        ("5", ["regenerate", "thumbs_down"]), ("It is 4.", ["copy", "thumbs_up"]), ("It is 4.", ["thumbs_up"])]
+        ("5", ["regenerate", "thumbs_down"]),
+        ("It is 4.", ["copy", "thumbs_up"]),
+        ("It is 4.", ["thumbs_up"]),
+    ]
     assert feedback_ranking(source.feedback_by_response(prompt.key)) == ["It is 4.", "5"]

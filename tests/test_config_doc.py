@@ -12,8 +12,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_configuration_page_is_generated_from_the_schema():
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "make_config_doc.py"), "--check"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "make_config_doc.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr + r.stdout
 
 

@@ -64,7 +64,9 @@ def test_random_model_writes_valid_json_only_under_the_schema(padded_model_dir):
     free = SamplingParams(max_tokens=60, temperature=1.0, n=20, seed=3)
     constrained = SamplingParams(max_tokens=200, temperature=1.0, top_p=0.95, n=20, seed=3, json_schema=schema,
                                  logprobs=True)  # fmt: skip
-    [unconstrained, samples] = engine.generate([GenerationRequest(PROMPT, free), GenerationRequest(PROMPT, constrained)])
+    [unconstrained, samples] = engine.generate(
+        [GenerationRequest(PROMPT, free), GenerationRequest(PROMPT, constrained)]
+    )
 
     assert sum(valid(c.text) for c in unconstrained) == 0
     assert all(isinstance(json.loads(c.text)["items"], list) for c in samples)

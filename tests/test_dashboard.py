@@ -10,7 +10,15 @@ import subprocess
 
 import yaml
 
-from tests.monitoring_support import MONITORING, alerting_rules, metric_table, promql_metric_names, recording_rules, table_name_of, unknown_metrics
+from tests.monitoring_support import (
+    MONITORING,
+    alerting_rules,
+    metric_table,
+    promql_metric_names,
+    recording_rules,
+    table_name_of,
+    unknown_metrics,
+)
 
 DASHBOARD = MONITORING / "dashboards" / "dynrubric.json"
 SECTIONS = ["Loop overview", "Score gaps", "Reward and KL per round", "Ingest", "A/B arms and gate", "Engines"]
@@ -32,7 +40,9 @@ def test_dashboard_is_provisionable():
     d = dashboard()
     assert d["uid"] and d["title"] and d["schemaVersion"] >= 36
     assert "id" not in d or d["id"] is None  # provisioning assigns ids
-    assert {"name": "datasource", "type": "datasource", "query": "prometheus"}.items() <= d["templating"]["list"][0].items()
+    assert {"name": "datasource", "type": "datasource", "query": "prometheus"}.items() <= d["templating"]["list"][
+        0
+    ].items()
     ids = [p["id"] for p in d["panels"]]
     assert len(ids) == len(set(ids))
     assert [p["title"] for p in d["panels"] if p["type"] == "row"] == SECTIONS
@@ -63,7 +73,10 @@ def test_every_table_metric_is_on_the_dashboard():
 def test_every_query_parses(tmp_path):
     promtool = shutil.which("promtool")
     assert promtool, "promtool is missing: `make setup` installs Debian's prometheus package"
-    rules = [{"record": f"dashboard:query_{i}:check", "expr": re.sub(r"\$\{?\w+\}?", "5m", e)} for i, (_, e) in enumerate(exprs())]
+    rules = [
+        {"record": f"dashboard:query_{i}:check", "expr": re.sub(r"\$\{?\w+\}?", "5m", e)}
+        for i, (_, e) in enumerate(exprs())
+    ]
     path = tmp_path / "dashboard-queries.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
     result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True)
@@ -80,4 +93,6 @@ def test_collapse_threshold_drawn_is_the_alerts():
     assert panel["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"].startswith("line")
     nonsplit = float(re.search(r"> ([0-9.]+)", alerting_rules()["RubricNonSplittingItemsHigh"]["expr"]).group(1))
     panel = next(p for p in panels() if p["title"].startswith("Share of rubric items"))
-    assert [s["value"] for s in panel["fieldConfig"]["defaults"]["thresholds"]["steps"] if s["value"] is not None] == [nonsplit]
+    assert [s["value"] for s in panel["fieldConfig"]["defaults"]["thresholds"]["steps"] if s["value"] is not None] == [
+        nonsplit
+    ]

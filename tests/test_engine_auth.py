@@ -27,7 +27,8 @@ def vllm_auth_middleware():
     package takes seconds and a model load, and this file needs only starlette."""
     root = Path(importlib.util.find_spec("vllm").submodule_search_locations[0])
     spec = importlib.util.spec_from_file_location(
-        "vllm_authenticate", root / "entrypoints" / "serve" / "middleware" / "authenticate.py")
+        "vllm_authenticate", root / "entrypoints" / "serve" / "middleware" / "authenticate.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.AuthenticationMiddleware
@@ -44,7 +45,9 @@ def test_router_calls_a_keyed_engine_with_its_key(tiny_model_dir, kafka_broker):
             metrics = CollectorRegistry()
             producer = EventProducer(KafkaConfig(bootstrap_servers=kafka_broker), metrics)
             weights = Weights("v0", str(tiny_model_dir))
-            state = RouterState([Replica("e", "stable", engine.url, "v0")], desired={"stable": weights, "canary": weights})
+            state = RouterState(
+                [Replica("e", "stable", engine.url, "v0")], desired={"stable": weights, "canary": weights}
+            )
             router = Router(state, producer, metrics, token=None, engine_api_key=SecretStr(key) if key else None)
             try:
                 with ThreadServer(router.app, free_port()) as served:

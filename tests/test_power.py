@@ -19,8 +19,9 @@ SCRIPT = Path(sys.executable).parent / "dynrubric"
 TRIALS = 400
 
 
-def simulated_arm(rng, users: int, requests_each: float, rated_share: float, propensity: np.ndarray
-                  ) -> tuple[UserRates, UserRates]:
+def simulated_arm(
+    rng, users: int, requests_each: float, rated_share: float, propensity: np.ndarray
+) -> tuple[UserRates, UserRates]:
     """(positive, regenerate) per-user rates of one arm: Poisson requests a user, a user's propensities its own."""
     requests = rng.poisson(requests_each, users)
     rated = rng.binomial(requests, rated_share)
@@ -69,8 +70,14 @@ def test_the_smallest_harm_it_names_is_caught_four_times_in_five():
     pairs = round(traffic.pairs_per_s * rollout.max_step_s)
     d = detectable["judged win rate"]
     bar = 0.5 - gate.judge_margin
-    failed = sum(judge_interval(JudgeStats(pairs, float(rng.binomial(pairs, 0.5 - d))), gate.judge_alpha,
-                                gate.judge_tau)[1] < bar for _ in range(TRIALS)) / TRIALS
+    failed = (
+        sum(
+            judge_interval(JudgeStats(pairs, float(rng.binomial(pairs, 0.5 - d))), gate.judge_alpha, gate.judge_tau)[1]
+            < bar
+            for _ in range(TRIALS)
+        )
+        / TRIALS
+    )
     assert failed >= 0.8, failed  # Bernoulli pairs have sd below the 1/2 the plan allows for: at least 80 %
 
 
@@ -79,8 +86,12 @@ def test_the_plan_says_what_holds_a_decision_at_small_traffic():
     the demo's gate decides in minutes on judged pairs."""
     settings = Settings()
     small = Traffic(rps=1, users=40, pairs_per_s=0.5, source="test")
-    default = plan(small.model_copy(update={"pairs_per_s": 0.0}), Population.assumed(settings.gate.simulation),
-                   settings.gate, settings.rollout)
+    default = plan(
+        small.model_copy(update={"pairs_per_s": 0.0}),
+        Population.assumed(settings.gate.simulation),
+        settings.gate,
+        settings.rollout,
+    )
     assert default.decision_s is None and "users per arm (0 of 100)" in default.held_by
     assert "rolls back at its timeout" in default.decision()
     from serving.commands import apply_demo_gate
@@ -97,17 +108,41 @@ def test_the_plan_says_what_holds_a_decision_at_small_traffic():
 
 
 def test_gate_plan_prints_a_table_for_each_traffic():
-    run = subprocess.run([str(SCRIPT), "gate", "plan", "--rps", "1", "--rps", "10", "--rps", "100", "--users", "40",
-                          "--users", "1000", "--users", "20000"], capture_output=True, text=True, timeout=120,
-                         env={"COLUMNS": "160", "PATH": "/usr/bin:/bin"})
+    run = subprocess.run(
+        [
+            str(SCRIPT),
+            "gate",
+            "plan",
+            "--rps",
+            "1",
+            "--rps",
+            "10",
+            "--rps",
+            "100",
+            "--users",
+            "40",
+            "--users",
+            "1000",
+            "--users",
+            "20000",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"COLUMNS": "160", "PATH": "/usr/bin:/bin"},
+    )
     assert run.returncode == 0, run.stderr
     out = run.stdout
     for rate, users in (("1", "40"), ("10", "1000"), ("100", "20000")):
         assert f"{rate} req/s, {users} users: " in out
     assert out.count("positive-feedback rate: a drop") == 3 and "step 50%" in out
     assert "100 req/s, 20000 users: an equal canary is promoted after about" in out
-    bad = subprocess.run([str(SCRIPT), "gate", "plan", "--rps", "1", "--rps", "2", "--users", "1", "--users", "2",
-                          "--users", "3"], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [str(SCRIPT), "gate", "plan", "--rps", "1", "--rps", "2", "--users", "1", "--users", "2", "--users", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "3 --users for 2 --rps" in bad.stderr
 
 

@@ -58,7 +58,9 @@ def test_spawn_waits_logs_and_terminate_kills_the_whole_group(tmp_path):
 
 
 def test_wait_until_reports_a_child_that_exits_before_ready(tmp_path):
-    proc = spawn([sys.executable, "-c", "import sys; print('bad config', file=sys.stderr); sys.exit(3)"], tmp_path / "log")
+    proc = spawn(
+        [sys.executable, "-c", "import sys; print('bad config', file=sys.stderr); sys.exit(3)"], tmp_path / "log"
+    )
     assert wait_until(proc, lambda: False, timeout_s=60, poll_s=0.05) is False
     assert proc.returncode == 3 and "bad config" in (tmp_path / "log").read_text()
 
@@ -121,15 +123,31 @@ def test_a_slow_starting_service_is_given_its_start_timeout_not_killed_by_the_he
         fast_port, slow_port = free_port(), free_port()
         script = tmp_path / "service.py"
         script.write_text(SLOW_SERVICE)
-        sup.start(ChildSpec("fast", [sys.executable, str(script), str(fast_port), "0"],
-                            health_url=f"http://127.0.0.1:{fast_port}/", start_timeout_s=30))
-        sup.start(ChildSpec("slow", [sys.executable, str(script), str(slow_port), "3"],
-                            health_url=f"http://127.0.0.1:{slow_port}/", start_timeout_s=30))
+        sup.start(
+            ChildSpec(
+                "fast",
+                [sys.executable, str(script), str(fast_port), "0"],
+                health_url=f"http://127.0.0.1:{fast_port}/",
+                start_timeout_s=30,
+            )
+        )
+        sup.start(
+            ChildSpec(
+                "slow",
+                [sys.executable, str(script), str(slow_port), "3"],
+                health_url=f"http://127.0.0.1:{slow_port}/",
+                start_timeout_s=30,
+            )
+        )
         time.sleep(1.0)
         assert sup.restart_counts() == {} and not any("restart" in line for line in lines), lines
         never = free_port()
-        child = ChildSpec("never", [sys.executable, "-c", "import time; time.sleep(600)"],
-                          health_url=f"http://127.0.0.1:{never}/", start_timeout_s=1.0)
+        child = ChildSpec(
+            "never",
+            [sys.executable, "-c", "import time; time.sleep(600)"],
+            health_url=f"http://127.0.0.1:{never}/",
+            start_timeout_s=1.0,
+        )
         try:
             sup.start(child)
         except Exception:  # noqa: BLE001 - its first start fails its wait: what matters is the watcher's restart

@@ -34,7 +34,6 @@ UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 DURATION = re.compile(r"^(\d+)(ms|s|m|h|d|w)$")
 
 
-
 def scaled(duration: str) -> str:
     m = DURATION.match(duration)
     assert m, f"unsupported duration {duration!r}"
@@ -49,8 +48,11 @@ def time_scaled_rules(out_dir: Path) -> list[Path]:
         for group in spec["groups"]:
             group["interval"] = "1s"
             for rule in group["rules"]:
-                rule["expr"] = re.sub(r"(\[|\boffset\s+)(\d+(?:ms|s|m|h|d|w))\b",
-                                      lambda m: f"{m.group(1)}{scaled(m.group(2))}", rule["expr"])
+                rule["expr"] = re.sub(
+                    r"(\[|\boffset\s+)(\d+(?:ms|s|m|h|d|w))\b",
+                    lambda m: f"{m.group(1)}{scaled(m.group(2))}",
+                    rule["expr"],
+                )
                 if "for" in rule:
                     rule["for"] = scaled(rule["for"])
         target = out_dir / path.name
@@ -67,8 +69,10 @@ class CollapsingExporter:
         self.registry = CollectorRegistry()
         self.sets = Counter("dynrubric_rubric_sets", "candidate sets scored", registry=self.registry)
         self.mean_gap = Histogram(
-            "dynrubric_rubric_mean_gap", "mean absolute pairwise score gap of each set",
-            buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0), registry=self.registry,
+            "dynrubric_rubric_mean_gap",
+            "mean absolute pairwise score gap of each set",
+            buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0),
+            registry=self.registry,
         )
         self.collapsed_at: float | None = None
         self.stopped = threading.Event()
@@ -104,8 +108,11 @@ def api(url: str, path: str, **params) -> dict:
 
 
 def collapse_alert_state(url: str) -> str:
-    states = [a["state"] for a in api(url, "alerts")["alerts"]
-              if a["labels"]["alertname"] == "RubricScoreGapCollapse" and a["labels"]["job"] == "dynrubric-reward-server"]
+    states = [
+        a["state"]
+        for a in api(url, "alerts")["alerts"]
+        if a["labels"]["alertname"] == "RubricScoreGapCollapse" and a["labels"]["job"] == "dynrubric-reward-server"
+    ]
     return states[0] if states else "inactive"
 
 
@@ -134,12 +141,19 @@ def test_collapse_alert_fires_in_a_real_prometheus(tmp_path):
         healthy_at = wait_for(healthy_gap, 60, "the recorded mean gap of the healthy phase")
 
         def evaluated_on_healthy_data():  # the alert rule, once evaluated twice (1 s interval) after that
-            rule = next(r for g in api(prometheus.url, "rules")["groups"] for r in g["rules"]
-                        if r["name"] == "RubricScoreGapCollapse")
+            rule = next(
+                r
+                for g in api(prometheus.url, "rules")["groups"]
+                for r in g["rules"]
+                if r["name"] == "RubricScoreGapCollapse"
+            )
             evaluated = datetime.fromisoformat(rule["lastEvaluation"]).timestamp()
             return rule["health"] == "ok" and evaluated >= healthy_at + 2 and rule
 
-        assert wait_for(evaluated_on_healthy_data, 30, "the alert rule's evaluation on healthy data")["state"] == "inactive"
+        assert (
+            wait_for(evaluated_on_healthy_data, 30, "the alert rule's evaluation on healthy data")["state"]
+            == "inactive"
+        )
         assert collapse_alert_state(prometheus.url) == "inactive"
 
         exporter.collapse()
@@ -153,7 +167,9 @@ def test_collapse_alert_fires_in_a_real_prometheus(tmp_path):
         assert "pending" in seen, "the alert must wait out its (scaled) `for:` before firing"
         value = float(api(prometheus.url, "query", query=gap_query)["result"][0]["value"][1])
         assert value < 0.05
-        alert = next(a for a in api(prometheus.url, "alerts")["alerts"] if a["labels"]["alertname"] == "RubricScoreGapCollapse")
+        alert = next(
+            a for a in api(prometheus.url, "alerts")["alerts"] if a["labels"]["alertname"] == "RubricScoreGapCollapse"
+        )
         assert alert["labels"]["severity"] == "warning"
         assert "dynrubric-reward-server" in alert["annotations"]["summary"]
     finally:
@@ -163,31 +179,53 @@ def test_collapse_alert_fires_in_a_real_prometheus(tmp_path):
 
 def test_time_scaling_keeps_expressions_and_thresholds(tmp_path):
     shipped = alerting_rules()
-    scaled_rules = {r["alert"]: r for p in time_scaled_rules(tmp_path)
-                    for g in yaml.safe_load(p.read_text())["groups"] for r in g["rules"] if "alert" in r}
+    scaled_rules = {
+        r["alert"]: r
+        for p in time_scaled_rules(tmp_path)
+        for g in yaml.safe_load(p.read_text())["groups"]
+        for r in g["rules"]
+        if "alert" in r
+    }
     assert scaled_rules.keys() == shipped.keys()
     strip = lambda e: re.sub(r"\[[^\]]+\]|\boffset\s+\w+", "[]", e)  # noqa: E731
     for name, rule in shipped.items():
         assert strip(scaled_rules[name]["expr"]) == strip(rule["expr"]), name
     assert scaled_rules["RubricScoreGapCollapse"]["for"] == "15s"
-    assert "[10s]" in scaled_rules["RubricScoreGapCollapse"]["expr"] or "[10s]" in (tmp_path / "recording.yml").read_text()
-    assert "offset 30s" in scaled_rules["LoopChildRestarting"]["expr"] and "[30s]" in scaled_rules["LoopChildRestarting"]["expr"]
+    assert (
+        "[10s]" in scaled_rules["RubricScoreGapCollapse"]["expr"] or "[10s]" in (tmp_path / "recording.yml").read_text()
+    )
+    assert (
+        "offset 30s" in scaled_rules["LoopChildRestarting"]["expr"]
+        and "[30s]" in scaled_rules["LoopChildRestarting"]["expr"]
+    )
 
 
 def _cli(args: list[str], env: dict[str, str], **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dynrubric", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "dynrubric", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
 
 
 def test_monitor_up_serves_our_rules_and_local_targets(tmp_path):
     find_prometheus()
     port = free_port()
-    env = {**os.environ, "DYNRUBRIC_PATHS__STATE_DIR": str(tmp_path), "DYNRUBRIC_MONITORING__PROMETHEUS_PORT": str(port),
-           "DYNRUBRIC_MONITORING__TARGETS": '{"dynrubric-router": ["127.0.0.1:1"]}'}
+    env = {
+        **os.environ,
+        "DYNRUBRIC_PATHS__STATE_DIR": str(tmp_path),
+        "DYNRUBRIC_MONITORING__PROMETHEUS_PORT": str(port),
+        "DYNRUBRIC_MONITORING__TARGETS": '{"dynrubric-router": ["127.0.0.1:1"]}',
+    }
     # started with SIGINT ignored, as a background job of a non-interactive shell is: Ctrl-C must still stop it
     proc = _cli(["monitor", "up"], env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     url = f"http://127.0.0.1:{port}"
     try:
+
         def ready():
             assert proc.poll() is None, proc.stdout.read()
             try:
@@ -221,8 +259,9 @@ def test_local_targets_follow_the_config():
     from dynrubric.config import load_settings
     from dynrubric.monitor import local_targets
 
-    settings = load_settings(environ={"DYNRUBRIC_REWARD_SERVER__PORT": "8111",
-                                      "DYNRUBRIC_MONITORING__TARGETS": '{"extra": ["10.1.2.3:9"]}'})
+    settings = load_settings(
+        environ={"DYNRUBRIC_REWARD_SERVER__PORT": "8111", "DYNRUBRIC_MONITORING__TARGETS": '{"extra": ["10.1.2.3:9"]}'}
+    )
     jobs = local_targets(settings)
     assert jobs["dynrubric-reward-server"] == ["127.0.0.1:8111"]
     assert jobs["extra"] == ["10.1.2.3:9"]

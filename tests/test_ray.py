@@ -18,8 +18,15 @@ from tests.train_harness import runner, write_prompts
 ray = pytest.importorskip("ray")
 
 #: a small round with a policy and a generator step (k_alt=1), its sets judged in two chunks
-SMALL = {"steps_per_round": 2, "prompts_per_step": 4, "candidates": 4, "max_prompts_per_round": 8,
-         "heldout_prompts": 2, "judge_chunks": 2, "coevolve": {"k_alt": 1}}
+SMALL = {
+    "steps_per_round": 2,
+    "prompts_per_step": 4,
+    "candidates": 4,
+    "max_prompts_per_round": 8,
+    "heldout_prompts": 2,
+    "judge_chunks": 2,
+    "coevolve": {"k_alt": 1},
+}
 
 
 @pytest.fixture(scope="module")

@@ -47,20 +47,38 @@ def postgres():
         shutil.chown(sock, "postgres")
         os.chmod(root, 0o755)
         as_pg = ["runuser", "-u", "postgres", "--"]
-    init = subprocess.run(as_pg + [str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"],
-                          capture_output=True, text=True)
+    init = subprocess.run(
+        as_pg + [str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"],
+        capture_output=True,
+        text=True,
+    )
     assert init.returncode == 0, init.stdout + init.stderr
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    start = subprocess.run(as_pg + [str(bin_dir / "pg_ctl"), "-D", str(data), "-w", "-l", str(root / "log"), "-o",
-                                    f"-p {port} -k {sock} -c listen_addresses=127.0.0.1", "start"],
-                           capture_output=True, text=True)
+    start = subprocess.run(
+        as_pg
+        + [
+            str(bin_dir / "pg_ctl"),
+            "-D",
+            str(data),
+            "-w",
+            "-l",
+            str(root / "log"),
+            "-o",
+            f"-p {port} -k {sock} -c listen_addresses=127.0.0.1",
+            "start",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert start.returncode == 0, start.stdout + start.stderr + (root / "log").read_text(errors="replace")
     try:
         yield f"postgresql://postgres@127.0.0.1:{port}"
     finally:
-        subprocess.run(as_pg + [str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"], capture_output=True)
+        subprocess.run(
+            as_pg + [str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"], capture_output=True
+        )
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -79,8 +97,9 @@ def registry(request: pytest.FixtureRequest, tmp_path: Path) -> Registry:
 
 def test_register_lineage_and_hash(registry: Registry, tmp_path: Path) -> None:
     base = registry.register(fake_model(tmp_path / "m0", b"w0"), parent=None, round=None, metrics={})
-    v1 = registry.register(fake_model(tmp_path / "m1", b"w1"), parent=base.version, round=1,
-                           metrics={"reward_mean": 0.5, "kl": 0.01})
+    v1 = registry.register(
+        fake_model(tmp_path / "m1", b"w1"), parent=base.version, round=1, metrics={"reward_mean": 0.5, "kl": 0.01}
+    )
     assert [c.version for c in registry.list()] == [base.version, v1.version]
     got = registry.get(v1.version)
     assert got.parent == base.version and got.round == 1
@@ -99,8 +118,7 @@ def test_register_is_idempotent_per_version(registry: Registry, tmp_path: Path) 
     b = registry.register(m, parent=None, round=3, metrics={}, version="run1-r3")
     assert a == b and len(registry.list()) == 1
     with pytest.raises(DynrubricError, match="different weights"):
-        registry.register(fake_model(tmp_path / "other", b"x"), parent=None, round=3, metrics={},
-                          version="run1-r3")
+        registry.register(fake_model(tmp_path / "other", b"x"), parent=None, round=3, metrics={}, version="run1-r3")
 
 
 def test_unknown_version_and_bad_input_are_named(registry: Registry, tmp_path: Path) -> None:
@@ -169,14 +187,16 @@ def test_a_rollouts_table_of_an_older_version_gets_the_plan_column(registry: Reg
 
     with registry.transaction(write=True) as cur:
         cur.execute(SCHEMA_WITHOUT_PLAN)
-        cur.execute(f"INSERT INTO rollouts ({LEGACY_COLUMNS}) VALUES ({','.join('?' * 13)})",
-                    ("ro-old", "r0", "/ckpt/r0", "base", "/ckpt/base", "[0.5]", "promoted", 0, 1.0, 1.0, 2.0, None,
-                     None))
+        cur.execute(
+            f"INSERT INTO rollouts ({LEGACY_COLUMNS}) VALUES ({','.join('?' * 13)})",
+            ("ro-old", "r0", "/ckpt/r0", "base", "/ckpt/base", "[0.5]", "promoted", 0, 1.0, 1.0, 2.0, None, None),
+        )
     store = RolloutStore(registry)
     assert [(r.id, r.plan) for r in store.list()] == [("ro-old", None)]
     r = store.create("r1", "/ckpt/r1", "base", "/ckpt/base", [0.5])
     assert store.update(r.id, plan={"lines": ["gate power at 1.00 requests/s"]}).plan == {
-        "lines": ["gate power at 1.00 requests/s"]}
+        "lines": ["gate power at 1.00 requests/s"]
+    }
     assert RolloutStore(registry).get(r.id).plan["lines"] == ["gate power at 1.00 requests/s"]  # opened again: no-op
 
 
@@ -232,8 +252,9 @@ def test_kill_during_register_leaves_no_visible_checkpoint(tmp_path: Path, where
     model = fake_model(tmp_path / "m", b"weights" * 1000)
     (model / "tokenizer.json").write_text("{}")
     db = tmp_path / "reg" / "registry.sqlite"
-    proc = subprocess.run([sys.executable, "-c", CRASHER, where, str(db), str(model)],
-                          cwd=Path(__file__).parents[1], capture_output=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", CRASHER, where, str(db), str(model)], cwd=Path(__file__).parents[1], capture_output=True
+    )
     assert proc.returncode == -9, proc.stderr.decode()
     registry = Registry(db)
     assert registry.list() == []

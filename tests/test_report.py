@@ -8,28 +8,66 @@ import pytest
 from dynrubric.errors import DynrubricError
 from dynrubric.report import UNIT, Thresholds, draw, read_runlog, render
 
-THRESHOLDS = Thresholds(collapse_min_mean_gap=0.03, collapse_max_nonsplit_share=0.8, collapse_window=20, max_kl=0.05,
-                        tis_low=0.5, tis_high=5.0)
+THRESHOLDS = Thresholds(
+    collapse_min_mean_gap=0.03,
+    collapse_max_nonsplit_share=0.8,
+    collapse_window=20,
+    max_kl=0.05,
+    tis_low=0.5,
+    tis_high=5.0,
+)
 
 
 def write_log(path, steps: int, sets_per_step: int = 4, generator_steps: int = 1):
     records = []
     for step in range(steps):
-        records.append({"key": f"round/1/step/{step}", "kind": "step", "round": 1, "step": step, "phase": "policy",
-                        "reward_mean": 0.4 + 0.05 * step, "kl": 0.0001 * step, "mean_gap": 0.2 - 0.04 * step,
-                        "tie_rate": 0.1, "nonsplit_share": 1.0, "untrusted_sets": step % 2,
-                        "rubric_sources": {"set": sets_per_step - 1, "prompt_only": 0, "generic": 1},
-                        "fallbacks": {"generic": 1, "prompt_only": 0, "parse_failures": 3, "hard_verdict": 0}})
+        records.append(
+            {
+                "key": f"round/1/step/{step}",
+                "kind": "step",
+                "round": 1,
+                "step": step,
+                "phase": "policy",
+                "reward_mean": 0.4 + 0.05 * step,
+                "kl": 0.0001 * step,
+                "mean_gap": 0.2 - 0.04 * step,
+                "tie_rate": 0.1,
+                "nonsplit_share": 1.0,
+                "untrusted_sets": step % 2,
+                "rubric_sources": {"set": sets_per_step - 1, "prompt_only": 0, "generic": 1},
+                "fallbacks": {"generic": 1, "prompt_only": 0, "parse_failures": 3, "hard_verdict": 0},
+            }
+        )
     for step in range(generator_steps):
-        records.append({"key": f"round/1/step/{steps + step}", "kind": "step", "round": 1, "step": steps + step,
-                        "phase": "generator", "reward_mean": 1.3})
+        records.append(
+            {
+                "key": f"round/1/step/{steps + step}",
+                "kind": "step",
+                "round": 1,
+                "step": steps + step,
+                "phase": "generator",
+                "reward_mean": 1.3,
+            }
+        )
     for step in range(generator_steps):
         records[steps + step]["gen_judge_user_agreement"] = 0.75
-    truth = {"version": "r1", "prompts": 200, "pass": {"r1": 0.42, "base": 0.36},
-             "vs_parent": {"reference": "base", "delta": 0.06, "low": 0.01, "high": 0.11},
-             "vs_base": {"reference": "base", "delta": 0.06, "low": 0.01, "high": 0.11}}
-    records.append({"key": "round/1", "kind": "round", "round": 1, "version": "r1", "guard": {"accepted": True},
-                    "eval": {"reward_parent": 0.4, "reward_new": 0.55, "kl_to_parent": 0.001, "groundtruth": truth}})
+    truth = {
+        "version": "r1",
+        "prompts": 200,
+        "pass": {"r1": 0.42, "base": 0.36},
+        "vs_parent": {"reference": "base", "delta": 0.06, "low": 0.01, "high": 0.11},
+        "vs_base": {"reference": "base", "delta": 0.06, "low": 0.01, "high": 0.11},
+    }
+    records.append(
+        {
+            "key": "round/1",
+            "kind": "round",
+            "round": 1,
+            "version": "r1",
+            "guard": {"accepted": True},
+            "eval": {"reward_parent": 0.4, "reward_new": 0.55, "kl_to_parent": 0.001, "groundtruth": truth},
+        }
+    )
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     return read_runlog(path)
 
@@ -51,8 +89,11 @@ def test_rates_on_fixed_axes_thresholds_labelled_and_no_empty_legend_entries(tmp
     # a KL of 3e-4 must not fill the panel: the axis runs from 0 to the guard's limit
     assert p["KL per policy step (per token), axis from 0 to the guard"].get_ylim()[0] <= 0
     assert p["KL per policy step (per token), axis from 0 to the guard"].get_ylim()[1] >= THRESHOLDS.max_kl
-    for title in ("policy: mean set reward per step", "score gaps within candidate sets",
-                  "learning curve: held-out ground-truth pass rate per round"):
+    for title in (
+        "policy: mean set reward per step",
+        "score gaps within candidate sets",
+        "learning curve: held-out ground-truth pass rate per round",
+    ):
         assert p[title].get_ylim() == UNIT, title
     gaps = p["score gaps within candidate sets"]
     threshold = [line for line in gaps.get_lines() if line.get_linestyle() == "--"]
@@ -96,16 +137,57 @@ def test_where_each_rounds_time_went_is_the_run_logs_stage_seconds(tmp_path):
     (an OpenRLHF round) has no bar."""
     from dynrubric.report import STAGES
 
-    stages = [{"setup": 3.0, "candidates": 10.0, "rubrics": 6.0, "verdicts": 4.0, "policy_update": 2.5,
-               "generator_rubrics": 0.0, "generator_update": 0.0, "checkpoints": 1.5, "evaluate": 5.0, "guard": 0.5},
-              {"setup": 1.0, "candidates": 8.0, "rubrics": 5.0, "verdicts": 3.0, "policy_update": 0.0,
-               "generator_rubrics": 7.0, "generator_update": 2.0, "checkpoints": 1.0, "evaluate": 4.0, "guard": 0.25}]
+    stages = [
+        {
+            "setup": 3.0,
+            "candidates": 10.0,
+            "rubrics": 6.0,
+            "verdicts": 4.0,
+            "policy_update": 2.5,
+            "generator_rubrics": 0.0,
+            "generator_update": 0.0,
+            "checkpoints": 1.5,
+            "evaluate": 5.0,
+            "guard": 0.5,
+        },
+        {
+            "setup": 1.0,
+            "candidates": 8.0,
+            "rubrics": 5.0,
+            "verdicts": 3.0,
+            "policy_update": 0.0,
+            "generator_rubrics": 7.0,
+            "generator_update": 2.0,
+            "checkpoints": 1.0,
+            "evaluate": 4.0,
+            "guard": 0.25,
+        },
+    ]
     path = tmp_path / "runlog.jsonl"
-    records = [{"key": f"round/{i}", "kind": "round", "round": i, "version": f"r{i}", "guard": {"accepted": True},
-                "eval": {"reward_parent": 0.4, "reward_new": 0.5}, "seconds": sum(st.values()) + 0.5,
-                "stage_seconds": st} for i, st in ((1, stages[0]), (2, stages[1]))]
-    records.append({"key": "round/3", "kind": "round", "round": 3, "trainer": "openrlhf", "version": "r3",
-                    "guard": {"accepted": True}, "eval": {"reward_parent": 0.5, "reward_new": 0.5}})
+    records = [
+        {
+            "key": f"round/{i}",
+            "kind": "round",
+            "round": i,
+            "version": f"r{i}",
+            "guard": {"accepted": True},
+            "eval": {"reward_parent": 0.4, "reward_new": 0.5},
+            "seconds": sum(st.values()) + 0.5,
+            "stage_seconds": st,
+        }
+        for i, st in ((1, stages[0]), (2, stages[1]))
+    ]
+    records.append(
+        {
+            "key": "round/3",
+            "kind": "round",
+            "round": 3,
+            "trainer": "openrlhf",
+            "version": "r3",
+            "guard": {"accepted": True},
+            "eval": {"reward_parent": 0.5, "reward_new": 0.5},
+        }
+    )
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     fig = draw(read_runlog(path), THRESHOLDS)
     ax = panels(fig)["where each round's time went (seconds per stage)"]
@@ -118,16 +200,21 @@ def test_where_each_rounds_time_went_is_the_run_logs_stage_seconds(tmp_path):
         assert [r.get_x() + r.get_width() / 2 for r in rects] == pytest.approx([1, 2])  # round 3: no bar
         assert [r.get_y() for r in rects] == pytest.approx(bottom), key
         assert [r.get_height() for r in rects] == pytest.approx([stages[0][key], stages[1][key]]), key
-        bottom = [b + r.get_height() for b, r in zip(bottom, rects)]
+        bottom = [b + r.get_height() for b, r in zip(bottom, rects, strict=True)]
     [wall] = [c for c in ax.collections if c.get_label() == "round wall-clock time"]
-    assert [tuple(xy) for xy in wall.get_offsets().tolist()] == [(1, sum(stages[0].values()) + 0.5),
-                                                                 (2, sum(stages[1].values()) + 0.5)]
+    assert [tuple(xy) for xy in wall.get_offsets().tolist()] == [
+        (1, sum(stages[0].values()) + 0.5),
+        (2, sum(stages[1].values()) + 0.5),
+    ]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2"]
     plt.close(fig)
 
     # a run log without stage times says so instead of drawing an empty axis
     empty = panels(draw(write_log(tmp_path / "other.jsonl", steps=2), THRESHOLDS))
-    assert "no round recorded its stage times" in empty["where each round's time went (seconds per stage)"].texts[0].get_text()
+    assert (
+        "no round recorded its stage times"
+        in empty["where each round's time went (seconds per stage)"].texts[0].get_text()
+    )
     plt.close("all")
 
 
@@ -149,8 +236,10 @@ def judged_store(registry_db):
     from tests.test_gate import arm
 
     store = RolloutStore(Registry(registry_db))
-    for version, judge, status in (("r1", JudgeStats(pairs=60, canary_score=6.0), "rolled_back"),
-                                   ("r2", JudgeStats(pairs=40, canary_score=22.0), "promoted")):
+    for version, judge, status in (
+        ("r1", JudgeStats(pairs=60, canary_score=6.0), "rolled_back"),
+        ("r2", JudgeStats(pairs=40, canary_score=22.0), "promoted"),
+    ):
         gate = evaluate(arm(), arm(), 0.5, GateConfig(), require_non_inferiority=False, judge=judge)
         r = store.create(version, f"/ckpt/{version}", "base", "/ckpt/base", [0.5])
         reason = f"gate failed at step 0: {gate.reason}" if gate.verdict.value == "fail" else None
@@ -185,7 +274,10 @@ def test_the_judged_online_check_is_in_the_report(tmp_path):
     plt.close(fig)
 
     empty = panels(draw(write_log(tmp_path / "other.jsonl", steps=2), THRESHOLDS))
-    assert "no rollout with judged pairs" in empty["rollouts: rubric-judged canary win rate (shadow pairs)"].texts[0].get_text()
+    assert (
+        "no rollout with judged pairs"
+        in empty["rollouts: rubric-judged canary win rate (shadow pairs)"].texts[0].get_text()
+    )
     plt.close("all")
 
 
@@ -207,26 +299,42 @@ def test_report_command_reads_the_rollouts_of_the_state_dir(tmp_path, where):
     if where == "registry":
         judged_store(state / "registry" / "registry.sqlite")
     else:  # what versions before the move left: the same table in a file of its own
-        rows = [tuple(r.to_json()[c.strip()] for c in LEGACY_COLUMNS.split(","))
-                for r in judged_store(tmp_path / "elsewhere.sqlite").list()]
+        rows = [
+            tuple(r.to_json()[c.strip()] for c in LEGACY_COLUMNS.split(","))
+            for r in judged_store(tmp_path / "elsewhere.sqlite").list()
+        ]
         legacy.parent.mkdir(parents=True)
         with sqlite3.connect(legacy) as conn:
             conn.execute(SCHEMA)
-            conn.executemany(f"INSERT INTO rollouts ({LEGACY_COLUMNS}) VALUES ({','.join('?' * 13)})",
-                             [r[:5] + (json.dumps(r[5]),) + r[6:12] + (json.dumps(r[12]),) for r in rows])
+            conn.executemany(
+                f"INSERT INTO rollouts ({LEGACY_COLUMNS}) VALUES ({','.join('?' * 13)})",
+                [r[:5] + (json.dumps(r[5]),) + r[6:12] + (json.dumps(r[12]),) for r in rows],
+            )
         conn.close()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DYNRUBRIC_")}
     env |= {"DYNRUBRIC_PATHS__STATE_DIR": str(state), "COLUMNS": "200"}
-    run = subprocess.run([sys.executable, "-m", "dynrubric", "report"], env=env, cwd=Path(__file__).parents[1],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "dynrubric", "report"],
+        env=env,
+        cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "2 rollouts with judged pairs" in run.stdout
     assert "(r1): rolled_back; judged fail: canary win rate 0.10 over 60 pairs" in run.stdout
     assert (state / "report" / "run.png").read_bytes()[:4] == b"\x89PNG"
     if where != "registry":  # migrated once: the file is renamed, the registry holds the rows
         assert not legacy.exists() and legacy.with_name("rollouts.sqlite.migrated").is_file()
-        rerun = subprocess.run([sys.executable, "-m", "dynrubric", "report"], env=env, cwd=Path(__file__).parents[1],
-                               capture_output=True, text=True, timeout=120)
+        rerun = subprocess.run(
+            [sys.executable, "-m", "dynrubric", "report"],
+            env=env,
+            cwd=Path(__file__).parents[1],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert "2 rollouts with judged pairs" in rerun.stdout, rerun.stdout + rerun.stderr
 
 

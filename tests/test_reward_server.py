@@ -47,7 +47,9 @@ def tokenizer(tiny_model_dir: Path):
 
 
 def chat(tokenizer, question: str) -> str:
-    return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_openrlhf_client_gets_set_conditioned_rewards_across_two_replicas(replicas, tokenizer):
@@ -68,7 +70,10 @@ def test_openrlhf_client_gets_set_conditioned_rewards_across_two_replicas(replic
     assert len(groups) == len(questions)  # one rubric and one set per group of n, no more
     assert sum(r.metric("dynrubric_rubric_sets_total") for r in replicas) == len(questions)
     # each replica owns whole prompts: the two groups of the repeated prompt are on one replica
-    owners = {q: [n for n, r in enumerate(replicas) for g in r.get("/groups").json()["groups"] if g["prompt"] == q] for q in QUESTIONS}
+    owners = {
+        q: [n for n, r in enumerate(replicas) for g in r.get("/groups").json()["groups"] if g["prompt"] == q]
+        for q in QUESTIONS
+    }
     assert len(owners[QUESTIONS[0]]) == 2 and len(set(owners[QUESTIONS[0]])) == 1
     # every request got the score of its own response inside its group's set
     by_question: dict[str, list[dict]] = {}
@@ -97,8 +102,12 @@ def test_partial_group_is_scored_at_the_deadline_and_counted(replicas, tokenizer
     metric = lambda name: sum(r.metric(name) for r in replicas)  # noqa: E731
     before = metric("dynrubric_reward_partial_groups_total")
     singles = metric("dynrubric_reward_singleton_groups_total")
-    outputs = openrlhf_rollout(urls, tokenizer, [chat(tokenizer, "Count to three."), chat(tokenizer, "Say one word.")],
-                               [["1 2 3", "one two"], ["word"]])
+    outputs = openrlhf_rollout(
+        urls,
+        tokenizer,
+        [chat(tokenizer, "Count to three."), chat(tokenizer, "Say one word.")],
+        [["1 2 3", "one two"], ["word"]],
+    )
     for out in outputs:
         assert out["reward"] is not None and math.isfinite(out["reward"][0])
         assert out["extra_logs"]["rubric_partial_group"] == [1.0]
@@ -135,7 +144,10 @@ def test_bearer_header_and_batch_endpoint(replicas):
     [scored] = r.json()["sets"]
     assert len(scored["scores"]) == 3 and all(0 <= s <= 1 for s in scored["scores"])
     assert len(scored["verdicts"]) == len(scored["rubric"]) and json.dumps(scored)
-    assert httpx.post(f"{url}/score_sets", json={"sets": []}, headers={"authorization": f"Bearer {TOKEN}"}).json()["field"] == "sets"
+    assert (
+        httpx.post(f"{url}/score_sets", json={"sets": []}, headers={"authorization": f"Bearer {TOKEN}"}).json()["field"]
+        == "sets"
+    )
 
 
 def test_token_is_never_logged(replicas):

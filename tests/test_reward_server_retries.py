@@ -62,23 +62,31 @@ def test_openrlhf_retries_join_their_slot_and_every_sample_is_scored_once(tiny_m
         "DYNRUBRIC_TRAIN__CANDIDATES": str(N),
         "DYNRUBRIC_REWARD_SERVER__GROUP_TIMEOUT_S": "30",
     }
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-               for q in QUESTIONS]
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in QUESTIONS
+    ]
     responses = [RESPONSES[q] for q in QUESTIONS]
     with reward_replicas(2, env, tmp_path) as replicas:
         urls = [f"{r.url}/get_reward?token={TOKEN}" for r in replicas]
         outputs = openrlhf_rollout(urls, tokenizer, prompts, responses)
         groups = [g for r in replicas for g in r.get("/groups").json()["groups"]]
-        total = {name: sum(r.metric(name) for r in replicas) for name in (
-            "dynrubric_rubric_sets_total", "dynrubric_reward_retried_samples_total",
-            "dynrubric_reward_cancelled_requests_total", "dynrubric_reward_partial_groups_total")}
+        total = {
+            name: sum(r.metric(name) for r in replicas)
+            for name in (
+                "dynrubric_rubric_sets_total",
+                "dynrubric_reward_retried_samples_total",
+                "dynrubric_reward_cancelled_requests_total",
+                "dynrubric_reward_partial_groups_total",
+            )
+        }
 
     print("reward retries:", total)
     assert total["dynrubric_reward_retried_samples_total"] > 0, "the short timeout forced retries"
     assert total["dynrubric_reward_cancelled_requests_total"] > 0, "abandoned requests were cancelled"
     # each replica says where it listens; each cancelled request is one line with its reason, no traceback
     logs = [r.log.read_text() for r in replicas]
-    for r, text in zip(replicas, logs):
+    for r, text in zip(replicas, logs, strict=True):
         assert f"reward server on {r.url} (POST /reward, /get_reward, /score_sets): group size {N}" in text, text
         assert "Traceback" not in text and "never retrieved" not in text, text
     cancelled = [line for text in logs for line in text.splitlines() if "cancelled a reward request" in line]
@@ -104,8 +112,14 @@ def test_a_barrier_that_cannot_answer_inside_the_client_timeout_is_refused_at_st
         "DYNRUBRIC_REWARD_SERVER__GROUP_TIMEOUT_S": "150",
         "DYNRUBRIC_REWARD_SERVER__SCORING_TIME_S": "45",
     }
-    done = subprocess.run([str(Path(sys.executable).parent / "dynrubric"), "serve-reward", "--port", "0"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "dynrubric"), "serve-reward", "--port", "0"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode != 0
     message = done.stdout + done.stderr
     assert "group_timeout_s (150 s)" in message and "scoring_time_s (45 s)" in message

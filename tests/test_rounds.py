@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -47,13 +48,20 @@ def test_three_rounds_move_the_policy_toward_the_rubric_preferred_behaviour(tmp_
         assert s["state"] == ("candidate" if s["guard"]["accepted"] else "rejected")
         accepted = s["version"] if s["guard"]["accepted"] else accepted
         assert (r.round_dir(s["round"]) / "summary.json").is_file()
-        assert set(versions[s["version"]].metrics) >= {"reward_mean", "kl", "kl_to_base", "mean_gap", "tie_rate",
-                                                       "heldout_reward", "guard"}
+        assert set(versions[s["version"]].metrics) >= {
+            "reward_mean",
+            "kl",
+            "kl_to_base",
+            "mean_gap",
+            "tie_rate",
+            "heldout_reward",
+            "guard",
+        }
     assert r.head().version == accepted != "base"
     # each round took its own prompts: the watermark moved 16 prompts per round
     assert [s["watermark_after"] for s in summaries] == ["16", "32", "48"]
     # a collapse in round N makes round N+1 start with a generator phase, and the summary says so
-    for before, after in zip(summaries, summaries[1:]):
+    for before, after in pairwise(summaries):
         assert bool(after["refresh"]) == before["collapse"]["fired"]
         if before["collapse"]["fired"]:
             assert after["steps"][0]["phase"] == "generator" and "collapse" in after["refresh"]
@@ -65,8 +73,9 @@ def test_three_rounds_move_the_policy_toward_the_rubric_preferred_behaviour(tmp_
     assert (r.cfg.max_kl, r.cfg.max_reward_drop) == (0.05, 0.05)
     for s in summaries:
         assert s["eval"]["judge"] == {"generator": s["parent"], "verifier": "keyword-rule"}
-        assert not set(s["eval"]["heldout_keys"]) & {p["key"] for p in json.loads(
-            (r.round_dir(s["round"]) / "plan.json").read_text())["prompts"]}
+        assert not set(s["eval"]["heldout_keys"]) & {
+            p["key"] for p in json.loads((r.round_dir(s["round"]) / "plan.json").read_text())["prompts"]
+        }
         assert s["eval"]["base"] == "base" and s["eval"]["kl_to_base"] > 0
 
     questions = [f"Tell me something about thing number {i}." for i in range(64)]
@@ -190,8 +199,16 @@ def test_collapse_window_spans_rounds_so_small_rounds_fire_it(tmp_path: Path, ti
         return UndecidedVerifier(model_dir) if role == "verifier" else harness_engines(role, model_dir)
 
     prompts = write_prompts(tmp_path / "prompts.jsonl", 24)
-    r = runner(tmp_path / "state", tiny_model_dir, prompts, steps_per_round=1, prompts_per_step=4, candidates=4,
-               max_prompts_per_round=8, heldout_prompts=1)
+    r = runner(
+        tmp_path / "state",
+        tiny_model_dir,
+        prompts,
+        steps_per_round=1,
+        prompts_per_step=4,
+        candidates=4,
+        max_prompts_per_round=8,
+        heldout_prompts=1,
+    )
     r.engines = engines
     assert r.settings.rubric.collapse_window == 8
     first, second = r.run(), r.run()
@@ -214,8 +231,12 @@ def test_a_generator_step_never_changes_the_served_policy(tmp_path: Path, tiny_m
     prompts = write_prompts(tmp_path / "prompts.jsonl", 4)
     base = harness_settings(tmp_path / "state", tiny_model_dir, prompts)
     prompt = (1, 5, 9, 13)
-    groups = [CandidateSet((SampledResponse(prompt, (20, 21, 22)), SampledResponse(prompt, (30, 31)),
-                            SampledResponse(prompt, (40,))), (1.0, 0.5, 0.0))]
+    groups = [
+        CandidateSet(
+            (SampledResponse(prompt, (20, 21, 22)), SampledResponse(prompt, (30, 31)), SampledResponse(prompt, (40,))),
+            (1.0, 0.5, 0.0),
+        )
+    ]
     changed = {}
     for single in (None, True):  # None: the default
         settings = base.model_copy(deep=True)
@@ -240,9 +261,18 @@ def test_the_demo_profile_moves_the_policy_within_one_round(tmp_path: Path, tiny
 
     prompts = write_prompts(tmp_path / "prompts.jsonl", 48)
     demo = DEMO_TRAINING
-    r = runner(tmp_path / "state", tiny_model_dir, prompts, grpo=demo["grpo"], coevolve=demo["coevolve"],
-               steps_per_round=demo["train"]["steps_per_round"], prompts_per_step=demo["train"]["prompts_per_step"],
-               max_prompts_per_round=32, max_kl=demo["train"]["max_kl"], max_kl_to_base=demo["train"]["max_kl_to_base"])
+    r = runner(
+        tmp_path / "state",
+        tiny_model_dir,
+        prompts,
+        grpo=demo["grpo"],
+        coevolve=demo["coevolve"],
+        steps_per_round=demo["train"]["steps_per_round"],
+        prompts_per_step=demo["train"]["prompts_per_step"],
+        max_prompts_per_round=32,
+        max_kl=demo["train"]["max_kl"],
+        max_kl_to_base=demo["train"]["max_kl_to_base"],
+    )
     summary = r.run()
     policy = [h for h in summary["steps"] if h["phase"] == "policy"]
     assert len(policy) == demo["coevolve"]["k_alt"] >= 4

@@ -82,10 +82,17 @@ def test_a_catastrophic_regex_is_cut_off_not_hung():
 
 def test_a_malformed_check_drops_the_check_not_the_item_and_is_reported():
     notes: list[str] = []
-    rubric = parse_rubric(json.dumps({"items": [
-        {"text": "Gives the answer 42", "weight": 5, "check": {"kind": "final_number", "value": 42}},
-        {"text": "Explains the method", "weight": 2, "check": {"kind": "exec", "value": "x"}},
-    ]}), notes=notes)
+    rubric = parse_rubric(
+        json.dumps(
+            {
+                "items": [
+                    {"text": "Gives the answer 42", "weight": 5, "check": {"kind": "final_number", "value": 42}},
+                    {"text": "Explains the method", "weight": 2, "check": {"kind": "exec", "value": "x"}},
+                ]
+            }
+        ),
+        notes=notes,
+    )
     assert rubric.items[0].check == Check(kind="final_number", value=42.0)
     assert rubric.items[1].check is None and rubric.items[1].text == "Explains the method"
     assert notes == ["check dropped: unknown check kind 'exec'"]
@@ -96,20 +103,34 @@ def test_near_duplicate_merging_respects_numbers_and_negation():
         return [(i.text, i.weight, i.polarity) for i in parse_rubric(json.dumps({"items": items})).items]
 
     # different numbers are different claims
-    assert len(texts([{"text": "The final answer is 42", "weight": 3}, {"text": "The final answer is 24", "weight": 3}])) == 2
+    assert (
+        len(texts([{"text": "The final answer is 42", "weight": 3}, {"text": "The final answer is 24", "weight": 3}]))
+        == 2
+    )
     # "is not X" rewarded contradicts "is X" rewarded: the first stands
-    assert texts([
-        {"text": "The response is polite", "weight": 3}, {"text": "The response is not polite", "weight": 2},
-        {"text": "Mentions the cost", "weight": 1},
-    ]) == [("The response is polite", 3, 1), ("Mentions the cost", 1, 1)]
+    assert texts(
+        [
+            {"text": "The response is polite", "weight": 3},
+            {"text": "The response is not polite", "weight": 2},
+            {"text": "Mentions the cost", "weight": 1},
+        ]
+    ) == [("The response is polite", 3, 1), ("Mentions the cost", 1, 1)]
     # "is not X" penalised means "is X" rewarded: the same item, merged with the larger weight
-    assert texts([
-        {"text": "The response isn't polite", "weight": 4, "polarity": -1}, {"text": "The response is polite", "weight": 2},
-        {"text": "Mentions the cost", "weight": 1},
-    ]) == [("The response isn't polite", 4, -1), ("Mentions the cost", 1, 1)]
+    assert texts(
+        [
+            {"text": "The response isn't polite", "weight": 4, "polarity": -1},
+            {"text": "The response is polite", "weight": 2},
+            {"text": "Mentions the cost", "weight": 1},
+        ]
+    ) == [("The response isn't polite", 4, -1), ("Mentions the cost", 1, 1)]
     # same words, same numbers, same meaning: merged
-    assert texts([{"text": "States that 7 * 6 is 42", "weight": 2}, {"text": "states that 7*6 is 42.", "weight": 5},
-                  {"text": "Is short", "weight": 1}])[0] == ("States that 7 * 6 is 42", 5, 1)
+    assert texts(
+        [
+            {"text": "States that 7 * 6 is 42", "weight": 2},
+            {"text": "states that 7*6 is 42.", "weight": 5},
+            {"text": "Is short", "weight": 1},
+        ]
+    )[0] == ("States that 7 * 6 is 42", 5, 1)
 
 
 def _truth_checks(question: str) -> list[Check]:
@@ -123,13 +144,21 @@ def test_prompt_constraints_become_checked_items():
     )
     checks = {c.kind: c.value for c in _truth_checks(q)}
     assert checks == {
-        "max_words": 30.0, "contains": "tide", "not_contains": "blue", "starts_with": "Waves", "ends_with": "calm",
+        "max_words": 30.0,
+        "contains": "tide",
+        "not_contains": "blue",
+        "starts_with": "Waves",
+        "ends_with": "calm",
         "no_commas": None,
     }
     assert {c.kind for c in _truth_checks("Answer in at least five words, all in lowercase letters.")} == {
-        "min_words", "lowercase"}
+        "min_words",
+        "lowercase",
+    }
     assert [c.value for c in _truth_checks("Give exactly 3 bullet points about tea.")] == [3.0]
-    [item] = [i for i in prompt_items("What is (12 + 3) * 4? Answer with the number only.") if i.origin == "ground_truth"]
+    [item] = [
+        i for i in prompt_items("What is (12 + 3) * 4? Answer with the number only.") if i.origin == "ground_truth"
+    ]
     assert item.check == Check(kind="final_number", value=60.0) and item.weight == 5
     assert _truth_checks("What is the capital of France?") == []
     assert _truth_checks("What is __import__('os').system('true')?") == []  # nothing but arithmetic is evaluated
@@ -139,8 +168,10 @@ def test_prompt_constraints_become_checked_items():
 
 
 def test_official_instructions_become_items_checked_by_the_official_checker():
-    q = ("Describe a cat. Your entire response should be in English, and in all lowercase letters. No capital "
-         "letters are allowed. Include keywords ['milk', 'window'] in the response.")
+    q = (
+        "Describe a cat. Your entire response should be in English, and in all lowercase letters. No capital "
+        "letters are allowed. Include keywords ['milk', 'window'] in the response."
+    )
     [lower, keywords] = _truth_checks(q)
     assert lower.kind == keywords.kind == "instruction"
     assert json.loads(str(keywords.value)) == {"id": "keywords:existence", "kwargs": {"keywords": ["milk", "window"]}}
@@ -225,21 +256,46 @@ def test_instruction_sets_rank_by_the_constraints_they_meet():
 def test_eval_judge_through_the_console_script(tiny_model_dir, tmp_path):
     # short sets: the tiny model's byte-level tokenizer makes the benchmark's sets thousands of tokens
     sets = tmp_path / "sets.jsonl"
-    sets.write_text("".join(json.dumps(s) + "\n" for s in [
-        {"prompt": "What is 2 + 3?", "responses": ["5", "It is 6.", ""], "order": [0, 1, 2], "kind": "arithmetic"},
-        {"prompt": "Say hi in at most 2 words.", "responses": ["hello there friend", "hi"], "order": [1, 0], "kind": "instruction"},
-        {"prompt": "What is 2 + 2?", "responses": ["4", "4."], "collapsed": True, "kind": "arithmetic"},
-        {"prompt": "Say hi.", "responses": ["hi", "hi!"], "collapsed": True, "kind": "instruction"},
-    ]))
+    sets.write_text(
+        "".join(
+            json.dumps(s) + "\n"
+            for s in [
+                {
+                    "prompt": "What is 2 + 3?",
+                    "responses": ["5", "It is 6.", ""],
+                    "order": [0, 1, 2],
+                    "kind": "arithmetic",
+                },
+                {
+                    "prompt": "Say hi in at most 2 words.",
+                    "responses": ["hello there friend", "hi"],
+                    "order": [1, 0],
+                    "kind": "instruction",
+                },
+                {"prompt": "What is 2 + 2?", "responses": ["4", "4."], "collapsed": True, "kind": "arithmetic"},
+                {"prompt": "Say hi.", "responses": ["hi", "hi!"], "collapsed": True, "kind": "instruction"},
+            ]
+        )
+    )
     env = {
-        **os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200",
-        "DYNRUBRIC_MODELS__GENERATOR": str(tiny_model_dir), "DYNRUBRIC_MODELS__VERIFIER": str(tiny_model_dir),
-        "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": "48", "DYNRUBRIC_RUBRIC__RETRIES": "0",
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "COLUMNS": "200",
+        "DYNRUBRIC_MODELS__GENERATOR": str(tiny_model_dir),
+        "DYNRUBRIC_MODELS__VERIFIER": str(tiny_model_dir),
+        "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": "48",
+        "DYNRUBRIC_RUBRIC__RETRIES": "0",
         "DYNRUBRIC_RUBRIC__PROMPT_ONLY_RETRIES": "0",
     }
     script = Path(sys.executable).parent / "dynrubric"
-    r = subprocess.run([str(script), "eval-judge", str(sets), "--modes", "set,generic", "--out", str(tmp_path / "out")],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [str(script), "eval-judge", str(sets), "--modes", "set,generic", "--out", str(tmp_path / "out")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     tail = r.stdout.strip().splitlines()[-2:]
     assert [line.split(":")[0] for line in tail] == ["pairwise_accuracy[set]", "pairwise_accuracy[generic]"]
@@ -247,18 +303,26 @@ def test_eval_judge_through_the_console_script(tiny_model_dir, tmp_path):
     report = json.loads((tmp_path / "out" / "eval_judge.json").read_text())
     assert [r["mode"] for r in report["results"]] == ["set", "generic"]
     assert len(report["sets"]) == 2 * 4 and (tmp_path / "out" / "eval_judge.png").read_bytes()[:4] == b"\x89PNG"
-    bad = subprocess.run([str(script), "eval-judge", str(sets), "--modes", "best"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [str(script), "eval-judge", str(sets), "--modes", "best"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "unknown mode" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_the_judge_on_real_output_counts_pairs_ties_and_the_advantage_sign():
     """Pairs are (pass, fail) within separated sets, ties within eps count 1/2; a set trains right when its
     passing answers get the larger mean advantage, no advantage when untrusted or tied."""
-    sets = [RealSet("q1", ["a", "b", "c"], [True, False, False]),  # separated: 2 pairs
-            RealSet("q2", ["a", "b"], [False, True]),  # separated: 1 pair
-            RealSet("q3", ["a", "b"], [True, True]),  # not separated: ignored
-            RealSet("q4", ["a", "b"], [True, False])]  # separated, untrusted
+    sets = [
+        RealSet("q1", ["a", "b", "c"], [True, False, False]),  # separated: 2 pairs
+        RealSet("q2", ["a", "b"], [False, True]),  # separated: 1 pair
+        RealSet("q3", ["a", "b"], [True, True]),  # not separated: ignored
+        RealSet("q4", ["a", "b"], [True, False]),
+    ]  # separated, untrusted
     scores = [[0.9, 0.5, 0.9], [0.8, 0.2], [0.1, 0.9], [0.9, 0.1]]
 
     def advantages(s):
@@ -275,21 +339,39 @@ def test_the_judge_on_real_output_counts_pairs_ties_and_the_advantage_sign():
 
 def test_eval_judge_real_judges_only_the_sets_the_checker_separates(tiny_model_dir, tmp_path):
     sets = tmp_path / "real.jsonl"
-    sets.write_text("".join(json.dumps(s) + "\n" for s in [
-        {"prompt": "Say hi. Your answer must be in all lowercase letters.", "responses": ["hi", "Hi"],
-         "passed": [True, False]},
-        {"prompt": "Say hi without commas.", "responses": ["hi", "hi, you"], "passed": [True, False]},
-        {"prompt": "Say hi.", "responses": ["hi", "hello"], "passed": [True, True]},
-    ]))
+    sets.write_text(
+        "".join(
+            json.dumps(s) + "\n"
+            for s in [
+                {
+                    "prompt": "Say hi. Your answer must be in all lowercase letters.",
+                    "responses": ["hi", "Hi"],
+                    "passed": [True, False],
+                },
+                {"prompt": "Say hi without commas.", "responses": ["hi", "hi, you"], "passed": [True, False]},
+                {"prompt": "Say hi.", "responses": ["hi", "hello"], "passed": [True, True]},
+            ]
+        )
+    )
     env = {
-        **os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200",
-        "DYNRUBRIC_MODELS__GENERATOR": str(tiny_model_dir), "DYNRUBRIC_MODELS__VERIFIER": str(tiny_model_dir),
-        "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": "48", "DYNRUBRIC_RUBRIC__RETRIES": "0",
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "COLUMNS": "200",
+        "DYNRUBRIC_MODELS__GENERATOR": str(tiny_model_dir),
+        "DYNRUBRIC_MODELS__VERIFIER": str(tiny_model_dir),
+        "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": "48",
+        "DYNRUBRIC_RUBRIC__RETRIES": "0",
         "DYNRUBRIC_RUBRIC__PROMPT_ONLY_RETRIES": "0",
     }
     script = Path(sys.executable).parent / "dynrubric"
-    r = subprocess.run([str(script), "eval-judge", str(sets), "--real", "--modes", "set", "--out", str(tmp_path / "out")],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [str(script), "eval-judge", str(sets), "--real", "--modes", "set", "--out", str(tmp_path / "out")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-2].startswith("pairwise_accuracy_real[set]: ")
     report = json.loads((tmp_path / "out" / "eval_judge_real.json").read_text())

@@ -32,31 +32,40 @@ These items should split the candidates."""
 
 
 def test_bare_list_without_fence_and_python_literals():
-    raw = 'Items: [{"text": "Is polite", "weight": 1, "polarity": "positive"}, {"text": "Uses a list", "weight": 2, "polarity": "negative", "extra": None}] done'
+    raw = (
+        'Items: [{"text": "Is polite", "weight": 1, "polarity": "positive"}, '
+        '{"text": "Uses a list", "weight": 2, "polarity": "negative", "extra": None}] done'
+    )
     rubric = parse_rubric(raw)
     assert [i.polarity for i in rubric.items] == [1, -1]
     assert [i.id for i in rubric.items] == ["i1", "i2"]
 
 
 def test_weight_rule_rounds_and_clamps_and_drops_non_numbers():
-    raw = json.dumps({"items": [
-        {"text": "a b c", "weight": 10},
-        {"text": "d e f", "weight": -3},
-        {"text": "g h i", "weight": "heavy"},
-        {"text": "j k l", "weight": float("nan")} if False else {"text": "j k l", "weight": "nan"},
-        {"text": "m n o", "weight": 2.5},
-    ]})
+    raw = json.dumps(
+        {
+            "items": [
+                {"text": "a b c", "weight": 10},
+                {"text": "d e f", "weight": -3},
+                {"text": "g h i", "weight": "heavy"},
+                {"text": "j k l", "weight": float("nan")} if False else {"text": "j k l", "weight": "nan"},
+                {"text": "m n o", "weight": 2.5},
+            ]
+        }
+    )
     rubric = parse_rubric(raw)
     assert [(i.text, i.weight) for i in rubric.items] == [("a b c", 5), ("d e f", 1), ("m n o", 2)]
 
 
 def test_near_duplicates_merge_keeping_larger_weight_and_contradictions_drop():
-    raw = json.dumps([
-        {"id": "a", "text": "The response states the correct answer.", "weight": 2},
-        {"id": "b", "text": "the response states the correct answer", "weight": 4},
-        {"id": "c", "text": "The response states the correct answer!", "weight": 1, "polarity": -1},
-        {"id": "d", "text": "The response is short.", "weight": 1},
-    ])
+    raw = json.dumps(
+        [
+            {"id": "a", "text": "The response states the correct answer.", "weight": 2},
+            {"id": "b", "text": "the response states the correct answer", "weight": 4},
+            {"id": "c", "text": "The response states the correct answer!", "weight": 1, "polarity": -1},
+            {"id": "d", "text": "The response is short.", "weight": 1},
+        ]
+    )
     rubric = parse_rubric(raw)
     assert [(i.id, i.weight, i.polarity) for i in rubric.items] == [("a", 4, 1), ("d", 1, 1)]
 
@@ -101,14 +110,19 @@ def test_schema_rejects_out_of_range_and_too_many_items():
 
 
 json_leaf = st.one_of(
-    st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True, allow_infinity=True),
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**6), 10**6),
+    st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=30),
 )
 json_like = st.recursive(
     json_leaf,
     lambda children: st.one_of(
         st.lists(children, max_size=6),
-        st.dictionaries(st.sampled_from(["items", "id", "text", "weight", "polarity", "rubric", "x"]), children, max_size=5),
+        st.dictionaries(
+            st.sampled_from(["items", "id", "text", "weight", "polarity", "rubric", "x"]), children, max_size=5
+        ),
     ),
     max_leaves=25,
 )
@@ -117,8 +131,16 @@ item_like = st.fixed_dictionaries(
     optional={
         "id": st.one_of(st.text(max_size=8), st.integers(), st.none()),
         "text": st.one_of(st.text(max_size=40), st.integers(), st.none()),
-        "weight": st.one_of(st.integers(-20, 20), st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=5), st.none()),
-        "polarity": st.one_of(st.sampled_from([1, -1, 0, "+1", "-1", "negative", "positive", "?"]), st.none(), st.floats()),
+        "weight": st.one_of(
+            st.integers(-20, 20),
+            st.floats(-20, 20),
+            st.floats(allow_nan=True, allow_infinity=True),
+            st.text(max_size=5),
+            st.none(),
+        ),
+        "polarity": st.one_of(
+            st.sampled_from([1, -1, 0, "+1", "-1", "negative", "positive", "?"]), st.none(), st.floats()
+        ),
     },
 )
 
@@ -164,7 +186,73 @@ def test_item_junk_never_gives_an_invalid_rubric(items, wrap, damage):
         rubric = parse_rubric(body)
     except RubricParseError:
         return
-    assert all(math.isfinite(i.weight) for i in rubric.items)
+    if damage == 0:  # the body decodes to `items` exactly: the weight rule, entry by entry
+        valid = [
+            (" ".join(e["text"].split()), w)
+            for e in items
+            if isinstance(e.get("text"), str)
+            and e["text"].strip()
+            and _valid_polarity(e.get("polarity"))
+            and (w := _rule_weight(e.get("weight", 1))) is not None
+        ]
+        assert len(rubric.items) <= len(valid)
+        for item in rubric.items:
+            # the entry that wrote the item, and the twins merged into it: the largest of their weights
+            first = next(w for text, w in valid if text == item.text)
+            assert first <= item.weight and item.weight in {w for _, w in valid}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.integers(-20, 20),
+            st.floats(-20, 20),
+            st.floats(allow_nan=True, allow_infinity=True),
+            st.floats(-20, 20).map(str),
+            st.booleans(),
+            st.none(),
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_every_item_weight_follows_the_weight_rule(weights):
+    """Distinct texts (nothing merges): the items are the entries with a usable weight, in order, each
+    weight rounded to the nearest integer and clamped into 1..5."""
+    entries = [{"text": f"distinct property number {n} zz{n}", "weight": w} for n, w in enumerate(weights)]
+    expected = [(e["text"], w) for e in entries if (w := _rule_weight(e["weight"])) is not None]
+    try:
+        rubric = parse_rubric(json.dumps({"items": entries}, allow_nan=True))
+    except RubricParseError:
+        assert not expected
+        return
+    assert [(i.text, i.weight) for i in rubric.items] == expected
+
+
+def _rule_weight(value) -> int | None:
+    """The module docstring's weight rule: a finite number (or numeric string) rounded to the nearest
+    integer and clamped into 1..5; anything else drops the item."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            return None
+    if not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return min(5, max(1, round(value)))
+
+
+def _valid_polarity(value) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int | float):
+        return math.isfinite(value) and value != 0
+    return isinstance(value, str) and value.strip().lower() in {"1", "+1", "-1", "positive", "negative"}
 
 
 def test_an_item_written_four_times_is_a_one_item_rubric():

@@ -14,7 +14,9 @@ from dynrubric.rubric.score import aggregate
 
 
 def rubric(*spec: tuple[int, int]) -> Rubric:
-    return Rubric(items=[RubricItem(id=f"i{n}", text=f"item {n}", weight=w, polarity=p) for n, (w, p) in enumerate(spec)])
+    return Rubric(
+        items=[RubricItem(id=f"i{n}", text=f"item {n}", weight=w, polarity=p) for n, (w, p) in enumerate(spec)]
+    )
 
 
 def test_weighted_mean_with_negative_polarity():
@@ -42,7 +44,9 @@ def test_scores_always_in_unit_interval(spec, k, data):
     scores = aggregate(verdicts, r)
     assert len(scores) == k and all(0.0 <= s <= 1.0 for s in scores)
     stats = gap_stats([[x if math.isfinite(x) else 0.5 for x in row] for row in verdicts], r, scores, 0.02)
-    assert all(math.isfinite(x) for x in (stats.mean_abs_gap, stats.spread, stats.std, stats.tie_rate, stats.nonsplit_share))
+    assert all(
+        math.isfinite(x) for x in (stats.mean_abs_gap, stats.spread, stats.std, stats.tie_rate, stats.nonsplit_share)
+    )
 
 
 def test_gap_stats_by_hand():

@@ -26,8 +26,14 @@ def score_env(tiny_model_dir: Path) -> dict[str, str]:
 
 
 def run(args: list[str], tiny_model_dir: Path, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dynrubric", *args], cwd=cwd, env=score_env(tiny_model_dir),
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "dynrubric", *args],
+        cwd=cwd,
+        env=score_env(tiny_model_dir),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_score_writes_rubrics_verdicts_scores_and_gaps(tiny_model_dir, tmp_path):

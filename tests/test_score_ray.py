@@ -49,14 +49,22 @@ def test_score_a_replay_store_on_ray_data(tiny_model_dir: Path, tmp_path: Path) 
         "DYNRUBRIC_RAY__JUDGES": "2",
         "DYNRUBRIC_RAY__ACTOR_CPUS": "0.5",
     }
-    r = subprocess.run([str(Path(sys.executable).parent / "dynrubric"), "score", str(tmp_path / "replay"), "--ray",
-                        "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [str(Path(sys.executable).parent / "dynrubric"), "score", str(tmp_path / "replay"), "--ray", "--out", str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
     rows = pq.read_table(out).to_pylist()
     assert len(rows) == n and len({row["prompt_key"] for row in rows}) == n  # one set per logged prompt
-    shipped = {line["messages"][-1]["content"]: line.get("answer", "")
-               for line in map(json.loads, SHIPPED.read_text().splitlines()[:n])}
+    shipped = {
+        line["messages"][-1]["content"]: line.get("answer", "")
+        for line in map(json.loads, SHIPPED.read_text().splitlines()[:n])
+    }
     for row in rows:  # both logged responses, in the order they were logged, each with a score in [0, 1]
         assert row["responses"] == [shipped[row["prompt"]], UNSURE], row
         assert len(row["scores"]) == 2 and all(0.0 <= s <= 1.0 for s in row["scores"])

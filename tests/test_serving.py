@@ -30,15 +30,23 @@ from tests.serving_harness import TOKEN, drive, read_topic, start_stack, stop_st
 
 ROLLOUT = RolloutConfig(steps=[0.3, 0.6], poll_interval_s=0.5, max_step_s=300)
 # the tiny random model fails every check on both arms: an A/A test with small samples and wide margins
-GATE = GateConfig(min_users_per_arm=3, min_requests_per_arm=5, min_rated_per_arm=5, positive_rate_margin=0.9,
-                  regenerate_rate_margin=0.9,
-                  mixture_tau=0.3, error_rate_margin=0.2, latency_p95_margin=3.0)
+GATE = GateConfig(
+    min_users_per_arm=3,
+    min_requests_per_arm=5,
+    min_rated_per_arm=5,
+    positive_rate_margin=0.9,
+    regenerate_rate_margin=0.9,
+    mixture_tau=0.3,
+    error_rate_margin=0.2,
+    latency_p95_margin=3.0,
+)
 
 
 @pytest.fixture(scope="module")
 def stack(kafka_broker, tiny_model_dir, tmp_path_factory):
-    s = start_stack(tmp_path_factory.mktemp("serving"), kafka_broker, tiny_model_dir, "transformers",
-                    health_interval_s=3.0)  # slower than the kill-then-request below
+    s = start_stack(
+        tmp_path_factory.mktemp("serving"), kafka_broker, tiny_model_dir, "transformers", health_interval_s=3.0
+    )  # slower than the kill-then-request below
     yield s
     stop_stack(s)
 
@@ -55,8 +63,9 @@ def serving(stack):
 
     def ready() -> bool:
         state = stack.router_state()
-        return all(r["healthy"] and r["policy_version"] == state["desired"][r["variant"]]["version"]
-                   for r in state["replicas"])
+        return all(
+            r["healthy"] and r["policy_version"] == state["desired"][r["variant"]]["version"] for r in state["replicas"]
+        )
 
     wait_for(ready, 180, "every engine healthy with its variant's weights")
     yield
@@ -68,8 +77,9 @@ def auth() -> dict[str, str]:
 
 
 def set_traffic(stack, weight: float, experiment: str) -> None:
-    r = httpx.post(f"{stack.router_url}/control/traffic", headers=auth(),
-                   json={"canary_weight": weight, "experiment": experiment})
+    r = httpx.post(
+        f"{stack.router_url}/control/traffic", headers=auth(), json={"canary_weight": weight, "experiment": experiment}
+    )
     assert r.status_code == 200, r.text
 
 
@@ -83,7 +93,7 @@ def test_routes_sticky_logs_and_echoes(stack):
     version = {r["variant"]: r["policy_version"] for r in stack.router_state()["replicas"]}
     seen: dict[str, set[str]] = {}
     ids = {}
-    for i in range(3):
+    for _ in range(3):
         for u in range(12):
             r = chat(stack, f"user-{u}")
             assert r.status_code == 200, r.text
@@ -93,8 +103,12 @@ def test_routes_sticky_logs_and_echoes(stack):
     assert {v for vs in seen.values() for v in vs} == {"stable", "canary"}  # both arms used
     # the caller's request id is echoed
     r = chat(stack, "user-0", stream=False)
-    r2 = httpx.post(f"{stack.router_url}/v1/completions", headers={"x-request-id": "my-id-1"},
-                    json={"prompt": "abc", "max_tokens": 3}, timeout=60)
+    r2 = httpx.post(
+        f"{stack.router_url}/v1/completions",
+        headers={"x-request-id": "my-id-1"},
+        json={"prompt": "abc", "max_tokens": 3},
+        timeout=60,
+    )
     assert r2.status_code == 200 and r2.headers["x-request-id"] == "my-id-1"
     assert r2.json()["choices"][0]["text"] is not None
     ids["my-id-1"] = r2.headers["x-dynrubric-variant"]
@@ -123,9 +137,18 @@ def test_control_characters_are_logged_as_visible_escapes(stack):
 
 
 def test_streaming_is_relayed_and_logged(stack):
-    with httpx.stream("POST", f"{stack.router_url}/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True, "temperature": 0,
-    }, headers={"x-request-id": "stream-1"}, timeout=60) as r:
+    with httpx.stream(
+        "POST",
+        f"{stack.router_url}/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 5,
+            "stream": True,
+            "temperature": 0,
+        },
+        headers={"x-request-id": "stream-1"},
+        timeout=60,
+    ) as r:
         assert r.status_code == 200 and r.headers["x-request-id"] == "stream-1"
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
@@ -138,8 +161,12 @@ def test_streaming_is_relayed_and_logged(stack):
 
 def test_a_request_without_max_tokens_logs_what_the_engine_used(stack):
     """The router sends its default max_tokens and logs it (it used to log 16 while the engine used its own 64)."""
-    r = httpx.post(f"{stack.router_url}/v1/chat/completions", headers={"x-request-id": "no-max-1"}, timeout=120,
-                   json={"messages": [{"role": "user", "content": "hi"}], "temperature": 0})
+    r = httpx.post(
+        f"{stack.router_url}/v1/chat/completions",
+        headers={"x-request-id": "no-max-1"},
+        timeout=120,
+        json={"messages": [{"role": "user", "content": "hi"}], "temperature": 0},
+    )
     assert r.status_code == 200
     stack.producer.flush()
     logged = {e["request_id"]: e for e in read_topic(stack.bootstrap, "dynrubric.query-log")}["no-max-1"]
@@ -148,11 +175,15 @@ def test_a_request_without_max_tokens_logs_what_the_engine_used(stack):
 
 
 def test_feedback_is_produced_and_malformed_feedback_refused(stack):
-    r = httpx.post(f"{stack.router_url}/v1/feedback", json={"request_id": "fb-1", "kind": "thumbs_up"},
-                   headers={"x-user-key": "u"})
+    r = httpx.post(
+        f"{stack.router_url}/v1/feedback", json={"request_id": "fb-1", "kind": "thumbs_up"}, headers={"x-user-key": "u"}
+    )
     assert r.status_code == 200
-    for bad in ({"request_id": "fb-2", "kind": "love"}, {"kind": "thumbs_up"}, {"request_id": "fb-3", "kind": "dwell",
-                                                                                 "value": -1}):
+    for bad in (
+        {"request_id": "fb-2", "kind": "love"},
+        {"kind": "thumbs_up"},
+        {"request_id": "fb-3", "kind": "dwell", "value": -1},
+    ):
         r = httpx.post(f"{stack.router_url}/v1/feedback", json=bad)
         assert r.status_code == 422
         assert r.json()["detail"][0]["loc"][-1] in ("kind", "request_id", "value")
@@ -170,26 +201,36 @@ def test_control_needs_token_and_metrics_follow_the_table(stack):
     r = httpx.post(f"{stack.router_url}/control/traffic", json={"canary_weight": 0.5, "experiment": "x"})
     assert r.status_code == 401
     assert stack.router_state()["canary_weight"] == 0.0
-    r = httpx.post(f"{stack.router_url}/control/variants/canary/weights", headers=auth(),
-                   json={"version": "vX", "path": "/does/not/exist"})
+    r = httpx.post(
+        f"{stack.router_url}/control/variants/canary/weights",
+        headers=auth(),
+        json={"version": "vX", "path": "/does/not/exist"},
+    )
     assert r.status_code == 400 and "not a directory" in r.json()["detail"]
     set_traffic(stack, 1.0, "exp-drained")
     r = httpx.post(f"{stack.router_url}/control/replicas/transformers-canary/drain", json={"drained": True})
     assert r.status_code == 401
-    r = httpx.post(f"{stack.router_url}/control/replicas/transformers-canary/drain", headers=auth(),
-                   json={"drained": True})
+    r = httpx.post(
+        f"{stack.router_url}/control/replicas/transformers-canary/drain", headers=auth(), json={"drained": True}
+    )
     assert r.status_code == 200
     assert next(x for x in r.json()["replicas"] if x["name"] == "transformers-canary")["drained"]
     assert chat(stack, "drained-user").headers["x-dynrubric-variant"] == "stable"
-    httpx.post(f"{stack.router_url}/control/replicas/transformers-canary/drain", headers=auth(),
-               json={"drained": False}).raise_for_status()
+    httpx.post(
+        f"{stack.router_url}/control/replicas/transformers-canary/drain", headers=auth(), json={"drained": False}
+    ).raise_for_status()
     assert chat(stack, "drained-user").headers["x-dynrubric-variant"] == "canary"
     set_traffic(stack, 0.0, "exp-drained")
     assert httpx.post(f"{stack.router_url}/control/replicas/nope/drain", headers=auth(), json={}).status_code == 404
     metrics = httpx.get(f"{stack.router_url}/metrics").text
-    for name in ("dynrubric_router_requests_total", "dynrubric_router_request_latency_seconds",
-                 "dynrubric_router_tokens_total", "dynrubric_router_variant_weight",
-                 "dynrubric_router_errors_total", "dynrubric_producer_dropped_total"):
+    for name in (
+        "dynrubric_router_requests_total",
+        "dynrubric_router_request_latency_seconds",
+        "dynrubric_router_tokens_total",
+        "dynrubric_router_variant_weight",
+        "dynrubric_router_errors_total",
+        "dynrubric_producer_dropped_total",
+    ):
         assert name in metrics
 
 
@@ -204,8 +245,12 @@ def test_a_dead_replica_is_retried_then_reloaded_when_back(stack):
     assert r.headers["x-dynrubric-variant"] == "stable"
     assert stack.router_state()["counters"]["exp-dead"]["canary"]["errors"] >= 1
     # the fleet restarts it; the router reloads its variant's weights and routes to it again
-    wait_for(lambda: chat(stack, "someone").headers["x-dynrubric-variant"] == "canary", 120,
-             "the restarted canary engine to serve again", every_s=0.5)
+    wait_for(
+        lambda: chat(stack, "someone").headers["x-dynrubric-variant"] == "canary",
+        120,
+        "the restarted canary engine to serve again",
+        every_s=0.5,
+    )
     set_traffic(stack, 0.0, "exp-dead")
 
 
@@ -217,8 +262,12 @@ def test_a_canary_with_broken_weights_fails_over_to_stable_and_counts_as_a_canar
 
     desired = stack.router_state()["desired"]["canary"]
     broken = damage_nonfinite(Path(desired["path"]), tmp_path / "v-nan")
-    r = httpx.post(f"{stack.router_url}/control/variants/canary/weights", headers=auth(), timeout=300,
-                   json={"version": "v-nan", "path": str(broken)})
+    r = httpx.post(
+        f"{stack.router_url}/control/variants/canary/weights",
+        headers=auth(),
+        timeout=300,
+        json={"version": "v-nan", "path": str(broken)},
+    )
     assert r.status_code == 200, r.text
     try:
         set_traffic(stack, 1.0, "exp-nan")
@@ -226,19 +275,33 @@ def test_a_canary_with_broken_weights_fails_over_to_stable_and_counts_as_a_canar
         assert r.status_code == 200 and r.headers["x-dynrubric-variant"] == "stable", r.text
         assert stack.router_state()["counters"]["exp-nan"]["canary"] == {"requests": 1, "errors": 1}
         stack.producer.flush()
-        event = {e["request_id"]: e for e in read_topic(stack.bootstrap, "dynrubric.query-log")}[r.headers["x-request-id"]]
+        event = {e["request_id"]: e for e in read_topic(stack.bootstrap, "dynrubric.query-log")}[
+            r.headers["x-request-id"]
+        ]
         assert (event["variant"], event["assigned_variant"], event["experiment_id"]) == ("stable", "canary", "exp-nan")
         assert event["policy_version"] == r.headers["x-dynrubric-policy-version"] != "v-nan"
     finally:
         set_traffic(stack, 0.0, "exp-nan")
-        r = httpx.post(f"{stack.router_url}/control/variants/canary/weights", headers=auth(), timeout=300,
-                       json={"version": desired["version"], "path": desired["path"]})
+        r = httpx.post(
+            f"{stack.router_url}/control/variants/canary/weights",
+            headers=auth(),
+            timeout=300,
+            json={"version": desired["version"], "path": desired["path"]},
+        )
         assert r.status_code == 200, r.text
 
 
 def users(stack, seed: int) -> SimulatedUsers:
-    return SimulatedUsers(stack.router_url, load_checkable(), n_users=30, noise=0.1, rated_share=1.0,
-                          regenerate_p=0.3, max_tokens=8, seed=seed)
+    return SimulatedUsers(
+        stack.router_url,
+        load_checkable(),
+        n_users=30,
+        noise=0.1,
+        rated_share=1.0,
+        regenerate_p=0.3,
+        max_tokens=8,
+        seed=seed,
+    )
 
 
 def assert_untouched(stack, before: dict) -> None:
@@ -246,8 +309,11 @@ def assert_untouched(stack, before: dict) -> None:
     assert after["canary_weight"] == before["canary_weight"] == 0.0
     assert after["desired"] == before["desired"]
     assert [r["policy_version"] for r in after["replicas"]] == [r["policy_version"] for r in before["replicas"]]
-    r = httpx.post(f"{stack.router_url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                                     "max_tokens": 2}, timeout=60)
+    r = httpx.post(
+        f"{stack.router_url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        timeout=60,
+    )
     assert r.status_code == 200 and r.headers["x-dynrubric-variant"] == "stable"
 
 
@@ -266,12 +332,16 @@ def test_a_canary_failing_every_request_is_rolled_back_at_step_0_under_the_demo_
     settings = Settings()
     apply_demo_gate(settings)
     baseline = stack.registry.stable()
-    stack.registry.register(damage_nonfinite(baseline.path, tmp_path / "nan"), baseline.version, 3, {},
-                            version="v-nan-demo")
+    stack.registry.register(
+        damage_nonfinite(baseline.path, tmp_path / "nan"), baseline.version, 3, {}, version="v-nan-demo"
+    )
     logged: list[str] = []
     with TransformersEngine(tiny_model_dir) as engine:  # the demo gate promotes on the judge: it must have one
-        controller = stack.controller(settings.rollout.model_copy(update={"poll_interval_s": 0.5}), settings.gate,
-                                      judge=PairJudge(Evaluator(engine, engine, settings.rubric), settings.rubric.eps))
+        controller = stack.controller(
+            settings.rollout.model_copy(update={"poll_interval_s": 0.5}),
+            settings.gate,
+            judge=PairJudge(Evaluator(engine, engine, settings.rubric), settings.rubric.eps),
+        )
         controller.log = logged.append
         rollout = controller.start("v-nan-demo")
         done = drive(stack, controller, rollout.id, users(stack, seed=5), batch=4)
@@ -283,8 +353,9 @@ def test_a_canary_failing_every_request_is_rolled_back_at_step_0_under_the_demo_
     assert stack.registry.get("v-nan-demo").state is CheckpointState.rejected
     lines = final.plan["lines"]
     assert lines[0].startswith("gate power at ") and any("judged win rate" in x for x in lines), lines
-    assert [f"{rollout.id}: {x}" for x in lines] == [x for x in logged if x.startswith(f"{rollout.id}: ") and
-                                                      (x[len(rollout.id) + 2:] in lines)]
+    assert [f"{rollout.id}: {x}" for x in lines] == [
+        x for x in logged if x.startswith(f"{rollout.id}: ") and (x[len(rollout.id) + 2 :] in lines)
+    ]
 
 
 def test_unknown_version_changes_nothing(stack):
@@ -344,7 +415,12 @@ def test_controller_restart_resumes_the_rollout(stack, tiny_model_dir):
     app = TestClient(build_controller_app(second, CollectorRegistry()))
     gate = app.get(f"/gate/{rollout.id}").json()
     assert gate["verdict"] == "pass" and gate["status"] == "promoted"
-    assert {c["name"] for c in gate["checks"]} >= {"sample_ratio", "min_samples", "primary", "error_rate_non_inferiority"}
+    assert {c["name"] for c in gate["checks"]} >= {
+        "sample_ratio",
+        "min_samples",
+        "primary",
+        "error_rate_non_inferiority",
+    }
     assert app.get("/gate/ro-nope").status_code == 404
 
 
@@ -359,8 +435,11 @@ def test_engine_down_mid_rollout_rolls_back_and_stable_keeps_serving(stack, tiny
 
     def kill_mid_rollout() -> None:
         # the canary has answered a few of its users, fewer than one step's minimum (5): the gate cannot have passed
-        wait_for(lambda: stack.router_state()["counters"].get(rollout.id, {}).get("canary", {}).get("requests", 0) >= 3,
-                 120, "the canary to answer its first users")
+        wait_for(
+            lambda: stack.router_state()["counters"].get(rollout.id, {}).get("canary", {}).get("requests", 0) >= 3,
+            120,
+            "the canary to answer its first users",
+        )
         killed_at["status"] = controller.store.get(rollout.id).status
         stack.fleet.process("transformers-canary").kill()
 
@@ -376,10 +455,10 @@ def test_engine_down_mid_rollout_rolls_back_and_stable_keeps_serving(stack, tiny
     # the sample-ratio check (users by assigned arm) sees the split drift. All three roll back.
     # A fourth outcome of the same race: the step timer fires first and the router refuses to move traffic
     # to a canary with no healthy replica.
-    assert ("canary" in final.reason and ("down" in final.reason or "error_rate" in final.reason
-                                          or "no healthy canary" in final.reason)) or (
-        "sample_ratio" in final.reason
-    ), final.reason
+    assert (
+        "canary" in final.reason
+        and ("down" in final.reason or "error_rate" in final.reason or "no healthy canary" in final.reason)
+    ) or ("sample_ratio" in final.reason), final.reason
     assert done["outcomes"] and done["failed_requests"] == 0  # every request answered, by stable if need be
     assert stack.registry.get("v-down").state is CheckpointState.rejected
     assert stack.registry.stable().version == baseline

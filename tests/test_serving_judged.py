@@ -33,9 +33,18 @@ from tests.serving_harness import damage, drive, signal_prompts, start_stack, st
 
 # feedback is noise (thumbs at random, no regenerates) and the margins cannot be shown, so the primary
 # check stays inconclusive and no guardrail has the data to decide: only the judged check can end the step
-GATE = GateConfig(min_users_per_arm=3, min_requests_per_arm=5, min_rated_per_arm=5, positive_rate_margin=0.01,
-                  regenerate_rate_margin=0.01, mixture_tau=0.3, error_rate_margin=0.2, latency_p95_margin=3.0,
-                  judge_alpha=0.05, judge_tau=0.25)
+GATE = GateConfig(
+    min_users_per_arm=3,
+    min_requests_per_arm=5,
+    min_rated_per_arm=5,
+    positive_rate_margin=0.01,
+    regenerate_rate_margin=0.01,
+    mixture_tau=0.3,
+    error_rate_margin=0.2,
+    latency_p95_margin=3.0,
+    judge_alpha=0.05,
+    judge_tau=0.25,
+)
 ANSWERED = ("add-7-5", "add-2-2")  # SmolLM2-135M answers them right at temperature 0
 
 
@@ -46,21 +55,40 @@ def test_damaged_canary_is_failed_by_the_judged_check(kafka_broker, smollm_dir, 
         stack.registry.register(damage(smollm_dir, tmp_path / "damaged"), "v0", 1, {}, version="v-bad")
         metrics = CollectorRegistry()
         prompts = [p for p in signal_prompts() if p.id in ANSWERED]
-        assert all(any(i.check and i.check.kind == "final_number" for i in prompt_items(p.messages[-1].content))
-                   for p in prompts)  # the evaluator derives each one's answer
+        assert all(
+            any(i.check and i.check.kind == "final_number" for i in prompt_items(p.messages[-1].content))
+            for p in prompts
+        )  # the evaluator derives each one's answer
         with TransformersEngine(smollm_dir) as judge_engine:
             # the default anchors and derived items; of the generic rubric, the two items a word salad fails most
             # plainly (each verifier item costs 5 forward passes a pair: 2 answers and 3 anchors)
-            rubric = RubricConfig(mode="generic", generic_rubric=[
-                item for item in RubricConfig().generic_rubric if item.text.startswith(("The response directly",
-                                                                                        "The response contains"))])
+            rubric = RubricConfig(
+                mode="generic",
+                generic_rubric=[
+                    item
+                    for item in RubricConfig().generic_rubric
+                    if item.text.startswith(("The response directly", "The response contains"))
+                ],
+            )
             assert len(rubric.generic_rubric) == 2
             judge = PairJudge(Evaluator(judge_engine, judge_engine, rubric), eps=rubric.eps)
-            controller = stack.controller(RolloutConfig(steps=[0.5], poll_interval_s=0.5, max_step_s=600, judge=True,
-                                                        judge_pairs_per_poll=8), GATE, judge=judge, metrics=metrics)
+            controller = stack.controller(
+                RolloutConfig(steps=[0.5], poll_interval_s=0.5, max_step_s=600, judge=True, judge_pairs_per_poll=8),
+                GATE,
+                judge=judge,
+                metrics=metrics,
+            )
             rollout = controller.start("v-bad")
-            users = SimulatedUsers(stack.router_url, prompts, n_users=16, noise=0.5, rated_share=1.0,
-                                   regenerate_p=0.0, max_tokens=16, seed=7)
+            users = SimulatedUsers(
+                stack.router_url,
+                prompts,
+                n_users=16,
+                noise=0.5,
+                rated_share=1.0,
+                regenerate_p=0.0,
+                max_tokens=16,
+                seed=7,
+            )
             done = drive(stack, controller, rollout.id, users, batch=4, timeout_s=600)
         final = done["rollout"]
         print(f"\n{final.id}: {final.status}: {final.reason}")

@@ -24,8 +24,16 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 # short steps and small sample minimums so each rollout ends in a few minutes on 2 CPUs
 ROLLOUT = RolloutConfig(steps=[0.3, 0.5], poll_interval_s=2.0, max_step_s=600)
-GATE = GateConfig(min_users_per_arm=5, min_requests_per_arm=10, min_rated_per_arm=10, positive_rate_margin=0.6,
-                  regenerate_rate_margin=0.6, mixture_tau=0.3, error_rate_margin=0.2, latency_p95_margin=1.0)
+GATE = GateConfig(
+    min_users_per_arm=5,
+    min_requests_per_arm=10,
+    min_rated_per_arm=10,
+    positive_rate_margin=0.6,
+    regenerate_rate_margin=0.6,
+    mixture_tau=0.3,
+    error_rate_margin=0.2,
+    latency_p95_margin=1.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +44,25 @@ def stack(kafka_broker, smollm_dir, vllm_server, tmp_path_factory):
     yield s
     stop_stack(s)
     # give the shared server back its start weights, whatever this module left on it
-    httpx.post(f"{vllm_server.base_url}/collective_rpc", timeout=300,
-               json={"method": "reload_weights", "kwargs": {"weights_path": str(smollm_dir)}}).raise_for_status()
+    httpx.post(
+        f"{vllm_server.base_url}/collective_rpc",
+        timeout=300,
+        json={"method": "reload_weights", "kwargs": {"weights_path": str(smollm_dir)}},
+    ).raise_for_status()
     httpx.post(f"{vllm_server.base_url}/reset_prefix_cache", timeout=60).raise_for_status()
 
 
 def users(stack, seed):
-    return SimulatedUsers(stack.router_url, signal_prompts(), n_users=40, noise=0.05, rated_share=1.0,
-                          regenerate_p=1.0, max_tokens=16, seed=seed)
+    return SimulatedUsers(
+        stack.router_url,
+        signal_prompts(),
+        n_users=40,
+        noise=0.05,
+        rated_share=1.0,
+        regenerate_p=1.0,
+        max_tokens=16,
+        seed=seed,
+    )
 
 
 def test_healthy_canary_is_promoted_then_damaged_one_rolled_back(stack, smollm_dir, tmp_path):
@@ -90,8 +109,10 @@ def test_healthy_canary_is_promoted_then_damaged_one_rolled_back(stack, smollm_d
         assert logged[o.request_id]["policy_version"] == o.policy_version
     feedback = read_topic(stack.bootstrap, "dynrubric.feedback")
     assert {f["request_id"] for f in feedback} >= {o.request_id for o in done2["outcomes"] if o.feedback}
-    print(f"\nhealthy rollout: {len(done['outcomes'])} requests; damaged rollout: {len(done2['outcomes'])} "
-          f"requests; reason: {final.reason}")
+    print(
+        f"\nhealthy rollout: {len(done['outcomes'])} requests; damaged rollout: {len(done2['outcomes'])} "
+        f"requests; reason: {final.reason}"
+    )
 
 
 def test_the_drill_candidate_is_rolled_back_at_step_0_under_the_demo_gate(stack, tiny_model_dir, tmp_path):
@@ -109,8 +130,9 @@ def test_the_drill_candidate_is_rolled_back_at_step_0_under_the_demo_gate(stack,
     settings = Settings()
     apply_demo_gate(settings)
     baseline = stack.registry.stable()
-    stack.registry.register(damage_nonfinite(baseline.path, tmp_path / "nan"), baseline.version, 3, {},
-                            version="v-drill")
+    stack.registry.register(
+        damage_nonfinite(baseline.path, tmp_path / "nan"), baseline.version, 3, {}, version="v-drill"
+    )
     stack.router.shadow_rate = settings.serving.shadow_rate
     try:
         with TransformersEngine(tiny_model_dir) as engine:  # the demo gate promotes on the judge: it must have one

@@ -49,8 +49,12 @@ class Traffic(threading.Thread):
             self.request_ids.append(rid)
             if rng.random() < 0.1:  # a re-send of an earlier event
                 j = rng.randrange(len(self.request_ids))
-                old = query_event(f"crash-{j}", messages=[{"role": "user", "content": f"what is {j} + {j}?"}],
-                                  response=str(2 * j), ts=e.ts)
+                old = query_event(
+                    f"crash-{j}",
+                    messages=[{"role": "user", "content": f"what is {j} + {j}?"}],
+                    response=str(2 * j),
+                    ts=e.ts,
+                )
                 self.producer.send(self.topics.query_log, key=old.request_id.encode(), value=old.to_bytes())
             if i % 5 == 0:
                 fb = FeedbackEvent(request_id=rid, ts=1795000000.0 + i, user_key="u1", kind="thumbs_up", value=1.0)
@@ -93,8 +97,9 @@ def test_kill_9_ten_times_loses_and_duplicates_nothing(kafka_broker, tmp_path):
     command = [sys.executable, "-m", "dynrubric", "ingest", "--store", str(store)]
 
     def spawn(*extra: str) -> subprocess.Popen:
-        return subprocess.Popen(command + list(extra), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+        return subprocess.Popen(
+            command + list(extra), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
 
     traffic = Traffic(kafka_broker, topics)
     traffic.start()
@@ -130,7 +135,9 @@ def test_kill_9_ten_times_loses_and_duplicates_nothing(kafka_broker, tmp_path):
 
     # drain what is left with big batches (small ones, above, give the kills more places to land)
     env["DYNRUBRIC_INGEST__BATCH_MAX_RECORDS"] = "2000"
-    final = subprocess.run(command + ["--until-idle", "3"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    final = subprocess.run(
+        command + ["--until-idle", "3"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert final.returncode == 0, final.stderr[-2000:]
     assert "ingest stopped" in final.stdout
 

@@ -40,11 +40,35 @@ QUERY = {
     "prompt_tokens": 10,
     "completion_tokens": 1,
 }
-FEEDBACK = {"schema_version": 1, "request_id": "r-1", "ts": 1795000001, "user_key": "u-9f2c", "kind": "dwell", "value": 3.5}
+FEEDBACK = {
+    "schema_version": 1,
+    "request_id": "r-1",
+    "ts": 1795000001,
+    "user_key": "u-9f2c",
+    "kind": "dwell",
+    "value": 3.5,
+}
 
 # Values that are wrong (or right) for some type; every field of every model gets every probe.
-PROBES = [None, "", "x", "v/../3", 0, -1, 1.5, True, [], [{}], {}, {"role": "user"}, "a" * 300, 2, "a\x00b",
-          "a\u200bb", "tool_calls"]
+PROBES = [
+    None,
+    "",
+    "x",
+    "v/../3",
+    0,
+    -1,
+    1.5,
+    True,
+    [],
+    [{}],
+    {},
+    {"role": "user"},
+    "a" * 300,
+    2,
+    "a\x00b",
+    "a\u200bb",
+    "tool_calls",
+]
 
 
 def _mutations(doc: dict, path: tuple = ()):
@@ -153,10 +177,18 @@ def _raw_replace(old: str, new: str) -> bytes:
     [
         (b"[" * 5000 + b"]" * 5000, "too_deep", "recursion limit"),
         (_with(response=json.loads("[" * 300 + "]" * 300)), "too_deep", "recursion limit"),
-        (_raw_replace('"schema_version": 1', '"schema_version": 2, "schema\\u005fversion": 1'), "duplicate_key", "schema_version"),
+        (
+            _raw_replace('"schema_version": 1', '"schema_version": 2, "schema\\u005fversion": 1'),
+            "duplicate_key",
+            "schema_version",
+        ),
         (_raw_replace('"top_p": 0.95', '"top_p": 0.95, "top_p": 0.5'), "duplicate_key", "top_p"),
         (_raw_replace('"role": "user"', '"role": "user", "role": "system"'), "duplicate_key", "role"),
-        (_raw_replace('"schema_version": 1', '"schema_version": 2, "schema_version": 1'), "duplicate_key", "schema_version"),
+        (
+            _raw_replace('"schema_version": 1', '"schema_version": 2, "schema_version": 1'),
+            "duplicate_key",
+            "schema_version",
+        ),
         (_raw_replace('"latency_ms": 12.5', '"latency_ms": NaN'), "non_finite", "finite"),
         (_raw_replace('"latency_ms": 12.5', '"latency_ms": Infinity'), "non_finite", "finite"),
         (_raw_replace('"latency_ms": 12.5', '"latency_ms": 1e400'), "non_finite", "finite"),
@@ -195,8 +227,12 @@ CLAIMS = [
     (QueryLogEvent, _with(finish_reason="stop\u200b"), "finish_reason", "finish_reason"),
     (QueryLogEvent, _with(finish_reason="STOP"), "finish_reason", "finish_reason"),
     (QueryLogEvent, _with(finish_reason=""), "finish_reason", "finish_reason"),
-    (FeedbackEvent, json.dumps({k: v for k, v in FEEDBACK.items() if k != "value"} | {"kind": "thumbs_up"}).encode(),
-     "missing_value", "value is missing"),
+    (
+        FeedbackEvent,
+        json.dumps({k: v for k, v in FEEDBACK.items() if k != "value"} | {"kind": "thumbs_up"}).encode(),
+        "missing_value",
+        "value is missing",
+    ),
 ]
 
 
@@ -210,8 +246,16 @@ def test_values_that_are_not_what_they_claim_are_rejected_each_with_its_reason(m
 ARMS = ("stable", "canary", "replay")
 
 
-@pytest.mark.parametrize("field,value", [("variant", "stable "), ("variant", "st\u0430ble"), ("variant", "control"),
-                                         ("assigned_variant", "canary\t"), ("assigned_variant", "")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("variant", "stable "),
+        ("variant", "st\u0430ble"),
+        ("variant", "control"),
+        ("assigned_variant", "canary\t"),
+        ("assigned_variant", ""),
+    ],
+)
 def test_a_variant_that_is_not_an_arm_of_the_deployment_is_rejected(field, value):
     """`variant` and `assigned_variant` against the configured arms (ingest.variants), exactly: a trailing space
     or a Cyrillic look-alike is another string, and "control" is no arm here."""
@@ -223,8 +267,10 @@ def test_a_variant_that_is_not_an_arm_of_the_deployment_is_rejected(field, value
     parse_event(QueryLogEvent, _with(variant="stable"), 10**6, arms=ARMS)  # no experiment: no assigned arm
 
 
-@pytest.mark.parametrize("finish_reason", ["stop", "length", "abort", "error", "repetition", "tool_calls",
-                                           "content_filter", "function_call", None])
+@pytest.mark.parametrize(
+    "finish_reason",
+    ["stop", "length", "abort", "error", "repetition", "tool_calls", "content_filter", "function_call", None],
+)
 def test_real_finish_reasons_are_accepted(finish_reason):
     assert parse_event(QueryLogEvent, _with(finish_reason=finish_reason), 10**6).finish_reason == finish_reason
 
@@ -239,7 +285,11 @@ def test_text_keeps_tabs_and_newlines():
     [(None, "schema"), (0, "schema"), (-2.0, "schema"), ("NaN", "non_finite")],
 )
 def test_dwell_needs_positive_finite_seconds(value, reason):
-    raw = json.dumps({**FEEDBACK, "value": value}).encode() if value != "NaN" else json.dumps(FEEDBACK).replace("3.5", "NaN").encode()
+    raw = (
+        json.dumps({**FEEDBACK, "value": value}).encode()
+        if value != "NaN"
+        else json.dumps(FEEDBACK).replace("3.5", "NaN").encode()
+    )
     with pytest.raises(MalformedEvent) as e:
         parse_event(FeedbackEvent, raw, 10_000)
     assert e.value.reason == reason
@@ -274,16 +324,32 @@ def test_parse_event_by_topic():
 
 
 def test_dead_letter_headers_round_trip():
-    dl = DeadLetter.of("schema", "messages: too short", raw=b"\x00raw", key=b"k", topic=QUERY_LOG_TOPIC,
-                       partition=2, offset=41, max_payload_bytes=1024)
+    dl = DeadLetter.of(
+        "schema",
+        "messages: too short",
+        raw=b"\x00raw",
+        key=b"k",
+        topic=QUERY_LOG_TOPIC,
+        partition=2,
+        offset=41,
+        max_payload_bytes=1024,
+    )
     back = DeadLetter.from_record(b"\x00raw", b"k", dl.headers())
     assert back == dl and not back.truncated and back.original_length == 4
 
 
 def test_dead_letter_cuts_an_oversize_payload_and_keeps_its_length_and_hash():
     raw = b"x" * 1_000_000
-    dl = DeadLetter.of("oversize", "1000000 bytes > limit 4096", raw=raw, key=b"k" * 5000, topic=QUERY_LOG_TOPIC,
-                       partition=0, offset=7, max_payload_bytes=4096)
+    dl = DeadLetter.of(
+        "oversize",
+        "1000000 bytes > limit 4096",
+        raw=raw,
+        key=b"k" * 5000,
+        topic=QUERY_LOG_TOPIC,
+        partition=0,
+        offset=7,
+        max_payload_bytes=4096,
+    )
     assert len(dl.raw) == 4096 and len(dl.key) == DeadLetter.MAX_KEY_BYTES and dl.truncated
     headers = dict(dl.headers())
     assert headers["dlq.original.length"] == b"1000000"

@@ -19,10 +19,21 @@ from tests.test_streaming_ingest import ingest_cfg, isolated, run_ingest
 def event(request_id: str) -> dict:
     """Written by hand from the JSON Schema, not by our pydantic models."""
     return {
-        "schema_version": 1, "request_id": request_id, "ts": 1795000000.5, "user_key": "u-x", "session_id": None,
-        "variant": "stable", "policy_version": "v7", "model": "m", "messages": [{"role": "user", "content": "hi " + request_id}],
-        "response": "hello", "finish_reason": "stop", "sampling": {"temperature": 0.0, "top_p": 1.0, "max_tokens": 8},
-        "latency_ms": 1.0, "prompt_tokens": 2, "completion_tokens": 1,
+        "schema_version": 1,
+        "request_id": request_id,
+        "ts": 1795000000.5,
+        "user_key": "u-x",
+        "session_id": None,
+        "variant": "stable",
+        "policy_version": "v7",
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi " + request_id}],
+        "response": "hello",
+        "finish_reason": "stop",
+        "sampling": {"temperature": 0.0, "top_p": 1.0, "max_tokens": 8},
+        "latency_ms": 1.0,
+        "prompt_tokens": 2,
+        "completion_tokens": 1,
     }
 
 
@@ -35,7 +46,9 @@ def test_confluent_kafka_produces_events_we_accept_and_reads_our_dead_letters(ka
     for i in range(5):
         producer.produce(topics.query_log, key=f"cf-{i}", value=json.dumps(event(f"cf-{i}")).encode())
     producer.produce(topics.query_log, key="cf-bad", value=b"not json from librdkafka")
-    producer.produce(topics.feedback, key="cf-fb", value=json.dumps({"schema_version": 1, "request_id": "cf-0"}).encode())
+    producer.produce(
+        topics.feedback, key="cf-fb", value=json.dumps({"schema_version": 1, "request_id": "cf-0"}).encode()
+    )
     producer.produce(topics.query_log, key="cf-v9", value=json.dumps({**event("cf-v9"), "schema_version": 9}).encode())
     assert producer.flush(10) == 0
     del producer
@@ -45,8 +58,14 @@ def test_confluent_kafka_produces_events_we_accept_and_reads_our_dead_letters(ka
     stored = ReplayStore(tmp_path / "store").table()["request_id"].to_pylist()
     assert sorted(stored) == ["cf-0", "cf-1", "cf-2", "cf-3", "cf-4"]
 
-    consumer = Consumer({"bootstrap.servers": kafka_broker, "group.id": "foreign-reader",
-                         "auto.offset.reset": "earliest", "session.timeout.ms": 6000})
+    consumer = Consumer(
+        {
+            "bootstrap.servers": kafka_broker,
+            "group.id": "foreign-reader",
+            "auto.offset.reset": "earliest",
+            "session.timeout.ms": 6000,
+        }
+    )
     consumer.subscribe([topics.dead_letter])
     letters = []
     for _ in range(60):

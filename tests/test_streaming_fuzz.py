@@ -47,32 +47,83 @@ def fuzz_cfg() -> IngestConfig:
 
 def valid_query(rng: random.Random, i: int) -> dict:
     return {
-        "schema_version": 1, "request_id": f"q-{i}", "ts": 1795000000.0 + rng.random() * 3600,
-        "user_key": f"u{rng.randrange(50)}", "session_id": rng.choice([None, f"s{i}"]), "variant": "stable",
-        "policy_version": rng.choice(["v1", "v2.0", "ckpt_7"]), "model": "smollm2-135m",
-        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"question {i}?" if i % 50 else "  "}],
-        "response": f"answer {i}", "finish_reason": "stop",
+        "schema_version": 1,
+        "request_id": f"q-{i}",
+        "ts": 1795000000.0 + rng.random() * 3600,
+        "user_key": f"u{rng.randrange(50)}",
+        "session_id": rng.choice([None, f"s{i}"]),
+        "variant": "stable",
+        "policy_version": rng.choice(["v1", "v2.0", "ckpt_7"]),
+        "model": "smollm2-135m",
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": f"question {i}?" if i % 50 else "  "},
+        ],
+        "response": f"answer {i}",
+        "finish_reason": "stop",
         "sampling": {"temperature": 0.7, "top_p": 0.95, "max_tokens": 64},
-        "latency_ms": rng.random() * 1000, "prompt_tokens": rng.randrange(1, 100), "completion_tokens": rng.randrange(100),
+        "latency_ms": rng.random() * 1000,
+        "prompt_tokens": rng.randrange(1, 100),
+        "completion_tokens": rng.randrange(100),
     }
 
 
 def valid_feedback(rng: random.Random, i: int) -> dict:
     kind = rng.choice(["thumbs_up", "thumbs_down", "regenerate", "copy", "dwell"])
     return {
-        "schema_version": 1, "request_id": f"q-{i}", "ts": 1795000000.0 + i, "user_key": "u1", "kind": kind,
+        "schema_version": 1,
+        "request_id": f"q-{i}",
+        "ts": 1795000000.0 + i,
+        "user_key": "u1",
+        "kind": kind,
         "value": rng.uniform(0.5, 100) if kind == "dwell" else rng.choice([None, 1.0]),
     }
 
 
 ODD_TEXT = [
-    "\u0000", "\u202e", "\ufeff", "\U0001f600", "\ud83d\ude00", "e\u0301", "\u2028", "\x85", "\x7f", "\u200b", "🙂" * 50,
+    "\u0000",
+    "\u202e",
+    "\ufeff",
+    "\U0001f600",
+    "\ud83d\ude00",
+    "e\u0301",
+    "\u2028",
+    "\x85",
+    "\x7f",
+    "\u200b",
+    "🙂" * 50,
 ]
-ODD_NUMBERS = ["NaN", "Infinity", "-Infinity", "1e400", "-1e400", "1e308", "9" * 40, "9" * 5000, "-0", "0.0", "1e20", "1.7e12",
-               "-5", "3.5", "17e-400", "2e9"]
-RFC3339 = ["2026-11-30T15:13:48.123456789Z", "2026-11-30T15:13:48+05:30", "2026-11-30T15:13:48.1-00:00",
-           "2026-11-30 15:13:48Z", "2026-02-30T00:00:00Z", "2026-11-30T15:13:48", "1999-12-31T23:59:59Z",
-           "2100-01-01T00:00:00Z", "2016-12-31T23:59:60Z", "2026-11-30T25:00:00Z", ""]
+ODD_NUMBERS = [
+    "NaN",
+    "Infinity",
+    "-Infinity",
+    "1e400",
+    "-1e400",
+    "1e308",
+    "9" * 40,
+    "9" * 5000,
+    "-0",
+    "0.0",
+    "1e20",
+    "1.7e12",
+    "-5",
+    "3.5",
+    "17e-400",
+    "2e9",
+]
+RFC3339 = [
+    "2026-11-30T15:13:48.123456789Z",
+    "2026-11-30T15:13:48+05:30",
+    "2026-11-30T15:13:48.1-00:00",
+    "2026-11-30 15:13:48Z",
+    "2026-02-30T00:00:00Z",
+    "2026-11-30T15:13:48",
+    "1999-12-31T23:59:59Z",
+    "2100-01-01T00:00:00Z",
+    "2016-12-31T23:59:60Z",
+    "2026-11-30T25:00:00Z",
+    "",
+]
 
 
 def _set_field(doc: dict, rng: random.Random, value) -> dict:
@@ -117,9 +168,15 @@ def mutate(doc: dict, rng: random.Random) -> bytes:
         key = rng.choice(list(doc))
         return raw.replace(b"{", b'{"%s": %s, ' % (key.encode(), json.dumps(doc[key]).encode()), 1)
     if op == 7:  # oversize
-        return json.dumps({**doc, "pad": "x"}).replace('"x"', '"' + "x" * (MAX_EVENT_BYTES + rng.randrange(5000)) + '"').encode()
+        return (
+            json.dumps({**doc, "pad": "x"})
+            .replace('"x"', '"' + "x" * (MAX_EVENT_BYTES + rng.randrange(5000)) + '"')
+            .encode()
+        )
     if op == 8:  # timestamps of every shape
-        return json.dumps({**doc, "ts": rng.choice(RFC3339 + [1.7e12, 1.7e15, 1.7e18, 0, -1, 1e20, True, "1795000000"])}).encode()
+        return json.dumps(
+            {**doc, "ts": rng.choice(RFC3339 + [1.7e12, 1.7e15, 1.7e18, 0, -1, 1e20, True, "1795000000"])}
+        ).encode()
     if op == 9:  # a field removed, or an unknown one added
         d = dict(doc)
         if rng.random() < 0.5:
@@ -128,7 +185,9 @@ def mutate(doc: dict, rng: random.Random) -> bytes:
             d["extra"] = 1
         return json.dumps(d).encode()
     if op == 10:  # a field replaced by a value of another type
-        return json.dumps(_set_field(doc, rng, rng.choice([None, "", 0, -1, 1.5, True, [], {}, "a" * 300, 2**63]))).encode()
+        return json.dumps(
+            _set_field(doc, rng, rng.choice([None, "", 0, -1, 1.5, True, [], {}, "a" * 300, 2**63]))
+        ).encode()
     if op == 11:  # valid, with a timestamp as a real producer writes it
         offset = timezone(timedelta(minutes=rng.choice([0, 330, -300, 45])))
         when = datetime.fromtimestamp(1795000000 + rng.randrange(3600), UTC).astimezone(offset)
@@ -222,8 +281,19 @@ def test_fuzz_mutated_events_never_crash_the_writer_and_store_nothing_invalid(tm
     assert run.tally["messages"] == produced and mutated >= 20_000
     assert run.tally["unaccounted"] == 0
     # every class of bad input reached its own reason, and valid ones were stored
-    assert {"bad_json", "too_deep", "duplicate_key", "non_finite", "number_range", "oversize", "schema",
-            "schema_version", "ts_units", "ts_window", "store_error"} <= set(run.reasons)
+    assert {
+        "bad_json",
+        "too_deep",
+        "duplicate_key",
+        "non_finite",
+        "number_range",
+        "oversize",
+        "schema",
+        "schema_version",
+        "ts_units",
+        "ts_window",
+        "store_error",
+    } <= set(run.reasons)
     assert run.tally["stored"] > 1000 and run.tally["duplicates"] > 0
     run.check_store()
 
@@ -244,7 +314,9 @@ def query_docs(draw) -> bytes:
     return json.dumps(doc, allow_nan=True).encode()
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(batch=st.lists(query_docs() | st.binary(max_size=200), min_size=1, max_size=40))
 def test_fuzz_hypothesis_documents_end_in_exactly_one_outcome(tmp_path_factory, batch):
     run = Run(tmp_path_factory.mktemp("hyp"))

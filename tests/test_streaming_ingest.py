@@ -7,7 +7,6 @@ import threading
 import uuid
 
 import pytest
-
 from kafka import KafkaProducer
 from prometheus_client import CollectorRegistry
 
@@ -26,7 +25,9 @@ def isolated(kafka_broker: str) -> KafkaConfig:
 
 
 def ingest_cfg(**over) -> IngestConfig:
-    base = dict(session_timeout_ms=6000, batch_max_records=25, batch_max_wait_ms=200, group_id=f"g-{uuid.uuid4().hex[:6]}")
+    base = dict(
+        session_timeout_ms=6000, batch_max_records=25, batch_max_wait_ms=200, group_id=f"g-{uuid.uuid4().hex[:6]}"
+    )
     return IngestConfig(**{**base, **over})
 
 
@@ -45,12 +46,16 @@ def test_valid_events_stored_exactly_once_and_malformed_dead_lettered(kafka_brok
     producer = KafkaProducer(bootstrap_servers=kafka_broker)
     n_valid = 60
     valid = [query_event(f"req-{i}", messages=[{"role": "user", "content": f"question {i}"}]) for i in range(n_valid)]
-    valid[0] = query_event("req-0", messages=[{"role": "user", "content": "mail me at ann@example.com or +1 555 123 4567"}])
+    valid[0] = query_event(
+        "req-0", messages=[{"role": "user", "content": "mail me at ann@example.com or +1 555 123 4567"}]
+    )
     for e in valid:
         producer.send(topics.query_log, key=e.request_id.encode(), value=e.to_bytes())
     for e in valid[:15]:  # the producer re-sends: same key, same bytes
         producer.send(topics.query_log, key=e.request_id.encode(), value=e.to_bytes())
-    feedback = [FeedbackEvent(request_id=f"req-{i}", ts=1795000000.0 + i, user_key="u1", kind="thumbs_up") for i in range(10)]
+    feedback = [
+        FeedbackEvent(request_id=f"req-{i}", ts=1795000000.0 + i, user_key="u1", kind="thumbs_up") for i in range(10)
+    ]
     for f in feedback + feedback[:3]:
         producer.send(topics.feedback, key=f.request_id.encode(), value=f.to_bytes())
 
@@ -64,7 +69,9 @@ def test_valid_events_stored_exactly_once_and_malformed_dead_lettered(kafka_brok
     for values in malformed.values():
         for v in values:
             producer.send(topics.query_log, key=b"bad", value=v)
-    producer.send(topics.feedback, key=b"bad", value=b'{"schema_version": 1, "kind": "thumbs_up"}')  # schema violation on feedback
+    producer.send(
+        topics.feedback, key=b"bad", value=b'{"schema_version": 1, "kind": "thumbs_up"}'
+    )  # schema violation on feedback
     malformed["schema"].append(b'{"schema_version": 1, "kind": "thumbs_up"}')
     filtered = [
         query_event("empty", messages=[{"role": "user", "content": "   "}]),
@@ -109,7 +116,12 @@ def test_valid_events_stored_exactly_once_and_malformed_dead_lettered(kafka_brok
     assert sample("dynrubric_ingest_filtered_total", {"reason": "empty_prompt"}) == 1
     assert sample("dynrubric_ingest_filtered_total", {"reason": "denied"}) == 1
     assert sample("dynrubric_ingest_batch_latency_seconds_count") == summary.batches > 1
-    lags = [s.value for metric in registry.collect() if metric.name == "dynrubric_ingest_lag_messages" for s in metric.samples]
+    lags = [
+        s.value
+        for metric in registry.collect()
+        if metric.name == "dynrubric_ingest_lag_messages"
+        for s in metric.samples
+    ]
     assert lags and all(v == 0 for v in lags), "everything consumed was committed"
 
     # the same group again: its offsets were committed, so nothing is read twice
@@ -117,7 +129,8 @@ def test_valid_events_stored_exactly_once_and_malformed_dead_lettered(kafka_brok
     assert resumed.consumed == 0
 
     # a new consumer group re-reads the topics from the start: the persistent index drops every record
-    again, _ = run_ingest(kafka, ingest_cfg(max_event_bytes=4096, deny_patterns=["forbid+en"], client=client),
-                          tmp_path / "store")
+    again, _ = run_ingest(
+        kafka, ingest_cfg(max_event_bytes=4096, deny_patterns=["forbid+en"], client=client), tmp_path / "store"
+    )
     assert again.written == 0 and again.duplicates == n_valid + 15 + len(feedback) + 3
     assert sorted(ReplayStore(tmp_path / "store").table()["request_id"].to_pylist()) == sorted(ids)

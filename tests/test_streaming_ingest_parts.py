@@ -54,7 +54,10 @@ def test_scrubber_is_pluggable_and_bad_paths_are_named():
 def test_filters():
     f = PromptFilter(IngestConfig(max_prompt_chars=20, deny_patterns=[r"(?i)ignore previous"]))
     assert f.reason(query_event("a", messages=[{"role": "user", "content": "short"}])) is None
-    assert f.reason(query_event("b", messages=[{"role": "system", "content": "s"}, {"role": "user", "content": " "}])) == "empty_prompt"
+    assert (
+        f.reason(query_event("b", messages=[{"role": "system", "content": "s"}, {"role": "user", "content": " "}]))
+        == "empty_prompt"
+    )
     assert f.reason(query_event("c", messages=[{"role": "user", "content": "x" * 21}])) == "too_long"
     assert f.reason(query_event("d", messages=[{"role": "user", "content": "IGNORE previous"}])) == "denied"
     assert f.reason(query_event("e", messages=[{"role": "user", "content": "short"}], shadow=True)) == "shadow"
@@ -81,8 +84,17 @@ def test_slow_writer_pauses_the_consumer_and_loses_nothing(kafka_broker, tmp_pat
     producer.close()
 
     registry = CollectorRegistry()
-    ingestor = Ingestor(kafka, ingest_cfg(batch_max_records=10, max_pending_batches=1, client=client,
-                                          pii_scrubber="tests.test_streaming_ingest_parts:slow_scrub"), tmp_path / "s", registry)
+    ingestor = Ingestor(
+        kafka,
+        ingest_cfg(
+            batch_max_records=10,
+            max_pending_batches=1,
+            client=client,
+            pii_scrubber="tests.test_streaming_ingest_parts:slow_scrub",
+        ),
+        tmp_path / "s",
+        registry,
+    )
     metrics = MetricsServer(registry, "127.0.0.1", 0, ready=ingestor.assigned.is_set)
     try:
         base = f"http://{metrics.host}:{metrics.port}"
@@ -111,4 +123,6 @@ def test_slow_writer_pauses_the_consumer_and_loses_nothing(kafka_broker, tmp_pat
     assert registry.get_sample_value("dynrubric_ingest_backpressure_pauses_total") >= 1
     assert "dynrubric_ingest_backpressure_pauses_total" in text
     assert f'dynrubric_ingest_written_total{{topic="{Topics.of(kafka).query_log}"}} 150.0' in text
-    assert sorted(ReplayStore(tmp_path / "s").table()["request_id"].to_pylist()) == sorted(f"bp-{i}" for i in range(150))
+    assert sorted(ReplayStore(tmp_path / "s").table()["request_id"].to_pylist()) == sorted(
+        f"bp-{i}" for i in range(150)
+    )

@@ -33,7 +33,15 @@ def _query(rid: str, **over) -> dict:
 
 
 def _feedback(rid: str, **over) -> dict:
-    return {"schema_version": 1, "request_id": rid, "ts": 1795000000.5, "user_key": "u1", "kind": "dwell", "value": 2.5, **over}
+    return {
+        "schema_version": 1,
+        "request_id": rid,
+        "ts": 1795000000.5,
+        "user_key": "u1",
+        "kind": "dwell",
+        "value": 2.5,
+        **over,
+    }
 
 
 def _text(doc: dict, old: str, new: str) -> bytes:
@@ -62,8 +70,11 @@ def poison() -> list[tuple[str, str, bytes | None]]:
         ("q", "ts_format", json.dumps(_query("ts-newline", ts="2026-11-30T15:13:48Z\n")).encode()),
         ("q", "ts_format", json.dumps(_query("ts-wide", ts="\uff12\uff10\uff12\uff16-11-30T15:13:48Z")).encode()),
         ("q", "control_character", json.dumps(_query("nul-response", response="four\u0000")).encode()),
-        ("f", "missing_value", json.dumps({k: v for k, v in _feedback("no-value", kind="thumbs_up").items()
-                                           if k != "value"}).encode()),
+        (
+            "f",
+            "missing_value",
+            json.dumps({k: v for k, v in _feedback("no-value", kind="thumbs_up").items() if k != "value"}).encode(),
+        ),
         ("q", "unknown_variant", json.dumps(_query("arm-space", variant="stable ")).encode()),
         ("q", "unknown_variant", json.dumps(_query("arm-cyrillic", variant="st\u0430ble")).encode()),
         ("q", "unknown_variant", json.dumps(_query("arm-control", variant="control")).encode()),
@@ -72,7 +83,11 @@ def poison() -> list[tuple[str, str, bytes | None]]:
         ("q", "schema", json.dumps(_query("neg", latency_ms=-5.0)).encode()),
         ("q", "schema", json.dumps(_query("neg-tok", completion_tokens=-1)).encode()),
         ("f", "schema", json.dumps(_feedback("dwell-0", value=0)).encode()),
-        ("q", "number_range", _text(_query("int", prompt_tokens=7), '"prompt_tokens": 7', '"prompt_tokens": ' + "9" * 5000)),
+        (
+            "q",
+            "number_range",
+            _text(_query("int", prompt_tokens=7), '"prompt_tokens": 7', '"prompt_tokens": ' + "9" * 5000),
+        ),
         ("q", "bad_json", _text(_query("surrogate", response="R"), '"R"', '"\\ud800"')),
         ("q", "bad_json", b"\xff\xfe{not json"),
         ("q", "bad_json", None),
@@ -83,12 +98,21 @@ def poison() -> list[tuple[str, str, bytes | None]]:
 def valid() -> list[tuple[str, str, bytes]]:
     """(topic, request_id, value): plain events and the timestamps real producers write."""
     out = [("q", f"ok-{i}", query_event(f"ok-{i}").to_bytes()) for i in range(20)]
-    for i, ts in enumerate(["2026-11-30T15:13:48.123456Z", "2026-11-30T20:43:48+05:30",
-                            "2026-11-30T15:13:48.123456789Z", "2026-11-30T10:13:48.5-05:00", 1796051628]):
+    for i, ts in enumerate(
+        [
+            "2026-11-30T15:13:48.123456Z",
+            "2026-11-30T20:43:48+05:30",
+            "2026-11-30T15:13:48.123456789Z",
+            "2026-11-30T10:13:48.5-05:00",
+            1796051628,
+        ]
+    ):
         out.append(("q", f"ts-{i}", json.dumps(_query(f"ts-{i}", ts=ts)).encode()))
     out += [("f", f"ok-{i}", json.dumps(_feedback(f"ok-{i}", ts="2026-11-30T15:13:48Z")).encode()) for i in range(3)]
-    out += [("q", f"finish-{r}", json.dumps(_query(f"finish-{r}", finish_reason=r)).encode())
-            for r in ("tool_calls", "content_filter", "length")]  # real finish reasons stay accepted
+    out += [
+        ("q", f"finish-{r}", json.dumps(_query(f"finish-{r}", finish_reason=r)).encode())
+        for r in ("tool_calls", "content_filter", "length")
+    ]  # real finish reasons stay accepted
     out.append(("f", "null-value", json.dumps(_feedback("null-value", kind="thumbs_up", value=None)).encode()))
     return out
 
@@ -108,8 +132,12 @@ def test_poison_of_every_class_is_dead_lettered_once_and_ingest_keeps_running(ka
                 producer.send(topic_of[topic], key=key.encode(), value=value)
     producer.flush()
 
-    cfg = ingest_cfg(max_event_bytes=MAX_EVENT_BYTES, dlq_max_payload_bytes=DLQ_PAYLOAD,
-                     dlq_quarantine_dir=tmp_path / "quarantine", pii_scrubber="tests.test_streaming_fuzz:poison_scrubber")
+    cfg = ingest_cfg(
+        max_event_bytes=MAX_EVENT_BYTES,
+        dlq_max_payload_bytes=DLQ_PAYLOAD,
+        dlq_quarantine_dir=tmp_path / "quarantine",
+        pii_scrubber="tests.test_streaming_fuzz:poison_scrubber",
+    )
     registry = CollectorRegistry()
     ingestor = Ingestor(kafka, cfg, tmp_path / "store", registry)
     stop = threading.Event()
@@ -143,8 +171,13 @@ def test_poison_of_every_class_is_dead_lettered_once_and_ingest_keeps_running(ka
     assert stored == sorted([k for t, k, _ in good if t == "q"] + ["after"]), "exactly the N valid events"
     assert sorted(store.table(FEEDBACK)["request_id"].to_pylist()) == sorted(k for t, k, _ in good if t == "f")
     ts = dict(zip(store.table()["request_id"].to_pylist(), store.table()["ts"].to_pylist(), strict=True))
-    expected = {"ts-0": 1796051628.123456, "ts-1": 1796051628.0, "ts-2": 1796051628.123456789, "ts-3": 1796051628.5,
-                "ts-4": 1796051628.0}
+    expected = {
+        "ts-0": 1796051628.123456,
+        "ts-1": 1796051628.0,
+        "ts-2": 1796051628.123456789,
+        "ts-3": 1796051628.5,
+        "ts-4": 1796051628.0,
+    }
     assert all(abs(ts[k] - v) < 1e-6 for k, v in expected.items()), ts
 
     letters = [DeadLetter.from_record(r.value, r.key, r.headers) for r in read_topic(kafka_broker, topics.dead_letter)]
@@ -164,7 +197,9 @@ def test_poison_of_every_class_is_dead_lettered_once_and_ingest_keeps_running(ka
             assert dl.original_length == len(original) and dl.original_sha256 == hashlib.sha256(original).hexdigest()
             assert dl.raw == original[:DLQ_PAYLOAD]
         if dl.truncated:
-            kept = (tmp_path / "quarantine" / dl.source_topic / f"{dl.source_partition}-{dl.source_offset}.bin").read_bytes()
+            kept = (
+                tmp_path / "quarantine" / dl.source_topic / f"{dl.source_partition}-{dl.source_offset}.bin"
+            ).read_bytes()
             assert kept == original, "the full bytes of a cut letter are in the quarantine"
     assert any(dl.truncated and dl.original_length > 1_000_000 for dl in letters), "the 1 MB one, cut"
     # fetched whole: the consumer never dropped its connection on a frame larger than kafka-python's default limit
@@ -179,9 +214,17 @@ def test_poison_of_every_class_is_dead_lettered_once_and_ingest_keeps_running(ka
 
     # a new group re-reads everything (as after a crash before the offset commit): no letter is sent twice
     again_registry = CollectorRegistry()
-    again = Ingestor(kafka, ingest_cfg(**{k: getattr(cfg, k) for k in ("max_event_bytes", "dlq_max_payload_bytes",
-                                                                       "dlq_quarantine_dir", "pii_scrubber")}),
-                     tmp_path / "store", again_registry).run(threading.Event(), until_idle_s=2.5)
+    again = Ingestor(
+        kafka,
+        ingest_cfg(
+            **{
+                k: getattr(cfg, k)
+                for k in ("max_event_bytes", "dlq_max_payload_bytes", "dlq_quarantine_dir", "pii_scrubber")
+            }
+        ),
+        tmp_path / "store",
+        again_registry,
+    ).run(threading.Event(), until_idle_s=2.5)
     assert again.written == 0 and again.duplicates == total - len(bad) and again.dead_lettered == len(bad)
     assert again_registry.get_sample_value("dynrubric_ingest_dead_letters_already_sent_total") == len(bad)
     assert len(read_topic(kafka_broker, topics.dead_letter)) == len(bad)

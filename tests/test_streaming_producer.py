@@ -16,17 +16,29 @@ from streaming.producer import EventProducer
 
 def query_event(request_id: str, **over) -> QueryLogEvent:
     fields = dict(
-        request_id=request_id, ts=time.time(), user_key="u1", variant="stable", policy_version="v1",
-        model="m", messages=[{"role": "user", "content": "hi"}], response="hello",
-        sampling={"temperature": 0.7, "top_p": 1.0, "max_tokens": 16}, latency_ms=3.0,
-        prompt_tokens=1, completion_tokens=1,
+        request_id=request_id,
+        ts=time.time(),
+        user_key="u1",
+        variant="stable",
+        policy_version="v1",
+        model="m",
+        messages=[{"role": "user", "content": "hi"}],
+        response="hello",
+        sampling={"temperature": 0.7, "top_p": 1.0, "max_tokens": 16},
+        latency_ms=3.0,
+        prompt_tokens=1,
+        completion_tokens=1,
     )
     return QueryLogEvent(**{**fields, **over})
 
 
 def read_all(bootstrap: str, topic: str) -> list:
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False,
-                             **fetch_sizes(KafkaConfig().max_message_bytes))  # the poison test's 1 MB event
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        **fetch_sizes(KafkaConfig().max_message_bytes),
+    )  # the poison test's 1 MB event
     tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
     consumer.assign(tps)
     consumer.seek_to_beginning()
@@ -82,8 +94,9 @@ def test_oversized_event_is_a_counted_delivery_error(kafka_broker):
 def test_full_buffer_drops_and_counts_instead_of_blocking(tmp_path):
     registry = CollectorRegistry()
     broker = EmbeddedBroker(port=0).start()
-    cfg = KafkaConfig(bootstrap_servers=broker.bootstrap_servers, producer_buffer_events=2,
-                      producer_delivery_timeout_ms=2000)
+    cfg = KafkaConfig(
+        bootstrap_servers=broker.bootstrap_servers, producer_buffer_events=2, producer_delivery_timeout_ms=2000
+    )
     producer = EventProducer(cfg, registry)
     broker.stop()  # the broker goes away: the sender thread blocks, the local buffer fills
     started = time.monotonic()
@@ -91,6 +104,8 @@ def test_full_buffer_drops_and_counts_instead_of_blocking(tmp_path):
     assert time.monotonic() - started < 1.0, "send must not block"
     assert accepted.count(False) >= 95
     assert producer.dropped == accepted.count(False)
-    assert registry.get_sample_value("dynrubric_producer_dropped_total", {"topic": "never-seen-topic"}) == producer.dropped
+    assert (
+        registry.get_sample_value("dynrubric_producer_dropped_total", {"topic": "never-seen-topic"}) == producer.dropped
+    )
     producer.close(timeout_s=5)
     assert producer.delivery_errors >= 1, "events that never reached the dead broker are counted as failed"

@@ -41,8 +41,7 @@ def test_a_prompt_line_cannot_claim_a_ground_truth_its_text_does_not_state():
     with pytest.raises(ValueError, match="computes to"):
         item("What is 2 + 3?", kind="arithmetic", answer=6)
     with pytest.raises(ValueError, match="instructions"):
-        item("Describe a cat.", kind="instruction",
-             instructions=[{"id": "punctuation:no_comma", "kwargs": {}}])
+        item("Describe a cat.", kind="instruction", instructions=[{"id": "punctuation:no_comma", "kwargs": {}}])
     with pytest.raises(ValueError, match="checkable instruction"):
         item("Describe a cat.", kind="instruction")
     assert check(item("Describe a cat.", kind="open"), "anything") is None
@@ -74,8 +73,9 @@ def test_broker_cli_start_status_stop(tmp_path):
     env = {**os.environ, "DYNRUBRIC_PATHS__STATE_DIR": str(tmp_path), "DYNRUBRIC_BROKER__PORT": "0"}
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "dynrubric", *args], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "dynrubric", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+        )
 
     assert cli("broker", "status").returncode == 1
     started = cli("broker", "start")

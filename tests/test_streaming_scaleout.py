@@ -23,8 +23,10 @@ from tests.test_streaming_producer import query_event
 from tests.test_streaming_producer import read_all as read_topic
 
 REPO = Path(__file__).resolve().parents[1]
-SUMMARY = re.compile(r"ingest stopped: consumed (\d+), written (\d+), duplicates (\d+), dead-lettered (\d+), "
-                     r"filtered (\d+)")
+SUMMARY = re.compile(
+    r"ingest stopped: consumed (\d+), written (\d+), duplicates (\d+), dead-lettered (\d+), "
+    r"filtered (\d+)"
+)
 
 
 def wait_ready(proc: subprocess.Popen, lines: list[str], timeout: float = 60) -> str:
@@ -73,9 +75,14 @@ def test_two_ingest_processes_in_one_group_store_every_event_once(kafka_broker, 
     }
     procs, outputs = [], []
     for _ in range(2):
-        proc = subprocess.Popen([sys.executable, "-m", "dynrubric", "ingest", "--store", str(store),
-                                 "--until-idle", "8"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dynrubric", "ingest", "--store", str(store), "--until-idle", "8"],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         lines: list[str] = []
         threading.Thread(target=lambda p=proc, out=lines: out.extend(p.stdout), daemon=True).start()
         procs.append(proc)
@@ -110,7 +117,8 @@ def test_two_ingest_processes_in_one_group_store_every_event_once(kafka_broker, 
                 p.wait(30)
     assert results == [0, 0], [p.stderr.read()[-2000:] for p in procs]
     assert sorted(map(len, held)) == [2, 2] and held[0] | held[1] == {0, 1, 2, 3}, (
-        f"the group split the 4 partitions between the two processes: {held}")
+        f"the group split the 4 partitions between the two processes: {held}"
+    )
 
     summaries = [tuple(map(int, SUMMARY.search(" ".join(lines)).groups())) for lines in outputs]
     consumed, written, duplicates, dead, filtered = (sum(col) for col in zip(*summaries, strict=True))

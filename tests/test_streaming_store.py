@@ -11,8 +11,13 @@ from tests.test_streaming_producer import query_event
 
 
 def q(rid, version="v1", prompt="2+2?", ts=1795000000.0, response="4"):
-    return Stored(query_event(rid, policy_version=version, ts=ts, response=response,
-                              messages=[{"role": "user", "content": prompt}]), 0, 0)
+    return Stored(
+        query_event(
+            rid, policy_version=version, ts=ts, response=response, messages=[{"role": "user", "content": prompt}]
+        ),
+        0,
+        0,
+    )
 
 
 def fb(rid, kind="thumbs_up", ts=1795000001.0):
@@ -139,7 +144,13 @@ def test_new_prompts_pages_by_watermark(tmp_path):
 def test_responses_by_version_with_feedback_joined(tmp_path):
     w = StoreWriter(tmp_path)
     w.commit([q("a", "v1", prompt="same", response="old", ts=1795000000.0), q("x", "v1", prompt="other")])
-    w.commit([q("b", "v2", prompt="same", response="new", ts=1795000100.0), fb("b", "thumbs_up"), fb("b", "copy", ts=1795000200.0)])
+    w.commit(
+        [
+            q("b", "v2", prompt="same", response="new", ts=1795000100.0),
+            fb("b", "thumbs_up"),
+            fb("b", "copy", ts=1795000200.0),
+        ]
+    )
     w.commit([fb("a", "thumbs_down")])  # feedback arriving in a later batch than its request
     w.close()
     store = ReplayStore(tmp_path)

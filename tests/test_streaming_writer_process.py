@@ -31,14 +31,18 @@ def raw(rid: str, **over) -> bytes:
 def test_batch_writer_sorts_a_batch_into_stored_dead_and_filtered(tmp_path):
     writer = BatchWriter(tmp_path, IngestConfig(deny_patterns=["(?i)forbidden"]))
     try:
-        written = writer.write([
-            RawRecord(QUERY_LOG_KIND, 0, 0, raw("a")),
-            RawRecord(QUERY_LOG_KIND, 0, 1, b"{not json"),
-            RawRecord(QUERY_LOG_KIND, 0, 2, raw("b", messages=[{"role": "user", "content": "a Forbidden topic"}])),
-            RawRecord(FEEDBACK_KIND, 1, 7, raw("c")),  # a query log on the feedback topic: the wrong schema
-            RawRecord(QUERY_LOG_KIND, 0, 3, raw("a")),  # a re-send
-            RawRecord(QUERY_LOG_KIND, 0, 4, raw("d", messages=[{"role": "user", "content": "mail jo@example.org"}])),
-        ])
+        written = writer.write(
+            [
+                RawRecord(QUERY_LOG_KIND, 0, 0, raw("a")),
+                RawRecord(QUERY_LOG_KIND, 0, 1, b"{not json"),
+                RawRecord(QUERY_LOG_KIND, 0, 2, raw("b", messages=[{"role": "user", "content": "a Forbidden topic"}])),
+                RawRecord(FEEDBACK_KIND, 1, 7, raw("c")),  # a query log on the feedback topic: the wrong schema
+                RawRecord(QUERY_LOG_KIND, 0, 3, raw("a")),  # a re-send
+                RawRecord(
+                    QUERY_LOG_KIND, 0, 4, raw("d", messages=[{"role": "user", "content": "mail jo@example.org"}])
+                ),
+            ]
+        )
     finally:
         writer.close()
     assert [(i, reason) for i, reason, _ in written.dead] == [(1, "bad_json"), (3, "schema")]
@@ -128,8 +132,13 @@ time.sleep(600)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 def test_the_writer_dies_with_its_parent_and_frees_the_store(tmp_path):
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
-                              text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(tmp_path)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     child_pid = int(parent.stdout.readline())
     parent.kill()  # kill -9: no clean-up code runs in the parent
     parent.wait()

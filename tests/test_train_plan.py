@@ -11,28 +11,36 @@ from dynrubric.registry import CheckpointState, Registry
 from dynrubric.rubric.gaps import CollapseDetector, gap_stats
 from dynrubric.rubric.items import Rubric, RubricItem
 from dynrubric.train.prompts import JsonlPromptSource, ResponseHistory
-from dynrubric.train.rounds import PLAN, SUMMARY, RoundRunner, heldout_bucket
+from dynrubric.train.rounds import SUMMARY, RoundRunner, heldout_bucket
 from tests.train_harness import write_prompts
 
 
 def runner_at(state: Path, model_dir: Path, prompts: Path, **train) -> RoundRunner:
-    settings = Settings.model_validate({
-        "paths": {"state_dir": str(state)},
-        "models": {"policy": str(model_dir)},
-        "train": {"prompts_file": str(prompts), "max_prompts_per_round": 16, "heldout_prompts": 4, **train},
-    })
-    return RoundRunner(settings, Registry(state / "registry.sqlite", state / "checkpoints"),
-                       JsonlPromptSource(prompts, ResponseHistory(state / "h.jsonl")), None)  # type: ignore[arg-type]
+    settings = Settings.model_validate(
+        {
+            "paths": {"state_dir": str(state)},
+            "models": {"policy": str(model_dir)},
+            "train": {"prompts_file": str(prompts), "max_prompts_per_round": 16, "heldout_prompts": 4, **train},
+        }
+    )
+    return RoundRunner(
+        settings,
+        Registry(state / "registry.sqlite", state / "checkpoints"),
+        JsonlPromptSource(prompts, ResponseHistory(state / "h.jsonl")),
+        None,
+    )  # type: ignore[arg-type]
 
 
 def complete(runner: RoundRunner, plan: dict) -> None:
     """Mark a planned round finished (its summary is all the next plan reads)."""
-    (runner.round_dir(plan["round"]) / SUMMARY).write_text(json.dumps(
-        {"round": plan["round"], "watermark_after": plan["watermark_after"], "collapse": {"fired": False}}))
+    (runner.round_dir(plan["round"]) / SUMMARY).write_text(
+        json.dumps({"round": plan["round"], "watermark_after": plan["watermark_after"], "collapse": {"fired": False}})
+    )
 
 
 def test_held_out_prompts_are_split_off_by_key_never_trained_and_stable_across_rounds(
-        tmp_path: Path, tiny_model_dir: Path) -> None:
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
     prompts = write_prompts(tmp_path / "prompts.jsonl", 32)
     r = runner_at(tmp_path / "a", tiny_model_dir, prompts, heldout_share=0.25)
     p1 = r.make_plan(1)
@@ -46,7 +54,9 @@ def test_held_out_prompts_are_split_off_by_key_never_trained_and_stable_across_r
     assert held2[: len(held1)] == held1  # earlier held-out prompts stay, so rounds are compared alike
     assert not {p["key"] for p in p2["prompts"]} & set(held2)
     # deterministic: another run over the same prompts splits them the same way
-    assert runner_at(tmp_path / "b", tiny_model_dir, prompts, heldout_share=0.25).make_plan(1)["heldout"] == p1["heldout"]
+    assert (
+        runner_at(tmp_path / "b", tiny_model_dir, prompts, heldout_share=0.25).make_plan(1)["heldout"] == p1["heldout"]
+    )
 
 
 def test_a_round_builds_on_the_last_accepted_version(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -56,8 +66,15 @@ def test_a_round_builds_on_the_last_accepted_version(tmp_path: Path, tiny_model_
     r = runner_at(tmp_path / "s", tiny_model_dir, prompts)
     base = r.ensure_base()
     r.registry.register(tiny_model_dir, parent="base", round=1, metrics={"guard": "accepted"}, version="r1")
-    r.registry.register(tiny_model_dir, parent="r1", round=2, metrics={"guard": "kl"}, version="r2",
-                        state=CheckpointState.rejected, reason="kl: too far")
+    r.registry.register(
+        tiny_model_dir,
+        parent="r1",
+        round=2,
+        metrics={"guard": "kl"},
+        version="r2",
+        state=CheckpointState.rejected,
+        reason="kl: too far",
+    )
     r.registry.register(tiny_model_dir, parent="r1", round=None, metrics={}, version="by-hand")
     assert r.head().version == "r1"
     assert r.make_plan(3)["parent"] == "r1"
@@ -73,8 +90,10 @@ def test_collapse_window_counts_sets_across_rounds_and_skips_groups_of_one(tmp_p
     flat = gap_stats([[0.5] * 4, [0.5] * 4], rubric, [0.5] * 4, eps=0.02)  # non-splitting share 1.0
     single = gap_stats([[0.9], [0.1]], rubric, [0.5], eps=0.02)
     cfg = RubricConfig()
-    make = lambda: CollapseDetector(cfg.collapse_window, cfg.collapse_min_mean_gap,  # noqa: E731
-                                    cfg.collapse_max_nonsplit_share)
+
+    def make() -> CollapseDetector:
+        return CollapseDetector(cfg.collapse_window, cfg.collapse_min_mean_gap, cfg.collapse_max_nonsplit_share)
+
     first = make()
     assert not any(first.update(flat) for _ in range(cfg.collapse_window - 1))  # round 1: window not full yet
     saved = json.loads(json.dumps(first.state()))

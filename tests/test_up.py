@@ -36,49 +36,54 @@ REPO = Path(__file__).resolve().parent.parent
 
 def up_env(tiny_model_dir: Path, state: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DYNRUBRIC_")}
-    engines = [{"name": "engine-0", "variant": "stable", "kind": "transformers", "port": free_port()},
-               {"name": "engine-1", "variant": "canary", "kind": "transformers", "port": free_port()}]
-    env.update({
-        "PYTHONPATH": str(REPO),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",  # the test reacts to lines as they are printed
-        "COLUMNS": "200",
-        "DYNRUBRIC_PATHS__STATE_DIR": str(state),
-        "DYNRUBRIC_MODELS__POLICY": str(tiny_model_dir),
-        "DYNRUBRIC_MODELS__GENERATOR": str(tiny_model_dir),
-        "DYNRUBRIC_MODELS__VERIFIER": str(tiny_model_dir),
-        "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": "24",
-        "DYNRUBRIC_RUBRIC__RETRIES": "0",
-        "DYNRUBRIC_RUBRIC__PROMPT_ONLY_RETRIES": "0",
-        "DYNRUBRIC_SERVING__ENGINES": json.dumps(engines),
-        "DYNRUBRIC_SERVING__PORT": str(free_port()),
-        "DYNRUBRIC_SERVING__HEALTH_INTERVAL_S": "1",
-        "DYNRUBRIC_INGEST__METRICS_PORT": "0",
-        "DYNRUBRIC_LOOP__METRICS_PORT": str(free_port()),
-        "DYNRUBRIC_ROLLOUT__PORT": str(free_port()),
-        "DYNRUBRIC_MONITORING__PROMETHEUS_PORT": str(free_port()),
-        "DYNRUBRIC_LOOP__USERS_RPS": "4",
-        "DYNRUBRIC_LOOP__USERS_MAX_TOKENS": "8",
-        "DYNRUBRIC_LOOP__MIN_NEW_PROMPTS": "8",
-        "DYNRUBRIC_LOOP__DRILL_CYCLE": "1",
-        # the tiny random model barely separates candidates (mean gap ~0.006): under the default tie
-        # threshold (0.02) every set is a tie and the policy step applies no update, so nothing here
-        # could show that the loop trains; with a lower threshold its small differences count
-        "DYNRUBRIC_RUBRIC__EPS": "0.0001",
-        # the held-out guard judges a random model's drift: bounds it passes, so both cycles roll out
-        # (the test still checks that its verdict is the one these bounds give)
-        "DYNRUBRIC_TRAIN__MAX_KL": "10",
-        "DYNRUBRIC_TRAIN__MAX_KL_TO_BASE": "10",
-        "DYNRUBRIC_TRAIN__MAX_REWARD_DROP": "1",
-        # the ground-truth evaluation of each version: a few held-out prompts of the bank
-        "DYNRUBRIC_EVALUATION__MAX_PROMPTS": "16",
-    })
+    engines = [
+        {"name": "engine-0", "variant": "stable", "kind": "transformers", "port": free_port()},
+        {"name": "engine-1", "variant": "canary", "kind": "transformers", "port": free_port()},
+    ]
+    env.update(
+        {
+            "PYTHONPATH": str(REPO),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",  # the test reacts to lines as they are printed
+            "COLUMNS": "200",
+            "DYNRUBRIC_PATHS__STATE_DIR": str(state),
+            "DYNRUBRIC_MODELS__POLICY": str(tiny_model_dir),
+            "DYNRUBRIC_MODELS__GENERATOR": str(tiny_model_dir),
+            "DYNRUBRIC_MODELS__VERIFIER": str(tiny_model_dir),
+            "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": "24",
+            "DYNRUBRIC_RUBRIC__RETRIES": "0",
+            "DYNRUBRIC_RUBRIC__PROMPT_ONLY_RETRIES": "0",
+            "DYNRUBRIC_SERVING__ENGINES": json.dumps(engines),
+            "DYNRUBRIC_SERVING__PORT": str(free_port()),
+            "DYNRUBRIC_SERVING__HEALTH_INTERVAL_S": "1",
+            "DYNRUBRIC_INGEST__METRICS_PORT": "0",
+            "DYNRUBRIC_LOOP__METRICS_PORT": str(free_port()),
+            "DYNRUBRIC_ROLLOUT__PORT": str(free_port()),
+            "DYNRUBRIC_MONITORING__PROMETHEUS_PORT": str(free_port()),
+            "DYNRUBRIC_LOOP__USERS_RPS": "4",
+            "DYNRUBRIC_LOOP__USERS_MAX_TOKENS": "8",
+            "DYNRUBRIC_LOOP__MIN_NEW_PROMPTS": "8",
+            "DYNRUBRIC_LOOP__DRILL_CYCLE": "1",
+            # the tiny random model barely separates candidates (mean gap ~0.006): under the default tie
+            # threshold (0.02) every set is a tie and the policy step applies no update, so nothing here
+            # could show that the loop trains; with a lower threshold its small differences count
+            "DYNRUBRIC_RUBRIC__EPS": "0.0001",
+            # the held-out guard judges a random model's drift: bounds it passes, so both cycles roll out
+            # (the test still checks that its verdict is the one these bounds give)
+            "DYNRUBRIC_TRAIN__MAX_KL": "10",
+            "DYNRUBRIC_TRAIN__MAX_KL_TO_BASE": "10",
+            "DYNRUBRIC_TRAIN__MAX_REWARD_DROP": "1",
+            # the ground-truth evaluation of each version: a few held-out prompts of the bank
+            "DYNRUBRIC_EVALUATION__MAX_PROMPTS": "16",
+        }
+    )
     return env
 
 
 def registry(env: dict[str, str]) -> dict[str, dict]:
-    listed = subprocess.run([str(SCRIPT), "registry", "list", "--json"], env=env, capture_output=True, text=True,
-                            timeout=120, check=True)
+    listed = subprocess.run(
+        [str(SCRIPT), "registry", "list", "--json"], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
     return {c["version"]: c for c in map(json.loads, listed.stdout.splitlines())}
 
 
@@ -95,8 +100,14 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
         os.kill(pid, signal.SIGKILL)
         killed[name] = pid
 
-    up = subprocess.Popen([str(SCRIPT), "up", "--cycles", "2"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+    up = subprocess.Popen(
+        [str(SCRIPT), "up", "--cycles", "2"],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     timer = threading.Timer(1500, up.kill)  # a hung loop fails the test instead of hanging CI
     timer.start()
     out: list[str] = []
@@ -129,8 +140,12 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
     assert power == ["1-damaged", "2"], power
     # the drill is rolled back by the gate on the errors of its NaN logits (not by a timeout or a dead engine),
     # at the first step: harm stops at once
-    drill = re.search(r"^cycle 1: rollout of r1-damaged: rolled_back: ro-r1-damaged-\S+: "
-                      r"gate failed at step 0: error_rate: canary error rate exceeds stable", text, re.M)
+    drill = re.search(
+        r"^cycle 1: rollout of r1-damaged: rolled_back: ro-r1-damaged-\S+: "
+        r"gate failed at step 0: error_rate: canary error rate exceeds stable",
+        text,
+        re.M,
+    )
     assert drill, text[-5000:]
     assert "cycle 2: rollout of r2: rolled_back" in text, text[-5000:]
     assert "restarts: engine-1 1, ingest 1, trainer 1;" in text, text[-3000:]
@@ -174,8 +189,9 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
         assert all(s["overruled_items"] > 0 for s in policy["set_scores"] if not s["trusted"]), policy["set_scores"]
         # the tiny random model's answers are near garbage: an anchor outranks one of them in about half of
         # the sets, so a step may have nothing to learn from; when a set is trusted and not tied, it trains
-        step_trainable = any(s["trusted"] and group_advantages(s["scores"], 1e-6, eps) is not None
-                             for s in policy["set_scores"])
+        step_trainable = any(
+            s["trusted"] and group_advantages(s["scores"], 1e-6, eps) is not None for s in policy["set_scores"]
+        )
         applied += int(step_trainable)
         assert policy["updated"] is step_trainable and policy["updates"] == applied, policy
         trainable |= step_trainable
@@ -184,21 +200,36 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
     assert trainable, [p["set_scores"] for p in policy_steps]
     assert versions["r1"]["weights_sha256"] != versions["base"]["weights_sha256"]
     assert held_out["kl_to_parent"] > 0 and held_out["kl_to_base"] > 0, held_out
-    shown = json.loads(subprocess.run([str(SCRIPT), "config", "show", "--format", "json"], env=env,
-                                      capture_output=True, text=True, timeout=120, check=True).stdout)["train"]
-    broken = [name for name, bad in (
-        ("kl", held_out["kl_to_parent"] > shown["max_kl"]),
-        ("kl_to_base", held_out["kl_to_base"] > shown["max_kl_to_base"]),
-        ("reward_drop", held_out["reward_parent"] - held_out["reward_new"] > shown["max_reward_drop"]),
-    ) if bad]
+    shown = json.loads(
+        subprocess.run(
+            [str(SCRIPT), "config", "show", "--format", "json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+    )["train"]
+    broken = [
+        name
+        for name, bad in (
+            ("kl", held_out["kl_to_parent"] > shown["max_kl"]),
+            ("kl_to_base", held_out["kl_to_base"] > shown["max_kl_to_base"]),
+            ("reward_drop", held_out["reward_parent"] - held_out["reward_new"] > shown["max_reward_drop"]),
+        )
+        if bad
+    ]
     guard = summary["guard"]
     assert guard["reason"] == (broken[0] if broken else None) and guard["accepted"] == (not broken), (guard, held_out)
     assert "round 1: r1 candidate (parent base; guard accepted" in text
 
     # every answered request in the replay store exactly once; no prompt twice in a round, none held out trained
     answered = [o["request_id"] for o in outcomes]
-    stored = [rid for f in (state / "replay" / "query_log").rglob("*.parquet")
-              for rid in pq.read_table(f, columns=["request_id"]).column("request_id").to_pylist()]
+    stored = [
+        rid
+        for f in (state / "replay" / "query_log").rglob("*.parquet")
+        for rid in pq.read_table(f, columns=["request_id"]).column("request_id").to_pylist()
+    ]
     assert len(stored) == len(set(stored))
     assert set(answered) <= set(stored)
     for n in (1, 2):

@@ -95,37 +95,41 @@ def settings(state_dir: Path, model_dir: Path, prompts_file: Path, ray: dict | N
             train_cfg[key] = {**train_cfg.get(key, {}), **value}
         else:
             train_cfg[key] = value
-    return Settings.model_validate({
-        "paths": {"state_dir": str(state_dir), "home": str(state_dir / "home")},
-        "models": {"policy": str(model_dir), "generator": str(model_dir), "verifier": str(model_dir)},
-        "rubric": {
-            "mode": "prompt_only",
-            # the anchors meet this task's criterion (the off-topic one says "full", the echo "about"), so
-            # an anchor outranks every candidate without a 'u': exactly the sets this task learns from
-            "trust_rule": "best",
-            "retries": 0,
-            "prompt_only_retries": 0,
-            "generator_max_tokens": 16,
-            "generic_rubric": [
-                {"text": CRITERION, "weight": 3},
-                {"text": "The response is polite.", "weight": 1},
-            ],
-        },
-        "train": train_cfg,
-        # the ground-truth evaluation of every version: a few of the bank's held-out prompts, short answers
-        "evaluation": {"max_prompts": 8, "max_tokens": 8},
-        "ray": ray or {},
-    })
+    return Settings.model_validate(
+        {
+            "paths": {"state_dir": str(state_dir), "home": str(state_dir / "home")},
+            "models": {"policy": str(model_dir), "generator": str(model_dir), "verifier": str(model_dir)},
+            "rubric": {
+                "mode": "prompt_only",
+                # the anchors meet this task's criterion (the off-topic one says "full", the echo "about"), so
+                # an anchor outranks every candidate without a 'u': exactly the sets this task learns from
+                "trust_rule": "best",
+                "retries": 0,
+                "prompt_only_retries": 0,
+                "generator_max_tokens": 16,
+                "generic_rubric": [
+                    {"text": CRITERION, "weight": 3},
+                    {"text": "The response is polite.", "weight": 1},
+                ],
+            },
+            "train": train_cfg,
+            # the ground-truth evaluation of every version: a few of the bank's held-out prompts, short answers
+            "evaluation": {"max_prompts": 8, "max_tokens": 8},
+            "ray": ray or {},
+        }
+    )
 
 
 def write_prompts(path: Path, n: int) -> Path:
     import json
 
     topics = ["the sea", "a fox", "numbers", "colours", "the sky", "music", "bread", "trains"]
-    path.write_text("".join(
-        json.dumps({"prompt": f"Say something short about {topics[i % len(topics)]} (#{i})."}) + "\n"
-        for i in range(n)
-    ))
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": f"Say something short about {topics[i % len(topics)]} (#{i})."}) + "\n"
+            for i in range(n)
+        )
+    )
     return path
 
 
@@ -135,8 +139,9 @@ def runner(state_dir: Path, model_dir: Path, prompts_file: Path, ray: dict | Non
     from dynrubric.train.rounds import RoundRunner, response_history
 
     s = settings(state_dir, model_dir, prompts_file, ray, **train)
-    return RoundRunner(s, open_registry(s), JsonlPromptSource(prompts_file, response_history(s)), engines,
-                       progress=progress)
+    return RoundRunner(
+        s, open_registry(s), JsonlPromptSource(prompts_file, response_history(s)), engines, progress=progress
+    )
 
 
 class PrintedPhases:
@@ -158,8 +163,9 @@ def keyword_rate(model_dir: Path, prompts: Sequence[str], n: int, seed: int) -> 
 
     engine = TransformersEngine(model_dir, max_batch_size=64)
     params = SamplingParams(max_tokens=8, temperature=1.0, n=n, seed=seed)
-    outs = engine.generate([GenerationRequest(engine.render_chat([{"role": "user", "content": p}]), params)
-                            for p in prompts])
+    outs = engine.generate(
+        [GenerationRequest(engine.render_chat([{"role": "user", "content": p}]), params) for p in prompts]
+    )
     texts = [c.text for cs in outs for c in cs]
     return sum(KEYWORD in t for t in texts) / len(texts)
 

@@ -22,7 +22,10 @@ def build_engine(settings: Settings, role: Role) -> Engine:
         from dynrubric.engines.hf import TransformersEngine
 
         return TransformersEngine(
-            model_dir, dtype=cfg.dtype, threads=cfg.threads, max_batch_size=cfg.max_batch_size,
+            model_dir,
+            dtype=cfg.dtype,
+            threads=cfg.threads,
+            max_batch_size=cfg.max_batch_size,
             device=cfg.device,
         )
     from dynrubric.engines.http import OpenAIHTTPEngine

@@ -67,9 +67,10 @@ class Engine(abc.ABC):
         """The model's Hugging Face tokenizer (chat template, token budgets)."""
 
     def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(
+        text: str = self.tokenizer.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
         )
+        return text
 
     def candidate_token_ids(self, candidates: Sequence[str]) -> dict[str, int]:
         """The first token of each candidate string (" Yes" -> its id)."""

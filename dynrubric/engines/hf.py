@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 
@@ -87,7 +87,9 @@ class TransformersEngine(Engine):
     def _load_model(self, path: Path) -> None:
         from transformers import AutoModelForCausalLM
 
-        self._model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+        # transformers types PreTrainedModel.to through functools.wraps, which drops the bound self
+        self._model = model.to(self.device).eval()  # type: ignore[arg-type]
         eos = self._model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self._tokenizer.eos_token_id is not None:
@@ -107,7 +109,8 @@ class TransformersEngine(Engine):
         self.policy_version = version
 
     def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False)
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
+        return ids
 
     def _new_cache(self) -> Any:
         from transformers import DynamicCache
@@ -138,8 +141,12 @@ class TransformersEngine(Engine):
         # bookkeeping stays on the CPU; the model, its KV cache and the forward pass are on self.device
         dev = self.device
         out = self._model(
-            input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=positions.to(dev),
-            past_key_values=rows.cache, use_cache=True, logits_to_keep=keep.to(dev),
+            input_ids=ids.to(dev),
+            attention_mask=mask.to(dev),
+            position_ids=positions.to(dev),
+            past_key_values=rows.cache,
+            use_cache=True,
+            logits_to_keep=keep.to(dev),
         )
         self.tokens_processed += int(lengths.sum())
         logits = out.logits[torch.arange(len(segments)), torch.searchsorted(keep, last)].float().cpu()
@@ -277,7 +284,7 @@ class TransformersEngine(Engine):
         total = len(prompts) * params.n
         tokens: list[list[int]] = [[] for _ in range(total)]
         logps: list[list[float]] = [[] for _ in range(total)]
-        finish = ["length"] * total
+        finish: list[Literal["stop", "length"]] = ["length"] * total
         stops: list[tuple[int, float] | None] = [None] * total  # the sampled end-of-sequence token, its logprob
         done = torch.zeros(total, dtype=torch.bool)
         grammar = self.grammars().rows(params.json_schema, total) if params.json_schema is not None else None
@@ -286,8 +293,9 @@ class TransformersEngine(Engine):
         for _ in range(params.max_tokens):
             logits = rows.last_logits
             if not bool(torch.isfinite(logits[~done]).all()):
-                raise NonFiniteLogits(f"{self.policy_version}: the model's logits are NaN or infinite "
-                                      "(its weights are broken)")
+                raise NonFiniteLogits(
+                    f"{self.policy_version}: the model's logits are NaN or infinite (its weights are broken)"
+                )
             if counts is not None:
                 logits = logits - penalty * counts
             if grammar is not None:  # like vLLM, logprobs are those of the masked distribution
@@ -319,7 +327,8 @@ class TransformersEngine(Engine):
 
         completions = []
         for i in range(total):
-            text = self._tokenizer.decode(tokens[i], skip_special_tokens=True)
+            text = cast(str, self._tokenizer.decode(tokens[i], skip_special_tokens=True))  # one sequence: one str
+            stop = stops[i]
             if params.stop:
                 cut = min((text.find(s) for s in params.stop if s in text), default=-1)
                 if cut >= 0:
@@ -328,10 +337,10 @@ class TransformersEngine(Engine):
                 Completion(
                     text=text,
                     token_ids=tuple(tokens[i]),
-                    finish_reason=finish[i],  # type: ignore[arg-type]
+                    finish_reason=finish[i],
                     logprobs=tuple(logps[i]) if params.logprobs else None,
-                    stop_token_id=stops[i][0] if stops[i] else None,
-                    stop_logprob=stops[i][1] if stops[i] and params.logprobs else None,
+                    stop_token_id=stop[0] if stop else None,
+                    stop_logprob=stop[1] if stop and params.logprobs else None,
                 )
             )
         return [completions[j * params.n : (j + 1) * params.n] for j in range(len(prompts))]

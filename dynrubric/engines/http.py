@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from pydantic import SecretStr
@@ -93,10 +93,12 @@ class OpenAIHTTPEngine(Engine):
         models = self._request("GET", "/v1/models")["data"]
         if not models:
             raise DynrubricError(f"engine at {self.base_url} serves no model", "start it with a --model")
-        return models[0]["id"]
+        served: str = models[0]["id"]
+        return served
 
     def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False)
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
+        return ids
 
     # ------------------------------------------------------------------ generation
     def _complete(self, request: GenerationRequest) -> list[Completion]:
@@ -133,9 +135,17 @@ class OpenAIHTTPEngine(Engine):
                 stop_id, ids = ids[-1], ids[:-1]
                 if logprobs is not None:
                     stop_logprob, logprobs = logprobs[len(ids)], logprobs[: len(ids)]
-            finish = "length" if c.get("finish_reason") == "length" else "stop"
-            out.append(Completion(text=c["text"], token_ids=tuple(ids), finish_reason=finish, logprobs=logprobs,
-                                  stop_token_id=stop_id, stop_logprob=stop_logprob))
+            finish: Literal["stop", "length"] = "length" if c.get("finish_reason") == "length" else "stop"
+            out.append(
+                Completion(
+                    text=c["text"],
+                    token_ids=tuple(ids),
+                    finish_reason=finish,
+                    logprobs=logprobs,
+                    stop_token_id=stop_id,
+                    stop_logprob=stop_logprob,
+                )
+            )
         return out
 
     def _take_turn(self) -> None:

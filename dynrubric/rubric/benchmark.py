@@ -49,10 +49,15 @@ def read_judge_sets(path: Path) -> list[JudgeSet]:
     out = []
     for n, obj in jsonl_lines(path, "benchmark file", "pass a JSONL file of judge sets"):
         if not isinstance(obj, dict):
-            raise DynrubricError(f"{path}:{n} is not a JSON object", "write one {prompt, responses, ...} object per line")
+            raise DynrubricError(
+                f"{path}:{n} is not a JSON object", "write one {prompt, responses, ...} object per line"
+            )
         prompt, responses, order = obj.get("prompt"), obj.get("responses"), obj.get("order")
-        if not isinstance(prompt, str) or not isinstance(responses, list) or len(responses) < 2 or not all(
-            isinstance(r, str) for r in responses
+        if (
+            not isinstance(prompt, str)
+            or not isinstance(responses, list)
+            or len(responses) < 2
+            or not all(isinstance(r, str) for r in responses)
         ):
             raise DynrubricError(f"{path}:{n} needs 'prompt' (text) and 'responses' (2 or more texts)", "fix that line")
         if obj.get("collapsed") is True:
@@ -193,7 +198,9 @@ def summarise_mode(
         tau = [kendall_tau(scores[i], sets[i].order or [], eps) for i in members]
         gap = [scores[i][sets[i].order[0]] - scores[i][sets[i].order[-1]] for i in members]  # type: ignore[index]
         by_kind[kind] = KindResult(
-            sets=len(members), pairwise_accuracy=sum(acc) / len(acc), kendall_tau=sum(tau) / len(tau),
+            sets=len(members),
+            pairwise_accuracy=sum(acc) / len(acc),
+            kendall_tau=sum(tau) / len(tau),
             ordered_gap=sum(gap) / len(gap),
             empty_top=sum(empty_on_top(scores[i], sets[i].responses, eps) for i in members),
             all_tied=sum(all_tied(scores[i], eps) for i in members),
@@ -206,11 +213,20 @@ def summarise_mode(
     alarm, n_alarm = alarm_rate(collapsed_stats, window, min_mean_gap, max_nonsplit)
     false_alarm, n_false = alarm_rate(ordered_stats, window, min_mean_gap, max_nonsplit)
     return ModeResult(
-        mode=mode, by_kind=by_kind, score_length_r=_pearson(flat, lengths),
-        collapse_alarm_rate=alarm, collapse_false_alarm_rate=false_alarm, collapse_decisions=(n_alarm, n_false),
-        rubric_sources=rubric_sources, parse_failures=parse_failures, generation_tries=generation_tries,
-        prompt_only_fallbacks=prompt_only_fallbacks, generic_fallbacks=generic_fallbacks,
-        dropped_checks=dropped_checks, hard_verdicts=hard_verdicts, seconds=seconds,
+        mode=mode,
+        by_kind=by_kind,
+        score_length_r=_pearson(flat, lengths),
+        collapse_alarm_rate=alarm,
+        collapse_false_alarm_rate=false_alarm,
+        collapse_decisions=(n_alarm, n_false),
+        rubric_sources=rubric_sources,
+        parse_failures=parse_failures,
+        generation_tries=generation_tries,
+        prompt_only_fallbacks=prompt_only_fallbacks,
+        generic_fallbacks=generic_fallbacks,
+        dropped_checks=dropped_checks,
+        hard_verdicts=hard_verdicts,
+        seconds=seconds,
     )
 
 
@@ -233,11 +249,17 @@ def read_real_sets(path: Path) -> list[RealSet]:
     """`{prompt, responses, passed}` per line (written by `dynrubric eval-judge --real --sample N`)."""
     out = []
     for n, obj in jsonl_lines(path, "real-output sets file", "write one {prompt, responses, passed} object per line"):
-        ok = isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and isinstance(obj.get("responses"), list) \
-            and isinstance(obj.get("passed"), list) and len(obj["passed"]) == len(obj["responses"]) >= 2
+        ok = (
+            isinstance(obj, dict)
+            and isinstance(obj.get("prompt"), str)
+            and isinstance(obj.get("responses"), list)
+            and isinstance(obj.get("passed"), list)
+            and len(obj["passed"]) == len(obj["responses"]) >= 2
+        )
         if not ok:
-            raise DynrubricError(f"{path}:{n} needs 'prompt', 'responses' (2 or more) and one 'passed' per response",
-                                 "fix that line")
+            raise DynrubricError(
+                f"{path}:{n} needs 'prompt', 'responses' (2 or more) and one 'passed' per response", "fix that line"
+            )
         out.append(RealSet(obj["prompt"], [str(r) for r in obj["responses"]], [bool(p) for p in obj["passed"]]))
     if not out:
         raise DynrubricError(f"real-output sets file {path} holds no sets", "sample some with --real --sample N")
@@ -262,8 +284,13 @@ class RealResult:
         return asdict(self)
 
 
-def summarise_real(sets: Sequence[RealSet], scores: Sequence[Sequence[float]], trusted: Sequence[bool],
-                   advantages: Callable[[Sequence[float]], list[float] | None], eps: float) -> RealResult:
+def summarise_real(
+    sets: Sequence[RealSet],
+    scores: Sequence[Sequence[float]],
+    trusted: Sequence[bool],
+    advantages: Callable[[Sequence[float]], list[float] | None],
+    eps: float,
+) -> RealResult:
     """`advantages(scores)`: the trainer's group advantages of a set (None when tied)."""
     won = pairs = right = wrong = none = 0.0
     separated = [i for i, s in enumerate(sets) if s.separated]
@@ -280,9 +307,15 @@ def summarise_real(sets: Sequence[RealSet], scores: Sequence[Sequence[float]], t
             continue
         mean_pass = sum(x for x, p in zip(adv, ok, strict=True) if p) / sum(ok)
         right, wrong = (right + 1, wrong) if mean_pass > 0 else (right, wrong + 1)
-    return RealResult(sets=len(sets), separated_sets=len(separated), separated_pairs=int(pairs),
-                      pairwise_accuracy=won / pairs if pairs else 0.0, trains_right=int(right), trains_wrong=int(wrong),
-                      no_advantage=int(none))
+    return RealResult(
+        sets=len(sets),
+        separated_sets=len(separated),
+        separated_pairs=int(pairs),
+        pairwise_accuracy=won / pairs if pairs else 0.0,
+        trains_right=int(right),
+        trains_wrong=int(wrong),
+        no_advantage=int(none),
+    )
 
 
 def plot(results: Sequence[ModeResult], path: Path) -> None:
@@ -304,10 +337,10 @@ def plot(results: Sequence[ModeResult], path: Path) -> None:
     ax1.set_ylabel("pairwise accuracy (ties = 1/2)")
     ax1.set_title("ranking of ordered sets")
     ax1.legend(loc="lower right", fontsize=8)
-    xs = range(len(results))
-    ax2.bar([x - 0.2 for x in xs], [r.collapse_alarm_rate for r in results], 0.4, label="alarm, equal-quality")
-    ax2.bar([x + 0.2 for x in xs], [r.collapse_false_alarm_rate for r in results], 0.4, label="false alarm, ordered")
-    ax2.set_xticks(list(xs), [r.mode for r in results])
+    modes = range(len(results))
+    ax2.bar([x - 0.2 for x in modes], [r.collapse_alarm_rate for r in results], 0.4, label="alarm, equal-quality")
+    ax2.bar([x + 0.2 for x in modes], [r.collapse_false_alarm_rate for r in results], 0.4, label="false alarm, ordered")
+    ax2.set_xticks(list(modes), [r.mode for r in results])
     ax2.set_ylim(0, 1)
     ax2.set_title("collapse detector")
     ax2.legend(loc="upper right", fontsize=8)

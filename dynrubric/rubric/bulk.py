@@ -28,20 +28,22 @@ from dynrubric import atomic
 from dynrubric.config import Settings
 from dynrubric.rubric.evaluator import Evaluator, ScoredSet
 
-SCORED_SCHEMA = pa.schema([
-    ("prompt_key", pa.string()),
-    ("prompt", pa.string()),
-    ("responses", pa.list_(pa.string())),
-    ("scores", pa.list_(pa.float64())),
-    ("rubric_source", pa.string()),
-    ("rubric", pa.string()),  # JSON: the items
-    ("verdicts", pa.string()),  # JSON: M x K
-    ("mean_abs_gap", pa.float64()),
-    ("tie_rate", pa.float64()),
-    ("nonsplit_share", pa.float64()),
-    ("trusted", pa.bool_()),
-    ("hard_verdict_fallbacks", pa.int64()),
-])
+SCORED_SCHEMA = pa.schema(
+    [
+        ("prompt_key", pa.string()),
+        ("prompt", pa.string()),
+        ("responses", pa.list_(pa.string())),
+        ("scores", pa.list_(pa.float64())),
+        ("rubric_source", pa.string()),
+        ("rubric", pa.string()),  # JSON: the items
+        ("verdicts", pa.string()),  # JSON: M x K
+        ("mean_abs_gap", pa.float64()),
+        ("tie_rate", pa.float64()),
+        ("nonsplit_share", pa.float64()),
+        ("trusted", pa.bool_()),
+        ("hard_verdict_fallbacks", pa.int64()),
+    ]
+)
 
 
 def set_seed(base: int, prompt: str, responses: Sequence[str]) -> int:
@@ -52,10 +54,17 @@ def set_seed(base: int, prompt: str, responses: Sequence[str]) -> int:
 
 def scored_row(prompt_key: str | None, s: ScoredSet) -> dict[str, Any]:
     return {
-        "prompt_key": prompt_key, "prompt": s.prompt, "responses": s.responses, "scores": s.scores,
-        "rubric_source": s.rubric_source, "rubric": json.dumps([i.model_dump() for i in s.rubric.items]),
-        "verdicts": json.dumps(s.verdicts), "mean_abs_gap": s.gaps.mean_abs_gap, "tie_rate": s.gaps.tie_rate,
-        "nonsplit_share": s.gaps.nonsplit_share, "trusted": s.trusted,
+        "prompt_key": prompt_key,
+        "prompt": s.prompt,
+        "responses": s.responses,
+        "scores": s.scores,
+        "rubric_source": s.rubric_source,
+        "rubric": json.dumps([i.model_dump() for i in s.rubric.items]),
+        "verdicts": json.dumps(s.verdicts),
+        "mean_abs_gap": s.gaps.mean_abs_gap,
+        "tie_rate": s.gaps.tie_rate,
+        "nonsplit_share": s.gaps.nonsplit_share,
+        "trusted": s.trusted,
         "hard_verdict_fallbacks": s.hard_verdict_fallbacks,
     }
 
@@ -70,8 +79,11 @@ class SetScorer:
         use_cores(settings.engine.threads, sharers=settings.ray.judges)  # the pool's judges work at once
         self.settings = settings
         self.generator = build_engine(settings, "generator")
-        self.verifier = (self.generator if settings.models.verifier == settings.models.generator
-                         else build_engine(settings, "verifier"))
+        self.verifier = (
+            self.generator
+            if settings.models.verifier == settings.models.generator
+            else build_engine(settings, "verifier")
+        )
         self.evaluator = Evaluator(self.generator, self.verifier, settings.rubric)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list[Any]]:
@@ -79,26 +91,30 @@ class SetScorer:
         keys = batch.get("prompt_key")
         for i, (prompt, responses) in enumerate(zip(batch["prompt"], batch["responses"], strict=True)):
             responses = [str(r) for r in responses]
-            [scored] = self.evaluator.score_sets([str(prompt)], [responses],
-                                                 seed=set_seed(self.settings.rubric.seed, str(prompt), responses))
+            [scored] = self.evaluator.score_sets(
+                [str(prompt)], [responses], seed=set_seed(self.settings.rubric.seed, str(prompt), responses)
+            )
             for name, value in scored_row(None if keys is None else keys[i], scored).items():
                 rows[name].append(value)
         return rows
 
 
-def replay_sets(shards: Sequence[Path]):
+def replay_sets(shards: Sequence[Path]) -> Any:  # a ray.data.Dataset (ray is untyped)
     """A Dataset of `{prompt_key, prompt, responses}`: the query-log shards' responses grouped by prompt key."""
     import ray.data
 
     def to_set(group: dict[str, Any]) -> dict[str, list[Any]]:
-        return {"prompt_key": [str(group["prompt_key"][0])], "prompt": [str(group["prompt_text"][0])],
-                "responses": [[str(r) for r in group["response"]]]}
+        return {
+            "prompt_key": [str(group["prompt_key"][0])],
+            "prompt": [str(group["prompt_text"][0])],
+            "responses": [[str(r) for r in group["response"]]],
+        }
 
     rows = ray.data.read_parquet([str(p) for p in shards], columns=["prompt_key", "prompt_text", "response", "ts"])
     return rows.sort(["prompt_key", "ts"]).groupby("prompt_key").map_groups(to_set, batch_format="numpy")
 
 
-def file_sets(path: Path, read_jsonl: Callable[[Path], list[tuple[str, list[str]]]]):
+def file_sets(path: Path, read_jsonl: Callable[[Path], list[tuple[str, list[str]]]]) -> Any:  # a ray.data.Dataset
     """A Dataset of `{prompt, responses}` from a JSONL sets file or Parquet with those columns."""
     import ray.data
 
@@ -107,14 +123,18 @@ def file_sets(path: Path, read_jsonl: Callable[[Path], list[tuple[str, list[str]
     return ray.data.read_parquet(str(path), columns=["prompt", "responses"])
 
 
-def score_dataset(settings: Settings, sets: Any, advance: Callable[[int], None]) -> Iterator[dict]:
+def score_dataset(settings: Settings, sets: Any, advance: Callable[[int], None]) -> Iterator[dict[str, Any]]:
     """Scored rows of `sets` (a Dataset), in input order, scored on `ray.judges` actors; `advance(1)`
     per set as its row arrives."""
     import ray.data
 
-    scored = sets.map_batches(SetScorer, fn_constructor_args=(settings,), batch_size=1,
-                              compute=ray.data.ActorPoolStrategy(size=settings.ray.judges),
-                              num_cpus=settings.ray.actor_cpus)
+    scored = sets.map_batches(
+        SetScorer,
+        fn_constructor_args=(settings,),
+        batch_size=1,
+        compute=ray.data.ActorPoolStrategy(size=settings.ray.judges),
+        num_cpus=settings.ray.actor_cpus,
+    )
     for row in scored.iter_rows():
         advance(1)
         yield row

@@ -40,8 +40,19 @@ from pydantic import BaseModel, ConfigDict, Field
 from dynrubric.rubric.instructions import parse_instruction
 
 CheckKind = Literal[
-    "contains", "not_contains", "regex", "max_words", "min_words", "starts_with", "ends_with",
-    "bullet_count", "final_number", "no_commas", "lowercase", "instruction", "echoes",
+    "contains",
+    "not_contains",
+    "regex",
+    "max_words",
+    "min_words",
+    "starts_with",
+    "ends_with",
+    "bullet_count",
+    "final_number",
+    "no_commas",
+    "lowercase",
+    "instruction",
+    "echoes",
 ]
 PHRASE_KINDS = frozenset({"contains", "not_contains", "starts_with", "ends_with"})
 COUNT_KINDS = frozenset({"max_words", "min_words", "bullet_count"})

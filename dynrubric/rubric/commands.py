@@ -6,16 +6,24 @@ import dataclasses
 import json
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
+from pydantic import ValidationError
 
 from dynrubric.console import make_console
 from dynrubric.context import settings_of
 from dynrubric.errors import DynrubricError
 from dynrubric.jsonl import jsonl_lines
 from dynrubric.progress import Bars, status
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from dynrubric.config import Settings
+    from dynrubric.engines.base import Completion, Engine, GenerationRequest
 
 console = make_console()
 
@@ -27,11 +35,7 @@ def read_sets(path: Path) -> list[tuple[str, list[str]]]:
         prompt, responses = (obj.get("prompt"), obj.get("responses")) if isinstance(obj, dict) else (None, None)
         if not isinstance(prompt, str) or not prompt.strip():
             raise DynrubricError(f"{path}:{n} field 'prompt' must be a non-empty string", "fix that line")
-        if (
-            not isinstance(responses, list)
-            or not responses
-            or not all(isinstance(r, str) for r in responses)
-        ):
+        if not isinstance(responses, list) or not responses or not all(isinstance(r, str) for r in responses):
             raise DynrubricError(f"{path}:{n} field 'responses' must be a non-empty list of strings", "fix that line")
         sets.append((prompt, responses))
     if not sets:
@@ -44,21 +48,21 @@ class _ReportingEngine:
     (a rubric try generates up to rubric.generator_max_tokens tokens), so progress per set alone is not
     enough to show that work goes on."""
 
-    def __init__(self, engine, note: Callable[[str], None], max_tokens: int):
+    def __init__(self, engine: Engine, note: Callable[[str], None], max_tokens: int):
         self._engine = engine
         self._note = note
         self._max_tokens = max_tokens
         self._tries = 0
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def generate(self, requests):
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Completion]]:
         self._tries += 1
         self._note(f"rubric try {self._tries} (up to {self._max_tokens} tokens)")
         return self._engine.generate(requests)
 
-    def score_next_token(self, prompts, candidates):
+    def score_next_token(self, prompts: Sequence[str], candidates: Sequence[str]) -> list[dict[str, float]]:
         self._note(f"verdicts: {len(prompts)} item x response prompts")
         return self._engine.score_next_token(prompts, candidates)
 
@@ -68,7 +72,7 @@ class _ReportingEngine:
 
 def score(
     ctx: typer.Context,
-    sets_file: Annotated[Path, typer.Argument(help="JSONL: one {\"prompt\", \"responses\": [...]} per line")],
+    sets_file: Annotated[Path, typer.Argument(help='JSONL: one {"prompt", "responses": [...]} per line')],
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="scored sets as JSONL (default: ./<SETS stem>.scored.jsonl)")
     ] = None,
@@ -79,8 +83,12 @@ def score(
         str | None, typer.Option("--mode", help="set | prompt_only rubric generation (default: rubric.mode)")
     ] = None,
     on_ray: Annotated[
-        bool, typer.Option("--ray", help="score on Ray Data with ray.judges judge actors; SETS may also be Parquet "
-                           "({prompt, responses}) or a replay store directory; writes Parquet")
+        bool,
+        typer.Option(
+            "--ray",
+            help="score on Ray Data with ray.judges judge actors; SETS may also be Parquet "
+            "({prompt, responses}) or a replay store directory; writes Parquet",
+        ),
     ] = False,
 ) -> None:
     """Score candidate sets with set-conditioned rubrics; write rubrics, verdicts, scores and gaps."""
@@ -96,26 +104,33 @@ def score(
             settings.engine.kind = engine  # type: ignore[assignment]
         if mode is not None:
             settings.rubric.mode = mode  # type: ignore[assignment]
-    except ValueError as e:
-        raise DynrubricError(f"bad option: {e.errors()[0]['msg']}", "use --engine transformers|openai-http, --mode set|prompt_only") from None  # type: ignore[attr-defined]
+    except ValidationError as e:  # the settings validate assignments
+        raise DynrubricError(
+            f"bad option: {e.errors()[0]['msg']}", "use --engine transformers|openai-http, --mode set|prompt_only"
+        ) from None
     if on_ray:
         score_on_ray(settings, sets_file, out)
         return
     if sets_file.suffix != ".jsonl" and (sets_file.is_dir() or sets_file.suffix == ".parquet"):
-        raise DynrubricError(f"{sets_file} is Parquet or a directory; without --ray, score reads JSONL sets",
-                             f"dynrubric score {sets_file} --ray")
+        raise DynrubricError(
+            f"{sets_file} is Parquet or a directory; without --ray, score reads JSONL sets",
+            f"dynrubric score {sets_file} --ray",
+        )
     sets = read_sets(sets_file)
     out = out or Path(sets_file.stem + ".scored.jsonl")  # in the working directory, not beside the input
     with status(console, f"loading the {settings.engine.kind} engine"):
         generator = build_engine(settings, "generator")
-        verifier = generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
+        verifier = (
+            generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
+        )
     scored = []
     # one set per call, so progress moves per set (a rubric, then its verdicts) instead of once after
     # the batched rubric generation of every set; the collapse detector still sees every set in order
     with Bars(console) as bars:
         reporting = _ReportingEngine(generator, bars.note, settings.rubric.generator_max_tokens)
         judge = reporting if verifier is generator else _ReportingEngine(verifier, bars.note, 0)
-        evaluator = Evaluator(reporting, judge, settings.rubric)
+        # the proxies delegate everything else to the engines they wrap
+        evaluator = Evaluator(cast("Engine", reporting), cast("Engine", judge), settings.rubric)
         bars.start("sets scored", len(sets))
         for prompt, responses in sets:
             reporting.next_set()
@@ -128,16 +143,24 @@ def score(
         table.add_column(col)
     for n, s in enumerate(scored, 1):
         table.add_row(
-            str(n), s.prompt[:40], str(len(s.responses)), str(len(s.rubric.items)), s.rubric_source,
-            " ".join(f"{x:.2f}" for x in s.scores), f"{s.gaps.mean_abs_gap:.3f}", f"{s.gaps.spread:.3f}",
-            f"{s.gaps.tie_rate:.2f}", f"{s.gaps.nonsplit_share:.2f}",
+            str(n),
+            s.prompt[:40],
+            str(len(s.responses)),
+            str(len(s.rubric.items)),
+            s.rubric_source,
+            " ".join(f"{x:.2f}" for x in s.scores),
+            f"{s.gaps.mean_abs_gap:.3f}",
+            f"{s.gaps.spread:.3f}",
+            f"{s.gaps.tie_rate:.2f}",
+            f"{s.gaps.nonsplit_share:.2f}",
         )
     console.print(table)
     c = evaluator.counts
     hard = sum(s.hard_verdict_fallbacks for s in scored)
     sources = Counter(s.rubric_source for s in scored)
     console.print(
-        "rubric sources: " + ", ".join(f"{k} {v}" for k, v in sorted(sources.items()))
+        "rubric sources: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(sources.items()))
         + f"; parse failures {c.parse_failures}, prompt-only fallbacks {c.prompt_only_fallbacks}, "
         f"generic fallbacks {c.generic_fallbacks}, hard verdicts {hard}, "
         f"collapse {'FIRING' if evaluator.collapse.collapsed else 'no'}",
@@ -148,15 +171,17 @@ def score(
         verifier.close()
 
 
-def score_on_ray(settings, source: Path, out: Path | None) -> None:
+def score_on_ray(settings: Settings, source: Path, out: Path | None) -> None:
     """`dynrubric score --ray`: the sets of `source` through Ray Data and a pool of judge actors (rubric/bulk.py)."""
     import ray
 
-    from dynrubric.rubric import bulk
     from dynrubric.ray_cluster import connect
+    from dynrubric.rubric import bulk
 
     if not source.exists():
-        raise DynrubricError(f"{source} does not exist", "pass a JSONL or Parquet sets file, or a replay store directory")
+        raise DynrubricError(
+            f"{source} does not exist", "pass a JSONL or Parquet sets file, or a replay store directory"
+        )
     out = out or Path(source.name.removesuffix(source.suffix) + ".scored.parquet")
     with status(console, "starting Ray" if settings.ray.address is None else f"joining Ray at {settings.ray.address}"):
         connect(settings)
@@ -165,8 +190,10 @@ def score_on_ray(settings, source: Path, out: Path | None) -> None:
         try:
             from streaming.store import QUERY_LOG, ReplayStore
         except ImportError:
-            raise DynrubricError("reading a replay store needs the streaming tier, which is not installed",
-                                 "export the sets as Parquet {prompt, responses}") from None
+            raise DynrubricError(
+                "reading a replay store needs the streaming tier, which is not installed",
+                "export the sets as Parquet {prompt, responses}",
+            ) from None
         with ReplayStore(source) as store:
             shards = store.shard_paths(QUERY_LOG)
         if not shards:
@@ -182,8 +209,11 @@ def score_on_ray(settings, source: Path, out: Path | None) -> None:
         rows = list(bulk.score_dataset(settings, sets, lambda n: bars.advance("sets scored", n)))
     bulk.write_scored(out, rows)
     sources = Counter(r["rubric_source"] for r in rows)
-    console.print(f"{len(rows)} sets scored on {settings.ray.judges} judge actor(s) -> {out}; rubric sources: "
-                  + ", ".join(f"{k} {v}" for k, v in sorted(sources.items())), markup=False)
+    console.print(
+        f"{len(rows)} sets scored on {settings.ray.judges} judge actor(s) -> {out}; rubric sources: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(sources.items())),
+        markup=False,
+    )
 
 
 MODES = ("set", "prompt_only", "generic")
@@ -198,17 +228,41 @@ def shipped(name: str) -> Path:
 
 def eval_judge(
     ctx: typer.Context,
-    sets_file: Annotated[Path | None, typer.Argument(help="JSONL of ordered ({prompt, responses, order, kind}) and "
-                                                     "equal-quality ({..., collapsed: true}) sets; with --real, of "
-                                                     "{prompt, responses, passed} (default: the shipped file)")] = None,
+    sets_file: Annotated[
+        Path | None,
+        typer.Argument(
+            help="JSONL of ordered ({prompt, responses, order, kind}) and "
+            "equal-quality ({..., collapsed: true}) sets; with --real, of "
+            "{prompt, responses, passed} (default: the shipped file)"
+        ),
+    ] = None,
     modes: Annotated[str, typer.Option("--modes", help="comma-separated rubric modes to compare")] = ",".join(MODES),
-    out: Annotated[Path, typer.Option("--out", "-o", help="directory for eval_judge.json and eval_judge.png")] = Path("eval-judge"),
-    limit: Annotated[int | None, typer.Option("--limit", min=1, help="only the first N sets of each kind and quality")] = None,
-    batch: Annotated[int, typer.Option("--batch", min=1, help="sets per evaluator call (their rubrics are generated as one batch: more is faster on a GPU)")] = EVAL_CHUNK,
-    real: Annotated[bool, typer.Option("--real", help="judge real policy output graded by the official checkers "
-                                       "instead of ordered sets")] = False,
-    sample: Annotated[int | None, typer.Option("--sample", min=1, help="with --real: first sample the policy on N "
-                                               "held-out instruction prompts and write SETS_FILE")] = None,
+    out: Annotated[Path, typer.Option("--out", "-o", help="directory for eval_judge.json and eval_judge.png")] = Path(
+        "eval-judge"
+    ),
+    limit: Annotated[
+        int | None, typer.Option("--limit", min=1, help="only the first N sets of each kind and quality")
+    ] = None,
+    batch: Annotated[
+        int,
+        typer.Option(
+            "--batch",
+            min=1,
+            help="sets per evaluator call (their rubrics are generated as one batch: more is faster on a GPU)",
+        ),
+    ] = EVAL_CHUNK,
+    real: Annotated[
+        bool,
+        typer.Option("--real", help="judge real policy output graded by the official checkers instead of ordered sets"),
+    ] = False,
+    sample: Annotated[
+        int | None,
+        typer.Option(
+            "--sample",
+            min=1,
+            help="with --real: first sample the policy on N held-out instruction prompts and write SETS_FILE",
+        ),
+    ] = None,
 ) -> None:
     """Measure the judge on sets with a known order: pairwise accuracy, Kendall tau, gaps, collapse alarms; with
     --real, on the policy's own answers to held-out prompts, ordered by the official checkers."""
@@ -244,7 +298,9 @@ def eval_judge(
         sets = kept
     with status(console, f"loading the {settings.engine.kind} engine"):
         generator = build_engine(settings, "generator")
-        verifier = generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
+        verifier = (
+            generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
+        )
     results, per_set = [], []
     with Bars(console) as bars:
         for mode in wanted:
@@ -257,60 +313,115 @@ def eval_judge(
             for i in range(0, len(sets), batch):
                 chunk = sets[i : i + batch]
                 scored += evaluator.score_sets(
-                    [s.prompt for s in chunk], [s.responses for s in chunk], progress=lambda n: bars.advance(phase, n)
+                    [s.prompt for s in chunk], [s.responses for s in chunk], progress=partial(bars.advance, phase)
                 )
             c = evaluator.counts
             sources = {src: sum(s.rubric_source == src for s in scored) for src in MODES}
             generated = sources["set"] + sources["prompt_only"] if mode != "generic" else 0
             results.append(
                 summarise_mode(
-                    mode, sets, [s.scores for s in scored], [s.gaps for s in scored], [s.trusted for s in scored],
-                    eps=config.eps, window=config.collapse_window, min_mean_gap=config.collapse_min_mean_gap,
-                    max_nonsplit=config.collapse_max_nonsplit_share, rubric_sources=sources,
-                    parse_failures=c.parse_failures, generation_tries=c.parse_failures + generated,
-                    prompt_only_fallbacks=c.prompt_only_fallbacks, generic_fallbacks=c.generic_fallbacks,
-                    dropped_checks=c.dropped_checks, hard_verdicts=sum(s.hard_verdict_fallbacks for s in scored),
+                    mode,
+                    sets,
+                    [s.scores for s in scored],
+                    [s.gaps for s in scored],
+                    [s.trusted for s in scored],
+                    eps=config.eps,
+                    window=config.collapse_window,
+                    min_mean_gap=config.collapse_min_mean_gap,
+                    max_nonsplit=config.collapse_max_nonsplit_share,
+                    rubric_sources=sources,
+                    parse_failures=c.parse_failures,
+                    generation_tries=c.parse_failures + generated,
+                    prompt_only_fallbacks=c.prompt_only_fallbacks,
+                    generic_fallbacks=c.generic_fallbacks,
+                    dropped_checks=c.dropped_checks,
+                    hard_verdicts=sum(s.hard_verdict_fallbacks for s in scored),
                     seconds=time.perf_counter() - start,
                 )
             )
-            per_set += [{"mode": mode, "kind": js.kind, "order": js.order, **s.as_dict()} for js, s in zip(sets, scored, strict=True)]
+            per_set += [
+                {"mode": mode, "kind": js.kind, "order": js.order, **s.as_dict()}
+                for js, s in zip(sets, scored, strict=True)
+            ]
     generator.close()
     if verifier is not generator:
         verifier.close()
 
     out.mkdir(parents=True, exist_ok=True)
-    atomic.write_text(out / "eval_judge.json", json.dumps({"results": [r.as_dict() for r in results], "sets": per_set}, indent=1))
+    atomic.write_text(
+        out / "eval_judge.json", json.dumps({"results": [r.as_dict() for r in results], "sets": per_set}, indent=1)
+    )
     plot(results, out / "eval_judge.png")
-    table = Table(title=f"judge benchmark: {sets_file} ({sum(not s.collapsed for s in sets)} ordered, "
-                  f"{sum(s.collapsed for s in sets)} equal-quality sets)")
-    for col in ("mode", "kind", "sets", "pairwise acc", "kendall tau", "ordered gap", "empty top", "all tied",
-                "untrusted"):
+    table = Table(
+        title=f"judge benchmark: {sets_file} ({sum(not s.collapsed for s in sets)} ordered, "
+        f"{sum(s.collapsed for s in sets)} equal-quality sets)"
+    )
+    for col in (
+        "mode",
+        "kind",
+        "sets",
+        "pairwise acc",
+        "kendall tau",
+        "ordered gap",
+        "empty top",
+        "all tied",
+        "untrusted",
+    ):
         table.add_column(col)
     for r in results:
         for kind, k in r.by_kind.items():
-            table.add_row(r.mode, kind, str(k.sets), f"{k.pairwise_accuracy:.3f}", f"{k.kendall_tau:.3f}",
-                          f"{k.ordered_gap:.3f}", str(k.empty_top), str(k.all_tied), str(k.untrusted))
+            table.add_row(
+                r.mode,
+                kind,
+                str(k.sets),
+                f"{k.pairwise_accuracy:.3f}",
+                f"{k.kendall_tau:.3f}",
+                f"{k.ordered_gap:.3f}",
+                str(k.empty_top),
+                str(k.all_tied),
+                str(k.untrusted),
+            )
     console.print(table)
     table = Table(title="generation, verdicts and the collapse detector")
-    for col in ("mode", "rubric sources", "parse failures", "fallbacks p/g", "dropped checks", "hard verdicts",
-                "score~length r", "alarm (equal)", "false alarm (ordered)", "seconds"):
+    for col in (
+        "mode",
+        "rubric sources",
+        "parse failures",
+        "fallbacks p/g",
+        "dropped checks",
+        "hard verdicts",
+        "score~length r",
+        "alarm (equal)",
+        "false alarm (ordered)",
+        "seconds",
+    ):
         table.add_column(col)
     for r in results:
         table.add_row(
-            r.mode, " ".join(f"{k}={v}" for k, v in r.rubric_sources.items() if v),
-            f"{r.parse_failures}/{r.generation_tries}", f"{r.prompt_only_fallbacks}/{r.generic_fallbacks}",
-            str(r.dropped_checks), str(r.hard_verdicts), f"{r.score_length_r:+.2f}",
-            f"{r.collapse_alarm_rate:.2f} of {r.collapse_decisions[0]}", f"{r.collapse_false_alarm_rate:.2f} of {r.collapse_decisions[1]}",
+            r.mode,
+            " ".join(f"{k}={v}" for k, v in r.rubric_sources.items() if v),
+            f"{r.parse_failures}/{r.generation_tries}",
+            f"{r.prompt_only_fallbacks}/{r.generic_fallbacks}",
+            str(r.dropped_checks),
+            str(r.hard_verdicts),
+            f"{r.score_length_r:+.2f}",
+            f"{r.collapse_alarm_rate:.2f} of {r.collapse_decisions[0]}",
+            f"{r.collapse_false_alarm_rate:.2f} of {r.collapse_decisions[1]}",
             f"{r.seconds:.0f}",
         )
     console.print(table)
     console.print(f"wrote {out / 'eval_judge.json'} and {out / 'eval_judge.png'}", markup=False)
     for r in results:
-        print(f"pairwise_accuracy[{r.mode}]: {r.by_kind['all'].pairwise_accuracy:.3f}" if "all" in r.by_kind
-              else f"pairwise_accuracy[{r.mode}]: n/a (no ordered sets)")
+        print(
+            f"pairwise_accuracy[{r.mode}]: {r.by_kind['all'].pairwise_accuracy:.3f}"
+            if "all" in r.by_kind
+            else f"pairwise_accuracy[{r.mode}]: n/a (no ordered sets)"
+        )
 
 
-def _eval_judge_real(settings, path: Path, modes: list[str], out: Path, batch: int, sample: int | None) -> None:
+def _eval_judge_real(
+    settings: Settings, path: Path, modes: list[str], out: Path, batch: int, sample: int | None
+) -> None:
     """`eval-judge --real`: the judge on real policy answers, the official checkers' verdicts as the order."""
     from rich.table import Table
 
@@ -326,7 +437,9 @@ def _eval_judge_real(settings, path: Path, modes: list[str], out: Path, batch: i
     judged_sets = [s for s in sets if s.separated]  # the others have no order to recover: not judged
     with status(console, f"loading the {settings.engine.kind} engine"):
         generator = build_engine(settings, "generator")
-        verifier = generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
+        verifier = (
+            generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
+        )
     results, per_set = {}, []
     with Bars(console) as bars:
         for mode in modes:
@@ -337,26 +450,41 @@ def _eval_judge_real(settings, path: Path, modes: list[str], out: Path, batch: i
             scored = []
             for i in range(0, len(judged_sets), batch):
                 chunk = judged_sets[i : i + batch]
-                scored += evaluator.score_sets([s.prompt for s in chunk], [s.responses for s in chunk],
-                                               progress=lambda n: bars.advance(phase, n))
+                scored += evaluator.score_sets(
+                    [s.prompt for s in chunk], [s.responses for s in chunk], progress=partial(bars.advance, phase)
+                )
             result = summarise_real(
-                judged_sets, [s.scores for s in scored], [s.trusted for s in scored],
-                lambda s: group_advantages(s, settings.train.grpo.adv_eps, config.eps), config.eps)
+                judged_sets,
+                [s.scores for s in scored],
+                [s.trusted for s in scored],
+                partial(group_advantages, eps=settings.train.grpo.adv_eps, tie_eps=config.eps),
+                config.eps,
+            )
             results[mode] = dataclasses.replace(result, sets=len(sets))
-            per_set += [{"mode": mode, "passed": rs.passed, **s.as_dict()}
-                        for rs, s in zip(judged_sets, scored, strict=True)]
+            per_set += [
+                {"mode": mode, "passed": rs.passed, **s.as_dict()} for rs, s in zip(judged_sets, scored, strict=True)
+            ]
     generator.close()
     if verifier is not generator:
         verifier.close()
     out.mkdir(parents=True, exist_ok=True)
-    atomic.write_text(out / "eval_judge_real.json",
-                      json.dumps({"results": {m: r.as_dict() for m, r in results.items()}, "sets": per_set}, indent=1))
+    atomic.write_text(
+        out / "eval_judge_real.json",
+        json.dumps({"results": {m: r.as_dict() for m, r in results.items()}, "sets": per_set}, indent=1),
+    )
     table = Table(title=f"judge on real policy output: {path} ({len(sets)} sets; order = the official checkers)")
     for col in ("mode", "separated sets", "pairs", "pairwise acc", "trains right", "trains wrong", "no advantage"):
         table.add_column(col)
     for mode, r in results.items():
-        table.add_row(mode, str(r.separated_sets), str(r.separated_pairs), f"{r.pairwise_accuracy:.3f}",
-                      str(r.trains_right), str(r.trains_wrong), str(r.no_advantage))
+        table.add_row(
+            mode,
+            str(r.separated_sets),
+            str(r.separated_pairs),
+            f"{r.pairwise_accuracy:.3f}",
+            str(r.trains_right),
+            str(r.trains_wrong),
+            str(r.no_advantage),
+        )
     console.print(table)
     console.print(f"wrote {out / 'eval_judge_real.json'}", markup=False)
     for mode, r in results.items():
@@ -365,7 +493,7 @@ def _eval_judge_real(settings, path: Path, modes: list[str], out: Path, batch: i
         print(f"trains_right_share_real[{mode}]: {share:.3f} ({r.trains_right} of {r.separated_sets} separated sets)")
 
 
-def _sample_real_sets(settings, path: Path, n: int) -> None:
+def _sample_real_sets(settings: Settings, path: Path, n: int) -> None:
     """K answers of the policy per held-out instruction prompt (the training sampling settings), each graded by
     the prompt's ground truth, written to `path`."""
     from dynrubric import atomic
@@ -373,8 +501,13 @@ def _sample_real_sets(settings, path: Path, n: int) -> None:
     from dynrubric.train.heldout import sample_sets
     from dynrubric.train.policy_eval import heldout_prompts
 
-    chosen = [p for p in heldout_prompts(settings.model_copy(update={
-        "evaluation": settings.evaluation.model_copy(update={"max_prompts": 10**9})})) if p.truth.instructions][:n]
+    chosen = [
+        p
+        for p in heldout_prompts(
+            settings.model_copy(update={"evaluation": settings.evaluation.model_copy(update={"max_prompts": 10**9})})
+        )
+        if p.truth.instructions
+    ][:n]
     with status(console, f"loading the {settings.engine.kind} policy engine"):
         engine = build_engine(settings, "policy")
     lines = []
@@ -382,12 +515,20 @@ def _sample_real_sets(settings, path: Path, n: int) -> None:
         bars.start("prompts sampled", len(chosen))
         for i in range(0, len(chosen), 8):
             chunk = chosen[i : i + 8]
-            _, outs = sample_sets(settings, engine, [p.prompt for p in chunk], settings.train.candidates,
-                                  settings.train.seed + i)
+            _, outs = sample_sets(
+                settings, engine, [p.prompt for p in chunk], settings.train.candidates, settings.train.seed + i
+            )
             for p, completions in zip(chunk, outs, strict=True):
                 responses = [c.text for c in completions]
-                lines.append(json.dumps({"prompt": p.prompt.question, "responses": responses,
-                                         "passed": [p.truth.passes(r) for r in responses]}))
+                lines.append(
+                    json.dumps(
+                        {
+                            "prompt": p.prompt.question,
+                            "responses": responses,
+                            "passed": [p.truth.passes(r) for r in responses],
+                        }
+                    )
+                )
             bars.advance("prompts sampled", len(chunk))
     engine.close()
     atomic.write_text(path, "\n".join(lines) + "\n")
@@ -410,8 +551,12 @@ def serve_reward(
     log_to_stderr()
     host, port = host or cfg.host, cfg.port if port is None else port
     port = port or free_port()  # port 0: pick one here, so the line below names where it listens
-    console.print(f"reward server on http://{host}:{port} (POST /reward, /get_reward, /score_sets): group size "
-                  f"{settings.train.candidates} (train.candidates = OpenRLHF's n_samples_per_prompt), group timeout "
-                  f"{cfg.group_timeout_s:g} s", markup=False, highlight=False, soft_wrap=True)
+    console.print(
+        f"reward server on http://{host}:{port} (POST /reward, /get_reward, /score_sets): group size "
+        f"{settings.train.candidates} (train.candidates = OpenRLHF's n_samples_per_prompt), group timeout "
+        f"{cfg.group_timeout_s:g} s",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
     serve(app, host, port)
-

@@ -6,9 +6,10 @@ can. These items join the generated items of every rubric.
 - `prompt_items(question)`: the prompt's ground truth (groundtruth.py: official IFEval instructions,
   checked by the official checkers; constraints in free words; the value of plain arithmetic), one item
   per part, and a negative item for a response that only repeats the question (the cheapest way to
-  "contain the keyword" or "stay under 40 words"), which the score applies as a veto (score.py). The evaluator never lets a calibration anchor
-  overrule these items, since an anchor that meets a prompt's constraint (the echoed question contains
-  its keyword) meets it for real; the ground-truth items hold `rubric.ground_truth_share` of the score.
+  "contain the keyword" or "stay under 40 words"), which the score applies as a veto (score.py). The
+  evaluator never lets a calibration anchor overrule these items, since an anchor that meets a prompt's
+  constraint (the echoed question contains its keyword) meets it for real; the ground-truth items hold
+  `rubric.ground_truth_share` of the score.
 - `consensus_items(responses)`: for a set whose candidates write final numbers and whose prompt has no
   computed answer, the number a strict plurality of at least two candidates (and at least 40% of those
   giving a number) reaches becomes a `final_number` item: self-consistency voting, the label test-time
@@ -46,15 +47,28 @@ def truth_items(truth: GroundTruth) -> list[RubricItem]:
     for words, check in truth.checks:
         found.append((f"The response {words}.", check, CONSTRAINT_WEIGHT))
     if truth.answer is not None:
-        found.append((f"The response's final number is {_fmt(truth.answer)}.",
-                      Check(kind="final_number", value=truth.answer), ANSWER_WEIGHT))
-    return [RubricItem(id=f"p{n + 1}", text=t, weight=w, check=c, origin="ground_truth")
-            for n, (t, c, w) in enumerate(found)]
+        found.append(
+            (
+                f"The response's final number is {_fmt(truth.answer)}.",
+                Check(kind="final_number", value=truth.answer),
+                ANSWER_WEIGHT,
+            )
+        )
+    return [
+        RubricItem(id=f"p{n + 1}", text=t, weight=w, check=c, origin="ground_truth")
+        for n, (t, c, w) in enumerate(found)
+    ]
 
 
 def echo_item(question: str) -> RubricItem:
-    return RubricItem(id="e1", text="The response only repeats the question instead of answering it.", weight=ECHO_WEIGHT,
-                      polarity=-1, check=Check(kind="echoes", value=question), origin="echo")
+    return RubricItem(
+        id="e1",
+        text="The response only repeats the question instead of answering it.",
+        weight=ECHO_WEIGHT,
+        polarity=-1,
+        check=Check(kind="echoes", value=question),
+        origin="echo",
+    )
 
 
 def prompt_items(question: str) -> list[RubricItem]:
@@ -74,7 +88,10 @@ def consensus_items(responses: Sequence[str]) -> list[RubricItem]:
         return []
     return [
         RubricItem(
-            id="v1", text=f"The response's final number is {_fmt(top)}, the answer most candidates reach.",
-            weight=CONSENSUS_WEIGHT, check=Check(kind="final_number", value=top), origin="consensus",
+            id="v1",
+            text=f"The response's final number is {_fmt(top)}, the answer most candidates reach.",
+            weight=CONSENSUS_WEIGHT,
+            check=Check(kind="final_number", value=top),
+            origin="consensus",
         )
     ]

@@ -47,7 +47,9 @@ class ScoredSet:
     responses: list[str]
     rubric: Rubric
     rubric_source: RubricSource
-    verdicts: list[list[float]]  # M x K (item x response): the verdicts scored (checked, calibrated); polarity NOT applied
+    verdicts: list[
+        list[float]
+    ]  # M x K (item x response): the verdicts scored (checked, calibrated); polarity NOT applied
     scores: list[float]  # K, each in [0, 1], never NaN
     gaps: GapStats
     hard_verdict_fallbacks: int
@@ -99,12 +101,16 @@ class EvaluatorMetrics:
     def __init__(self, registry: CollectorRegistry):
         self.sets = Counter("dynrubric_rubric_sets", "candidate sets scored", registry=registry)
         self.mean_gap = Histogram(
-            "dynrubric_rubric_mean_gap", "mean absolute pairwise score gap of each set",
-            buckets=GAP_BUCKETS, registry=registry,
+            "dynrubric_rubric_mean_gap",
+            "mean absolute pairwise score gap of each set",
+            buckets=GAP_BUCKETS,
+            registry=registry,
         )
         self.nonsplit_share = Histogram(
-            "dynrubric_rubric_nonsplit_item_share", "share of rubric items that split no pair in a set",
-            buckets=SHARE_BUCKETS, registry=registry,
+            "dynrubric_rubric_nonsplit_item_share",
+            "share of rubric items that split no pair in a set",
+            buckets=SHARE_BUCKETS,
+            registry=registry,
         )
         self.collapse = Gauge(
             "dynrubric_rubric_collapse", "1 while the rolling collapse detector fires", registry=registry
@@ -112,17 +118,17 @@ class EvaluatorMetrics:
         self.parse_failures = Counter(
             "dynrubric_rubric_parse_failures", "generator outputs that failed to parse/validate", registry=registry
         )
-        self.fallbacks = Counter(
-            "dynrubric_rubric_fallbacks", "fallback paths taken", ["kind"], registry=registry
-        )
+        self.fallbacks = Counter("dynrubric_rubric_fallbacks", "fallback paths taken", ["kind"], registry=registry)
         for kind in ("prompt_only", "generic", "hard_verdict"):
             self.fallbacks.labels(kind=kind)
         self.dropped_checks = Counter(
-            "dynrubric_rubric_dropped_checks", "malformed item checks dropped (the item is verifier-judged)",
+            "dynrubric_rubric_dropped_checks",
+            "malformed item checks dropped (the item is verifier-judged)",
             registry=registry,
         )
         self.untrusted = Counter(
-            "dynrubric_rubric_untrusted_sets", "sets where calibration anchors overruled every rubric item (rubric.trust_rule)",
+            "dynrubric_rubric_untrusted_sets",
+            "sets where calibration anchors overruled every rubric item (rubric.trust_rule)",
             registry=registry,
         )
 
@@ -192,16 +198,24 @@ class Evaluator:
                 checked = [run_check(item.check, r) for r in judged]
                 # an empty response meets no check and earns no credit for avoiding a flaw either
                 # ("not_contains X" at polarity -1 would otherwise score an empty answer above the rest)
-                checked = [0.0 if not r.strip() else c if item.polarity == 1 else 1.0 - c for c, r in zip(checked, judged, strict=True)]
+                checked = [
+                    0.0 if not r.strip() else c if item.polarity == 1 else 1.0 - c
+                    for c, r in zip(checked, judged, strict=True)
+                ]
                 z = [cw * c + (1.0 - cw) * x for c, x in zip(checked, z, strict=True)] if cw < 1.0 else checked
             oriented.append(z)
         # an item on which a known-bad anchor beats a real candidate is noise for this set; items read off the
         # prompt itself stand (the echoed question that contains the required keyword meets it for real)
-        overruled = [self.config.anchors and item.origin in OVERRULABLE
-                     and anchors_outrank(z[:k], z[k:], self.config.eps, self.config.trust_rule)
-                     for item, z in zip(rubric.items, oriented, strict=True)]
+        overruled = [
+            self.config.anchors
+            and item.origin in OVERRULABLE
+            and anchors_outrank(z[:k], z[k:], self.config.eps, self.config.trust_rule)
+            for item, z in zip(rubric.items, oriented, strict=True)
+        ]
         weights = item_weights(rubric, overruled, self.config.ground_truth_share)
-        effective = [[x if item.polarity == 1 else 1.0 - x for x in z] for item, z in zip(rubric.items, oriented, strict=True)]
+        effective = [
+            [x if item.polarity == 1 else 1.0 - x for x in z] for item, z in zip(rubric.items, oriented, strict=True)
+        ]
         all_scores = aggregate(effective, rubric, weights)
         scores, anchor_scores = all_scores[:k], all_scores[k:]
         return Judgement(

@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations
+from typing import Any
 
 from dynrubric.rubric.items import Rubric
 
@@ -112,9 +113,9 @@ class CollapseDetector:
     def state(self) -> dict[str, object]:
         return {"recent": [list(r) for r in self._recent], "singletons": self.singletons}
 
-    def restore(self, state: dict[str, object]) -> None:
+    def restore(self, state: dict[str, Any]) -> None:
         """Continue from `state()` (a window saved with another size keeps its newest sets)."""
         self._recent.clear()
-        self._recent.extend((float(g), float(s)) for g, s in state.get("recent", []))  # type: ignore[union-attr]
-        self.singletons = int(state.get("singletons", 0))  # type: ignore[arg-type]
+        self._recent.extend((float(g), float(s)) for g, s in state.get("recent", []))
+        self.singletons = int(state.get("singletons", 0))
         self._evaluate()

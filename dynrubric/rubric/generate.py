@@ -19,7 +19,15 @@ from dynrubric.config import RubricConfig
 from dynrubric.engines.base import Engine, GenerationRequest, SamplingParams
 from dynrubric.engines.grammar import json_text
 from dynrubric.rubric.derived import consensus_items, prompt_items
-from dynrubric.rubric.items import MAX_ITEMS, Rubric, RubricItem, RubricParseError, merge_items, parse_rubric, rubric_from_items
+from dynrubric.rubric.items import (
+    MAX_ITEMS,
+    Rubric,
+    RubricItem,
+    RubricParseError,
+    merge_items,
+    parse_rubric,
+    rubric_from_items,
+)
 from dynrubric.rubric.verify import truncate_tokens
 
 RubricSource = Literal["set", "prompt_only", "generic"]
@@ -36,15 +44,33 @@ def rubric_schema() -> dict[str, object]:
     phrase = json_text(1, 40)
     check = {
         "anyOf": [
-            {"type": "object", "properties": {"kind": {"enum": _PHRASE_KINDS}, "value": phrase},
-             "required": ["kind", "value"], "additionalProperties": False},
-            {"type": "object", "properties": {"kind": {"enum": _COUNT_KINDS},
-                                              "value": {"type": "integer", "minimum": 0, "maximum": 1000}},
-             "required": ["kind", "value"], "additionalProperties": False},
-            {"type": "object", "properties": {"kind": {"enum": ["final_number"]}, "value": {"type": "number"}},
-             "required": ["kind", "value"], "additionalProperties": False},
-            {"type": "object", "properties": {"kind": {"enum": ["no_commas", "lowercase"]}},
-             "required": ["kind"], "additionalProperties": False},
+            {
+                "type": "object",
+                "properties": {"kind": {"enum": _PHRASE_KINDS}, "value": phrase},
+                "required": ["kind", "value"],
+                "additionalProperties": False,
+            },
+            {
+                "type": "object",
+                "properties": {
+                    "kind": {"enum": _COUNT_KINDS},
+                    "value": {"type": "integer", "minimum": 0, "maximum": 1000},
+                },
+                "required": ["kind", "value"],
+                "additionalProperties": False,
+            },
+            {
+                "type": "object",
+                "properties": {"kind": {"enum": ["final_number"]}, "value": {"type": "number"}},
+                "required": ["kind", "value"],
+                "additionalProperties": False,
+            },
+            {
+                "type": "object",
+                "properties": {"kind": {"enum": ["no_commas", "lowercase"]}},
+                "required": ["kind"],
+                "additionalProperties": False,
+            },
         ]
     }
     item = {
@@ -52,7 +78,10 @@ def rubric_schema() -> dict[str, object]:
         "properties": {
             # every item starts "The response ": a small model then writes a claim about a response,
             # not numbering or an echo of the question
-            "text": {"type": "string", "pattern": f"^The response [a-z][ !#-\\[\\]-~]{{{ITEM_TEXT_CHARS[0]},{ITEM_TEXT_CHARS[1]}}}$"},
+            "text": {
+                "type": "string",
+                "pattern": f"^The response [a-z][ !#-\\[\\]-~]{{{ITEM_TEXT_CHARS[0]},{ITEM_TEXT_CHARS[1]}}}$",
+            },
             "weight": {"type": "integer", "minimum": 1, "maximum": 5},
             "polarity": {"enum": [1, -1]},
             "check": check,
@@ -62,8 +91,9 @@ def rubric_schema() -> dict[str, object]:
     }
     return {
         "type": "object",
-        "properties": {"items": {"type": "array", "items": item,
-                                 "minItems": GENERATED_ITEMS[0], "maxItems": GENERATED_ITEMS[1]}},
+        "properties": {
+            "items": {"type": "array", "items": item, "minItems": GENERATED_ITEMS[0], "maxItems": GENERATED_ITEMS[1]}
+        },
         "required": ["items"],
         "additionalProperties": False,
     }
@@ -74,12 +104,12 @@ RUBRIC_SCHEMA_JSON = json.dumps(rubric_schema(), separators=(",", ":"))
 
 # The format is described in words: small models copy a literal example back instead of writing items.
 FORMAT = (
-    "Answer with a JSON object whose key \"items\" holds a list of 2 to 4 rubric items. Each item has "
-    "\"text\" (one short yes/no check of a response, specific to this question, starting \"The response\"), \"weight\" "
-    "(an integer: 5 essential, 1 minor) and \"polarity\" (1 when meeting it is good, -1 when it is a "
-    "flaw). When the property is mechanical, add \"check\" with \"kind\" one of contains, "
-    "not_contains, starts_with, ends_with (with a short \"value\" phrase), max_words, min_words, "
-    "bullet_count (with a whole-number \"value\"), final_number (with the number as \"value\"), "
+    'Answer with a JSON object whose key "items" holds a list of 2 to 4 rubric items. Each item has '
+    '"text" (one short yes/no check of a response, specific to this question, starting "The response"), "weight" '
+    '(an integer: 5 essential, 1 minor) and "polarity" (1 when meeting it is good, -1 when it is a '
+    'flaw). When the property is mechanical, add "check" with "kind" one of contains, '
+    'not_contains, starts_with, ends_with (with a short "value" phrase), max_words, min_words, '
+    'bullet_count (with a whole-number "value"), final_number (with the number as "value"), '
     "no_commas or lowercase."
 )
 SET_INSTRUCTIONS = (
@@ -154,7 +184,7 @@ class RubricGenerator:
             )
             for p, s in zip(prompts, seeds, strict=True)
         ]
-        out = []
+        out: list[tuple[Rubric | None, str, str, list[str]]] = []
         for completions in self.engine.generate(requests):
             raw = completions[0].text if completions else ""
             notes: list[str] = []
@@ -171,8 +201,10 @@ class RubricGenerator:
         and (set mode) the candidates' consensus answer when no answer follows from the question.
         Derived items come first, so a generated near-duplicate merges into them."""
         derived: list[RubricItem] = prompt_items(question) if self.config.prompt_constraints else []
-        if self.config.mode == "set" and self.config.consensus and not any(
-            i.check is not None and i.check.kind == "final_number" for i in derived
+        if (
+            self.config.mode == "set"
+            and self.config.consensus
+            and not any(i.check is not None and i.check.kind == "final_number" for i in derived)
         ):
             derived += consensus_items(responses)
         if not derived:
@@ -180,8 +212,12 @@ class RubricGenerator:
         raw = [(i.id, i.text, i.weight, i.polarity, i.check) for i in [*derived, *rubric.items]]
         # derived items come first, so merging keeps their ids (a generated item's clashing id is renamed)
         origin = {i.id: i.origin for i in derived}
-        return Rubric(items=[i.model_copy(update={"origin": origin.get(i.id, "generator")})
-                             for i in merge_items(raw, max_items=MAX_ITEMS)])
+        return Rubric(
+            items=[
+                i.model_copy(update={"origin": origin.get(i.id, "generator")})
+                for i in merge_items(raw, max_items=MAX_ITEMS)
+            ]
+        )
 
     def generate_many(
         self, questions: Sequence[str], candidate_sets: Sequence[Sequence[str]], seed: int

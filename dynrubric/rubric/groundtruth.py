@@ -57,8 +57,11 @@ class GroundTruth(BaseModel):
     def results(self, response: str) -> list[bool]:
         """One verdict per part: the answer first (when there is one), then each instruction."""
         out = [answer_matches(self.answer, response)] if self.answer is not None else []
-        return out + [i.follows(response) for i in self.instructions] + [run_check(c, response) == 1.0
-                                                                          for _, c in self.checks]
+        return (
+            out
+            + [i.follows(response) for i in self.instructions]
+            + [run_check(c, response) == 1.0 for _, c in self.checks]
+        )
 
     def passes(self, response: str) -> bool:
         """Every part met (IFEval's strict prompt-level accuracy); False for an empty ground truth."""
@@ -83,83 +86,218 @@ _LIST = r"(\[[^\]\n]{1,400}\])"
 
 # official descriptions (if_verifiable.ifeval.instructions.*.build_description), with the arguments as groups
 _OFFICIAL: list[tuple[str, re.Pattern[str], Callable[[re.Match[str]], dict[str, Any]]]] = [
-    ("keywords:existence", re.compile(_words("Include keywords") + r"\s+" + _LIST + r"\s+" + _words("in the response.")),
-     lambda m: {"keywords": _string_list(m[1])}),
-    ("keywords:forbidden_words",
-     re.compile(_words("Do not include keywords") + r"\s+" + _LIST + r"\s+" + _words("in the response.")),
-     lambda m: {"forbidden_words": _string_list(m[1])}),
-    ("keywords:frequency", re.compile(
-        _words("In your response, the word") + r"\s+(\S+)\s+" + _words("should appear") + r"\s+" + _REL + r"\s+(\d+)\s+times\."),
-     lambda m: {"keyword": m[1], "frequency": int(m[3]), "relation": m[2]}),
-    ("keywords:letter_frequency", re.compile(
-        _words("In your response, the letter") + r"\s+(\w)\s+" + _words("should appear") + r"\s+" + _REL + r"\s+(\d+)\s+times\."),
-     lambda m: {"letter": m[1], "let_frequency": int(m[3]), "let_relation": m[2]}),
-    ("language:response_language", re.compile(
-        _words("Your ENTIRE response should be in") + r"\s+(\w+)\s+" + _words("language, no other language is allowed.")),
-     lambda m: {"language": _language_code(m[1])}),
-    ("length_constraints:number_paragraphs", re.compile(
-        _words("There should be") + r"\s+(\d+)\s+" + _words("paragraphs. Paragraphs are separated with the markdown divider: ***")),
-     lambda m: {"num_paragraphs": int(m[1])}),
-    ("length_constraints:nth_paragraph_first_word", re.compile(
-        _words("There should be") + r"\s+(\d+)\s+"
-        + _words("paragraphs. Paragraphs and only paragraphs are separated with each other by two new lines as if it was "
-                 "'\\n\\n' in python. Paragraph") + r"\s+(\d+)\s+" + _words("must start with word") + r"\s+(\S+?)\."),
-     lambda m: {"num_paragraphs": int(m[1]), "nth_paragraph": int(m[2]), "first_word": m[3]}),
-    ("length_constraints:number_words", re.compile(_words("Answer with") + r"\s+" + _REL + r"\s+(\d+)\s+words\."),
-     lambda m: {"num_words": int(m[2]), "relation": m[1]}),
-    ("detectable_content:number_placeholders", re.compile(
-        _words("The response must contain at least") + r"\s+(\d+)\s+"
-        + _words("placeholders represented by square brackets, such as [address].")),
-     lambda m: {"num_placeholders": int(m[1])}),
-    ("detectable_content:postscript", re.compile(
-        _words("At the end of your response, please explicitly add a postscript starting with") + r"\s+(\S+?)(?=\s|$)"),
-     lambda m: {"postscript_marker": m[1]}),
-    ("detectable_format:number_bullet_lists", re.compile(
-        _words("Your answer must contain exactly") + r"\s+(\d+)\s+"
-        + _words("bullet points. Use the markdown bullet points such as: * This is point 1. * This is point 2")),
-     lambda m: {"num_bullets": int(m[1])}),
-    ("detectable_format:constrained_response", re.compile(
-        _words("Answer with one of the following options: ('My answer is yes.', 'My answer is no.', 'My answer is maybe.')")),
-     lambda m: {}),
-    ("detectable_format:number_highlighted_sections", re.compile(
-        _words("Highlight at least") + r"\s+(\d+)\s+" + _words("sections in your answer with markdown, i.e. *highlighted section*.")),
-     lambda m: {"num_highlights": int(m[1])}),
-    ("detectable_format:multiple_sections", re.compile(
-        _words("Your response must have") + r"\s+(\d+)\s+" + _words("sections. Mark the beginning of each section with")
-        + r"\s+(\w+)\s+X,\s+such\s+as:\s+\2\s+1\s+" + _words("[content of section 1]") + r"\s+\2\s+2\s+"
-        + _words("[content of section 2]")),
-     lambda m: {"section_spliter": m[2], "num_sections": int(m[1])}),
-    ("detectable_format:json_format", re.compile(
-        _words("Entire output should be wrapped in JSON format. You can use markdown ticks such as ```.")), lambda m: {}),
-    ("detectable_format:title", re.compile(
-        _words("Your answer must contain a title, wrapped in double angular brackets, such as <<poem of joy>>.")),
-     lambda m: {}),
-    ("combination:two_responses", re.compile(
-        _words("Give two different responses. Responses and only responses should be separated by 6 asterisk symbols: "
-               "******.")), lambda m: {}),
-    ("startend:end_checker", re.compile(
-        _words("Finish your response with this exact phrase") + r"\s+(.{1,200}?)\.\s+"
-        + _words("No other words should follow this phrase.")),
-     lambda m: {"end_phrase": m[1]}),
+    (
+        "keywords:existence",
+        re.compile(_words("Include keywords") + r"\s+" + _LIST + r"\s+" + _words("in the response.")),
+        lambda m: {"keywords": _string_list(m[1])},
+    ),
+    (
+        "keywords:forbidden_words",
+        re.compile(_words("Do not include keywords") + r"\s+" + _LIST + r"\s+" + _words("in the response.")),
+        lambda m: {"forbidden_words": _string_list(m[1])},
+    ),
+    (
+        "keywords:frequency",
+        re.compile(
+            _words("In your response, the word")
+            + r"\s+(\S+)\s+"
+            + _words("should appear")
+            + r"\s+"
+            + _REL
+            + r"\s+(\d+)\s+times\."
+        ),
+        lambda m: {"keyword": m[1], "frequency": int(m[3]), "relation": m[2]},
+    ),
+    (
+        "keywords:letter_frequency",
+        re.compile(
+            _words("In your response, the letter")
+            + r"\s+(\w)\s+"
+            + _words("should appear")
+            + r"\s+"
+            + _REL
+            + r"\s+(\d+)\s+times\."
+        ),
+        lambda m: {"letter": m[1], "let_frequency": int(m[3]), "let_relation": m[2]},
+    ),
+    (
+        "language:response_language",
+        re.compile(
+            _words("Your ENTIRE response should be in")
+            + r"\s+(\w+)\s+"
+            + _words("language, no other language is allowed.")
+        ),
+        lambda m: {"language": _language_code(m[1])},
+    ),
+    (
+        "length_constraints:number_paragraphs",
+        re.compile(
+            _words("There should be")
+            + r"\s+(\d+)\s+"
+            + _words("paragraphs. Paragraphs are separated with the markdown divider: ***")
+        ),
+        lambda m: {"num_paragraphs": int(m[1])},
+    ),
+    (
+        "length_constraints:nth_paragraph_first_word",
+        re.compile(
+            _words("There should be")
+            + r"\s+(\d+)\s+"
+            + _words(
+                "paragraphs. Paragraphs and only paragraphs are separated with each other by two new lines "
+                "as if it was "
+                "'\\n\\n' in python. Paragraph"
+            )
+            + r"\s+(\d+)\s+"
+            + _words("must start with word")
+            + r"\s+(\S+?)\."
+        ),
+        lambda m: {"num_paragraphs": int(m[1]), "nth_paragraph": int(m[2]), "first_word": m[3]},
+    ),
+    (
+        "length_constraints:number_words",
+        re.compile(_words("Answer with") + r"\s+" + _REL + r"\s+(\d+)\s+words\."),
+        lambda m: {"num_words": int(m[2]), "relation": m[1]},
+    ),
+    (
+        "detectable_content:number_placeholders",
+        re.compile(
+            _words("The response must contain at least")
+            + r"\s+(\d+)\s+"
+            + _words("placeholders represented by square brackets, such as [address].")
+        ),
+        lambda m: {"num_placeholders": int(m[1])},
+    ),
+    (
+        "detectable_content:postscript",
+        re.compile(
+            _words("At the end of your response, please explicitly add a postscript starting with")
+            + r"\s+(\S+?)(?=\s|$)"
+        ),
+        lambda m: {"postscript_marker": m[1]},
+    ),
+    (
+        "detectable_format:number_bullet_lists",
+        re.compile(
+            _words("Your answer must contain exactly")
+            + r"\s+(\d+)\s+"
+            + _words("bullet points. Use the markdown bullet points such as: * This is point 1. * This is point 2")
+        ),
+        lambda m: {"num_bullets": int(m[1])},
+    ),
+    (
+        "detectable_format:constrained_response",
+        re.compile(
+            _words(
+                "Answer with one of the following options: "
+                "('My answer is yes.', 'My answer is no.', 'My answer is maybe.')"
+            )
+        ),
+        lambda m: {},
+    ),
+    (
+        "detectable_format:number_highlighted_sections",
+        re.compile(
+            _words("Highlight at least")
+            + r"\s+(\d+)\s+"
+            + _words("sections in your answer with markdown, i.e. *highlighted section*.")
+        ),
+        lambda m: {"num_highlights": int(m[1])},
+    ),
+    (
+        "detectable_format:multiple_sections",
+        re.compile(
+            _words("Your response must have")
+            + r"\s+(\d+)\s+"
+            + _words("sections. Mark the beginning of each section with")
+            + r"\s+(\w+)\s+X,\s+such\s+as:\s+\2\s+1\s+"
+            + _words("[content of section 1]")
+            + r"\s+\2\s+2\s+"
+            + _words("[content of section 2]")
+        ),
+        lambda m: {"section_spliter": m[2], "num_sections": int(m[1])},
+    ),
+    (
+        "detectable_format:json_format",
+        re.compile(_words("Entire output should be wrapped in JSON format. You can use markdown ticks such as ```.")),
+        lambda m: {},
+    ),
+    (
+        "detectable_format:title",
+        re.compile(
+            _words("Your answer must contain a title, wrapped in double angular brackets, such as <<poem of joy>>.")
+        ),
+        lambda m: {},
+    ),
+    (
+        "combination:two_responses",
+        re.compile(
+            _words(
+                "Give two different responses. Responses and only responses should be separated by 6 asterisk symbols: "
+                "******."
+            )
+        ),
+        lambda m: {},
+    ),
+    (
+        "startend:end_checker",
+        re.compile(
+            _words("Finish your response with this exact phrase")
+            + r"\s+(.{1,200}?)\.\s+"
+            + _words("No other words should follow this phrase.")
+        ),
+        lambda m: {"end_phrase": m[1]},
+    ),
     ("startend:quotation", re.compile(_words("Wrap your entire response with double quotation marks.")), lambda m: {}),
-    ("change_case:english_capital", re.compile(
-        _words("Your entire response should be in English, and in all capital letters.")), lambda m: {}),
-    ("change_case:english_lowercase", re.compile(
-        _words("Your entire response should be in English, and in all lowercase letters. No capital letters are allowed.")),
-     lambda m: {}),
-    ("punctuation:no_comma", re.compile(_words("In your entire response, refrain from the use of any commas.")),
-     lambda m: {}),
+    (
+        "change_case:english_capital",
+        re.compile(_words("Your entire response should be in English, and in all capital letters.")),
+        lambda m: {},
+    ),
+    (
+        "change_case:english_lowercase",
+        re.compile(
+            _words(
+                "Your entire response should be in English, and in all lowercase letters. "
+                "No capital letters are allowed."
+            )
+        ),
+        lambda m: {},
+    ),
+    (
+        "punctuation:no_comma",
+        re.compile(_words("In your entire response, refrain from the use of any commas.")),
+        lambda m: {},
+    ),
 ]
-_REPEAT = re.compile(_words(
-    "First repeat the request word for word without change, then give your answer (1. do not say any words or "
-    "characters before repeating the request; 2. the request you need to repeat does not include this sentence)"))
+_REPEAT = re.compile(
+    _words(
+        "First repeat the request word for word without change, then give your answer (1. do not say any words or "
+        "characters before repeating the request; 2. the request you need to repeat does not include this sentence)"
+    )
+)
 
 # free phrasings of common constraints ("in at most 40 words", "include the word 'blue'"): no official
 # description to match, so they are read into this project's own checks (checks.py), the same for every reader
 _WORD_NUMBERS = {
-    "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8, "nine": 9,
-    "ten": 10, "eleven": 11, "twelve": 12, "fifteen": 15, "twenty": 20, "thirty": 30, "forty": 40,
-    "fifty": 50, "hundred": 100,
+    "one": 1,
+    "two": 2,
+    "three": 3,
+    "four": 4,
+    "five": 5,
+    "six": 6,
+    "seven": 7,
+    "eight": 8,
+    "nine": 9,
+    "ten": 10,
+    "eleven": 11,
+    "twelve": 12,
+    "fifteen": 15,
+    "twenty": 20,
+    "thirty": 30,
+    "forty": 40,
+    "fifty": 50,
+    "hundred": 100,
 }
 _N = r"(\d+|" + "|".join(_WORD_NUMBERS) + r")"
 _QUOTED = r"[\"'\u201c\u2018]([^\"'\u201d\u2019]{1,60})[\"'\u201d\u2019]"
@@ -173,11 +311,13 @@ _MIN_WORDS = re.compile(
 )
 _BULLETS = re.compile(rf"\b(?:exactly\s+)?{_N}\s+(?:bullet points|bullets|bulleted items|bullet-point items)", _I)
 _INCLUDE = re.compile(
-    rf"\b(?:include|includes|including|use|mention|contain|contains)\s+the\s+(?:word|phrase|keyword|term)\s+{_PHRASE}", _I
+    rf"\b(?:include|includes|including|use|mention|contain|contains)\s+the\s+(?:word|phrase|keyword|term)\s+{_PHRASE}",
+    _I,
 )
 _EXCLUDE = re.compile(
     rf"\b(?:do not|don't|never|without|avoid)\s+(?:use|using|include|including|mention|mentioning|say|saying)?\s*"
-    rf"(?:the\s+)?(?:word|phrase|keyword|term)\s+{_PHRASE}", _I
+    rf"(?:the\s+)?(?:word|phrase|keyword|term)\s+{_PHRASE}",
+    _I,
 )
 _START = re.compile(
     rf"\b(?:start|begin)\s+(?:your\s+(?:response|answer|reply)\s+)?with\s+(?:the\s+(?:word|phrase)\s+)?{_PHRASE}", _I
@@ -190,7 +330,12 @@ _NO_COMMAS = re.compile(r"\b(?:no|without|do not use|don't use|avoid|never use)\
 _LOWERCASE = re.compile(r"\b(?:all\s+)?(?:in\s+)?lower[- ]?case(?:\s+letters)?\b|\bno capital letters\b", _I)
 _ONE_WORD = re.compile(r"\b(?:in|with|using)\s+(?:exactly\s+)?(?:one|a single)\s+word\b", _I)
 _ARITHMETIC = re.compile(r"\bwhat is\s+([\d\s.+\-*/x\u00d7\u00f7()]+?)\s*[?=]", _I)
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+_OPS: dict[type[ast.operator], Callable[[float, float], float]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+}
 
 
 def _number(token: str) -> int:
@@ -297,8 +442,11 @@ def derive(question: str) -> GroundTruth:
     answer = None
     if (m := _ARITHMETIC.search(question)) is not None:
         answer = evaluate_arithmetic(m[1])
-    return GroundTruth(answer=answer, instructions=tuple(i for _, i in sorted(found, key=lambda f: f[0])),
-                       checks=tuple(free_checks(rest)))
+    return GroundTruth(
+        answer=answer,
+        instructions=tuple(i for _, i in sorted(found, key=lambda f: f[0])),
+        checks=tuple(free_checks(rest)),
+    )
 
 
 def describe_all(instructions: Sequence[Instruction]) -> str:

@@ -109,5 +109,3 @@ def _checker(key: str) -> _Official:
             return False
 
     return _Official(description, check)
-
-

@@ -37,11 +37,15 @@ def item_weights(rubric: Rubric, overruled: Sequence[bool], ground_truth_share: 
     if not w_truth or not w_rest:
         return [float(i.weight) if t or r else 0.0 for i, t, r in zip(rubric.items, truth, rest, strict=True)]
     s = ground_truth_share
-    return [s * i.weight / w_truth if t else (1.0 - s) * i.weight / w_rest if r else 0.0
-            for i, t, r in zip(rubric.items, truth, rest, strict=True)]
+    return [
+        s * i.weight / w_truth if t else (1.0 - s) * i.weight / w_rest if r else 0.0
+        for i, t, r in zip(rubric.items, truth, rest, strict=True)
+    ]
 
 
-def aggregate(verdicts: Sequence[Sequence[float]], rubric: Rubric, weights: Sequence[float] | None = None) -> list[float]:
+def aggregate(
+    verdicts: Sequence[Sequence[float]], rubric: Rubric, weights: Sequence[float] | None = None
+) -> list[float]:
     """K scores in [0, 1] from M x K raw P(yes) verdicts; `z = v` for polarity +1, `1 - v` for -1, weighted by
     `weights` (default: the items' own weights), times the echo veto (module docstring).
 
@@ -52,8 +56,10 @@ def aggregate(verdicts: Sequence[Sequence[float]], rubric: Rubric, weights: Sequ
         raise ValueError(f"{len(verdicts)} verdict rows for {len(rubric.items)} rubric items")
     if not verdicts:
         return []
-    weights = [0.0 if i.origin == "echo" else float(w)
-               for i, w in zip(rubric.items, rubric.weights if weights is None else weights, strict=True)]
+    weights = [
+        0.0 if i.origin == "echo" else float(w)
+        for i, w in zip(rubric.items, rubric.weights if weights is None else weights, strict=True)
+    ]
     k = len(verdicts[0])
     total_weight = sum(weights)
     scores = []

@@ -72,7 +72,8 @@ def truncate_tokens(engine: Engine, text: str, budget: int) -> str:
     ids = engine.tokenizer.encode(text, add_special_tokens=False)
     if len(ids) <= budget:
         return text
-    return engine.tokenizer.decode(ids[:budget], skip_special_tokens=True) + " ..."
+    cut: str = engine.tokenizer.decode(ids[:budget], skip_special_tokens=True)
+    return cut + " ..."
 
 
 def response_prefix(question: str, response: str) -> str:
@@ -80,10 +81,11 @@ def response_prefix(question: str, response: str) -> str:
 
 
 def verifier_prompt(engine: Engine, question: str, response: str, criterion: str) -> str:
-    user = f"{response_prefix(question, response)}{CRITERION_MARK}{criterion}\nDoes the response meet the criterion? Answer Yes or No."
-    return engine.render_chat(
-        [{"role": "system", "content": VERIFIER_INSTRUCTIONS}, {"role": "user", "content": user}]
+    user = (
+        f"{response_prefix(question, response)}{CRITERION_MARK}{criterion}\n"
+        "Does the response meet the criterion? Answer Yes or No."
     )
+    return engine.render_chat([{"role": "system", "content": VERIFIER_INSTRUCTIONS}, {"role": "user", "content": user}])
 
 
 def verdict_from_logprobs(logprobs: dict[str, float], answers: AnswerTokens) -> float | None:
@@ -124,7 +126,7 @@ class Verifier:
     def prompts(self, question: str, responses: Sequence[str], items: Rubric | Sequence[RubricItem]) -> list[str]:
         """M*K prompts, response-major: index k*M + m is (item m, response k)."""
         items = items.items if isinstance(items, Rubric) else items
-        out = []
+        out: list[str] = []
         for response in responses:
             cut = truncate_tokens(self.engine, response, self.response_token_budget)
             out.extend(verifier_prompt(self.engine, question, cut, item.text) for item in items)

@@ -39,10 +39,10 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from dynrubric.config import CoevolveConfig
-from dynrubric.engines.base import Engine, GenerationRequest, SamplingParams
+from dynrubric.engines.base import Completion, Engine, GenerationRequest, SamplingParams
 from dynrubric.errors import DynrubricError
 from dynrubric.rubric.items import Rubric, RubricParseError, parse_rubric
 from dynrubric.train.grpo import CandidateSet, SampledResponse
@@ -115,14 +115,22 @@ def agreement(ranked_scores: Sequence[float], eps: float) -> tuple[float, int]:
     pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
     if not pairs:
         return 0.0, 0
-    won = sum(1.0 if ranked_scores[i] - ranked_scores[j] >= eps else 0.5 if abs(ranked_scores[i] - ranked_scores[j]) < eps
-              else 0.0 for i, j in pairs)
+    won = sum(
+        1.0
+        if ranked_scores[i] - ranked_scores[j] >= eps
+        else 0.5
+        if abs(ranked_scores[i] - ranked_scores[j]) < eps
+        else 0.0
+        for i, j in pairs
+    )
     return won / len(pairs), len(pairs)
 
 
 def lineage_ages(versions: Mapping[str, str | None], current: str) -> dict[str, int]:
     """Distance of each ancestor from `current` along parent links (current itself: 0)."""
-    ages, v, age = {}, current, 0
+    ages: dict[str, int] = {}
+    v: str | None = current
+    age = 0
     while v is not None and v not in ages:
         ages[v] = age
         v, age = versions.get(v), age + 1
@@ -139,9 +147,7 @@ def temporal_anchors(
 ) -> list[str] | None:
     """[current response, one response per older version by increasing age]; None when no older
     version within [min_age, max_age] logged a response to the prompt."""
-    older = sorted(
-        (ages[v], v) for v, rs in by_version.items() if rs and v in ages and min_age <= ages[v] <= max_age
-    )
+    older = sorted((ages[v], v) for v, rs in by_version.items() if rs and v in ages and min_age <= ages[v] <= max_age)
     if not older:
         return None
     return [current_response] + [rng.choice(list(by_version[v])) for _, v in older]
@@ -151,14 +157,18 @@ def read_anchor_file(path: Path) -> dict[str, list[str]]:
     """Human-ranked anchors by prompt key: JSONL `{"prompt" | "messages", "responses": [best..worst]}`."""
     path = Path(path)
     if not path.is_file():
-        raise DynrubricError(f"anchors file {path} does not exist", "set train.coevolve.anchors_file, or anchors=temporal")
+        raise DynrubricError(
+            f"anchors file {path} does not exist", "set train.coevolve.anchors_file, or anchors=temporal"
+        )
     out: dict[str, list[str]] = {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
-            prompt = make_prompt(obj["prompt"] if "prompt" in obj else [(m["role"], m["content"]) for m in obj["messages"]])
+            prompt = make_prompt(
+                obj["prompt"] if "prompt" in obj else [(m["role"], m["content"]) for m in obj["messages"]]
+            )
             responses = [str(r) for r in obj["responses"]]
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise DynrubricError(
@@ -211,7 +221,10 @@ def generator_groups(
     tokens are never sampled, so the update only reweights choices the grammar allowed."""
     prompts = [set_prompt(p.question, responses) for p, responses in sets]
     params = SamplingParams(
-        max_tokens=config.generator_max_tokens, temperature=temperature, n=config.rubric_samples, seed=seed,
+        max_tokens=config.generator_max_tokens,
+        temperature=temperature,
+        n=config.rubric_samples,
+        seed=seed,
         json_schema=json_schema,
     )
     outputs = generator.generate([GenerationRequest(p, params) for p in prompts])
@@ -222,7 +235,9 @@ def generator_groups(
     disc_all: list[float] = []
     anchor_all: list[float] = []
     for (prompt, responses), gen_prompt, completions, anchor in zip(sets, prompts, outputs, anchors, strict=True):
-        disc, anch, fmt = [], [], []
+        disc: list[float] = []
+        anch: list[float | None] = []
+        fmt: list[float] = []
         user_sets += int(anchor is not None and anchor.source == "users")
         for c in completions:
             try:
@@ -250,8 +265,9 @@ def generator_groups(
         anchor_all.extend(parsed)
         adv = [
             d + config.anchor_lambda * a + config.format_weight * f
-            for d, a, f in zip(normalised(disc, tie_eps), normalised(anch_filled, tie_eps), normalised(fmt, tie_eps),
-                               strict=True)
+            for d, a, f in zip(
+                normalised(disc, tie_eps), normalised(anch_filled, tie_eps), normalised(fmt, tie_eps), strict=True
+            )
         ]
         prompt_ids = tuple(tok.encode(gen_prompt, add_special_tokens=False))
         rollouts = tuple(sampled_response(prompt_ids, c, tok) for c in completions)
@@ -270,7 +286,7 @@ def generator_groups(
     return groups, stats
 
 
-def completion_ids(completion, tokenizer) -> tuple[int, ...]:
+def completion_ids(completion: Completion, tokenizer: Any) -> tuple[int, ...]:
     """The sampled token ids, with the end-of-sequence token the model chose to stop on (the tokenizer's
     when a stop string or a grammar ended it), so that the update also teaches when to stop."""
     ids = tuple(completion.token_ids)
@@ -280,7 +296,7 @@ def completion_ids(completion, tokenizer) -> tuple[int, ...]:
     return ids
 
 
-def completion_logprobs(completion, tokenizer) -> tuple[float, ...] | None:
+def completion_logprobs(completion: Completion, tokenizer: Any) -> tuple[float, ...] | None:
     """The engine's log-probs of `completion_ids`' tokens, or None: the engine returned none, or the
     end-of-sequence token appended was not sampled (a stop string or a grammar ended the completion)."""
     if completion.logprobs is None:
@@ -292,7 +308,8 @@ def completion_logprobs(completion, tokenizer) -> tuple[float, ...] | None:
     return (*completion.logprobs, completion.stop_logprob)
 
 
-def sampled_response(prompt_ids: tuple[int, ...], completion, tokenizer) -> SampledResponse:
+def sampled_response(prompt_ids: tuple[int, ...], completion: Completion, tokenizer: Any) -> SampledResponse:
     """A completion as the trainer's rollout: its ids with the stop token, and the engine's log-probs."""
-    return SampledResponse(prompt_ids, completion_ids(completion, tokenizer),
-                           completion_logprobs(completion, tokenizer))
+    return SampledResponse(
+        prompt_ids, completion_ids(completion, tokenizer), completion_logprobs(completion, tokenizer)
+    )

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 from rich.table import Table
@@ -18,12 +18,23 @@ from dynrubric.context import settings_of
 from dynrubric.errors import DynrubricError
 from dynrubric.progress import Bars
 
+if TYPE_CHECKING:  # the commands import these inside their bodies (see above)
+    import uvicorn
+    from prometheus_client import CollectorRegistry
+
+    from dynrubric.config import Settings
+    from dynrubric.engines.base import Engine
+    from dynrubric.registry import Registry
+    from dynrubric.train.prompts import PromptSource
+    from dynrubric.train.rounds import EngineRole
+    from dynrubric.train.step import EngineFactory
+
 console = make_console()
 registry_app = typer.Typer(help="The checkpoint registry: versions, lineage, states.", no_args_is_help=True)
 train_app = typer.Typer(help="Policy updates: embedded GRPO rounds, OpenRLHF on Ray.", no_args_is_help=True)
 
 
-def _registry(ctx: typer.Context, existing: bool = False):
+def _registry(ctx: typer.Context, existing: bool = False) -> Registry:
     """The configured registry; with `existing`, a missing SQLite file is an error instead of a new
     empty registry (a command that only reads must not create state in the wrong place)."""
     from dynrubric.registry import open_registry, sqlite_path
@@ -108,7 +119,7 @@ def registry_reject(
 
 
 # ---------------------------------------------------------------- train
-def prompt_source(settings):
+def prompt_source(settings: Settings) -> PromptSource:
     """The composition root's choice of prompt source (ARCHITECTURE section 5)."""
     from dynrubric.train.prompts import JsonlPromptSource
     from dynrubric.train.rounds import response_history
@@ -116,8 +127,10 @@ def prompt_source(settings):
     cfg = settings.train
     if cfg.prompt_source == "jsonl":
         if cfg.prompts_file is None:
-            raise DynrubricError("train.prompt_source is 'jsonl' but train.prompts_file is not set",
-                                 "set train.prompts_file (or DYNRUBRIC_TRAIN__PROMPTS_FILE) to a JSONL file")
+            raise DynrubricError(
+                "train.prompt_source is 'jsonl' but train.prompts_file is not set",
+                "set train.prompts_file (or DYNRUBRIC_TRAIN__PROMPTS_FILE) to a JSONL file",
+            )
         return JsonlPromptSource(cfg.prompts_file, response_history(settings))
     try:
         from streaming.store import replay_prompt_source
@@ -129,7 +142,7 @@ def prompt_source(settings):
     return replay_prompt_source(settings)
 
 
-def engine_factory(settings):
+def engine_factory(settings: Settings) -> EngineFactory:
     """Engines by role over a model dir, as configured (in-process transformers or OpenAI HTTP). An HTTP engine of a
     role the round trains (policy, generator) is made to serve the model dir's weights; with
     `engine.shared_servers` the engines on one URL take turns on it (engines/http.py: SharedServer)."""
@@ -138,15 +151,16 @@ def engine_factory(settings):
     cfg = settings.engine
     servers: dict[str, SharedServer] = {}
 
-    def make(role: str, model_dir: Path):
+    def make(role: str, model_dir: Path) -> Engine:
         if cfg.kind == "transformers" or role in cfg.in_process:
             from dynrubric.engines.hf import TransformersEngine
 
-            return TransformersEngine(model_dir, dtype=cfg.dtype, threads=cfg.threads,
-                                      max_batch_size=cfg.max_batch_size, device=cfg.device)
+            return TransformersEngine(
+                model_dir, dtype=cfg.dtype, threads=cfg.threads, max_batch_size=cfg.max_batch_size, device=cfg.device
+            )
         from dynrubric.engines.http import OpenAIHTTPEngine
 
-        url = cfg.url_for(role)
+        url = cfg.url_for(cast("EngineRole", role))  # the rounds ask for policy, generator or verifier
         shared = servers.setdefault(url, SharedServer()) if cfg.shared_servers else None
         engine = OpenAIHTTPEngine(url, model_dir, api_key=cfg.api_key, timeout_s=cfg.timeout_s, shared=shared)
         if shared is not None and role != "verifier":
@@ -156,15 +170,16 @@ def engine_factory(settings):
     return make
 
 
-def _serve_metrics(registry, port: int):
+def _serve_metrics(registry: CollectorRegistry, port: int) -> uvicorn.Server:
     import threading
 
     import uvicorn
 
     from dynrubric.service import make_app
 
-    server = uvicorn.Server(uvicorn.Config(make_app("dynrubric trainer", registry), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(make_app("dynrubric trainer", registry), host="127.0.0.1", port=port, log_level="warning")
+    )
     threading.Thread(target=server.run, daemon=True).start()
     return server
 
@@ -172,7 +187,9 @@ def _serve_metrics(registry, port: int):
 @train_app.command("round")
 def train_round(
     ctx: typer.Context,
-    round_id: Annotated[int | None, typer.Option("--round", help="round id (default: resume or start the next)")] = None,
+    round_id: Annotated[
+        int | None, typer.Option("--round", help="round id (default: resume or start the next)")
+    ] = None,
     rounds: Annotated[int, typer.Option(help="run this many rounds one after another")] = 1,
     metrics_port: Annotated[int | None, typer.Option(help="serve /metrics on this port while training")] = None,
 ) -> None:
@@ -186,12 +203,22 @@ def train_round(
     metrics = CollectorRegistry()
     server = _serve_metrics(metrics, metrics_port) if metrics_port else None
     bars = Bars(console)
-    runner = RoundRunner(settings, _registry(ctx), prompt_source(settings), engine_factory(settings),
-                         metrics=metrics, progress=RoundProgress(bars.start, bars.advance), heldout=None)
+    runner = RoundRunner(
+        settings,
+        _registry(ctx),
+        prompt_source(settings),
+        engine_factory(settings),
+        metrics=metrics,
+        progress=RoundProgress(bars.start, bars.advance),
+        heldout=None,
+    )
     try:
         for n in range(rounds):
-            console.print(f"round {runner.next_round() if round_id is None or n else round_id}: "
-                          "planning, loading the policy, generator and verifier", markup=False)
+            console.print(
+                f"round {runner.next_round() if round_id is None or n else round_id}: "
+                "planning, loading the policy, generator and verifier",
+                markup=False,
+            )
             with bars:
                 summary = runner.run(round_id if n == 0 else None)
             for line in round_report(summary, runner.round_dir(summary["round"]) / "summary.json"):
@@ -202,7 +229,7 @@ def train_round(
             server.should_exit = True
 
 
-def round_report(summary: dict, path: Path) -> list[str]:
+def round_report(summary: dict[str, Any], path: Path) -> list[str]:
     """The end-of-round lines: verdict, where the rubrics came from, what fell back, collapse, timing."""
     guard = summary["guard"]
     policy = [s for s in summary.get("steps", []) if s.get("phase") == "policy"]
@@ -215,13 +242,16 @@ def round_report(summary: dict, path: Path) -> list[str]:
     if summary["version"] is None:
         head = f"round {summary['round']}: no candidate registered (parent {summary['parent']}; {guard['detail']})"
     else:
-        head = (f"round {summary['round']}: {summary['version']} {summary['state']} (parent {summary['parent']}; "
-                f"guard {'accepted' if guard['accepted'] else 'REJECTED'}: {guard['detail']})")
+        head = (
+            f"round {summary['round']}: {summary['version']} {summary['state']} (parent {summary['parent']}; "
+            f"guard {'accepted' if guard['accepted'] else 'REJECTED'}: {guard['detail']})"
+        )
     lines = [
         head,
         f"  steps: {summary['phases']['policy']} policy, {summary['phases']['generator']} generator; "
         f"{summary.get('prompts', 0)} prompts; {summary.get('seconds', 0.0):.0f}s",
-        f"  rubrics of {sets} scored sets: " + ", ".join(f"{k} {sources[k]}" for k in ("set", "prompt_only", "generic")),
+        f"  rubrics of {sets} scored sets: "
+        + ", ".join(f"{k} {sources[k]}" for k in ("set", "prompt_only", "generic")),
         f"  fallbacks: {fallbacks['parse_failures']} failed generator tries; sets falling back to prompt-only "
         f"{fallbacks['prompt_only']}, to the generic rubric {fallbacks['generic']}; "
         f"hard verdicts {fallbacks['hard_verdict']}",
@@ -229,8 +259,10 @@ def round_report(summary: dict, path: Path) -> list[str]:
     truth = (summary.get("eval") or {}).get("groundtruth")
     if truth:
         rates = ", ".join(f"{v} {p:.3f}" for v, p in truth["pass"].items())
-        lines.append(f"  ground truth on {truth['prompts']} held-out prompts: pass {rates}; "
-                     f"{truth['version']} vs parent {_delta(truth['vs_parent'])}, vs base {_delta(truth['vs_base'])}")
+        lines.append(
+            f"  ground truth on {truth['prompts']} held-out prompts: pass {rates}; "
+            f"{truth['version']} vs parent {_delta(truth['vs_parent'])}, vs base {_delta(truth['vs_base'])}"
+        )
     stages = summary.get("stage_seconds")
     if stages:
         lines.append("  time: " + ", ".join(f"{stage} {seconds:.0f}s" for stage, seconds in stages.items()))
@@ -245,8 +277,10 @@ def round_report(summary: dict, path: Path) -> list[str]:
 def eval_policy(
     ctx: typer.Context,
     versions: Annotated[list[str], typer.Argument(help="registry versions to evaluate (e.g. base r1 r2)")],
-    prompts: Annotated[Path | None, typer.Option(help="JSONL of held-out prompts (default: the prompt bank's "
-                                                 "held-out split, train.heldout_share)")] = None,
+    prompts: Annotated[
+        Path | None,
+        typer.Option(help="JSONL of held-out prompts (default: the prompt bank's held-out split, train.heldout_share)"),
+    ] = None,
 ) -> None:
     """Ground truth, no judge: each version answers the held-out prompts at the serving decode settings; the
     official checkers and computed answers grade it; paired bootstrap CIs against its parent and the base."""
@@ -274,48 +308,73 @@ def eval_policy(
     with bars:
         for v in wanted:
             bars.start(f"answer {v}", len(chosen))
-        outcomes = evaluate_versions(settings, engine, [(v, known[v].path) for v in wanted],
-                                     lambda version, n: bars.advance(f"answer {version}", n), chosen)
+        outcomes = evaluate_versions(
+            settings,
+            engine,
+            [(v, known[v].path) for v in wanted],
+            lambda version, n: bars.advance(f"answer {version}", n),
+            chosen,
+        )
     engine.close()
     e = settings.evaluation
     kinds = sorted({k for o in outcomes.values() for k in o.kinds.values()})
     params = decode_params(settings)
-    table = Table(title=f"ground truth on {len(chosen)} held-out prompts (temperature {params.temperature:g}, "
-                        f"max_tokens {params.max_tokens}; official checkers, computed answers)")
+    table = Table(
+        title=f"ground truth on {len(chosen)} held-out prompts (temperature {params.temperature:g}, "
+        f"max_tokens {params.max_tokens}; official checkers, computed answers)"
+    )
     for col in ("version", "pass", *kinds, "vs parent (95% CI)", "vs base (95% CI)"):
         table.add_column(col)
     for v in versions:
         o = outcomes[v]
         parent, base = known[v].parent, state.base_of(known[v]).version
-        cells = [_delta(compare(o, outcomes[ref], e.bootstrap_samples, e.confidence).model_dump())
-                 if ref is not None and ref != v else "-" for ref in (parent, base)]
+        cells = [
+            _delta(compare(o, outcomes[ref], e.bootstrap_samples, e.confidence).model_dump())
+            if ref is not None and ref != v
+            else "-"
+            for ref in (parent, base)
+        ]
         table.add_row(v, f"{o.pass_rate():.3f}", *(f"{o.pass_rate(k):.3f}" for k in kinds), *cells)
     console.print(table)
 
 
-def _delta(c: dict) -> str:
+def _delta(c: dict[str, Any]) -> str:
     return f"{c['delta']:+.3f} (95% CI {c['low']:+.3f}..{c['high']:+.3f})"
 
 
 @train_app.command("openrlhf")
 def train_openrlhf(
     ctx: typer.Context,
-    emit_only: Annotated[bool, typer.Option("--emit", help="write the round's OpenRLHF job (prompt shard, "
-                                            "command line, submit.sh, RayJob) and stop")] = False,
-    run_job: Annotated[bool, typer.Option("--run", help="emit, launch on Ray (GPUs needed), register the result")]
-    = False,
-    in_ray_job: Annotated[bool, typer.Option("--in-ray-job", help="with --run: this is a Ray job's driver (a "
-                                             "RayJob's head); train_ppo_ray runs here, on the job's cluster")] = False,
-    finish_round: Annotated[int | None, typer.Option("--finish", help="guard and register the checkpoint of this "
-                                                     "emitted round once its job has run")] = None,
+    emit_only: Annotated[
+        bool,
+        typer.Option(
+            "--emit", help="write the round's OpenRLHF job (prompt shard, command line, submit.sh, RayJob) and stop"
+        ),
+    ] = False,
+    run_job: Annotated[
+        bool, typer.Option("--run", help="emit, launch on Ray (GPUs needed), register the result")
+    ] = False,
+    in_ray_job: Annotated[
+        bool,
+        typer.Option(
+            "--in-ray-job",
+            help="with --run: this is a Ray job's driver (a "
+            "RayJob's head); train_ppo_ray runs here, on the job's cluster",
+        ),
+    ] = False,
+    finish_round: Annotated[
+        int | None,
+        typer.Option("--finish", help="guard and register the checkpoint of this emitted round once its job has run"),
+    ] = None,
 ) -> None:
     """The next round on a GPU Ray cluster with OpenRLHF's train_ppo_ray instead of the embedded trainer."""
     from dynrubric.train import openrlhf
     from dynrubric.train.rounds import RoundRunner
 
     if sum((emit_only, run_job, finish_round is not None)) != 1:
-        raise DynrubricError("pass exactly one of --emit, --run and --finish ROUND",
-                             "e.g. `dynrubric train openrlhf --emit`")
+        raise DynrubricError(
+            "pass exactly one of --emit, --run and --finish ROUND", "e.g. `dynrubric train openrlhf --emit`"
+        )
     if in_ray_job and not run_job:
         raise DynrubricError("--in-ray-job goes with --run", "`dynrubric train openrlhf --run --in-ray-job`")
     settings = settings_of(ctx)
@@ -329,13 +388,16 @@ def train_openrlhf(
         last = runner.last_summary()
         watermark = last["watermark_after"] if last else None
         emitted = openrlhf.emit(settings, runner, source, round_id, runner.head(), watermark)
-        console.print(f"round {round_id}: {emitted.prompts} prompts ({len(emitted.heldout)} held out), "
-                      f"parent {emitted.parent.version}, watermark {watermark!r} -> {emitted.watermark_after!r}")
+        console.print(
+            f"round {round_id}: {emitted.prompts} prompts ({len(emitted.heldout)} held out), "
+            f"parent {emitted.parent.version}, watermark {watermark!r} -> {emitted.watermark_after!r}"
+        )
         console.print(f"  job in {emitted.dir} (command.json, submit.sh, rayjob.yaml)")
         if emit_only:
             return
         openrlhf.run(emitted, in_ray_job=in_ray_job)
     summary = openrlhf.finish(settings, runner, emitted)
     style = "green" if summary["guard"]["accepted"] else "red"
-    console.print(f"[{style}]{summary['version']} {summary['state']}[/] from {emitted.output_dir}: "
-                  f"{summary['guard']['detail']}")
+    console.print(
+        f"[{style}]{summary['version']} {summary['state']}[/] from {emitted.output_dir}: {summary['guard']['detail']}"
+    )

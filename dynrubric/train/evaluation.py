@@ -18,8 +18,9 @@ from dynrubric.train.heldout import evaluate_candidate
 from dynrubric.train.plan import GUARDED, read_json, write_json
 
 
-def round_verdict(cfg: TrainConfig, history: Sequence[dict[str, Any]], evaluation: dict[str, Any],
-                  truth_guard: bool = True) -> tuple[guards.GuardVerdict, dict[str, Any]]:
+def round_verdict(
+    cfg: TrainConfig, history: Sequence[dict[str, Any]], evaluation: dict[str, Any], truth_guard: bool = True
+) -> tuple[guards.GuardVerdict, dict[str, Any]]:
     """(the guards' verdict, the checkpoint's metrics) of a round with step records `history`. `truth_guard`:
     whether the ground-truth comparison with the parent can reject (`evaluation.guard`)."""
     policy_steps = [h for h in history if h["phase"] == "policy"]
@@ -53,9 +54,13 @@ def round_verdict(cfg: TrainConfig, history: Sequence[dict[str, Any]], evaluatio
     }
     if truth:  # the ground truth of the held-out prompts: what the run page's learning curve plots
         version = truth["version"]
-        metrics |= {"heldout_pass": truth["pass"][version], "heldout_pass_by_kind": truth["pass_by_kind"][version],
-                    "heldout_vs_parent": truth["vs_parent"], "heldout_vs_base": truth["vs_base"],
-                    "heldout_truth_prompts": truth["prompts"]}
+        metrics |= {
+            "heldout_pass": truth["pass"][version],
+            "heldout_pass_by_kind": truth["pass_by_kind"][version],
+            "heldout_vs_parent": truth["vs_parent"],
+            "heldout_vs_base": truth["vs_base"],
+            "heldout_truth_prompts": truth["prompts"],
+        }
     return verdict, metrics
 
 
@@ -63,7 +68,8 @@ def evaluate_round(path: Path, **candidate: Any) -> dict[str, Any]:
     """The guards' evidence for the round, from `path` (eval.json) when it was gathered before, else
     `train.heldout.evaluate_candidate(**candidate)`, saved there."""
     if path.is_file():
-        return read_json(path)
+        saved: dict[str, Any] = read_json(path)
+        return saved
     result = evaluate_candidate(**candidate)
     write_json(path, result)
     return result

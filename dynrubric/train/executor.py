@@ -44,8 +44,9 @@ class Executor(Protocol):
 
     def trainers(self, spec: TrainerSpec) -> Any: ...
 
-    def judges(self, writer: Engine, verifier: Engine, writer_role: str, writer_dir: Path,
-               verifier_dir: Path) -> Judges: ...
+    def judges(
+        self, writer: Engine, verifier: Engine, writer_role: str, writer_dir: Path, verifier_dir: Path
+    ) -> Judges: ...
 
     def release(self) -> None:
         """The round is over: its workers may serve the next round."""
@@ -84,8 +85,9 @@ class InProcess:
     def trainers(self, spec: TrainerSpec) -> Trainers:
         return Trainers(spec)
 
-    def judges(self, writer: Engine, verifier: Engine, writer_role: str, writer_dir: Path,
-               verifier_dir: Path) -> Judges:
+    def judges(
+        self, writer: Engine, verifier: Engine, writer_role: str, writer_dir: Path, verifier_dir: Path
+    ) -> Judges:
         return LocalJudges(self.settings, writer, verifier)
 
     def release(self) -> None:

@@ -38,7 +38,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeGuard, cast
 
 import torch
 
@@ -144,11 +144,28 @@ def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return ((-log_ratio).exp() - 1.0 + log_ratio).clamp(-10.0, 10.0)
 
 
+class CausalLM(Protocol):
+    """What the trainer calls on a policy beyond `torch.nn.Module`: a transformers causal LM, or a peft
+    wrapper of one."""
+
+    def get_decoder(self) -> torch.nn.Module: ...
+    def get_output_embeddings(self) -> torch.nn.Module: ...
+    def save_pretrained(self, save_directory: Path) -> None: ...
+
+
+class LoraPolicy(CausalLM, Protocol):
+    """A peft-wrapped policy (`is_lora`)."""
+
+    def disable_adapter(self) -> contextlib.AbstractContextManager[None]: ...
+    def merge_and_unload(self) -> CausalLM: ...
+
+
 def lm_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(the model without its LM head, the head): `model(x).logits == head(body(x).last_hidden_state)` for
     the causal LMs this trainer runs (Llama, Qwen, Mistral, SmolLM...); `check_lm_head` verifies it.
     Through a peft wrapper both resolve to the wrapped model's modules, adapters included."""
-    return model.get_decoder(), model.get_output_embeddings()
+    lm = cast(CausalLM, model)
+    return lm.get_decoder(), lm.get_output_embeddings()
 
 
 def check_lm_head(model: torch.nn.Module) -> None:
@@ -175,8 +192,9 @@ def chunk_rows(vocab_size: int, chunk_mib: int) -> int:
     return max(1, chunk_mib * 2**20 // (4 * vocab_size))
 
 
-def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
-                    temperature: torch.Tensor) -> torch.Tensor:
+def _chunk_logprobs(
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor
+) -> torch.Tensor:
     # the head and the log-softmax in float32 even under the trainer's bfloat16 autocast (grpo.compute_dtype):
     # bfloat16 logits would lose the small log-prob differences the ratio and the KL measure
     with torch.autocast(device_type=hidden.device.type, enabled=False):
@@ -184,8 +202,9 @@ def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.
         return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def token_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
-                   rows: int) -> torch.Tensor:
+def token_logprobs(
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor, rows: int
+) -> torch.Tensor:
     """`log_softmax(head(hidden) / T)[target]` per row of `hidden` (N x d), `rows` rows at a time: never
     more than one chunk's N_c x V logits exist. Under autograd each chunk is checkpointed: its forward
     keeps only its input, and the backward recomputes its logits, so the backward too holds one chunk
@@ -223,8 +242,13 @@ def response_logprobs(
     temps = temperature.float() if isinstance(temperature, torch.Tensor) else torch.full((b,), float(temperature))
     where = (mask > 0) if mask is not None else torch.ones((b, t), dtype=torch.bool)
     rows, cols = where.nonzero(as_tuple=True)
-    values = token_logprobs(head, hidden[rows, cols], input_ids[:, 1:][rows, cols], temps[rows],
-                            chunk_rows(head.weight.size(0), chunk_mib))
+    values = token_logprobs(
+        head,
+        hidden[rows, cols],
+        input_ids[:, 1:][rows, cols],
+        temps[rows],
+        chunk_rows(cast(torch.Tensor, head.weight).size(0), chunk_mib),
+    )
     return values.new_zeros((b, t)).index_put((rows, cols), values)
 
 
@@ -283,10 +307,16 @@ def micro_batches(rows: Sequence[tuple[SampledResponse, float, float]], pad_id: 
     for start in range(0, len(rows), size):
         chunk = rows[start : start + size]
         ids, attn, mask = collate([r for r, _, _ in chunk], pad_id)
-        micros.append(_Micro(ids, attn, mask,
-                             torch.tensor([a for _, a, _ in chunk], dtype=torch.float32).unsqueeze(-1),
-                             torch.tensor([t for _, _, t in chunk], dtype=torch.float32),
-                             sampler_logprobs([r for r, _, _ in chunk], ids.size(1))))
+        micros.append(
+            _Micro(
+                ids,
+                attn,
+                mask,
+                torch.tensor([a for _, a, _ in chunk], dtype=torch.float32).unsqueeze(-1),
+                torch.tensor([t for _, _, t in chunk], dtype=torch.float32),
+                sampler_logprobs([r for r, _, _ in chunk], ids.size(1)),
+            )
+        )
     return micros
 
 
@@ -295,25 +325,35 @@ def micro_logprobs(model: torch.nn.Module, m: _Micro, chunk_mib: int) -> torch.T
     return response_logprobs(model, m.ids, m.attn, m.temps, m.mask, chunk_mib)
 
 
-def reference_logprobs(model: torch.nn.Module, reference: torch.nn.Module | None, m: _Micro,
-                       chunk_mib: int) -> torch.Tensor:
+def reference_logprobs(
+    model: torch.nn.Module, reference: torch.nn.Module | None, m: _Micro, chunk_mib: int
+) -> torch.Tensor:
     """The reference's response log-probs of a micro-batch, without gradient; `reference` None: the
     model's LoRA base weights (the adapter disabled) are the reference."""
     with torch.no_grad():
         if reference is not None:
             return micro_logprobs(reference, m, chunk_mib)
-        with model.disable_adapter():
+        with cast(LoraPolicy, model).disable_adapter():
             return micro_logprobs(model, m, chunk_mib)
 
 
-def masked_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def masked_k3(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-token k3, its sum over the response tokens `mask` selects)."""
     kl = k3(logprobs, ref_logprobs)
     return kl, (kl.detach() * mask).sum()
 
 
-def mean_kl(model: torch.nn.Module, reference: torch.nn.Module | None, rollouts: Sequence[SampledResponse],
-            temperature: float, pad_id: int, micro_batch_size: int, chunk_mib: int) -> float:
+def mean_kl(
+    model: torch.nn.Module,
+    reference: torch.nn.Module | None,
+    rollouts: Sequence[SampledResponse],
+    temperature: float,
+    pad_id: int,
+    micro_batch_size: int,
+    chunk_mib: int,
+) -> float:
     """Mean per-token k3 KL(model || reference) over the response tokens of `rollouts`, log-probs at
     the loss temperature of samples drawn at `temperature` (the trainer's KL term, without gradient)."""
     rows = [(r, 0.0, loss_temperature(temperature)) for r in rollouts if r.response_ids]
@@ -475,8 +515,11 @@ class GRPOTrainer:
         micros, tied, samples, tokens = self._batch(groups)
         chunk = self.config.logprob_chunk_mib
         with self._autocast():
-            ref = ([reference_logprobs(self.model, self.ref_model, m, chunk) for m in micros]
-                   if self.config.kl_beta > 0 and tokens else None)
+            ref = (
+                [reference_logprobs(self.model, self.ref_model, m, chunk) for m in micros]
+                if self.config.kl_beta > 0 and tokens
+                else None
+            )
         sums = self._backward(micros, tokens, None, ref) if tokens else _Sums()
         return self._stats(groups, tied, samples, tokens, sums)
 
@@ -489,8 +532,11 @@ class GRPOTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             return self._stats(groups, tied, samples, tokens, _Sums())
         with self._autocast():
-            ref = ([reference_logprobs(self.model, self.ref_model, m, cfg.logprob_chunk_mib) for m in micros]
-                   if cfg.kl_beta > 0 else None)
+            ref = (
+                [reference_logprobs(self.model, self.ref_model, m, cfg.logprob_chunk_mib) for m in micros]
+                if cfg.kl_beta > 0
+                else None
+            )
         old = None
         if cfg.updates_per_batch > 1:
             # pi_old: the sampling policy's log-probs, taken once before the first update and detached,
@@ -524,7 +570,7 @@ class GRPOTrainer:
         self.optimizer.load_state_dict(torch.load(path, weights_only=True))
 
 
-def is_lora(model: torch.nn.Module) -> bool:
+def is_lora(model: torch.nn.Module) -> TypeGuard[LoraPolicy]:
     return hasattr(model, "disable_adapter") and hasattr(model, "merge_and_unload")
 
 
@@ -536,7 +582,7 @@ def save_policy(model: torch.nn.Module, directory: Path) -> None:
         merged = copy.deepcopy(model).merge_and_unload()
         merged.save_pretrained(directory)
     else:
-        model.save_pretrained(directory)
+        cast(CausalLM, model).save_pretrained(directory)
 
 
 def load_policy(model_dir: Path, config: GRPOConfig, adapter_dir: Path | None = None) -> torch.nn.Module:

@@ -59,8 +59,14 @@ def check(
     if groundtruth_vs_parent is not None:
         d, lo, hi = groundtruth_vs_parent["delta"], groundtruth_vs_parent["low"], groundtruth_vs_parent["high"]
         if hi < 0:
-            return GuardVerdict("heldout_regression", f"held-out ground-truth pass rate fell {d:+.3f} vs the parent "
-                                                      f"(95% CI {lo:+.3f}..{hi:+.3f}, all below 0)")
+            return GuardVerdict(
+                "heldout_regression",
+                f"held-out ground-truth pass rate fell {d:+.3f} vs the parent "
+                f"(95% CI {lo:+.3f}..{hi:+.3f}, all below 0)",
+            )
         truth = f"; ground truth {d:+.3f} (CI {lo:+.3f}..{hi:+.3f})"
-    return GuardVerdict(None, f"KL {kl:.5f} <= {max_kl}; KL to base {kl_to_base:.5f} <= {max_kl_to_base}; "
-                              f"reward {reward_parent:.4f} -> {reward_new:.4f}{truth}")
+    return GuardVerdict(
+        None,
+        f"KL {kl:.5f} <= {max_kl}; KL to base {kl_to_base:.5f} <= {max_kl_to_base}; "
+        f"reward {reward_parent:.4f} -> {reward_new:.4f}{truth}",
+    )

@@ -23,20 +23,28 @@ from pathlib import Path
 from typing import Any
 
 from dynrubric.config import Settings
-from dynrubric.engines.base import Engine, GenerationRequest, SamplingParams
+from dynrubric.engines.base import Completion, Engine, GenerationRequest, SamplingParams
 from dynrubric.registry import Checkpoint
 from dynrubric.rubric.evaluator import Evaluator
 from dynrubric.train.prompts import TrainPrompt
 
 
-def sample_sets(settings: Settings, engine: Engine, prompts: Sequence[TrainPrompt], k: int, seed: int):
+def sample_sets(
+    settings: Settings, engine: Engine, prompts: Sequence[TrainPrompt], k: int, seed: int
+) -> tuple[list[str], list[list[Completion]]]:
     """(rendered prompts, K completions each) at the training sampling parameters."""
     cfg = settings.train
     texts = [engine.render_chat(p.chat()) for p in prompts]
     # one seed for the whole batch: requests with equal params are generated together
     # with the engine's own log-probs of each token: the trainer's importance weight (train.grpo.tis)
-    params = SamplingParams(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, n=k,
-                            seed=seed, logprobs=cfg.grpo.tis)
+    params = SamplingParams(
+        max_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        n=k,
+        seed=seed,
+        logprobs=cfg.grpo.tis,
+    )
     return texts, engine.generate([GenerationRequest(t, params) for t in texts])
 
 
@@ -44,7 +52,7 @@ def load_frozen(model_dir: Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval().requires_grad_(False)
     return model
 
@@ -90,13 +98,24 @@ def evaluate_candidate(
     scored = judge.score_sets([p.question for p in heldout], sets)
 
     tok = policy_engine.tokenizer
-    rollouts = [SampledResponse(tuple(tok.encode(t, add_special_tokens=False)), completion_ids(c, tok))
-                for t, cs in zip(texts, new, strict=True) for c in cs]
+    rollouts = [
+        SampledResponse(tuple(tok.encode(t, add_special_tokens=False)), completion_ids(c, tok))
+        for t, cs in zip(texts, new, strict=True)
+        for c in cs
+    ]
     model = candidate_model if candidate_model is not None else load_frozen(candidate_dir)
     parent_model = load_frozen(parent.path)
+
     def kl_to(reference: Any) -> float:
-        return mean_kl(model, reference, rollouts, settings.train.temperature, pad_id,
-                       settings.train.grpo.micro_batch_size, settings.train.grpo.logprob_chunk_mib)
+        return mean_kl(
+            model,
+            reference,
+            rollouts,
+            settings.train.temperature,
+            pad_id,
+            settings.train.grpo.micro_batch_size,
+            settings.train.grpo.logprob_chunk_mib,
+        )
 
     kl_parent = kl_to(parent_model)
     if base.version == parent.version:
@@ -106,8 +125,13 @@ def evaluate_candidate(
         kl_base = kl_to(load_frozen(base.path))
     from dynrubric.train.policy_eval import round_evidence
 
-    groundtruth = round_evidence(settings, policy_engine, (candidate_version, candidate_dir),
-                                 (parent.version, parent.path), (base.version, base.path))
+    groundtruth = round_evidence(
+        settings,
+        policy_engine,
+        (candidate_version, candidate_dir),
+        (parent.version, parent.path),
+        (base.version, base.path),
+    )
     return {
         "groundtruth": groundtruth,
         "heldout_prompts": len(heldout),

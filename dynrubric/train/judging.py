@@ -38,9 +38,13 @@ def score_chunk(evaluator: Evaluator, chunk: ScoreChunk, progress: Callable[[int
     sets = evaluator.score_sets(chunk.questions, chunk.responses, progress=progress, seed=chunk.seed)
     seconds = time.perf_counter() - start
     after = evaluator.counts
-    return ScoredChunk(sets, GenerationCounts(
-        parse_failures=after.parse_failures - before.parse_failures,
-        prompt_only_fallbacks=after.prompt_only_fallbacks - before.prompt_only_fallbacks,
-        generic_fallbacks=after.generic_fallbacks - before.generic_fallbacks,
-        dropped_checks=after.dropped_checks - before.dropped_checks,
-    ), seconds)
+    return ScoredChunk(
+        sets,
+        GenerationCounts(
+            parse_failures=after.parse_failures - before.parse_failures,
+            prompt_only_fallbacks=after.prompt_only_fallbacks - before.prompt_only_fallbacks,
+            generic_fallbacks=after.generic_fallbacks - before.generic_fallbacks,
+            dropped_checks=after.dropped_checks - before.dropped_checks,
+        ),
+        seconds,
+    )

@@ -39,6 +39,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -75,37 +76,68 @@ def train_ppo_ray_argv(settings: Settings, model_path: str, prompts_path: str, o
     """The argument list of `openrlhf.cli.train_ppo_ray` for one round (flag names of OpenRLHF 0.11.x)."""
     t, g, o = settings.train, settings.train.grpo, settings.train.openrlhf
     argv = [
-        "--actor.model_name_or_path", model_path,
-        "--data.prompt_dataset", prompts_path,
-        "--data.input_key", "messages",
+        "--actor.model_name_or_path",
+        model_path,
+        "--data.prompt_dataset",
+        prompts_path,
+        "--data.input_key",
+        "messages",
         "--data.apply_chat_template",
-        "--data.max_len", str(o.max_len),
-        "--rollout.max_new_tokens", str(t.max_new_tokens),
-        "--rollout.n_samples_per_prompt", str(t.candidates),
-        "--rollout.batch_size", str(o.rollout_batch_size),
-        "--rollout.micro_batch_size", str(o.micro_batch_size),
-        "--rollout.temperature", str(t.temperature),
-        "--rollout.top_p", str(t.top_p),
-        "--train.batch_size", str(o.train_batch_size),
-        "--train.micro_batch_size", str(o.micro_batch_size),
-        "--train.max_epochs", str(g.updates_per_batch),
-        "--train.num_episodes", "1",
-        "--train.seed", str(t.seed),
-        "--algo.advantage.estimator", "group_norm",
-        "--reward.remote_url", reward_url(settings),
-        "--actor.eps_clip_low_high", str(g.clip_low), str(g.clip_high),
-        "--actor.adam.lr", str(g.lr),
-        "--actor.adam.betas", str(g.adam_beta1), str(g.adam_beta2),
-        "--actor.adam.weight_decay", str(g.weight_decay),
-        "--actor.max_norm", str(g.max_grad_norm),
-        "--actor.num_nodes", str(o.num_nodes),
-        "--actor.num_gpus_per_node", str(o.gpus_per_node),
-        "--ref.num_nodes", str(o.num_nodes),
-        "--ref.num_gpus_per_node", str(o.gpus_per_node),
+        "--data.max_len",
+        str(o.max_len),
+        "--rollout.max_new_tokens",
+        str(t.max_new_tokens),
+        "--rollout.n_samples_per_prompt",
+        str(t.candidates),
+        "--rollout.batch_size",
+        str(o.rollout_batch_size),
+        "--rollout.micro_batch_size",
+        str(o.micro_batch_size),
+        "--rollout.temperature",
+        str(t.temperature),
+        "--rollout.top_p",
+        str(t.top_p),
+        "--train.batch_size",
+        str(o.train_batch_size),
+        "--train.micro_batch_size",
+        str(o.micro_batch_size),
+        "--train.max_epochs",
+        str(g.updates_per_batch),
+        "--train.num_episodes",
+        "1",
+        "--train.seed",
+        str(t.seed),
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--reward.remote_url",
+        reward_url(settings),
+        "--actor.eps_clip_low_high",
+        str(g.clip_low),
+        str(g.clip_high),
+        "--actor.adam.lr",
+        str(g.lr),
+        "--actor.adam.betas",
+        str(g.adam_beta1),
+        str(g.adam_beta2),
+        "--actor.adam.weight_decay",
+        str(g.weight_decay),
+        "--actor.max_norm",
+        str(g.max_grad_norm),
+        "--actor.num_nodes",
+        str(o.num_nodes),
+        "--actor.num_gpus_per_node",
+        str(o.gpus_per_node),
+        "--ref.num_nodes",
+        str(o.num_nodes),
+        "--ref.num_gpus_per_node",
+        str(o.gpus_per_node),
         "--train.colocate_actor_ref",
-        "--vllm.num_engines", str(o.vllm_engines),
-        "--vllm.tensor_parallel_size", str(o.vllm_tensor_parallel_size),
-        "--ckpt.output_dir", output_dir,
+        "--vllm.num_engines",
+        str(o.vllm_engines),
+        "--vllm.tensor_parallel_size",
+        str(o.vllm_tensor_parallel_size),
+        "--ckpt.output_dir",
+        output_dir,
         "--ckpt.save_hf",
     ]
     if g.kl_beta > 0:
@@ -113,18 +145,35 @@ def train_ppo_ray_argv(settings: Settings, model_path: str, prompts_path: str, o
     else:
         argv += ["--algo.kl.init_coef", "0"]
     if g.lora_rank > 0:
-        argv += ["--ds.lora.rank", str(g.lora_rank), "--ds.lora.alpha", str(g.lora_alpha),
-                 "--ds.lora.target_modules", *g.lora_target_modules]
+        argv += [
+            "--ds.lora.rank",
+            str(g.lora_rank),
+            "--ds.lora.alpha",
+            str(g.lora_alpha),
+            "--ds.lora.target_modules",
+            *g.lora_target_modules,
+        ]
     if g.tis:  # OpenRLHF's TIS: the token ratio pi_train / pi_vllm clamped into [low, high]
-        argv += ["--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "clip",
-                 "--algo.advantage.is_correction_threshold", str(g.tis_low), str(g.tis_high)]
+        argv += [
+            "--algo.advantage.is_correction_level",
+            "token",
+            "--algo.advantage.is_correction_mode",
+            "clip",
+            "--algo.advantage.is_correction_threshold",
+            str(g.tis_low),
+            str(g.tis_high),
+        ]
     return argv + list(o.extra_args)
 
 
 def entrypoint(settings: Settings, model_path: str, prompts_path: str, output_dir: str) -> list[str]:
     """The command a round runs on Ray: `train_ppo_ray` with the round's flags."""
-    return ["python3", "-m", "openrlhf.cli.train_ppo_ray",
-            *train_ppo_ray_argv(settings, model_path, prompts_path, output_dir)]
+    return [
+        "python3",
+        "-m",
+        "openrlhf.cli.train_ppo_ray",
+        *train_ppo_ray_argv(settings, model_path, prompts_path, output_dir),
+    ]
 
 
 # `${NAME}` in an argument is left for the shell that runs the entrypoint to expand (the reward token
@@ -134,12 +183,16 @@ _ENV_REF = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}")
 
 def shell_join(argv: list[str]) -> str:
     """shlex.join, except that arguments holding `${NAME}` are double-quoted with only those expanded."""
+
     def word(arg: str) -> str:
         if not _ENV_REF.search(arg):
             return shlex.quote(arg)
-        literal = lambda s: re.sub(r'([\\"`$])', r"\\\1", s)  # noqa: E731
+
+        def literal(s: str) -> str:
+            return re.sub(r'([\\"`$])', r"\\\1", s)
+
         parts, refs = _ENV_REF.split(arg), _ENV_REF.findall(arg)
-        return '"' + "".join(literal(p) + r for p, r in zip(parts, [*refs, ""])) + '"'
+        return '"' + "".join(literal(p) + r for p, r in zip(parts, [*refs, ""], strict=True)) + '"'
 
     return " ".join(word(a) for a in argv)
 
@@ -153,8 +206,12 @@ CLUSTER_ROUND = ["dynrubric", "train", "openrlhf", "--run", "--in-ray-job"]
 # the head's settings on top of the ConfigMap: the guard's held-out evaluation loads the candidate and its
 # parent into an in-process engine on the head's GPU (the cluster's vLLM engines serve users and cannot
 # reload weights), and the registry is the PostgreSQL database of the Secret
-HEAD_ENV = {"DYNRUBRIC_CONFIG": f"{CONFIG_MOUNT}/dynrubric.yaml", "DYNRUBRIC_ENGINE__KIND": "transformers",
-            "DYNRUBRIC_ENGINE__DEVICE": "cuda", "DYNRUBRIC_ENGINE__DTYPE": "bfloat16"}
+HEAD_ENV = {
+    "DYNRUBRIC_CONFIG": f"{CONFIG_MOUNT}/dynrubric.yaml",
+    "DYNRUBRIC_ENGINE__KIND": "transformers",
+    "DYNRUBRIC_ENGINE__DEVICE": "cuda",
+    "DYNRUBRIC_ENGINE__DTYPE": "bfloat16",
+}
 SECRET_ENV = {"DYNRUBRIC_REWARD_TOKEN": "reward-token", "DYNRUBRIC_REGISTRY__URL": "registry-url"}
 
 
@@ -165,7 +222,7 @@ def worker_gpus(settings: Settings) -> int:
     return o.gpus_per_node + -(-o.vllm_engines * o.vllm_tensor_parallel_size // o.num_nodes)
 
 
-def rayjob(settings: Settings, name: str, entrypoint: str, *, suspend: bool) -> dict:
+def rayjob(settings: Settings, name: str, entrypoint: str, *, suspend: bool) -> dict[str, Any]:
     """The KubeRay RayJob that runs the shell command `entrypoint` on a Ray cluster of its own: a head
     (the driver: the ConfigMap's settings, the reward token and registry URL from the Secret, the
     state volume, one GPU for the guard's evaluation; no Ray GPU) and `num_nodes` GPU workers sized
@@ -174,32 +231,57 @@ def rayjob(settings: Settings, name: str, entrypoint: str, *, suspend: bool) -> 
     k8s/base/trainer/rayjob.yaml (`cluster_rayjob`) from the k8s ConfigMap's settings."""
     o = settings.train.openrlhf
     gpus = str(worker_gpus(settings))
+
     # new dicts each time: YAML would otherwise write a shared one as an anchor and an alias
-    no_usage_stats = lambda: {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"}  # noqa: E731
-    models = lambda: {"name": "models", "persistentVolumeClaim": {"claimName": "dynrubric-models"}}  # noqa: E731
-    replay = lambda: {"name": "replay", "persistentVolumeClaim": {"claimName": "dynrubric-replay"}}  # noqa: E731
-    gpu_toleration = lambda: [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]  # noqa: E731
+    def no_usage_stats() -> dict[str, str]:
+        return {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"}
+
+    def models() -> dict[str, Any]:
+        return {"name": "models", "persistentVolumeClaim": {"claimName": "dynrubric-models"}}
+
+    def replay() -> dict[str, Any]:
+        return {"name": "replay", "persistentVolumeClaim": {"claimName": "dynrubric-replay"}}
+
+    def gpu_toleration() -> list[dict[str, str]]:
+        return [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+
     # the round's prompt shard, run state and OpenRLHF's output live on the replay volume (paths.state_dir)
-    state = lambda: {"name": "replay", "mountPath": str(settings.paths.state_dir)}  # noqa: E731
+    def state() -> dict[str, str]:
+        return {"name": "replay", "mountPath": str(settings.paths.state_dir)}
+
     head = {
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0"},
         "template": {
             "metadata": {"labels": dict(TRAINER_LABELS)},
             "spec": {
-                "containers": [{
-                    "name": "ray-head",
-                    "image": o.image,
-                    "env": [*({"name": k, "value": v} for k, v in HEAD_ENV.items()),
-                            *({"name": k, "valueFrom": {"secretKeyRef": {"name": "dynrubric-secrets", "key": key}}}
-                              for k, key in SECRET_ENV.items()),
-                            no_usage_stats()],
-                    "ports": [{"name": "gcs", "containerPort": 6379}, {"name": "dashboard", "containerPort": 8265},
-                              {"name": "client", "containerPort": 10001}],
-                    "resources": {"requests": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "1"},
-                                  "limits": {"memory": "64Gi", "nvidia.com/gpu": "1"}},
-                    "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT}, state(),
-                                     {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}],
-                }],
+                "containers": [
+                    {
+                        "name": "ray-head",
+                        "image": o.image,
+                        "env": [
+                            *({"name": k, "value": v} for k, v in HEAD_ENV.items()),
+                            *(
+                                {"name": k, "valueFrom": {"secretKeyRef": {"name": "dynrubric-secrets", "key": key}}}
+                                for k, key in SECRET_ENV.items()
+                            ),
+                            no_usage_stats(),
+                        ],
+                        "ports": [
+                            {"name": "gcs", "containerPort": 6379},
+                            {"name": "dashboard", "containerPort": 8265},
+                            {"name": "client", "containerPort": 10001},
+                        ],
+                        "resources": {
+                            "requests": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "1"},
+                            "limits": {"memory": "64Gi", "nvidia.com/gpu": "1"},
+                        },
+                        "volumeMounts": [
+                            {"name": "models", "mountPath": MODELS_MOUNT},
+                            state(),
+                            {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+                        ],
+                    }
+                ],
                 "tolerations": gpu_toleration(),
                 "volumes": [models(), replay(), {"name": "config", "configMap": {"name": "dynrubric-config"}}],
             },
@@ -214,15 +296,22 @@ def rayjob(settings: Settings, name: str, entrypoint: str, *, suspend: bool) -> 
         "template": {
             "metadata": {"labels": dict(TRAINER_LABELS)},
             "spec": {
-                "containers": [{
-                    "name": "ray-worker",
-                    "image": o.image,
-                    "env": [no_usage_stats()],
-                    "resources": {"requests": {"cpu": "16", "memory": "128Gi", "nvidia.com/gpu": gpus},
-                                  "limits": {"memory": "128Gi", "nvidia.com/gpu": gpus}},
-                    "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT}, state(),
-                                     {"name": "shm", "mountPath": "/dev/shm"}],
-                }],
+                "containers": [
+                    {
+                        "name": "ray-worker",
+                        "image": o.image,
+                        "env": [no_usage_stats()],
+                        "resources": {
+                            "requests": {"cpu": "16", "memory": "128Gi", "nvidia.com/gpu": gpus},
+                            "limits": {"memory": "128Gi", "nvidia.com/gpu": gpus},
+                        },
+                        "volumeMounts": [
+                            {"name": "models", "mountPath": MODELS_MOUNT},
+                            state(),
+                            {"name": "shm", "mountPath": "/dev/shm"},
+                        ],
+                    }
+                ],
                 "tolerations": gpu_toleration(),
                 "volumes": [models(), replay(), {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}}],
             },
@@ -244,13 +333,19 @@ def rayjob(settings: Settings, name: str, entrypoint: str, *, suspend: bool) -> 
     }
 
 
-def cluster_rayjob(settings: Settings) -> dict:
+def cluster_rayjob(settings: Settings) -> dict[str, Any]:
     """k8s/base/trainer/rayjob.yaml: one whole round per run of the (suspended) RayJob."""
     return rayjob(settings, "dynrubric-train", shell_join(CLUSTER_ROUND), suspend=True)
 
 
-def emit(settings: Settings, runner: RoundRunner, source: PromptSource, round_id: int, parent: Checkpoint,
-         watermark: str | None) -> Emitted:
+def emit(
+    settings: Settings,
+    runner: RoundRunner,
+    source: PromptSource,
+    round_id: int,
+    parent: Checkpoint,
+    watermark: str | None,
+) -> Emitted:
     """Take the round's prompts and watermark now, split off the held-out prompts, and write the
     training shard, command line, submit script and RayJob spec (atomically)."""
     prompts, watermark_after = source.new_prompts(watermark, settings.train.max_prompts_per_round)
@@ -258,8 +353,10 @@ def emit(settings: Settings, runner: RoundRunner, source: PromptSource, round_id
         raise DynrubricError(f"no new prompts since watermark {watermark!r}", "add prompts, then emit again")
     prompts, heldout = runner.split_heldout(prompts)
     if not prompts:
-        raise DynrubricError("every new prompt is held out, none is left to train on",
-                             "add prompts, or set train.heldout_file to a separate held-out set")
+        raise DynrubricError(
+            "every new prompt is held out, none is left to train on",
+            "add prompts, or set train.heldout_file to a separate held-out set",
+        )
     from dynrubric.train.rounds import run_dir_of
 
     target = run_dir_of(settings) / "openrlhf" / f"round-{round_id:04d}"
@@ -270,17 +367,27 @@ def emit(settings: Settings, runner: RoundRunner, source: PromptSource, round_id
     with atomic.directory(target) as tmp:
         (tmp / "prompts.jsonl").write_text("".join(_shard_line(p) for p in prompts))
         (tmp / "heldout.jsonl").write_text("".join(_shard_line(p) for p in heldout))
-        (tmp / "command.json").write_text(json.dumps({"round": round_id, "parent": parent.version,
-                                                      "watermark_before": watermark,
-                                                      "watermark_after": watermark_after, "argv": argv}, indent=2))
+        (tmp / "command.json").write_text(
+            json.dumps(
+                {
+                    "round": round_id,
+                    "parent": parent.version,
+                    "watermark_before": watermark,
+                    "watermark_after": watermark_after,
+                    "argv": argv,
+                },
+                indent=2,
+            )
+        )
         address = settings.train.openrlhf.ray_address
         (tmp / "submit.sh").write_text(
             "#!/bin/sh\nset -e\n" + shell_join(["ray", "job", "submit", "--address", address, "--", *argv]) + "\n"
         )
         (tmp / "submit.sh").chmod(0o755)
         finish_round = ["dynrubric", "train", "openrlhf", "--finish", str(round_id)]
-        job = rayjob(settings, f"dynrubric-round-{round_id}", f"{shell_join(argv)} && {shell_join(finish_round)}",
-                     suspend=False)
+        job = rayjob(
+            settings, f"dynrubric-round-{round_id}", f"{shell_join(argv)} && {shell_join(finish_round)}", suspend=False
+        )
         (tmp / "rayjob.yaml").write_text(yaml.safe_dump(job, sort_keys=False, width=120))
     return Emitted(round_id, target, argv, len(prompts), parent, output_dir, heldout, watermark, watermark_after)
 
@@ -300,24 +407,39 @@ def emitted_round(settings: Settings, runner: RoundRunner, round_id: int) -> Emi
 
     target = run_dir_of(settings) / "openrlhf" / f"round-{round_id:04d}"
     if not (target / "command.json").is_file():
-        raise DynrubricError(f"round {round_id} was never emitted (no {target / 'command.json'})",
-                             "emit it first: `dynrubric train openrlhf --emit`")
+        raise DynrubricError(
+            f"round {round_id} was never emitted (no {target / 'command.json'})",
+            "emit it first: `dynrubric train openrlhf --emit`",
+        )
     if not (target / "output" / "config.json").is_file():
-        raise DynrubricError(f"round {round_id}'s job left no HF checkpoint in {target / 'output'}",
-                             "run its job first (submit.sh or rayjob.yaml); see `ray job logs` if it ran")
+        raise DynrubricError(
+            f"round {round_id}'s job left no HF checkpoint in {target / 'output'}",
+            "run its job first (submit.sh or rayjob.yaml); see `ray job logs` if it ran",
+        )
     command = json.loads((target / "command.json").read_text())
     heldout = [_from_shard_line(line) for line in (target / "heldout.jsonl").read_text().splitlines()]
     prompts = len((target / "prompts.jsonl").read_text().splitlines())
-    return Emitted(round_id, target, command["argv"], prompts, runner.registry.get(command["parent"]),
-                   target / "output", heldout, command["watermark_before"], command["watermark_after"])
+    return Emitted(
+        round_id,
+        target,
+        command["argv"],
+        prompts,
+        runner.registry.get(command["parent"]),
+        target / "output",
+        heldout,
+        command["watermark_before"],
+        command["watermark_after"],
+    )
 
 
 def check_cluster() -> None:
     """Ray and at least one GPU must be present; otherwise say what is missing."""
     if shutil.which("ray") is None:
-        raise DynrubricError("`ray` is not installed here, so OpenRLHF cannot be launched",
-                             "run `dynrubric train openrlhf --emit` and submit the emitted submit.sh / rayjob.yaml "
-                             "on a GPU Ray cluster, or use `dynrubric train round` (embedded trainer)")
+        raise DynrubricError(
+            "`ray` is not installed here, so OpenRLHF cannot be launched",
+            "run `dynrubric train openrlhf --emit` and submit the emitted submit.sh / rayjob.yaml "
+            "on a GPU Ray cluster, or use `dynrubric train round` (embedded trainer)",
+        )
     try:
         import torch
 
@@ -325,8 +447,10 @@ def check_cluster() -> None:
     except Exception:  # noqa: BLE001 - a broken CUDA install is the same as none
         gpus = 0
     if gpus == 0 and not shutil.which("nvidia-smi"):
-        raise DynrubricError("no GPU is visible on this machine; OpenRLHF's train_ppo_ray needs GPUs",
-                             "submit the emitted rayjob.yaml to a GPU cluster, or use `dynrubric train round`")
+        raise DynrubricError(
+            "no GPU is visible on this machine; OpenRLHF's train_ppo_ray needs GPUs",
+            "submit the emitted rayjob.yaml to a GPU cluster, or use `dynrubric train round`",
+        )
 
 
 def run(emitted: Emitted, *, in_ray_job: bool = False) -> None:
@@ -339,14 +463,18 @@ def run(emitted: Emitted, *, in_ray_job: bool = False) -> None:
         check_cluster()
         proc = subprocess.run(["sh", str(emitted.dir / "submit.sh")])
     if proc.returncode != 0:
-        raise DynrubricError(f"the OpenRLHF job of round {emitted.round} failed (exit {proc.returncode})",
-                             f"see `ray job logs`; the job is described in {emitted.dir}")
+        raise DynrubricError(
+            f"the OpenRLHF job of round {emitted.round} failed (exit {proc.returncode})",
+            f"see `ray job logs`; the job is described in {emitted.dir}",
+        )
     if not (emitted.output_dir / "config.json").is_file():
-        raise DynrubricError(f"the OpenRLHF job finished but left no HF checkpoint in {emitted.output_dir}",
-                             "check --ckpt.save_hf and --ckpt.output_dir in command.json")
+        raise DynrubricError(
+            f"the OpenRLHF job finished but left no HF checkpoint in {emitted.output_dir}",
+            "check --ckpt.save_hf and --ckpt.output_dir in command.json",
+        )
 
 
-def finish(settings: Settings, runner: RoundRunner, emitted: Emitted) -> dict:
+def finish(settings: Settings, runner: RoundRunner, emitted: Emitted) -> dict[str, Any]:
     """Guard the job's checkpoint against its parent on the held-out prompts (the embedded rounds'
     guards and evaluation), register it as a candidate or rejected, and write the round's summary
     with the watermark taken at job start."""
@@ -368,10 +496,17 @@ def finish(settings: Settings, runner: RoundRunner, emitted: Emitted) -> dict:
     generator = runner.engines("generator", runner.generator_dir()) if two_models else None
     try:
         evaluation = evaluate_candidate(
-            settings, candidate_dir=emitted.output_dir, candidate_version=f"{cfg.version_prefix}{emitted.round}",
-            candidate_model=None, parent=parent, base=runner.base_of(parent), heldout=emitted.heldout,
-            policy_engine=policy, generator_engine=generator,
-            previous_generator=runner.generator_dir() if two_models else None, verifier_engine=verifier,
+            settings,
+            candidate_dir=emitted.output_dir,
+            candidate_version=f"{cfg.version_prefix}{emitted.round}",
+            candidate_model=None,
+            parent=parent,
+            base=runner.base_of(parent),
+            heldout=emitted.heldout,
+            policy_engine=policy,
+            generator_engine=generator,
+            previous_generator=runner.generator_dir() if two_models else None,
+            verifier_engine=verifier,
             pad_id=int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id),
             seed=(cfg.seed * 1_000_003 + emitted.round * 10_007 + 10_000 * 101) % (2**31),
         )
@@ -380,24 +515,44 @@ def finish(settings: Settings, runner: RoundRunner, emitted: Emitted) -> dict:
             if engine is not None:
                 engine.close()
     verdict = guards.check(
-        nonfinite_steps=[], kl=evaluation["kl_to_parent"], max_kl=cfg.max_kl,
-        kl_to_base=evaluation["kl_to_base"], max_kl_to_base=cfg.max_kl_to_base,
-        reward_parent=evaluation["reward_parent"], reward_new=evaluation["reward_new"],
+        nonfinite_steps=[],
+        kl=evaluation["kl_to_parent"],
+        max_kl=cfg.max_kl,
+        kl_to_base=evaluation["kl_to_base"],
+        max_kl_to_base=cfg.max_kl_to_base,
+        reward_parent=evaluation["reward_parent"],
+        reward_new=evaluation["reward_new"],
         max_reward_drop=cfg.max_reward_drop,
     )
     ckpt = registry.register(
-        emitted.output_dir, parent=parent.version, round=emitted.round,
-        metrics={"trainer": "openrlhf", "prompts": emitted.prompts, "heldout_reward": evaluation["reward_new"],
-                 "heldout_reward_parent": evaluation["reward_parent"], "kl": evaluation["kl_to_parent"],
-                 "kl_to_base": evaluation["kl_to_base"], GUARDED: "accepted" if verdict.accepted else verdict.reason},
+        emitted.output_dir,
+        parent=parent.version,
+        round=emitted.round,
+        metrics={
+            "trainer": "openrlhf",
+            "prompts": emitted.prompts,
+            "heldout_reward": evaluation["reward_new"],
+            "heldout_reward_parent": evaluation["reward_parent"],
+            "kl": evaluation["kl_to_parent"],
+            "kl_to_base": evaluation["kl_to_base"],
+            GUARDED: "accepted" if verdict.accepted else verdict.reason,
+        },
         version=f"{cfg.version_prefix}{emitted.round}",
         state=CheckpointState.candidate if verdict.accepted else CheckpointState.rejected,
         reason=None if verdict.accepted else f"{verdict.reason}: {verdict.detail}",
     )
-    summary = {"round": emitted.round, "trainer": "openrlhf", "parent": parent.version, "version": ckpt.version,
-               "state": ckpt.state.value,
-               "guard": {"accepted": verdict.accepted, "reason": verdict.reason, "detail": verdict.detail},
-               "eval": evaluation, "refresh": None, "collapse": {"fired": False, "note": None},
-               "watermark_before": emitted.watermark_before, "watermark_after": emitted.watermark_after}
+    summary = {
+        "round": emitted.round,
+        "trainer": "openrlhf",
+        "parent": parent.version,
+        "version": ckpt.version,
+        "state": ckpt.state.value,
+        "guard": {"accepted": verdict.accepted, "reason": verdict.reason, "detail": verdict.detail},
+        "eval": evaluation,
+        "refresh": None,
+        "collapse": {"fired": False, "note": None},
+        "watermark_before": emitted.watermark_before,
+        "watermark_after": emitted.watermark_after,
+    }
     atomic.write_text(runner.round_dir(emitted.round) / "summary.json", json.dumps(summary, indent=2))
     return summary

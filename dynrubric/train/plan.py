@@ -110,10 +110,16 @@ class RunLogWriter:
 
 class RunState:
     """The run's rounds on disk and in the registry: which round is next, what it builds on, its plan.
-    `heldout`, when given, replaces the configured held-out prompts."""
+    `heldout`, when given, replaces the configured held-out prompts. Without a prompt `source` it only
+    answers which round is next and registers the base version."""
 
-    def __init__(self, settings: Settings, registry: Registry, source: PromptSource,
-                 heldout: Sequence[TrainPrompt] | None = None):
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        source: PromptSource | None,
+        heldout: Sequence[TrainPrompt] | None = None,
+    ):
         self.settings = settings
         self.cfg = settings.train
         self.registry = registry
@@ -122,6 +128,10 @@ class RunState:
         self.run_dir = run_dir_of(settings)
         self.runlog = RunLogWriter(self.run_dir / "runlog.jsonl")
         self.rollouts = response_history(settings)
+
+    def prompt_source(self) -> PromptSource:
+        assert self.source is not None, "this run state was built without a prompt source"
+        return self.source
 
     def round_dir(self, round_id: int) -> Path:
         return self.run_dir / "rounds" / f"{round_id:04d}"
@@ -205,11 +215,12 @@ class RunState:
     def make_plan(self, round_id: int) -> dict[str, Any]:
         path = self.round_dir(round_id) / PLAN
         if path.is_file():
-            return read_json(path)
+            plan: dict[str, Any] = read_json(path)
+            return plan
         parent = self.head()
         last = self.last_summary()
         watermark = last["watermark_after"] if last else None
-        prompts, watermark_after = self.source.new_prompts(watermark, self.cfg.max_prompts_per_round)
+        prompts, watermark_after = self.prompt_source().new_prompts(watermark, self.cfg.max_prompts_per_round)
         if not prompts:
             raise DynrubricError(
                 f"no new prompts since watermark {watermark!r} for round {round_id}",
@@ -245,8 +256,10 @@ class RunState:
         gathered across rounds: the last round's held-out set, then this round's held-out prompts. With
         none yet, the new prompt lowest in that order is held out. Held-out prompts are never trained."""
         n = self.cfg.heldout_prompts
-        if self.heldout_override is not None or self.cfg.heldout_file:
-            held = self.heldout_override if self.heldout_override is not None else read_prompt_file(self.cfg.heldout_file)
+        if self.heldout_override is not None:
+            held = self.heldout_override
+        elif self.cfg.heldout_file:
+            held = read_prompt_file(self.cfg.heldout_file)
         else:
             plans = [self.round_dir(r) / PLAN for r in self.completed_rounds() if (self.round_dir(r) / PLAN).is_file()]
             held = prompts_of(read_json(plans[-1])["heldout"]) if plans else []

@@ -24,6 +24,7 @@ import hashlib
 import json
 import random
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +93,10 @@ def heldout_prompts(settings: Settings, path: Path | None = None) -> list[EvalPr
             chosen.append(EvalPrompt(prompt=p, truth=truth))
     chosen.sort(key=lambda e: e.prompt.key)
     if not chosen:
-        raise DynrubricError(f"{source} has no held-out prompt with ground truth (train.heldout_share "
-                             f"{settings.train.heldout_share})", "pass a file of checkable prompts (evaluation.prompts_file)")
+        raise DynrubricError(
+            f"{source} has no held-out prompt with ground truth (train.heldout_share {settings.train.heldout_share})",
+            "pass a file of checkable prompts (evaluation.prompts_file)",
+        )
     return chosen[: settings.evaluation.max_prompts]
 
 
@@ -106,18 +109,28 @@ def default_prompts_file() -> Path:
 def decode_params(settings: Settings) -> SamplingParams:
     """The serving decode settings: what the users ask the router for."""
     e = settings.evaluation
-    return SamplingParams(max_tokens=e.max_tokens or settings.loop.users_max_tokens, temperature=e.temperature,
-                          seed=settings.train.seed if e.temperature > 0 else None)  # greedy needs no seed
+    return SamplingParams(
+        max_tokens=e.max_tokens or settings.loop.users_max_tokens,
+        temperature=e.temperature,
+        seed=settings.train.seed if e.temperature > 0 else None,
+    )  # greedy needs no seed
 
 
 def eval_key(prompts: Sequence[EvalPrompt], params: SamplingParams) -> str:
-    h = hashlib.sha256(json.dumps([[p.prompt.key for p in prompts], params.max_tokens, params.temperature,
-                                   params.seed]).encode())
+    h = hashlib.sha256(
+        json.dumps([[p.prompt.key for p in prompts], params.max_tokens, params.temperature, params.seed]).encode()
+    )
     return h.hexdigest()[:16]
 
 
-def sample_outcomes(engine: Engine, version: str, prompts: Sequence[EvalPrompt], params: SamplingParams,
-                    progress: Callable[[int], None] = lambda n: None, batch: int = 32) -> VersionOutcomes:
+def sample_outcomes(
+    engine: Engine,
+    version: str,
+    prompts: Sequence[EvalPrompt],
+    params: SamplingParams,
+    progress: Callable[[int], None] = lambda n: None,
+    batch: int = 32,
+) -> VersionOutcomes:
     """`engine`'s answers (it serves `version`) to `prompts`, checked."""
     responses: dict[str, str] = {}
     for start in range(0, len(prompts), batch):
@@ -127,14 +140,17 @@ def sample_outcomes(engine: Engine, version: str, prompts: Sequence[EvalPrompt],
             responses[p.prompt.key] = out.text
         progress(len(chunk))
     return VersionOutcomes(
-        version=version, eval_key=eval_key(prompts, params),
+        version=version,
+        eval_key=eval_key(prompts, params),
         passed={p.prompt.key: p.truth.passes(responses[p.prompt.key]) for p in prompts},
-        kinds={p.prompt.key: p.truth.kind for p in prompts}, responses=responses,
+        kinds={p.prompt.key: p.truth.kind for p in prompts},
+        responses=responses,
     )
 
 
-def paired_bootstrap(a: Sequence[float], b: Sequence[float], samples: int, confidence: float,
-                     seed: int = 0) -> tuple[float, float, float]:
+def paired_bootstrap(
+    a: Sequence[float], b: Sequence[float], samples: int, confidence: float, seed: int = 0
+) -> tuple[float, float, float]:
     """(mean(a - b), low, high): the percentile bootstrap CI of the mean paired difference."""
     if len(a) != len(b) or not a:
         raise ValueError("paired samples need equal, non-zero lengths")
@@ -150,13 +166,17 @@ def paired_bootstrap(a: Sequence[float], b: Sequence[float], samples: int, confi
 
 def compare(version: VersionOutcomes, reference: VersionOutcomes, samples: int, confidence: float) -> Comparison:
     if version.eval_key != reference.eval_key:
-        raise DynrubricError(f"{version.version} and {reference.version} were evaluated on different prompts or "
-                             "decode settings", "evaluate both again with the same evaluation settings")
+        raise DynrubricError(
+            f"{version.version} and {reference.version} were evaluated on different prompts or decode settings",
+            "evaluate both again with the same evaluation settings",
+        )
     keys = sorted(version.passed)
-    delta, low, high = paired_bootstrap([float(version.passed[k]) for k in keys],
-                                        [float(reference.passed[k]) for k in keys], samples, confidence)
-    return Comparison(version=version.version, reference=reference.version, prompts=len(keys), delta=delta,
-                      low=low, high=high)
+    delta, low, high = paired_bootstrap(
+        [float(version.passed[k]) for k in keys], [float(reference.passed[k]) for k in keys], samples, confidence
+    )
+    return Comparison(
+        version=version.version, reference=reference.version, prompts=len(keys), delta=delta, low=low, high=high
+    )
 
 
 class OutcomeStore:
@@ -183,9 +203,13 @@ def outcome_store(settings: Settings) -> OutcomeStore:
     return OutcomeStore(settings.train_run_dir() / "groundtruth")
 
 
-def evaluate_versions(settings: Settings, engine: Engine, versions: Sequence[tuple[str, Path]],
-                      progress: Callable[[str, int], None] = lambda version, n: None,
-                      prompts: Sequence[EvalPrompt] | None = None) -> dict[str, VersionOutcomes]:
+def evaluate_versions(
+    settings: Settings,
+    engine: Engine,
+    versions: Sequence[tuple[str, Path]],
+    progress: Callable[[str, int], None] = lambda version, n: None,
+    prompts: Sequence[EvalPrompt] | None = None,
+) -> dict[str, VersionOutcomes]:
     """Each (version, weights dir)'s outcomes on `prompts` (default: `heldout_prompts`): from the store, else
     sampled on `engine` (which is left at the weights of the last version sampled) and stored."""
     prompts = heldout_prompts(settings) if prompts is None else prompts
@@ -197,14 +221,15 @@ def evaluate_versions(settings: Settings, engine: Engine, versions: Sequence[tup
         outcomes = store.get(version, key)
         if outcomes is None:
             engine.load_weights(path, version)
-            outcomes = sample_outcomes(engine, version, prompts, params, lambda n, v=version: progress(v, n))
+            outcomes = sample_outcomes(engine, version, prompts, params, partial(progress, version))
             store.put(outcomes)
         out[version] = outcomes
     return out
 
 
-def round_evidence(settings: Settings, engine: Engine, candidate: tuple[str, Path], parent: tuple[str, Path],
-                   base: tuple[str, Path]) -> dict[str, Any]:
+def round_evidence(
+    settings: Settings, engine: Engine, candidate: tuple[str, Path], parent: tuple[str, Path], base: tuple[str, Path]
+) -> dict[str, Any]:
     """A round's ground-truth evidence (eval.json's `groundtruth`): pass rates of the candidate, its parent and
     the base, and the candidate's paired differences from both."""
     outcomes = evaluate_versions(settings, engine, list(dict.fromkeys([candidate, parent, base])))

@@ -63,8 +63,10 @@ class PromptSource(Protocol):
 
 def parse_prompt_line(obj: object, where: str) -> TrainPrompt:
     if not isinstance(obj, dict):
-        raise DynrubricError(f"{where}: expected a JSON object, got {type(obj).__name__}",
-                             'write {"prompt": "..."} or {"messages": [{"role": "user", "content": "..."}]}')
+        raise DynrubricError(
+            f"{where}: expected a JSON object, got {type(obj).__name__}",
+            'write {"prompt": "..."} or {"messages": [{"role": "user", "content": "..."}]}',
+        )
     if isinstance(obj.get("prompt"), str) and obj["prompt"].strip():
         return make_prompt(obj["prompt"])
     msgs = obj.get("messages")
@@ -73,8 +75,10 @@ def parse_prompt_line(obj: object, where: str) -> TrainPrompt:
             return make_prompt([(m.get("role", "user"), m["content"]) for m in msgs])
         except ValueError as e:
             raise DynrubricError(f"{where}: {e}", "add a message with role 'user'") from None
-    raise DynrubricError(f"{where}: no non-empty 'prompt' string or 'messages' list",
-                         'write {"prompt": "..."} or {"messages": [{"role": "user", "content": "..."}]}')
+    raise DynrubricError(
+        f"{where}: no non-empty 'prompt' string or 'messages' list",
+        'write {"prompt": "..."} or {"messages": [{"role": "user", "content": "..."}]}',
+    )
 
 
 def read_prompt_file(path: Path) -> list[TrainPrompt]:

@@ -55,6 +55,8 @@ class Worker:
 
 
 class EngineActor(Worker):
+    engine: Engine  # set by reset()
+
     def reset(self, factory: EngineFactory, role: str, model_dir: Path) -> None:
         """A fresh engine in this process (a later round reuses the actor, not its engine)."""
         if getattr(self, "engine", None) is not None:
@@ -90,10 +92,12 @@ class RemoteEngine(Engine):
         return self._tokenizer
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Completion]]:
-        return ray.get(self.actor.generate.remote(list(requests)))
+        completions: list[list[Completion]] = ray.get(self.actor.generate.remote(list(requests)))
+        return completions
 
     def score_next_token(self, prompts: Sequence[str], candidates: Sequence[str]) -> list[dict[str, float]]:
-        return ray.get(self.actor.score_next_token.remote(list(prompts), list(candidates)))
+        scores: list[dict[str, float]] = ray.get(self.actor.score_next_token.remote(list(prompts), list(candidates)))
+        return scores
 
     def load_weights(self, path: Path, version: str) -> None:
         self.policy_version = ray.get(self.actor.load_weights.remote(path, version))
@@ -102,8 +106,9 @@ class RemoteEngine(Engine):
 class JudgeActor(Worker):
     """Rubric generation and verdicts for chunks of candidate sets, on engines built here once."""
 
-    def reset(self, settings: Settings, factory: EngineFactory, writer_role: str, writer_dir: Path,
-              verifier_dir: Path) -> None:
+    def reset(
+        self, settings: Settings, factory: EngineFactory, writer_role: str, writer_dir: Path, verifier_dir: Path
+    ) -> None:
         for engine in (getattr(self, "writer", None), getattr(self, "verifier", None)):
             if engine is not None:
                 engine.close()
@@ -141,17 +146,21 @@ class RayJudges:
 
 class TrainerActor(Worker):
     def reset(self, spec: TrainerSpec) -> None:
-        self.trainers = None  # the last round's models go before the next ones load
+        self.trainers: Trainers | None = None  # the last round's models go before the next ones load
         self.trainers = Trainers(spec)
 
+    def loaded(self) -> Trainers:
+        assert self.trainers is not None, "reset() loads the trainers"
+        return self.trainers
+
     def pad_token_id(self) -> int:
-        return self.trainers.pad_token_id
+        return self.loaded().pad_token_id
 
     def step(self, phase: str, groups: list[Any]) -> dict[str, Any]:
-        return self.trainers.step(phase, groups)
+        return self.loaded().step(phase, groups)
 
     def save(self, directory: Path) -> None:
-        self.trainers.save(directory)
+        self.loaded().save(directory)
 
 
 class RemoteTrainers:
@@ -164,7 +173,8 @@ class RemoteTrainers:
         self.pad_token_id: int = ray.get(actor.pad_token_id.remote())
 
     def step(self, phase: str, groups: list[Any]) -> dict[str, Any]:
-        return ray.get(self.actor.step.remote(phase, list(groups)))
+        record: dict[str, Any] = ray.get(self.actor.step.remote(phase, list(groups)))
+        return record
 
     def save(self, directory: Path) -> None:
         ray.get(self.actor.save.remote(directory))
@@ -189,8 +199,11 @@ class RayExecutor:
             actor = idle.pop()
             ray.get(actor.reset.remote(*args))
         else:
-            actor = ray.remote(cls).options(num_cpus=self.settings.ray.actor_cpus, max_restarts=0,
-                                            scheduling_strategy="SPREAD").remote(self.settings.engine.threads, *args)
+            actor = (
+                ray.remote(cls)
+                .options(num_cpus=self.settings.ray.actor_cpus, max_restarts=0, scheduling_strategy="SPREAD")
+                .remote(self.settings.engine.threads, *args)
+            )
         self.in_use.append((kind, actor))
         return actor
 
@@ -200,10 +213,15 @@ class RayExecutor:
     def trainers(self, spec: TrainerSpec) -> RemoteTrainers:
         return RemoteTrainers(self._actor("trainer", TrainerActor, spec))
 
-    def judges(self, writer: Engine, verifier: Engine, writer_role: str, writer_dir: Path,
-               verifier_dir: Path) -> Judges:
-        return RayJudges([self._actor("judge", JudgeActor, self.settings, self.factory, writer_role, writer_dir,
-                                      verifier_dir) for _ in range(self.settings.ray.judges)])
+    def judges(
+        self, writer: Engine, verifier: Engine, writer_role: str, writer_dir: Path, verifier_dir: Path
+    ) -> Judges:
+        return RayJudges(
+            [
+                self._actor("judge", JudgeActor, self.settings, self.factory, writer_role, writer_dir, verifier_dir)
+                for _ in range(self.settings.ray.judges)
+            ]
+        )
 
     def release(self) -> None:
         for kind, actor in self.in_use:

@@ -34,7 +34,8 @@ import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -45,6 +46,7 @@ from dynrubric.registry import CheckpointState, Registry
 from dynrubric.rubric.evaluator import EvaluatorMetrics
 from dynrubric.train.coevolve import RankedAnchors, feedback_ranking, lineage_ages, read_anchor_file, temporal_anchors
 from dynrubric.train.evaluation import evaluate_round, round_verdict
+from dynrubric.train.executor import Executor, InProcess
 from dynrubric.train.plan import (
     COLLAPSE,
     EVAL,
@@ -62,11 +64,27 @@ from dynrubric.train.plan import (
     write_json,
 )
 from dynrubric.train.prompts import PromptSource, TrainPrompt
-from dynrubric.train.executor import Executor, InProcess
 from dynrubric.train.step import EngineFactory, RoundModels, generator_step, policy_step
 
-__all__ = ["COLLAPSE", "EVAL", "GUARDED", "PLAN", "SUMMARY", "EngineFactory", "Progress", "RoundRunner", "RunLogWriter",
-           "TrainMetrics", "check_frozen_judges", "heldout_bucket", "is_accepted", "response_history", "run_dir_of"]
+__all__ = [
+    "COLLAPSE",
+    "EVAL",
+    "GUARDED",
+    "PLAN",
+    "SUMMARY",
+    "EngineFactory",
+    "Progress",
+    "RoundRunner",
+    "RunLogWriter",
+    "TrainMetrics",
+    "check_frozen_judges",
+    "heldout_bucket",
+    "is_accepted",
+    "response_history",
+    "run_dir_of",
+]
+
+EngineRole = Literal["policy", "generator", "verifier"]  # EngineConfig.url_for's roles
 
 
 def check_frozen_judges(settings: Settings) -> None:
@@ -77,9 +95,11 @@ def check_frozen_judges(settings: Settings) -> None:
     if engine.kind != "openai-http" or engine.shared_servers:
         return  # in-process engines hold their own weights; engines on a shared server reload theirs before use
     remote = [r for r in ("policy", "generator", "verifier") if r not in engine.in_process]
-    reloaded = [r for r in (["policy"] if settings.train.coevolve.single_model else ["policy", "generator"]) if r in remote]
-    judges = [r for r in (["verifier"] if settings.train.coevolve.single_model else ["verifier", "generator"])
-              if r in remote]
+    single = settings.train.coevolve.single_model
+    trained_roles: tuple[EngineRole, ...] = ("policy",) if single else ("policy", "generator")
+    judge_roles: tuple[EngineRole, ...] = ("verifier",) if single else ("verifier", "generator")
+    reloaded = [r for r in trained_roles if r in remote]
+    judges = [r for r in judge_roles if r in remote]
     for judge in judges:
         for trained in reloaded:
             if judge != trained and engine.url_for(judge) == engine.url_for(trained):
@@ -98,28 +118,38 @@ class TrainMetrics:
         self.guard_rejections = Counter(
             "dynrubric_train_guard_rejections", "checkpoints rejected by a guard", ["reason"], registry=registry
         )
-        self.reward_mean = Gauge("dynrubric_train_reward_mean", "mean set-conditioned reward of the last step",
-                                 registry=registry)
+        self.reward_mean = Gauge(
+            "dynrubric_train_reward_mean", "mean set-conditioned reward of the last step", registry=registry
+        )
         self.kl = Gauge("dynrubric_train_kl", "KL to the reference policy of the last step", registry=registry)
-        self.tied_sets = Counter("dynrubric_train_tied_sets", "sets whose scores were all tied (no gradient)",
-                                 registry=registry)
+        self.tied_sets = Counter(
+            "dynrubric_train_tied_sets", "sets whose scores were all tied (no gradient)", registry=registry
+        )
         self.judge_user_agreement = Gauge(
             "dynrubric_train_judge_user_agreement",
             "share of user-ranked response pairs the rubrics of the last generator step ordered as the users did",
-            registry=registry)
-        self.heldout_pass = Gauge("dynrubric_train_heldout_pass",
-                                  "held-out ground-truth pass rate of the last round's candidate", registry=registry)
+            registry=registry,
+        )
+        self.heldout_pass = Gauge(
+            "dynrubric_train_heldout_pass",
+            "held-out ground-truth pass rate of the last round's candidate",
+            registry=registry,
+        )
         self.sampler_log_ratio = Gauge(
             "dynrubric_train_sampler_log_ratio",
             "sampler-trainer mismatch of the last policy step: mean |log pi_old - log pi_sampler| per token",
-            registry=registry)
+            registry=registry,
+        )
         self.sampler_capped = Gauge(
             "dynrubric_train_sampler_capped_share",
-            "share of the last policy step's tokens whose truncated importance weight was capped", registry=registry)
+            "share of the last policy step's tokens whose truncated importance weight was capped",
+            registry=registry,
+        )
         self.worker_failures = Counter(
             "dynrubric_train_worker_failures",
             "round workers (Ray actors, nodes) that died; the round resumed from its last published step",
-            registry=registry)
+            registry=registry,
+        )
         for outcome in ("completed", "failed"):
             self.rounds.labels(outcome=outcome)
         for reason in ("kl", "kl_to_base", "reward_drop", "nonfinite", "heldout_regression"):
@@ -141,7 +171,7 @@ class RoundRunner(RunState):
         self,
         settings: Settings,
         registry: Registry,
-        source: PromptSource,
+        source: PromptSource | None,
         engines: EngineFactory,
         metrics: CollectorRegistry | None = None,
         progress: Progress | None = None,
@@ -163,7 +193,8 @@ class RoundRunner(RunState):
         round_id = self.next_round() if round_id is None else round_id
         done = self.round_dir(round_id) / SUMMARY
         if done.is_file():
-            return read_json(done)
+            summary: dict[str, Any] = read_json(done)
+            return summary
         failures = 0
         while True:
             executor = self.executor = self.executor or make_executor(self.settings, self.engines)
@@ -175,10 +206,18 @@ class RoundRunner(RunState):
                 self.close()
                 failures += 1
                 self.metrics.worker_failures.inc()
-                self.runlog.append([{"key": f"round/{round_id}/worker-failure/{time.time_ns()}",
-                                     "kind": "worker_failure", "round": round_id, "time": time.time(),
-                                     "error": f"{type(e).__name__}: {str(e)[:500]}",
-                                     "resumed": failures <= self.settings.ray.max_restarts}])
+                self.runlog.append(
+                    [
+                        {
+                            "key": f"round/{round_id}/worker-failure/{time.time_ns()}",
+                            "kind": "worker_failure",
+                            "round": round_id,
+                            "time": time.time(),
+                            "error": f"{type(e).__name__}: {str(e)[:500]}",
+                            "resumed": failures <= self.settings.ray.max_restarts,
+                        }
+                    ]
+                )
                 if failures > self.settings.ray.max_restarts:
                     self.metrics.rounds.labels(outcome="failed").inc()
                     raise
@@ -209,8 +248,15 @@ def make_executor(settings: Settings, engines: EngineFactory) -> Executor:
 class _Round:
     """One round while it runs: its plan, its models, the steps it publishes."""
 
-    def __init__(self, state: RunState, round_id: int, executor: Executor, metrics: TrainMetrics,
-                 evaluator_metrics: EvaluatorMetrics, progress: Progress):
+    def __init__(
+        self,
+        state: RunState,
+        round_id: int,
+        executor: Executor,
+        metrics: TrainMetrics,
+        evaluator_metrics: EvaluatorMetrics,
+        progress: Progress,
+    ):
         self.state = state
         self.settings = state.settings
         self.cfg = state.cfg
@@ -222,6 +268,12 @@ class _Round:
         self.dir = state.round_dir(round_id)
         self.steps_dir = self.dir / "steps"
         self.models: RoundModels | None = None
+        self.collapse_fired = False  # a policy step's collapse detector fired this round (run() resets it)
+
+    def loaded(self) -> RoundModels:
+        """The round's models, once `setup` has loaded them."""
+        assert self.models is not None, "setup() loads the round's models first"
+        return self.models
 
     def setup(self) -> None:
         self.plan = self.state.make_plan(self.id)
@@ -232,8 +284,15 @@ class _Round:
         self.single = self.cfg.coevolve.single_model
         latest = self.latest_step()
         self.history: list[dict[str, Any]] = read_json(latest / "history.json") if latest else []
-        self.models = RoundModels(self.settings, self.executor, self.parent, self.state.base_of(self.parent),
-                                  self.state.generator_dir(), latest, self.evaluator_metrics)
+        self.models = RoundModels(
+            self.settings,
+            self.executor,
+            self.parent,
+            self.state.base_of(self.parent),
+            self.state.generator_dir(),
+            latest,
+            self.evaluator_metrics,
+        )
         # the collapse window spans rounds: continue from this round's last step, else the last round
         window = latest / COLLAPSE if latest and (latest / COLLAPSE).is_file() else self.state.run_dir / COLLAPSE
         if window.is_file():
@@ -244,10 +303,12 @@ class _Round:
             else None
         )
         if self.cfg.coevolve.anchors == "file" and self.anchor_file is None:
-            raise DynrubricError("train.coevolve.anchors is 'file' but anchors_file is not set",
-                                 "set train.coevolve.anchors_file to a JSONL of ranked responses")
+            raise DynrubricError(
+                "train.coevolve.anchors is 'file' but anchors_file is not set",
+                "set train.coevolve.anchors_file to a JSONL of ranked responses",
+            )
 
-    def latest_step(self):
+    def latest_step(self) -> Path | None:
         if not self.steps_dir.is_dir():
             return None
         done = sorted(d for d in self.steps_dir.iterdir() if d.name.isdigit())
@@ -271,48 +332,70 @@ class _Round:
             ranked = self.anchor_file.get(prompt.key)
             return RankedAnchors(ranked, "file") if ranked else None
         co = self.cfg.coevolve
-        if co.anchors == "feedback" and (users := feedback_ranking(self.state.source.feedback_by_response(prompt.key))):
+        if co.anchors == "feedback" and (
+            users := feedback_ranking(self.state.prompt_source().feedback_by_response(prompt.key))
+        ):
             return RankedAnchors(users, "users")
         lineage = {c.version: c.parent for c in self.state.registry.list()}
         # the policy being trained is one step past its parent: the parent's samples have age 1
         ages = {v: a + 1 for v, a in lineage_ages(lineage, self.parent.version).items()}
-        ranked = temporal_anchors(rng.choice(list(current)), self.state.source.responses_by_version(prompt.key), ages,
-                                  co.min_age, co.max_age, rng)
+        ranked = temporal_anchors(
+            rng.choice(list(current)),
+            self.state.prompt_source().responses_by_version(prompt.key),
+            ages,
+            co.min_age,
+            co.max_age,
+            rng,
+        )
         return RankedAnchors(ranked, "temporal") if ranked else None
 
     def step(self, step: int, phase: str) -> dict[str, Any]:
         if phase == "generator":
-            return generator_step(self.settings, self.models, self.batch(step, self.cfg.coevolve.sets_per_step),
-                                  self.seed(step), self.anchors_for, lambda i: self.seed(step, i))
+            return generator_step(
+                self.settings,
+                self.loaded(),
+                self.batch(step, self.cfg.coevolve.sets_per_step),
+                self.seed(step),
+                self.anchors_for,
+                lambda i: self.seed(step, i),
+            )
         prompts = self.batch(step, self.cfg.prompts_per_step)
-        record, responses = policy_step(self.settings, self.models, prompts, self.seed(step),
-                                        lambda j: self.seed(step, 1000 + j),
-                                        lambda n: self.progress.advance("score sets", n))
-        self.collapse_fired = self.collapse_fired or self.models.collapse.collapsed
-        self.state.rollouts.append([(p.key, self.parent.version, rs) for p, rs in zip(prompts, responses, strict=True)],
-                                   origin=f"round/{self.id}/step/{step}")
+        record, responses = policy_step(
+            self.settings,
+            self.loaded(),
+            prompts,
+            self.seed(step),
+            lambda j: self.seed(step, 1000 + j),
+            lambda n: self.progress.advance("score sets", n),
+        )
+        self.collapse_fired = self.collapse_fired or self.loaded().collapse.collapsed
+        self.state.rollouts.append(
+            [(p.key, self.parent.version, rs) for p, rs in zip(prompts, responses, strict=True)],
+            origin=f"round/{self.id}/step/{step}",
+        )
         return record
 
     def publish_step(self, step: int, record: dict[str, Any]) -> None:
         self.history.append(record)
         target = self.steps_dir / f"{step:04d}"
         with atomic.directory(target) as tmp:
-            self.models.save(tmp)
+            self.loaded().save(tmp)
             (tmp / "history.json").write_text(json.dumps(self.history, allow_nan=False, default=float))
-            (tmp / COLLAPSE).write_text(json.dumps(self.models.collapse.state()))
+            (tmp / COLLAPSE).write_text(json.dumps(self.loaded().collapse.state()))
         for old in self.steps_dir.iterdir():
             if old.name.isdigit() and old.name < target.name:
                 shutil.rmtree(old, ignore_errors=True)
-        self.models.load_published(target, self.version, step)
+        self.loaded().load_published(target, self.version, step)
 
     def log_steps(self) -> None:
-        self.state.runlog.append([{"key": f"round/{self.id}/step/{h['step']}", "kind": "step", "round": self.id, **h}
-                                  for h in self.history])
+        self.state.runlog.append(
+            [{"key": f"round/{self.id}/step/{h['step']}", "kind": "step", "round": self.id, **h} for h in self.history]
+        )
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self) -> dict[str, Any]:
         final = self.latest_step()
-        m = self.models
+        m = self.loaded()
         return evaluate_round(
             self.dir / EVAL,
             settings=self.settings,
@@ -380,6 +463,7 @@ class _Round:
         steps (a resumed round's earlier ones too); setup (models, engines, actors), checkpoints (each
         step published: weights saved, engines reloaded), the held-out evaluation and the guard
         (verdict, registration) are this run's."""
+
         def steps(phase: str, stage: str) -> float:
             return sum((h.get("stage_seconds", {}).get(stage, 0.0) for h in self.history if h["phase"] == phase), 0.0)
 
@@ -404,8 +488,10 @@ class _Round:
         policy = [h for h in self.history if h["phase"] == "policy"]
         if not any(h["updated"] for h in policy):
             tied = sum(h["tied_sets"] for h in policy)
-            return (f"no policy update in {len(policy)} policy step(s) ({tied} of "
-                    f"{sum(h['sets'] for h in policy)} sets tied or untrusted): nothing to roll out")
+            return (
+                f"no policy update in {len(policy)} policy step(s) ({tied} of "
+                f"{sum(h['sets'] for h in policy)} sets tied or untrusted): nothing to roll out"
+            )
         final = self.latest_step()
         if final is not None and weights_sha256(final / "policy" / "model") == self.parent.weights_sha256:
             return "the trained weights equal the parent's (same sha256): nothing to roll out"
@@ -425,8 +511,12 @@ class _Round:
         state = CheckpointState.candidate if verdict.accepted else CheckpointState.rejected
         ckpt = self.state.registry.register(
             final / "policy" / "model" if final else self.parent.path,
-            parent=self.parent.version, round=self.id, metrics=metrics, version=self.version,
-            state=state, reason=None if verdict.accepted else f"{verdict.reason}: {verdict.detail}",
+            parent=self.parent.version,
+            round=self.id,
+            metrics=metrics,
+            version=self.version,
+            state=state,
+            reason=None if verdict.accepted else f"{verdict.reason}: {verdict.detail}",
         )
         if not verdict.accepted:
             self.metrics.guard_rejections.labels(reason=verdict.reason).inc()
@@ -448,8 +538,15 @@ class _Round:
         with atomic.directory(gen_current) as tmp:
             shutil.copytree(final / "generator", tmp, dirs_exist_ok=True)
 
-    def summary(self, version: str | None, state: str, guard: dict[str, Any], metrics: dict[str, Any],
-                evaluation: dict[str, Any], started: float) -> dict[str, Any]:
+    def summary(
+        self,
+        version: str | None,
+        state: str,
+        guard: dict[str, Any],
+        metrics: dict[str, Any],
+        evaluation: dict[str, Any],
+        started: float,
+    ) -> dict[str, Any]:
         collapse = self.collapse_fired or any(h.get("collapse") for h in self.history)
         return {
             "round": self.id,
@@ -464,9 +561,13 @@ class _Round:
             "refresh": self.plan["refresh"],
             "collapse": {
                 "fired": collapse,
-                "note": None if not collapse else (
-                    "collapse detected: the next round starts with a generator phase" if self.cfg.coevolve.enabled
-                    else "collapse detected; co-evolution is disabled, so no generator phase follows"),
+                "note": None
+                if not collapse
+                else (
+                    "collapse detected: the next round starts with a generator phase"
+                    if self.cfg.coevolve.enabled
+                    else "collapse detected; co-evolution is disabled, so no generator phase follows"
+                ),
             },
             "prompts": len(self.prompts),
             "watermark_before": self.plan["watermark_before"],
@@ -477,9 +578,10 @@ class _Round:
 
     def publish(self, summary: dict[str, Any]) -> dict[str, Any]:
         """The round's summary, written last: from here on the round is complete and never runs again."""
-        write_json(self.state.run_dir / COLLAPSE, self.models.collapse.state())
+        write_json(self.state.run_dir / COLLAPSE, self.loaded().collapse.state())
         write_json(self.dir / SUMMARY, summary)
-        self.state.runlog.append([{"key": f"round/{self.id}", "kind": "round", **{k: v for k, v in summary.items()
-                                                                             if k != "steps"}}])
+        self.state.runlog.append(
+            [{"key": f"round/{self.id}", "kind": "round", **{k: v for k, v in summary.items() if k != "steps"}}]
+        )
         shutil.rmtree(self.steps_dir, ignore_errors=True)  # the weights now live in the registry (or nowhere)
         return summary

@@ -85,11 +85,13 @@ class Trainers:
             gen_dir = latest / "generator" if latest else None
             gen_cfg = gcfg.model_copy(update={"lr": cfg.coevolve.generator_lr or gcfg.lr})
             gadapter = gen_dir / "adapter" if gen_dir and gcfg.lora_rank > 0 else None
-            gmodel = load_policy(gen_dir / "model" if gen_dir and gadapter is None else spec.generator_base, gen_cfg,
-                                 gadapter)
+            gmodel = load_policy(
+                gen_dir / "model" if gen_dir and gadapter is None else spec.generator_base, gen_cfg, gadapter
+            )
             self.gen_tokenizer = load_tokenizer(spec.generator_base)
-            self.generator = GRPOTrainer(gmodel, load_reference(spec.generator_base, gen_cfg), gen_cfg,
-                                         pad_id(self.gen_tokenizer), tie_eps)
+            self.generator = GRPOTrainer(
+                gmodel, load_reference(spec.generator_base, gen_cfg), gen_cfg, pad_id(self.gen_tokenizer), tie_eps
+            )
             if gen_dir:
                 self.generator.load_optimizer(gen_dir / "optimizer.pt")
 
@@ -119,8 +121,16 @@ class RoundModels:
     (None: the parent). `collapse` is the round's collapse detector: the judges' sets update it in
     order, whichever judge scored them."""
 
-    def __init__(self, settings: Settings, executor: Any, parent: Checkpoint, base: Checkpoint,
-                 generator_base: Path, latest: Path | None, metrics: EvaluatorMetrics | None):
+    def __init__(
+        self,
+        settings: Settings,
+        executor: Any,
+        parent: Checkpoint,
+        base: Checkpoint,
+        generator_base: Path,
+        latest: Path | None,
+        metrics: EvaluatorMetrics | None,
+    ):
         self.settings = settings
         self.single = settings.train.coevolve.single_model
         self.generator_base = generator_base
@@ -139,19 +149,31 @@ class RoundModels:
         self.verifier_engine = executor.engine("verifier", verifier_dir)
         # the generator step's judge (its verdicts, the anchors' scores); the step's sets go to the judges
         self.evaluator = Evaluator(self.generator_engine, self.verifier_engine, settings.rubric, metrics=None)
-        self.judges = executor.judges(self.generator_engine, self.verifier_engine,
-                                      "policy" if self.single else "generator", writer_dir, verifier_dir)
+        self.judges = executor.judges(
+            self.generator_engine,
+            self.verifier_engine,
+            "policy" if self.single else "generator",
+            writer_dir,
+            verifier_dir,
+        )
 
-    def score(self, questions: Sequence[str], responses: Sequence[Sequence[str]], seed_of: Callable[[int], int],
-              progress: Callable[[int], None]) -> tuple[list[ScoredSet], GenerationCounts, dict[str, float]]:
+    def score(
+        self,
+        questions: Sequence[str],
+        responses: Sequence[Sequence[str]],
+        seed_of: Callable[[int], int],
+        progress: Callable[[int], None],
+    ) -> tuple[list[ScoredSet], GenerationCounts, dict[str, float]]:
         """Judge the step's sets in `train.judge_chunks` chunks (chunk j with seed block `seed_of(j)`),
         then update the collapse detector and the metrics with them in order. Also returns the wall
         time split into rubric generation and verification (`judge_stages`)."""
         start = time.perf_counter()
         n = len(questions)
         size = -(-n // min(self.settings.train.judge_chunks, n))
-        chunks = [ScoreChunk(list(questions[i : i + size]), [list(r) for r in responses[i : i + size]], seed_of(j))
-                  for j, i in enumerate(range(0, n, size))]
+        chunks = [
+            ScoreChunk(list(questions[i : i + size]), [list(r) for r in responses[i : i + size]], seed_of(j))
+            for j, i in enumerate(range(0, n, size))
+        ]
         results = self.judges.score(chunks, progress)
         wall = time.perf_counter() - start
         counts = GenerationCounts()
@@ -166,7 +188,11 @@ class RoundModels:
             collapsed = self.collapse.update(s.gaps)
             if self.metrics is not None:
                 self.metrics.record_set(s, collapsed)
-        return scored, counts, judge_stages(wall, sum(r.seconds for r in results), sum(s.verify_seconds for s in scored))
+        return (
+            scored,
+            counts,
+            judge_stages(wall, sum(r.seconds for r in results), sum(s.verify_seconds for s in scored)),
+        )
 
     def save(self, directory: Path) -> None:
         self.trainers.save(directory)
@@ -194,8 +220,14 @@ def judge_stages(wall: float, busy: float, verifying: float) -> dict[str, float]
     return {"rubrics": wall * (1.0 - share), "verdicts": wall * share}
 
 
-def policy_step(settings: Settings, models: RoundModels, prompts: Sequence[TrainPrompt], seed: int,
-                seed_of: Callable[[int], int], progress: Callable[[int], None]) -> tuple[dict[str, Any], list[list[str]]]:
+def policy_step(
+    settings: Settings,
+    models: RoundModels,
+    prompts: Sequence[TrainPrompt],
+    seed: int,
+    seed_of: Callable[[int], int],
+    progress: Callable[[int], None],
+) -> tuple[dict[str, Any], list[list[str]]]:
     """One GRPO batch of the policy over `prompts`: (the step's record, the sampled responses).
     `seed`: the candidates' sampling seed; `seed_of(j)`: the j-th judging chunk's seed block."""
     from dynrubric.train.grpo import CandidateSet
@@ -213,8 +245,14 @@ def policy_step(settings: Settings, models: RoundModels, prompts: Sequence[Train
         prompt_ids = tuple(tok.encode(text, add_special_tokens=False))
         # an untrusted set (a known-bad anchor outranks a candidate) teaches nothing: zero advantage
         untrusted = None if sc.trusted else tuple(0.0 for _ in cs)
-        groups.append(CandidateSet(tuple(sampled_response(prompt_ids, c, tok) for c in cs), tuple(sc.scores),
-                            advantages=untrusted, temperature=cfg.temperature))
+        groups.append(
+            CandidateSet(
+                tuple(sampled_response(prompt_ids, c, tok) for c in cs),
+                tuple(sc.scores),
+                advantages=untrusted,
+                temperature=cfg.temperature,
+            )
+        )
     stats = models.trainers.step("policy", groups)
     n = len(scored)
     record = {
@@ -226,9 +264,18 @@ def policy_step(settings: Settings, models: RoundModels, prompts: Sequence[Train
         "nonsplit_share": sum(s.gaps.nonsplit_share for s in scored) / n,
         "untrusted_sets": sum(not s.trusted for s in scored),
         # per set, so that the trust rule can be checked from the run log: candidates' and anchors' scores
-        "set_scores": [{"scores": s.scores, "anchor_scores": s.anchor_scores, "trusted": s.trusted,
-                        "overruled_items": s.overruled_items} for s in scored],
-        "rubric_sources": {src: sum(s.rubric_source == src for s in scored) for src in ("set", "prompt_only", "generic")},
+        "set_scores": [
+            {
+                "scores": s.scores,
+                "anchor_scores": s.anchor_scores,
+                "trusted": s.trusted,
+                "overruled_items": s.overruled_items,
+            }
+            for s in scored
+        ],
+        "rubric_sources": {
+            src: sum(s.rubric_source == src for s in scored) for src in ("set", "prompt_only", "generic")
+        },
         "fallbacks": {
             "parse_failures": counts.parse_failures,
             "prompt_only": counts.prompt_only_fallbacks,
@@ -240,8 +287,14 @@ def policy_step(settings: Settings, models: RoundModels, prompts: Sequence[Train
     return record, responses
 
 
-def generator_step(settings: Settings, models: RoundModels, prompts: Sequence[TrainPrompt], seed: int,
-                   anchors_for: AnchorSource, seed_of: Callable[[int], int]) -> dict[str, Any]:
+def generator_step(
+    settings: Settings,
+    models: RoundModels,
+    prompts: Sequence[TrainPrompt],
+    seed: int,
+    anchors_for: AnchorSource,
+    seed_of: Callable[[int], int],
+) -> dict[str, Any]:
     """One GRPO batch of the rubric generator over candidate sets of `prompts`. `seed_of(i)` gives the
     step's i-th derived seed."""
     co = settings.train.coevolve
@@ -271,5 +324,9 @@ def generator_step(settings: Settings, models: RoundModels, prompts: Sequence[Tr
     stats = models.trainers.step("generator", groups)
     updates = stats.pop("updates")
     # the generator's rubrics: sampled for the candidate sets, judged and rewarded (t1..t2)
-    return {"stage_seconds": {"candidates": t1 - t0, "rubrics": t2 - t1, "update": time.perf_counter() - t2},
-            **stats, **{f"gen_{k}": v for k, v in gstats.as_dict().items()}, "updates": updates}
+    return {
+        "stage_seconds": {"candidates": t1 - t0, "rubrics": t2 - t1, "update": time.perf_counter() - t2},
+        **stats,
+        **{f"gen_{k}": v for k, v in gstats.as_dict().items()},
+        "updates": updates,
+    }

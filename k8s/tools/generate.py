@@ -59,12 +59,14 @@ def prometheus_rules() -> str:
     docs = []
     for path in sorted((MONITORING / "rules").glob("*.yml")):
         spec = yaml.safe_load(path.read_text())
-        docs.append({
-            "apiVersion": "monitoring.coreos.com/v1",
-            "kind": "PrometheusRule",
-            "metadata": {"name": f"dynrubric-{path.stem}", "labels": dict(RELEASE_LABELS)},
-            "spec": {"groups": spec["groups"]},
-        })
+        docs.append(
+            {
+                "apiVersion": "monitoring.coreos.com/v1",
+                "kind": "PrometheusRule",
+                "metadata": {"name": f"dynrubric-{path.stem}", "labels": dict(RELEASE_LABELS)},
+                "spec": {"groups": spec["groups"]},
+            }
+        )
     body = "---\n".join(yaml.safe_dump(_block_strings(d), sort_keys=False, width=120) for d in docs)
     return HEADER.format(source="monitoring/rules/*.yml") + body
 
@@ -72,12 +74,14 @@ def prometheus_rules() -> str:
 def grafana_dashboards() -> str:
     docs = []
     for path in sorted((MONITORING / "dashboards").glob("*.json")):
-        docs.append({
-            "apiVersion": "v1",
-            "kind": "ConfigMap",
-            "metadata": {"name": f"dynrubric-dashboard-{path.stem}", "labels": {"grafana_dashboard": "1"}},
-            "data": {path.name: _Literal(path.read_text())},
-        })
+        docs.append(
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": f"dynrubric-dashboard-{path.stem}", "labels": {"grafana_dashboard": "1"}},
+                "data": {path.name: _Literal(path.read_text())},
+            }
+        )
     body = "---\n".join(yaml.safe_dump(d, sort_keys=False, width=120) for d in docs)
     return HEADER.format(source="monitoring/dashboards/*.json") + body
 
@@ -87,19 +91,24 @@ CONFIG = ROOT / "k8s" / "base" / "config" / "dynrubric.yaml"
 
 def trainer_rayjob() -> str:
     job = openrlhf.cluster_rayjob(load_settings(CONFIG, environ={}))
-    note = ("# One training round as a KubeRay RayJob: its head takes the round's prompts from the replay store,\n"
-            "# runs OpenRLHF's train_ppo_ray on the job's GPU workers (group-normalised advantages over\n"
-            "# train.candidates samples per prompt, rewards from our group-barrier reward server), then puts the\n"
-            "# checkpoint through the guards and registers it, as `dynrubric train round` does in process.\n"
-            "# Created suspended, so that applying the manifests starts nothing: resume it for each round\n"
-            "# (k8s/README.md).\n")
+    note = (
+        "# One training round as a KubeRay RayJob: its head takes the round's prompts from the replay store,\n"
+        "# runs OpenRLHF's train_ppo_ray on the job's GPU workers (group-normalised advantages over\n"
+        "# train.candidates samples per prompt, rewards from our group-barrier reward server), then puts the\n"
+        "# checkpoint through the guards and registers it, as `dynrubric train round` does in process.\n"
+        "# Created suspended, so that applying the manifests starts nothing: resume it for each round\n"
+        "# (k8s/README.md).\n"
+    )
     source = "k8s/base/config/dynrubric.yaml via dynrubric/train/openrlhf.py rayjob()"
     return HEADER.format(source=source) + note + yaml.safe_dump(job, sort_keys=False, width=110)
 
 
 def outputs() -> dict[Path, str]:
-    return {OUT / "prometheusrule.yaml": prometheus_rules(), OUT / "grafana-dashboard.yaml": grafana_dashboards(),
-            ROOT / "k8s" / "base" / "trainer" / "rayjob.yaml": trainer_rayjob()}
+    return {
+        OUT / "prometheusrule.yaml": prometheus_rules(),
+        OUT / "grafana-dashboard.yaml": grafana_dashboards(),
+        ROOT / "k8s" / "base" / "trainer" / "rayjob.yaml": trainer_rayjob(),
+    }
 
 
 def stale() -> list[Path]:

@@ -42,4 +42,3 @@ def build(directory: Path) -> list[dict]:
     if out.returncode != 0:
         raise RenderError(f"kubectl kustomize {directory}: {out.stderr.strip()}")
     return [d for d in yaml.safe_load_all(out.stdout) if d]
-

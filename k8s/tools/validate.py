@@ -58,8 +58,11 @@ DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 def _strict(schema):
     if isinstance(schema, dict):
         out = {k: _strict(v) for k, v in schema.items()}
-        if ("properties" in out and "additionalProperties" not in out
-                and not out.get("x-kubernetes-preserve-unknown-fields")):
+        if (
+            "properties" in out
+            and "additionalProperties" not in out
+            and not out.get("x-kubernetes-preserve-unknown-fields")
+        ):
             out["additionalProperties"] = False
         return out
     if isinstance(schema, list):
@@ -88,8 +91,10 @@ def _pod_templates(obj: dict) -> list[tuple[str, dict]]:
     if obj["kind"] == "RayJob":
         ray = spec.get("rayClusterSpec", {})
         out = [("rayClusterSpec.headGroupSpec.template", ray.get("headGroupSpec", {}).get("template", {}))]
-        out += [(f"rayClusterSpec.workerGroupSpecs[{g.get('groupName')}].template", g.get("template", {}))
-                for g in ray.get("workerGroupSpecs", [])]
+        out += [
+            (f"rayClusterSpec.workerGroupSpecs[{g.get('groupName')}].template", g.get("template", {}))
+            for g in ray.get("workerGroupSpecs", [])
+        ]
         return out
     return []
 
@@ -110,7 +115,9 @@ def schema_problems(obj: dict) -> list[str]:
         pass
     validator = crd_validator(obj["apiVersion"], obj["kind"])
     if validator is None:
-        return problems + [f"{where}: no schema for {obj['apiVersion']} {obj['kind']} (vendor its CRD into k8s/crd-schemas/)"]
+        return problems + [
+            f"{where}: no schema for {obj['apiVersion']} {obj['kind']} (vendor its CRD into k8s/crd-schemas/)"
+        ]
     for e in sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.path))):
         problems.append(f"{where}: {'.'.join(map(str, e.path))}: {e.message}")
     extra_meta = set(meta) - {"name", "namespace", "labels", "annotations", "generateName"}
@@ -155,21 +162,32 @@ def _selects(selector: dict, labels: dict) -> bool:
 def network_problems(objs: list[dict]) -> list[str]:
     """Least reach: every long-running workload's pods are selected by an ingress NetworkPolicy, and every
     in-namespace peer a policy admits is some pod template (a typo there silently blocks the caller)."""
-    policies = [o for o in objs if o["kind"] == "NetworkPolicy" and "Ingress" in o["spec"].get("policyTypes", ["Ingress"])]
-    pods = _pod_labels(objs) + [t.get("metadata", {}).get("labels", {}) for o in objs for _, t in _pod_templates(o)
-                                if o["kind"] not in WORKLOAD_KINDS]
+    policies = [
+        o for o in objs if o["kind"] == "NetworkPolicy" and "Ingress" in o["spec"].get("policyTypes", ["Ingress"])
+    ]
+    pods = _pod_labels(objs) + [
+        t.get("metadata", {}).get("labels", {})
+        for o in objs
+        for _, t in _pod_templates(o)
+        if o["kind"] not in WORKLOAD_KINDS
+    ]
     problems = []
     for o in objs:
         if o["kind"] in SERVING_KINDS:
             labels = o.get("spec", {}).get("template", {}).get("metadata", {}).get("labels", {})
             if not any(p["spec"]["podSelector"] == {} or _selects(p["spec"]["podSelector"], labels) for p in policies):
-                problems.append(f"{_name(o)}: no NetworkPolicy selects its pods, so any pod may call it "
-                                "(add one to k8s/base/network/policies.yaml)")
+                problems.append(
+                    f"{_name(o)}: no NetworkPolicy selects its pods, so any pod may call it "
+                    "(add one to k8s/base/network/policies.yaml)"
+                )
     for p in policies:
         for rule in p["spec"].get("ingress", []):
             for peer in rule.get("from", []):
-                if "podSelector" in peer and "namespaceSelector" not in peer and not any(
-                        _selects(peer["podSelector"], labels) for labels in pods):
+                if (
+                    "podSelector" in peer
+                    and "namespaceSelector" not in peer
+                    and not any(_selects(peer["podSelector"], labels) for labels in pods)
+                ):
                     problems.append(f"{_name(p)}: ingress peer {peer['podSelector']} matches no pod template")
     return problems
 
@@ -201,8 +219,10 @@ def reference_problems(objs: list[dict]) -> list[str]:
                 for env in c.get("env", []):
                     ref = env.get("valueFrom", {}).get("secretKeyRef")
                     if ref and (ref.get("name") != SECRET_NAME or ref.get("key") not in SECRET_KEYS):
-                        problems.append(f"{where}: env {env['name']} refers to secret {ref.get('name')}/{ref.get('key')}, "
-                                        f"not one of {SECRET_NAME}/{sorted(SECRET_KEYS)}")
+                        problems.append(
+                            f"{where}: env {env['name']} refers to secret {ref.get('name')}/{ref.get('key')}, "
+                            f"not one of {SECRET_NAME}/{sorted(SECRET_KEYS)}"
+                        )
                     if SECRETISH.search(env["name"]) and "value" in env:
                         problems.append(f"{where}: env {env['name']} inlines a secret value; use secretKeyRef")
         if o["kind"] == "Service":
@@ -211,7 +231,9 @@ def reference_problems(objs: list[dict]) -> list[str]:
                 problems.append(f"{where}: selector {selector} matches no pod template")
         if o["kind"] == "ServiceMonitor":
             sel = o["spec"].get("selector", {})
-            services = [s for s in by_kind.get("Service", {}).values() if _selects(sel, s["metadata"].get("labels", {}))]
+            services = [
+                s for s in by_kind.get("Service", {}).values() if _selects(sel, s["metadata"].get("labels", {}))
+            ]
             if not services:
                 problems.append(f"{where}: selector matches no Service")
             for ep in o["spec"].get("endpoints", []):
@@ -239,8 +261,10 @@ def reference_problems(objs: list[dict]) -> list[str]:
             m = re.match(r"http://([a-z0-9-]+):(\d+)/", _reward_url(by_kind.get("ConfigMap", {})))
             svc = by_kind.get("Service", {}).get(m.group(1)) if m else None
             if not m or svc is None or int(m.group(2)) not in {p["port"] for p in svc["spec"]["ports"]}:
-                problems.append(f"{where}: train.openrlhf.reward_url in ConfigMap {CONFIG_MAP} (the job's "
-                                "--reward.remote_url) must point at an existing Service and port")
+                problems.append(
+                    f"{where}: train.openrlhf.reward_url in ConfigMap {CONFIG_MAP} (the job's "
+                    "--reward.remote_url) must point at an existing Service and port"
+                )
     return problems
 
 
