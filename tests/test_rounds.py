@@ -280,3 +280,22 @@ def test_the_demo_profile_moves_the_policy_within_one_round(tmp_path: Path, tiny
     # AdamW's step counter runs on across the round's policy steps: one optimiser state, not a fresh one per step
     assert [h["updates"] for h in policy][-1] == applied * demo["grpo"]["updates_per_batch"] >= 3
     assert summary["eval"]["kl_to_parent"] > 1e-3, summary["eval"]
+
+
+@pytest.mark.slow
+def test_a_round_without_a_policy_update_registers_nothing(tmp_path: Path, tiny_model_dir: Path):
+    """Issue 24/26: no rollout that cannot change anything. With a tie threshold no score spread reaches, every
+    set is tied, no policy step applies an update, and the round registers no candidate: the summary says why
+    and the next round builds on the same parent."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 48)
+    r = runner(tmp_path / "state", tiny_model_dir, prompts, steps_per_round=2, coevolve={"k_alt": 2})
+    r.settings.rubric.eps = 0.99  # a spread of at least 0.99 between scores in [0, 1]: every set is a tie
+    summary = r.run()
+    assert [h["updated"] for h in summary["steps"]] == [False, False], summary["steps"]
+    assert summary["version"] is None and summary["state"] == "unregistered", summary
+    assert (
+        summary["guard"]["reason"] == "no_update"
+        and "no policy update in 2 policy step(s)" in summary["guard"]["detail"]
+    )
+    assert [c.version for c in r.registry.list()] == ["base"]
+    assert r.head().version == "base"
