@@ -30,6 +30,20 @@ REPO = Path(__file__).resolve().parents[1]
 BENCHMARK = REPO / "dynrubric" / "data" / "judge_benchmark.jsonl"
 
 
+def tiny_judge_env(model_dir: Path) -> dict[str, str]:
+    """The console script's environment: the tiny model as rubric writer and verifier, one short rubric try."""
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "COLUMNS": "200",
+        "DYNRUBRIC_MODELS__GENERATOR": str(model_dir),
+        "DYNRUBRIC_MODELS__VERIFIER": str(model_dir),
+        "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": "48",
+        "DYNRUBRIC_RUBRIC__RETRIES": "0",
+        "DYNRUBRIC_RUBRIC__PROMPT_ONLY_RETRIES": "0",
+    }
+
+
 @pytest.mark.parametrize(
     ("check", "response", "met"),
     [
@@ -277,16 +291,7 @@ def test_eval_judge_through_the_console_script(tiny_model_dir, tmp_path):
             ]
         )
     )
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "COLUMNS": "200",
-        "DYNRUBRIC_MODELS__GENERATOR": str(tiny_model_dir),
-        "DYNRUBRIC_MODELS__VERIFIER": str(tiny_model_dir),
-        "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": "48",
-        "DYNRUBRIC_RUBRIC__RETRIES": "0",
-        "DYNRUBRIC_RUBRIC__PROMPT_ONLY_RETRIES": "0",
-    }
+    env = tiny_judge_env(tiny_model_dir)
     script = Path(sys.executable).parent / "dynrubric"
     r = subprocess.run(
         [str(script), "eval-judge", str(sets), "--modes", "set,generic", "--out", str(tmp_path / "out")],
@@ -353,16 +358,7 @@ def test_eval_judge_real_judges_only_the_sets_the_checker_separates(tiny_model_d
             ]
         )
     )
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "COLUMNS": "200",
-        "DYNRUBRIC_MODELS__GENERATOR": str(tiny_model_dir),
-        "DYNRUBRIC_MODELS__VERIFIER": str(tiny_model_dir),
-        "DYNRUBRIC_RUBRIC__GENERATOR_MAX_TOKENS": "48",
-        "DYNRUBRIC_RUBRIC__RETRIES": "0",
-        "DYNRUBRIC_RUBRIC__PROMPT_ONLY_RETRIES": "0",
-    }
+    env = tiny_judge_env(tiny_model_dir)
     script = Path(sys.executable).parent / "dynrubric"
     r = subprocess.run(
         [str(script), "eval-judge", str(sets), "--real", "--modes", "set", "--out", str(tmp_path / "out")],
