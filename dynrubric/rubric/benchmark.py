@@ -248,7 +248,8 @@ class RealSet:
 def read_real_sets(path: Path) -> list[RealSet]:
     """`{prompt, responses, passed}` per line (written by `dynrubric eval-judge --real --sample N`)."""
     out = []
-    for n, obj in jsonl_lines(path, "real-output sets file", "write one {prompt, responses, passed} object per line"):
+    fix = "pass a JSONL file of {prompt, responses, passed} per line, or write one with --real --sample N"
+    for n, obj in jsonl_lines(path, "real-output sets file", fix):
         ok = (
             isinstance(obj, dict)
             and isinstance(obj.get("prompt"), str)
