@@ -10,7 +10,9 @@ underestimates the variance). Checks run in order and the first decisive one win
    itself is broken: fail);
 2. guardrails, fail when the canary is confidently worse than stable by more than the margin:
    error rate (per request, normal-mixture confidence sequence) and p95 latency (a confidence
-   sequence for each arm's p95, see `quantile_cs`), each at half of `guardrail_alpha`;
+   sequence for each arm's p95, see `quantile_cs`), each at half of `guardrail_alpha`; an error
+   rate whose observed excess is over the margin but not yet shown holds the step (inconclusive),
+   so a failing canary never moves to more traffic on the few requests that cannot yet show it;
 3. the judged win rate (`judge_alpha`): on shadow pairs the rubric judge scores, fail when the
    canary's win rate is confidently below 1/2 - `judge_margin` (sub-Gaussian mixture, exact);
 4. minimum samples per arm (users, requests this step, rated requests; fewer: inconclusive);
@@ -337,6 +339,15 @@ def _error_rate(stable: ArmStats, canary: ArmStats, cfg: GateConfig) -> GateChec
             verdict=Verdict.FAIL,
             numbers=numbers,
             detail=f"canary error rate exceeds stable by more than {cfg.error_rate_margin} (lower bound {lo:.3f})",
+        )
+    # the data point to harm that the interval cannot show yet: hold the step (no more traffic) until it can
+    if harm > cfg.error_rate_margin:
+        return GateCheck(
+            name="error_rate",
+            verdict=Verdict.INCONCLUSIVE,
+            numbers=numbers,
+            detail=f"canary error rate {canary.errors.rate:.3f} is above stable's {stable.errors.rate:.3f} by more "
+            f"than {cfg.error_rate_margin}, not yet shown (lower bound {lo:.3f}): holding the step",
         )
     return GateCheck(name="error_rate", verdict=Verdict.PASS, numbers=numbers, detail="not shown worse than the margin")
 

@@ -164,6 +164,33 @@ def test_harm_stops_at_once_whatever_the_minimums():
     assert waiting.verdict is Verdict.INCONCLUSIVE and waiting.reason.startswith("min_samples")
 
 
+def test_a_step_holds_while_the_error_rate_points_to_harm_it_cannot_show_yet():
+    """The serving race, in numbers: the router had routed 8 of a failing canary's requests and counted 5 errors
+    (3 still in flight) when the minimums were met. The interval cannot show the margin on 8 requests, but the
+    canary must not move to more traffic on them: the step holds, and the next look, with the errors in, fails it.
+    An excess at the margin or under it does not hold a step."""
+    cfg = demo_gate()
+    stable = arm(step_users=10, step_requests=20, users=10, requests=20, rated=12, errors=UserRates.per_request(0, 20))
+
+    def canary(errors: int, routed: int):
+        return arm(
+            step_users=5,
+            step_requests=8,
+            users=5,
+            requests=routed,
+            rated=6,
+            errors=UserRates.per_request(errors, routed),
+        )
+
+    held = evaluate(stable, canary(5, 8), 0.3, cfg, require_non_inferiority=False)
+    assert held.verdict is Verdict.INCONCLUSIVE and held.reason.startswith("error_rate: canary error rate 0.625"), held
+    assert held.checks[-1].numbers["lower"] < cfg.error_rate_margin < held.checks[-1].numbers["difference"]
+    failed = evaluate(stable, canary(8, 8), 0.3, cfg, require_non_inferiority=False)
+    assert failed.verdict is Verdict.FAIL and failed.reason.startswith("error_rate: canary error rate exceeds"), failed
+    at_margin = evaluate(stable, canary(4, 20), 0.3, cfg, require_non_inferiority=False)  # 0.2 over stable's 0
+    assert at_margin.verdict is Verdict.PASS, at_margin.reason
+
+
 def test_judged_promotion_needs_the_win_rate_shown_above_its_bar():
     """`promote_on: [judged]` (the demo): the feedback rates only guard against harm, and the last step passes
     once the judged win rate's lower bound clears 1/2 - judge_margin; steps before it pass on no harm."""
