@@ -299,3 +299,19 @@ def test_a_round_without_a_policy_update_registers_nothing(tmp_path: Path, tiny_
     )
     assert [c.version for c in r.registry.list()] == ["base"]
     assert r.head().version == "base"
+
+
+def test_every_seed_of_a_run_is_its_own():
+    """The named seed derivation: over 40 rounds x 200 steps, every draw's seed block (the seed and the rubric
+    generator's retries, +0..+9) is disjoint from every other's; integer offsets (`root + 101 step + i`, judging
+    chunk j at i = 1000 + j) gave chunk j of step s the seed of index j - 10 of step s + 10."""
+    from dynrubric.train.seeds import SEED_BLOCK, round_seed
+
+    draws = [("candidates", 0), ("anchors", 0), ("rubrics", 0), *(("judging", j) for j in range(8))]
+    seeds = [round_seed(7, r, purpose, step, i) for r in range(40) for step in range(200) for purpose, i in draws]
+    seeds += [round_seed(7, r, "heldout", 0) for r in range(40)]
+    assert all(0 <= s < 2**62 - SEED_BLOCK for s in seeds)
+    blocks = sorted(seeds)
+    assert min(b - a for a, b in zip(blocks, blocks[1:], strict=False)) >= 10  # no two blocks of 10 overlap
+    assert round_seed(7, 1, "judging", 3, 2) == round_seed(7, 1, "judging", 3, 2)  # a pure function of the name
+    assert len({round_seed(root, 1, "judging", 3, 2) for root in range(100)}) == 100  # train.seed reseeds all

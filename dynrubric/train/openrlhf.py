@@ -49,6 +49,7 @@ from dynrubric.errors import DynrubricError
 from dynrubric.registry import Checkpoint, CheckpointState, Registry
 from dynrubric.train.prompts import PromptSource, TrainPrompt
 from dynrubric.train.rounds import RoundRunner
+from dynrubric.train.seeds import round_seed
 
 
 @dataclass(frozen=True)
@@ -508,7 +509,7 @@ def finish(settings: Settings, runner: RoundRunner, emitted: Emitted) -> dict[st
             previous_generator=runner.generator_dir() if two_models else None,
             verifier_engine=verifier,
             pad_id=int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id),
-            seed=(cfg.seed * 1_000_003 + emitted.round * 10_007 + 10_000 * 101) % (2**31),
+            seed=round_seed(cfg.seed, emitted.round, "heldout", 0),  # the in-process round's held-out seed
         )
     finally:
         for engine in (policy, verifier, generator):

@@ -64,6 +64,7 @@ from dynrubric.train.plan import (
     write_json,
 )
 from dynrubric.train.prompts import PromptSource, TrainPrompt
+from dynrubric.train.seeds import round_seed
 from dynrubric.train.step import EngineFactory, RoundModels, generator_step, policy_step
 
 __all__ = [
@@ -319,8 +320,8 @@ class _Round:
             self.models.close()
 
     # ---------------------------------------------------------------- steps
-    def seed(self, step: int, i: int = 0) -> int:
-        return (self.cfg.seed * 1_000_003 + self.id * 10_007 + step * 101 + i) % (2**31)
+    def seed(self, purpose: str, step: int, i: int = 0) -> int:
+        return round_seed(self.cfg.seed, self.id, purpose, step, i)
 
     def batch(self, step: int, n: int) -> list[TrainPrompt]:
         start = step * n
@@ -355,17 +356,17 @@ class _Round:
                 self.settings,
                 self.loaded(),
                 self.batch(step, self.cfg.coevolve.sets_per_step),
-                self.seed(step),
+                self.seed("candidates", step),
                 self.anchors_for,
-                lambda i: self.seed(step, i),
+                lambda purpose: self.seed(purpose, step),
             )
         prompts = self.batch(step, self.cfg.prompts_per_step)
         record, responses = policy_step(
             self.settings,
             self.loaded(),
             prompts,
-            self.seed(step),
-            lambda j: self.seed(step, 1000 + j),
+            self.seed("candidates", step),
+            lambda j: self.seed("judging", step, j),
             lambda n: self.progress.advance("score sets", n),
         )
         self.collapse_fired = self.collapse_fired or self.loaded().collapse.collapsed
@@ -410,7 +411,7 @@ class _Round:
             previous_generator=None if self.single else m.generator_base,
             verifier_engine=m.verifier_engine,
             pad_id=m.trainers.pad_token_id,
-            seed=self.seed(10_000),
+            seed=self.seed("heldout", 0),
         )
 
     # ---------------------------------------------------------------- run

@@ -293,17 +293,17 @@ def generator_step(
     prompts: Sequence[TrainPrompt],
     seed: int,
     anchors_for: AnchorSource,
-    seed_of: Callable[[int], int],
+    seed_of: Callable[[str], int],
 ) -> dict[str, Any]:
-    """One GRPO batch of the rubric generator over candidate sets of `prompts`. `seed_of(i)` gives the
-    step's i-th derived seed."""
+    """One GRPO batch of the rubric generator over candidate sets of `prompts`. `seed_of(purpose)` gives the
+    step's seed for one use ("anchors", "rubrics")."""
     co = settings.train.coevolve
     evaluator = models.evaluator
     t0 = time.perf_counter()
     _, outs = sample_sets(settings, models.policy_engine, prompts, settings.train.candidates, seed)
     t1 = time.perf_counter()
     responses = [[c.text for c in cs] for cs in outs]
-    rng = random.Random(seed_of(7))
+    rng = random.Random(seed_of("anchors"))
     anchors = [anchors_for(p, rs, rng) for p, rs in zip(prompts, responses, strict=True)]
     groups, gstats = generator_groups(
         models.generator_engine,
@@ -317,7 +317,7 @@ def generator_step(
         settings.rubric.max_items,
         settings.rubric.generator_temperature,
         settings.rubric.eps,
-        seed_of(13),
+        seed_of("rubrics"),
         RUBRIC_SCHEMA_JSON if settings.rubric.constrained else None,
     )
     t2 = time.perf_counter()
