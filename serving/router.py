@@ -48,6 +48,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from dynrubric.service import make_app, require_token
+from serving.routing import bucket
 
 log = logging.getLogger(__name__)
 
@@ -160,12 +161,6 @@ def _text(content: Any) -> str:
     if isinstance(content, list):
         return "".join(p.get("text", "") for p in content if isinstance(p, dict))
     return "" if content is None else str(content)
-
-
-def bucket(experiment: str, user_hash: str) -> float:
-    """A user's fixed place in [0, 1) for one experiment."""
-    digest = hashlib.sha256(f"{experiment}:{user_hash}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
 
 
 # ---------------------------------------------------------------- bodies
