@@ -68,7 +68,7 @@ class ReplicaState(Protocol):
 ReplicaT = TypeVar("ReplicaT", bound=ReplicaState)
 
 
-def serving(replicas: Sequence[ReplicaT], variant: str) -> list[ReplicaT]:
+def serving_replicas(replicas: Sequence[ReplicaT], variant: str) -> list[ReplicaT]:
     """The replicas of `variant` that take requests: healthy and not drained, in their given order."""
     return [r for r in replicas if r.variant == variant and r.healthy and not r.drained]
 
@@ -82,7 +82,7 @@ class ReplicaChoice(ABC):
 
     def choose(self, replicas: Sequence[ReplicaT], variant: str, tried: Set[str]) -> ReplicaT | None:
         """`best` of the serving replicas of `variant` whose name is not in `tried`; None when there is none."""
-        candidates = [r for r in serving(replicas, variant) if r.name not in tried]
+        candidates = [r for r in serving_replicas(replicas, variant) if r.name not in tried]
         return self.best(candidates) if candidates else None
 
     @abstractmethod

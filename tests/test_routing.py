@@ -1,15 +1,18 @@
-"""The routing policy (serving/routing.py) on its own: no server, no Kafka."""
+"""The routing policy (serving/routing.py) on its own, and the router's use of it: no server, no Kafka."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 from dataclasses import dataclass
 
 import pytest
+from fastapi import HTTPException
+from prometheus_client import CollectorRegistry
 
-from serving.router import hash_user
-from serving.routing import LeastInflight, StickyHashAssignment
+from serving.router import EngineFailure, Replica, Router, RouterState, hash_user
+from serving.routing import ArmAssignment, LeastInflight, StickyHashAssignment, Variant
 
 USERS = [hash_user(f"user-{i}") for i in range(10_000)]
 WEIGHTS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 0.9, 1.0)
@@ -42,10 +45,29 @@ def arms(experiment: str, weight: float) -> str:
     return "".join("c" if policy.assign(u, experiment, weight) == "canary" else "s" for u in USERS)
 
 
+def make_router(replicas: list[Replica], **policy) -> Router:
+    return Router(RouterState(replicas), producer=None, metrics=CollectorRegistry(), token=None, **policy)
+
+
+FLEET = (("s0", "stable"), ("s1", "stable"), ("c0", "canary"), ("c1", "canary"))
+
+
+def fleet() -> list[Replica]:
+    return [Replica(name, variant, "http://unused", "v0") for name, variant in FLEET]
+
+
 @pytest.mark.parametrize(("experiment", "weight"), list(RECORDED))
 def test_sticky_hash_assignment_is_the_router_s_assignment_before_the_split(experiment, weight):
     got = arms(experiment, weight)
     assert (got.count("c"), hashlib.sha256(got.encode()).hexdigest()) == RECORDED[experiment, weight]
+
+
+@pytest.mark.parametrize("weight", [0.05, 0.5])
+def test_the_router_by_default_assigns_as_before_the_split(weight):
+    router = make_router(fleet())
+    router.state.experiment, router.state.canary_weight = "rollout-25", weight
+    got = "".join("c" if router.assign(u) == "canary" else "s" for u in USERS)
+    assert (got.count("c"), hashlib.sha256(got.encode()).hexdigest()) == RECORDED["rollout-25", weight]
 
 
 @pytest.mark.parametrize("weight", [0.01, 0.05, 0.25, 0.5, 0.9])
@@ -103,3 +125,51 @@ def test_replica_choice_takes_the_least_busy_serving_replica_not_yet_tried():
     assert choice.choose(fleet, "canary", set()).name == "c-idle"
     assert choice.choose(fleet, "canary", {"c-idle"}) is None
     assert choice.choose([], "stable", set()) is None
+
+
+class EveryoneOnCanary(ArmAssignment):
+    """A new assignment rule is one class."""
+
+    def assign(self, user_hash: str, experiment: str, canary_weight: float) -> Variant:
+        return "canary"
+
+
+def test_the_router_asks_the_rule_it_is_given_while_a_canary_replica_serves():
+    router = make_router(fleet(), assignment=EveryoneOnCanary())
+    assert router.assign(USERS[0]) == "canary"  # at canary weight 0: the rule decides, not the router
+    for r in router.state.replicas:
+        r.healthy = r.variant == "stable"
+    assert router.assign(USERS[0]) == "stable"  # no canary replica serves: nobody is on the canary
+
+
+def forward(router: Router, variant: str, down: set[str]) -> tuple[list[str], str]:
+    """`Router._forward` with engines answering by name (those in `down` fail): the replicas tried, in order,
+    and the variant that answered."""
+    tried: list[str] = []
+
+    async def post(replica, path, body, stream):
+        tried.append(replica.name)
+        if replica.name in down:
+            raise EngineFailure(f"{replica.name}: down")
+        return "answer"
+
+    router._post = post
+    served, replica, _, _ = asyncio.run(router._forward(variant, "/v1/completions", {}, stream=False))
+    assert replica.name == tried[-1]
+    return tried, served
+
+
+def test_failover_tries_two_replicas_of_the_arm_then_stable_for_a_canary_request():
+    router = make_router(fleet())
+    router.state.replicas[0].inflight = 3  # s0 busy: the least busy stable replica is s1
+    assert forward(router, "canary", set()) == (["c0"], "canary")
+    assert forward(router, "canary", {"c0"}) == (["c0", "c1"], "canary")
+    assert router.state.arm("canary").errors == 0
+    assert forward(router, "canary", {"c0", "c1"}) == (["c0", "c1", "s1"], "stable")
+    assert router.state.arm("canary").errors == 1
+    assert forward(router, "stable", {"s1"}) == (["s1", "s0"], "stable")
+    with pytest.raises(HTTPException) as e:
+        forward(router, "canary", {name for name, _ in FLEET})
+    assert e.value.status_code == 502
+    assert (router.state.arm("canary").errors, router.state.arm("stable").errors) == (2, 1)
+    assert [r.inflight for r in router.state.replicas] == [3, 0, 0, 0]  # every try gave its slot back
