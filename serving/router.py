@@ -63,7 +63,7 @@ USER_KEY_HEADER = "x-user-key"
 @dataclass
 class Replica:
     name: str
-    variant: Literal["stable", "canary"]
+    variant: Variant
     base_url: str
     policy_version: str
     served_model: str = "policy"  # the engine's --served-model-name; requests are rewritten to it

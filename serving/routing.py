@@ -18,7 +18,8 @@ Variant = Literal["stable", "canary"]
 
 
 def bucket(experiment: str, user_hash: str) -> float:
-    """A user's fixed place in [0, 1) for one experiment: the first 8 bytes of sha256("experiment:user_hash")."""
+    """A user's fixed place in [0, 1) for one experiment: the first 8 bytes of sha256("experiment:user_hash"),
+    big-endian, over 2**64."""
     digest = hashlib.sha256(f"{experiment}:{user_hash}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
 
