@@ -114,6 +114,7 @@ def fleet_up(ctx: typer.Context) -> None:
 # ---------------------------------------------------------------- router
 def build_router(settings, producer, metrics):
     from serving.router import Replica, Router, RouterState, Weights
+    from serving.routing import LeastInflight, StickyHashAssignment
 
     version, path = _stable_weights(settings)
     replicas = [Replica(e.name, e.variant, f"http://127.0.0.1:{e.port}", version) for e in settings.serving.engines]
@@ -132,6 +133,8 @@ def build_router(settings, producer, metrics):
         shadow_max_inflight=s.shadow_max_inflight,
         default_max_tokens=s.default_max_tokens,
         traffic_window_s=s.traffic_window_s,
+        assignment=StickyHashAssignment(),
+        replica_choice=LeastInflight(),
     )
 
 

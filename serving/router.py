@@ -1,11 +1,13 @@
 """The A/B router: OpenAI-compatible front door over the fleet, with sticky variants and event logging.
 
-A request goes to a variant (stable or canary) by a hash of its user key and the experiment id, so
-a user stays on one arm for a whole rollout; a canary share that grows only adds users to the
-canary. Inside a variant the least-busy healthy replica serves it; a failure (connection error,
-5xx, or an answer that ran to its token limit without any text: a broken model's, `_no_text`) is
-retried once on another replica of the same variant, and a canary request that still fails is
-counted as a canary error and served by stable. Every answered request is logged to
+The routing policy is `serving.routing`'s, passed in: a request goes to the variant (stable or
+canary) its user is assigned to (`ArmAssignment`; by default `StickyHashAssignment`, a hash of the
+user key and the experiment id, so a user stays on one arm for a whole rollout and a canary share
+that grows only adds users to the canary), and inside a variant to the replica a `ReplicaChoice`
+picks (by default `LeastInflight`, the least-busy healthy one). This module is the proxy around
+it: a failure (connection error, 5xx, or an answer that ran to its token limit without any text: a
+broken model's, `_no_text`) is retried once on another replica of the same variant, and a canary
+request that still fails is counted as a canary error and served by stable. Every answered request is logged to
 `dynrubric.query-log` by `streaming.producer.EventProducer`, whose `send_*` only appends to a
 bounded in-memory buffer (a full buffer drops and counts the event), so Kafka never adds latency.
 Each event carries the experiment id and the arm the user is assigned to (the gate attributes by
@@ -48,6 +50,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from dynrubric.service import make_app, require_token
+from serving.routing import ArmAssignment, LeastInflight, ReplicaChoice, StickyHashAssignment, Variant, serving_replicas
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +63,7 @@ USER_KEY_HEADER = "x-user-key"
 @dataclass
 class Replica:
     name: str
-    variant: Literal["stable", "canary"]
+    variant: Variant
     base_url: str
     policy_version: str
     served_model: str = "policy"  # the engine's --served-model-name; requests are rewritten to it
@@ -98,7 +101,7 @@ class RouterState:
         return by_variant[variant]
 
     def serving(self, variant: str) -> list[Replica]:
-        return [r for r in self.replicas if r.variant == variant and r.healthy and not r.drained]
+        return serving_replicas(self.replicas, variant)
 
 
 class TrafficMeter:
@@ -160,12 +163,6 @@ def _text(content: Any) -> str:
     if isinstance(content, list):
         return "".join(p.get("text", "") for p in content if isinstance(p, dict))
     return "" if content is None else str(content)
-
-
-def bucket(experiment: str, user_hash: str) -> float:
-    """A user's fixed place in [0, 1) for one experiment."""
-    digest = hashlib.sha256(f"{experiment}:{user_hash}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
 
 
 # ---------------------------------------------------------------- bodies
@@ -238,13 +235,19 @@ class Router:
         seed: int | None = None,
         default_max_tokens: int = 256,
         traffic_window_s: float = 300.0,
+        assignment: ArmAssignment | None = None,
+        replica_choice: ReplicaChoice | None = None,
     ):
         """`producer`: an EventProducer whose metrics are registered in `metrics` (the router's /metrics).
         `engine_api_key`: sent as a bearer token on every call to an engine (vLLM's --api-key).
         `default_max_tokens`: sent to the engine when a request names no max_tokens, so the logged
         sampling is what the engine used (engines' own defaults differ: vLLM's is the rest of the context).
-        `traffic_window_s`: the window of the traffic the state reports (`TrafficMeter`)."""
+        `traffic_window_s`: the window of the traffic the state reports (`TrafficMeter`).
+        `assignment`, `replica_choice`: the routing policy (`serving.routing`); by default today's rules,
+        `StickyHashAssignment` and `LeastInflight`."""
         self.state = state
+        self.assignment = assignment if assignment is not None else StickyHashAssignment()
+        self.replica_choice = replica_choice if replica_choice is not None else LeastInflight()
         self.traffic = TrafficMeter(traffic_window_s)
         self.shadow_rate = shadow_rate
         self.shadow_max_inflight = shadow_max_inflight
@@ -289,15 +292,13 @@ class Router:
         self.m_weight.labels("canary").set(self.state.canary_weight)
         self.m_weight.labels("stable").set(1.0 - self.state.canary_weight)
 
-    def assign(self, user_hash: str) -> str:
+    def assign(self, user_hash: str) -> Variant:
+        """The user's arm by the assignment rule; stable for everyone while no canary replica can serve (so a
+        canary that is down gets no users, rather than users that all fall back to stable as canary errors)."""
         s = self.state
-        if s.canary_weight > 0 and s.serving("canary") and bucket(s.experiment, user_hash) < s.canary_weight:
-            return "canary"
-        return "stable"
-
-    def _pick(self, variant: str, exclude: set[str]) -> Replica | None:
-        candidates = [r for r in self.state.serving(variant) if r.name not in exclude]
-        return min(candidates, key=lambda r: r.inflight) if candidates else None
+        if not s.serving("canary"):
+            return "stable"
+        return self.assignment.assign(user_hash, s.experiment, s.canary_weight)
 
     async def _post(self, replica: Replica, path: str, body: dict[str, Any], stream: bool) -> httpx.Response:
         assert self._client is not None
@@ -334,7 +335,7 @@ class Router:
             if v == "stable" and i == 2:
                 self.state.arm("canary").errors += 1
                 self.m_errors.labels("canary").inc()
-            replica = self._pick(v, tried)
+            replica = self.replica_choice.choose(self.state.replicas, v, tried)
             if replica is None:
                 continue
             tried.add(replica.name)
@@ -533,7 +534,7 @@ class Router:
 
     async def _run_shadow(self, meta: dict[str, Any], path: str, body: dict[str, Any], chat: bool) -> None:
         other = "stable" if meta["variant"] == "canary" else "canary"
-        replica = self._pick(other, set())
+        replica = self.replica_choice.choose(self.state.replicas, other, set())
         started = time.perf_counter()
         try:
             if replica is None:
