@@ -28,9 +28,17 @@ def scrub_pii(text: str) -> str:
     """Replace email addresses with <email> and phone numbers with <phone>."""
     if "@" in text:
         text = EMAIL.sub("<email>", text)
-    if sum(map(text.count, "0123456789")) < 7:  # str.count is C-fast; the regex scan is not
+    if _ascii_digits(text) < 7:  # a phone number has 7 or more: most texts skip the regex scan
         return text
     return PHONE.sub(_phone_or_keep, text)
+
+
+def _ascii_digits(text: str) -> int:
+    """How many of 0-9 `text` holds: its UTF-8 bytes less those bytes deleted (one C pass each, ~8x faster than
+    ten str.count). An ASCII byte never occurs inside a multi-byte UTF-8 sequence, so bytes and characters
+    agree; surrogatepass keeps a lone surrogate encodable (as three non-digit bytes)."""
+    data = text.encode("utf-8", "surrogatepass")
+    return len(data) - len(data.translate(None, b"0123456789"))
 
 
 def _phone_or_keep(m: re.Match) -> str:
