@@ -25,6 +25,7 @@ that writer registered first. Any number of readers.
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import sqlite3
@@ -46,7 +47,7 @@ from dynrubric.errors import DynrubricError
 from dynrubric.prompt_key import prompt_key
 from dynrubric.train.prompts import TrainPrompt
 from streaming.derived import arrow_fields
-from streaming.events import FeedbackEvent, QueryLogEvent
+from streaming.events import AnyFeedback, AnyQueryLog, FeedbackEvent, QueryLogEvent, QueryLogRecord
 
 INDEX = "index.sqlite"
 LOCK = ".writer.lock"
@@ -85,14 +86,27 @@ CREATE TABLE IF NOT EXISTS feedback_shards (
 """
 
 
-def dedupe_key(event: QueryLogEvent | FeedbackEvent) -> str:
-    if isinstance(event, QueryLogEvent):
+def dedupe_key(event: AnyQueryLog | AnyFeedback) -> str:
+    if isinstance(event, (QueryLogEvent, QueryLogRecord)):
         return "q\x1f" + event.request_id
     return "f\x1f" + event.dedupe_key()
 
 
 def _date(ts: float) -> str:
+    """The UTC date of `ts`, YYYY-MM-DD (a shard's `date=` partition).
+
+    A Unix day is 86,400 s (no leap seconds), so day = ts // 86,400; a batch holds a few days at most, so
+    the string is cached per day. Within a second of midnight datetime's own rounding (to microseconds)
+    decides, as it always did."""
+    day = ts // 86_400
+    if 1 <= ts - day * 86_400 <= 86_399:
+        return _date_of_day(int(day))
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d")
+
+
+@functools.lru_cache(maxsize=1024)
+def _date_of_day(day: int) -> str:
+    return datetime.fromtimestamp(day * 86_400, UTC).strftime("%Y-%m-%d")
 
 
 def _connect(root: Path) -> sqlite3.Connection:
@@ -107,9 +121,9 @@ def _connect(root: Path) -> sqlite3.Connection:
 # ---------------------------------------------------------------- writing
 @dataclass(frozen=True)
 class Stored:
-    """A validated, scrubbed event with where it came from."""
+    """A validated, scrubbed event (a model, or parse_record's record of one) with where it came from."""
 
-    event: QueryLogEvent | FeedbackEvent
+    event: AnyQueryLog | AnyFeedback
     partition: int
     offset: int
 
@@ -163,6 +177,9 @@ class StoreWriter:
             os.rename(tmp, self.root / WRITERS / f"{self.writer_id}.lock")
         self.db = _connect(self.root)
         self.removed_orphans = self._remove_orphans()
+        # pyarrow imports pandas (a slow import) on its first conversion of Python lists: pay it at start, not
+        # inside the first batch
+        pa.Table.from_pydict({name: [] for name in QUERY_LOG_SCHEMA.names}, schema=QUERY_LOG_SCHEMA)
 
     def close(self) -> None:
         self.db.close()
@@ -226,7 +243,7 @@ class StoreWriter:
 
         groups: dict[tuple[str, str, str | None], list[tuple[str, dict]]] = defaultdict(list)
         for key, r in fresh.items():
-            if isinstance(r.event, QueryLogEvent):
+            if isinstance(r.event, (QueryLogEvent, QueryLogRecord)):
                 groups[(QUERY_LOG, _date(r.event.ts), r.event.policy_version)].append((key, _query_row(r)))
             else:
                 groups[(FEEDBACK, _date(r.event.ts), None)].append((key, _feedback_row(r)))
@@ -328,7 +345,7 @@ def _writer_of(name: str) -> str | None:
 
 
 def _query_row(r: Stored) -> dict:
-    e = cast(QueryLogEvent, r.event)
+    e = cast(AnyQueryLog, r.event)
     messages = [{"role": m.role, "content": m.content} for m in e.messages]
     users = [m["content"] for m in messages if m["role"] == "user"]
     return {
@@ -356,7 +373,7 @@ def _query_row(r: Stored) -> dict:
 
 
 def _feedback_row(r: Stored) -> dict:
-    e = cast(FeedbackEvent, r.event)
+    e = cast(AnyFeedback, r.event)
     return {
         "request_id": e.request_id,
         "ts": e.ts,

@@ -12,8 +12,8 @@ releases the store lock; a half-written batch is only unregistered temp files (s
 
 With `ingest.writers` > 1 (`WriterPool`) each batch is cut into one slice per writer process and the
 slices are written at once, into the store shared between them (the store's rule for several
-writers: `streaming/store.py`): validating a 1.3 kB event in Python alone costs ~50 us, so one writer
-caps an ingest process however fast its consumer is.
+writers: `streaming/store.py`): validation, scrub and the store's rows run in Python, one core per
+writer, so one writer caps an ingest process however fast its consumer is (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 from dynrubric.config import IngestConfig
 from dynrubric.errors import DynrubricError
-from streaming.events import FeedbackEvent, MalformedEvent, QueryLogEvent, parse_event
+from streaming.events import FeedbackEvent, MalformedEvent, QueryLogEvent, QueryLogRecord, parse_record
 from streaming.filters import PromptFilter, load_scrubber, scrubbed
 from streaming.store import CommitResult, Stored, StoreWriter
 
@@ -106,11 +106,11 @@ class BatchWriter:
         keep: list[tuple[int, Stored]] = []
         for i, rec in enumerate(records):
             try:
-                event = parse_event(MODEL_OF_KIND[rec.kind], rec.value, self.cfg.max_event_bytes, self.cfg.variants)
+                event = parse_record(MODEL_OF_KIND[rec.kind], rec.value, self.cfg.max_event_bytes, self.cfg.variants)
             except MalformedEvent as e:
                 dead.append((i, e.reason, e.detail))
                 continue
-            if isinstance(event, QueryLogEvent):
+            if isinstance(event, (QueryLogEvent, QueryLogRecord)):
                 reason = self.filter.reason(event)
                 if reason is not None:
                     filtered[reason] += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 
@@ -12,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from dynrubric.config import IngestConfig
 from dynrubric.errors import DynrubricError
-from streaming.filters import PromptFilter, load_scrubber, scrub_pii, scrubbed
+from streaming.filters import PromptFilter, _ascii_digits, load_scrubber, scrub_pii, scrubbed
 from streaming.ingest import Ingestor, MetricsServer
 from streaming.kafka import Topics, ensure_topics
 from streaming.store import ReplayStore
@@ -38,6 +39,15 @@ def shout(text: str) -> str:
 )
 def test_default_scrubber(text, expected):
     assert scrub_pii(text) == expected
+
+
+def test_the_digit_count_that_spares_the_phone_scan_counts_ascii_digits_only():
+    """`_ascii_digits` counts UTF-8 bytes; other scripts' digits, emoji and a lone surrogate must not count."""
+    rng = random.Random(3)
+    alphabet = "0123456789 ab@+-()\u0663\u00e9\uff10\U0001f600\ud800"
+    for _ in range(5000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(40)))
+        assert _ascii_digits(text) == sum(map(text.count, "0123456789")), text
 
 
 def test_scrubber_is_pluggable_and_bad_paths_are_named():

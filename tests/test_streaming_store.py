@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
+from datetime import UTC, datetime
+
 import pytest
 
 from dynrubric.errors import DynrubricError
 from streaming.events import FeedbackEvent
-from streaming.store import FEEDBACK, ReplayStore, Stored, StoreWriter, _query_row
+from streaming.store import FEEDBACK, ReplayStore, Stored, StoreWriter, _date, _query_row
 from tests.test_streaming_producer import query_event
 
 
@@ -168,3 +171,14 @@ def test_dedupe_index_is_bounded(tmp_path):
     assert w.db.execute("SELECT COUNT(*) FROM seen").fetchone()[0] == 3
     assert w.commit([q("r4")]).duplicates == 1  # recent ids are still remembered
     w.close()
+
+
+def test_the_cached_date_is_datetimes_date_also_around_midnight():
+    """`_date` caches the string per day; next to midnight datetime's rounding to microseconds decides."""
+    rng = random.Random(5)
+    days = [rng.randrange(10_957, 47_482) for _ in range(50)]
+    around = [-1.0, -4e-7, -6e-7, -1e-9, 0.0, 4e-7, 0.5, 1.0, 86_399.0, 86_399.5, 86_399.9999994, 86_399.9999996]
+    values = [day * 86_400 + delta for day in days for delta in around]
+    values += [rng.uniform(946_684_800.0, 4_102_444_800.0) for _ in range(5000)]
+    for ts in values:
+        assert _date(ts) == datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d"), ts
