@@ -304,7 +304,8 @@ class StoreWriter:
     def _write_shard(self, kind: str, date: str, version: str | None, rows: list[dict]) -> str:
         schema = QUERY_LOG_SCHEMA if kind == QUERY_LOG else FEEDBACK_SCHEMA
         # column by column: Arrow converts a list per column ~20x faster than a dict per row (from_pylist)
-        table = pa.Table.from_pydict({name: [row.get(name) for row in rows] for name in schema.names}, schema=schema)
+        # row[name], not row.get: a column the rows do not fill is a KeyError here, never a column of silent nulls
+        table = pa.Table.from_pydict({name: [row[name] for row in rows] for name in schema.names}, schema=schema)
         if kind == QUERY_LOG:
             rel = Path(kind, f"date={date}", f"policy_version={version}")
         else:
@@ -367,6 +368,10 @@ def _query_row(r: Stored) -> dict:
         "latency_ms": e.latency_ms,
         "prompt_tokens": e.prompt_tokens,
         "completion_tokens": e.completion_tokens,
+        "experiment_id": e.experiment_id,
+        "assigned_variant": e.assigned_variant,
+        "pair_id": e.pair_id,
+        "shadow": e.shadow,
         "source_partition": r.partition,
         "source_offset": r.offset,
     }

@@ -182,3 +182,34 @@ def test_the_cached_date_is_datetimes_date_also_around_midnight():
     values += [rng.uniform(946_684_800.0, 4_102_444_800.0) for _ in range(5000)]
     for ts in values:
         assert _date(ts) == datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d"), ts
+
+
+def test_every_column_of_a_query_log_shard_holds_its_event_field(tmp_path):
+    """A rollout's attribution reaches the replay store: experiment, assigned arm and pair id are stored, as every
+    other field of the event (the shard's columns are generated from the event model; none may stay null)."""
+    import pyarrow.parquet as pq
+
+    from streaming.store import QUERY_LOG_SCHEMA
+
+    event = query_event(
+        "r-attr",
+        ts=1795000000.0,
+        session_id="s1",
+        finish_reason="stop",
+        experiment_id="ro-v2-1",
+        assigned_variant="canary",
+        pair_id="p-1",
+    )
+    writer = StoreWriter(tmp_path)
+    writer.commit([Stored(event, 3, 17)])
+    writer.close()
+    [shard] = list(tmp_path.glob("query_log/**/*.parquet"))
+    [row] = pq.read_table(shard).to_pylist()
+    assert {name for name, value in row.items() if value is None} == set(), row
+    assert (row["experiment_id"], row["assigned_variant"], row["pair_id"], row["shadow"]) == (
+        "ro-v2-1",
+        "canary",
+        "p-1",
+        False,
+    )
+    assert (row["source_partition"], row["source_offset"]) == (3, 17) and set(row) == set(QUERY_LOG_SCHEMA.names)
