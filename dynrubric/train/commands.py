@@ -121,8 +121,8 @@ def registry_reject(
 # ---------------------------------------------------------------- train
 def prompt_source(settings: Settings) -> PromptSource:
     """The composition root's choice of prompt source (ARCHITECTURE section 5)."""
+    from dynrubric.train.plan import response_history
     from dynrubric.train.prompts import JsonlPromptSource
-    from dynrubric.train.rounds import response_history
 
     cfg = settings.train
     if cfg.prompt_source == "jsonl":

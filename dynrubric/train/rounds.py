@@ -50,40 +50,15 @@ from dynrubric.train.executor import Executor, InProcess
 from dynrubric.train.plan import (
     COLLAPSE,
     EVAL,
-    GUARDED,
-    PLAN,
     SUMMARY,
-    RunLogWriter,
     RunState,
-    heldout_bucket,
-    is_accepted,
     prompts_of,
     read_json,
-    response_history,
-    run_dir_of,
     write_json,
 )
 from dynrubric.train.prompts import PromptSource, TrainPrompt
 from dynrubric.train.seeds import round_seed
 from dynrubric.train.step import EngineFactory, RoundModels, generator_step, policy_step
-
-__all__ = [
-    "COLLAPSE",
-    "EVAL",
-    "GUARDED",
-    "PLAN",
-    "SUMMARY",
-    "EngineFactory",
-    "Progress",
-    "RoundRunner",
-    "RunLogWriter",
-    "TrainMetrics",
-    "check_frozen_judges",
-    "heldout_bucket",
-    "is_accepted",
-    "response_history",
-    "run_dir_of",
-]
 
 EngineRole = Literal["policy", "generator", "verifier"]  # EngineConfig.url_for's roles
 
