@@ -41,7 +41,7 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import httpx
 from fastapi import FastAPI, HTTPException, Request
@@ -54,7 +54,7 @@ from serving.routing import ArmAssignment, LeastInflight, ReplicaChoice, StickyH
 
 log = logging.getLogger(__name__)
 
-VARIANTS = ("stable", "canary")
+VARIANTS: tuple[Variant, ...] = get_args(Variant)  # the arms, in the order the counters list them
 REQUEST_ID_HEADER = "x-request-id"
 USER_KEY_HEADER = "x-user-key"
 
