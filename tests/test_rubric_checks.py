@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from dynrubric.rubric.benchmark import (
+    JudgeSet,
     RealSet,
     all_tied,
     empty_on_top,
@@ -19,6 +20,7 @@ from dynrubric.rubric.benchmark import (
     pairwise_accuracy,
     read_judge_sets,
     read_real_sets,
+    summarise_mode,
     summarise_real,
 )
 from dynrubric.rubric.calibrate import anchors_outrank, calibrate_row
@@ -302,8 +304,13 @@ def test_eval_judge_through_the_console_script(tiny_model_dir, tmp_path):
         timeout=600,
     )
     assert r.returncode == 0, r.stderr
-    tail = r.stdout.strip().splitlines()[-2:]
-    assert [line.split(":")[0] for line in tail] == ["pairwise_accuracy[set]", "pairwise_accuracy[generic]"]
+    tail = r.stdout.strip().splitlines()[-4:]
+    assert [line.split(":")[0] for line in tail] == [
+        "pairwise_accuracy[set]",
+        "trained_pairwise_accuracy[set]",
+        "pairwise_accuracy[generic]",
+        "trained_pairwise_accuracy[generic]",
+    ]
     assert all(0.0 <= float(line.split(":")[1]) <= 1.0 for line in tail)
     report = json.loads((tmp_path / "out" / "eval_judge.json").read_text())
     assert [r["mode"] for r in report["results"]] == ["set", "generic"]
@@ -317,6 +324,29 @@ def test_eval_judge_through_the_console_script(tiny_model_dir, tmp_path):
         timeout=120,
     )
     assert bad.returncode == 2 and "unknown mode" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_ordered_benchmark_counts_what_the_trainer_receives():
+    """`trained_pairwise_accuracy`: an untrusted set gives every answer the same advantage, so its pairs count
+    1/2 whatever its raw scores rank; a trusted set's pairs count as ranked."""
+    from dynrubric.rubric.gaps import GapStats
+
+    sets = [
+        JudgeSet("q1", ["a", "b", "c"], "arithmetic", [0, 1, 2]),  # ranked right: raw 1
+        JudgeSet("q2", ["a", "b", "c"], "arithmetic", [0, 1, 2]),  # ranked right but untrusted: trained 1/2
+        JudgeSet("q3", ["a", "b"], "factual", [1, 0]),  # ranked wrong: 0 either way
+    ]
+    scores = [[0.9, 0.5, 0.1], [0.9, 0.5, 0.1], [0.8, 0.2]]
+    gaps = [GapStats(0.0, 0.0, 0.0, 0.0, [], 0.0)] * 3
+    r = summarise_mode(
+        "set", sets, scores, gaps, [True, False, True], eps=0.02, window=1, min_mean_gap=0.1, max_nonsplit=0.5,
+        rubric_sources={}, parse_failures=0, generation_tries=0, prompt_only_fallbacks=0, generic_fallbacks=0,
+        dropped_checks=0, hard_verdicts=0, seconds=0.0,
+    )  # fmt: skip
+    assert r.by_kind["all"].pairwise_accuracy == pytest.approx((1 + 1 + 0) / 3)
+    assert r.by_kind["all"].trained_pairwise_accuracy == pytest.approx((1 + 0.5 + 0) / 3)
+    assert r.by_kind["arithmetic"].trained_pairwise_accuracy == pytest.approx(0.75)
+    assert r.by_kind["factual"].trained_pairwise_accuracy == 0.0
 
 
 def test_the_judge_on_real_output_counts_pairs_ties_and_the_advantage_sign():

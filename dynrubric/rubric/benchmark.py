@@ -139,6 +139,8 @@ def empty_on_top(scores: Sequence[float], responses: Sequence[str], eps: float) 
 class KindResult:
     sets: int
     pairwise_accuracy: float
+    # what GRPO receives: an untrusted set gives every answer the same advantage, so its pairs count 1/2
+    trained_pairwise_accuracy: float
     kendall_tau: float
     ordered_gap: float
     empty_top: int
@@ -197,9 +199,11 @@ def summarise_mode(
         acc = [pairwise_accuracy(scores[i], sets[i].order or [], eps) for i in members]
         tau = [kendall_tau(scores[i], sets[i].order or [], eps) for i in members]
         gap = [scores[i][sets[i].order[0]] - scores[i][sets[i].order[-1]] for i in members]  # type: ignore[index]
+        trained = [a if trusted[i] else 0.5 for a, i in zip(acc, members, strict=True)]
         by_kind[kind] = KindResult(
             sets=len(members),
             pairwise_accuracy=sum(acc) / len(acc),
+            trained_pairwise_accuracy=sum(trained) / len(trained),
             kendall_tau=sum(tau) / len(tau),
             ordered_gap=sum(gap) / len(gap),
             empty_top=sum(empty_on_top(scores[i], sets[i].responses, eps) for i in members),

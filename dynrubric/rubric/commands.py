@@ -361,6 +361,7 @@ def eval_judge(
         "kind",
         "sets",
         "pairwise acc",
+        "as trained",
         "kendall tau",
         "ordered gap",
         "empty top",
@@ -375,6 +376,7 @@ def eval_judge(
                 kind,
                 str(k.sets),
                 f"{k.pairwise_accuracy:.3f}",
+                f"{k.trained_pairwise_accuracy:.3f}",
                 f"{k.kendall_tau:.3f}",
                 f"{k.ordered_gap:.3f}",
                 str(k.empty_top),
@@ -417,6 +419,8 @@ def eval_judge(
             if "all" in r.by_kind
             else f"pairwise_accuracy[{r.mode}]: n/a (no ordered sets)"
         )
+        if "all" in r.by_kind:  # the untrusted sets' pairs at 1/2: the ranking the trainer's advantages carry
+            print(f"trained_pairwise_accuracy[{r.mode}]: {r.by_kind['all'].trained_pairwise_accuracy:.3f}")
 
 
 def _eval_judge_real(
