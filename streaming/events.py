@@ -81,7 +81,8 @@ _ModelName = Annotated[str, StringConstraints(min_length=1, max_length=256, patt
 _Experiment0 = Annotated[str, StringConstraints(min_length=0, max_length=200, pattern=_NO_CONTROL)]
 
 Text = Annotated[str, StringConstraints(pattern=_TEXT)]
-PolicyVersion = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
+_POLICY_VERSION_RE = r"[A-Za-z0-9._-]{1,64}"  # the model's pattern and the fast path's check
+PolicyVersion = Annotated[str, StringConstraints(pattern=rf"^{_POLICY_VERSION_RE}$")]
 FeedbackKind = Literal["thumbs_up", "thumbs_down", "regenerate", "copy", "dwell"]
 
 
@@ -468,7 +469,7 @@ RECORD_OF_MODEL: dict[type[QueryLogEvent] | type[FeedbackEvent], type[QueryLogRe
     QueryLogEvent: QueryLogRecord,
     FeedbackEvent: FeedbackRecord,
 }
-_POLICY_VERSION = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_POLICY_VERSION = re.compile(_POLICY_VERSION_RE)
 
 
 def parse_record(
