@@ -214,7 +214,7 @@ def test_poison_of_every_class_is_dead_lettered_once_and_ingest_keeps_running(ka
 
     # a new group re-reads everything (as after a crash before the offset commit): no letter is sent twice
     again_registry = CollectorRegistry()
-    again = Ingestor(
+    rereader = Ingestor(
         kafka,
         ingest_cfg(
             **{
@@ -224,7 +224,19 @@ def test_poison_of_every_class_is_dead_lettered_once_and_ingest_keeps_running(ka
         ),
         tmp_path / "store",
         again_registry,
-    ).run(threading.Event(), until_idle_s=2.5)
+    )
+    stop_again = threading.Event()
+    outcome.clear()
+    thread = threading.Thread(target=lambda: outcome.append(rereader.run(stop_again)), daemon=True)
+    thread.start()
+    # stopped once it has re-read everything, not after an idle pause (a loaded machine pauses too)
+    deadline = time.monotonic() + 120
+    while not (rereader.summary.consumed >= total and rereader.summary.unaccounted == 0) and thread.is_alive():
+        assert time.monotonic() < deadline, rereader.summary
+        time.sleep(0.2)
+    stop_again.set()
+    thread.join(60)
+    [again] = outcome
     assert again.written == 0 and again.duplicates == total - len(bad) and again.dead_lettered == len(bad)
     assert again_registry.get_sample_value("dynrubric_ingest_dead_letters_already_sent_total") == len(bad)
     assert len(read_topic(kafka_broker, topics.dead_letter)) == len(bad)

@@ -32,7 +32,9 @@ def query_event(request_id: str, **over) -> QueryLogEvent:
     return QueryLogEvent(**{**fields, **over})
 
 
-def read_all(bootstrap: str, topic: str) -> list:
+def read_all(bootstrap: str, topic: str, timeout_s: float = 60.0) -> list:
+    """Every record in `topic` up to its end offsets at call time: reads until each partition's position
+    reaches its end (an empty poll on a loaded machine is not the end), or fails after `timeout_s`."""
     consumer = KafkaConsumer(
         bootstrap_servers=bootstrap,
         auto_offset_reset="earliest",
@@ -42,11 +44,12 @@ def read_all(bootstrap: str, topic: str) -> list:
     tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
     consumer.assign(tps)
     consumer.seek_to_beginning()
-    out, idle = [], 0
-    while idle < 3:
-        batch = consumer.poll(300)
-        idle = 0 if batch else idle + 1
-        for records in batch.values():
+    end = consumer.end_offsets(tps)
+    out = []
+    deadline = time.monotonic() + timeout_s
+    while any(consumer.position(tp) < end[tp] for tp in tps):
+        assert time.monotonic() < deadline, f"{topic}: read {len(out)} records, end offsets {end}"
+        for records in consumer.poll(300).values():
             out.extend(records)
     consumer.close()
     return out
