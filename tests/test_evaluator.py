@@ -228,14 +228,14 @@ def test_anchors_debias_verdicts_and_overrule_the_generated_items_they_outrank(e
             RubricItem(id="b", text="Uses no commas", weight=1, check={"kind": "no_commas"}),
         ]
     )
-    ev = Evaluator(engine, YesToAll(engine), RubricConfig())
+    ev = Evaluator(engine, YesToAll(engine), RubricConfig(trust_rule="every"))
     judged = ev.judge(QUESTION, rubric, ["It is 42.", "Well, 42."])
     assert judged.raw_verdicts[0][:2] == pytest.approx([1.0, 1.0], abs=1e-3)
     assert judged.verdicts[0] == [0.0, 0.0]  # no better than the known-bad answers: no credit
     assert judged.verdicts[1] == [1.0, 0.0]
     assert judged.overruled == [False, True]  # the echo (no comma) beats "Well, 42." on b: b is noise here
     assert judged.scores == [0.0, 0.0] and judged.trusted  # item a still weighs (it ranks nobody: a tie)
-    best_rule = Evaluator(engine, YesToAll(engine), RubricConfig(trust_rule="best"))
+    best_rule = Evaluator(engine, YesToAll(engine), RubricConfig())  # the default
     kept = best_rule.judge(QUESTION, rubric, ["It is 42.", "Well, 42."])
     assert kept.overruled == [False, False] and kept.scores == pytest.approx([1 / 3, 0.0])  # the best answer wins
     only_b = Rubric(items=[rubric.items[1]])
@@ -272,6 +272,33 @@ def test_an_echo_anchor_never_overrules_the_prompts_own_constraint(engine):
     )
     # a candidate that echoes the question "contains the keyword" and still scores nothing (the echo veto)
     assert ev.judge(question, rubric, [question, responses[0]]).scores == pytest.approx([0.0, cfg.ground_truth_share])
+
+
+def test_junk_candidates_as_bad_as_an_anchor_keep_the_items_that_rank_them_last(engine):
+    """The ordered benchmark's sets hold an empty and an off-topic answer beside the real attempts. An item
+    that credits a relevant answer is met by the off-topic anchor better than by the empty candidate; under
+    `every` that overruled it, and every wrong, off-topic and empty answer tied at 0 (arithmetic ranks 3-6
+    tied in 22 of 22 sets). Under the default rule (`best`) it stands: wrong > off-topic > empty."""
+    rubric = Rubric(
+        items=[
+            RubricItem(
+                id="a", text="The response's final number is 42", weight=3, check={"kind": "final_number", "value": 42}
+            ),
+            # met by every answer with words, the off-topic anchor included
+            RubricItem(
+                id="b", text="The response has at least one word", weight=1, check={"kind": "min_words", "value": 1}
+            ),
+            RubricItem(id="c", text="The response gives a number", weight=1, check={"kind": "contains", "value": "4"}),
+        ]
+    )
+    responses = ["6 x 7 = 42. It is 42.", "6 x 7 = 43. It is 43.", "Tomatoes like the sun.", ""]
+    judged = Evaluator(engine, engine, RubricConfig()).judge(QUESTION, rubric, responses)
+    assert judged.overruled == [False, False, False] and judged.trusted
+    s = judged.scores
+    assert s[0] > s[1] > s[2] > s[3] == 0.0, s
+    every = Evaluator(engine, engine, RubricConfig(trust_rule="every")).judge(QUESTION, rubric, responses)
+    assert every.overruled == [False, True, False]  # the off-topic anchor beats the empty candidate on b
+    assert every.scores[2] == every.scores[3] == 0.0  # what `best` fixes: off-topic and empty tie
 
 
 def test_an_empty_response_earns_no_checked_item_of_either_polarity(engine):

@@ -14,8 +14,13 @@ the empty answer, an off-topic paragraph, and the question echoed back. They ser
 2. Trust, per item a model or a vote wrote (generated, consensus; evaluator.py applies it), with the
    calibrated verdicts (`rubric.trust_rule`, leads under `eps` excused):
 
-       every (default): overruled when an anchor meets the item better than ANY real candidate
-       best:            overruled only when an anchor meets it better than the set's BEST candidate
+       best (default): overruled when an anchor meets the item better than the set's BEST candidate
+       every:          overruled when an anchor meets it better than ANY real candidate
+
+   `best` is the default because a set's worst candidates are often as bad as an anchor (an empty or
+   off-topic answer): under `every` the off-topic anchor "beats" the empty candidate on any item that
+   credits saying something relevant, so exactly the items that rank the junk below the real attempts
+   were dropped (docs/benchmarks.md: the ordered benchmark, both rules on the same verdicts).
 
    An overruled item is noise for this set and weighs nothing. Items read off the prompt (its ground
    truth, the echo veto) are never overruled: the echoed question that contains the required keyword
