@@ -60,8 +60,8 @@ def settings_for(state: Path, model: str, executor: str, judges: int, quick: boo
 
 def time_rounds(state: Path, model: str, executor: str, quick: bool) -> tuple[list[float], dict]:
     """Seconds of two rounds one after another (the first starts the workers), and the last summary."""
+    from dynrubric.app.train_commands import engine_factory, prompt_source
     from dynrubric.registry import open_registry
-    from dynrubric.train.commands import engine_factory, prompt_source
     from dynrubric.train.rounds import RoundRunner
 
     s = settings_for(state, model, executor, 1, quick)
@@ -80,7 +80,7 @@ def time_rounds(state: Path, model: str, executor: str, quick: bool) -> tuple[li
 
 def time_judging(state: Path, model: str, judges: int, quick: bool, cpus: int) -> float:
     from dynrubric import modelcache
-    from dynrubric.train.commands import engine_factory
+    from dynrubric.app.train_commands import engine_factory
     from dynrubric.train.judging import ScoreChunk
     from dynrubric.train.ray_executor import RayExecutor
 

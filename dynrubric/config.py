@@ -782,7 +782,7 @@ class GateConfig(Section):
 
 # ---------------------------------------------------------------- the closed loop (`dynrubric up`)
 class LoopConfig(Section):
-    """`dynrubric up`: the main job's cycles (serving/loop.py) and its simulated users."""
+    """`dynrubric up`: the main job's cycles (dynrubric/app/loop.py) and its simulated users."""
 
     min_new_prompts: int = Field(
         default=12, ge=1, description="distinct new prompts in the replay store before a round"
@@ -812,7 +812,7 @@ class LoopConfig(Section):
 class MonitoringConfig(Section):
     """`dynrubric monitor up`: a local Prometheus on loopback scraping the local services.
 
-    The local services are scraped at the ports their sections name (dynrubric/monitor.py,
+    The local services are scraped at the ports their sections name (dynrubric/app/monitor.py,
     LOCAL_SERVICES); `targets` adds more jobs (job name -> ["host:port", ...])."""
 
     prometheus_host: str = Field(default="127.0.0.1", description="listen address of the local Prometheus")

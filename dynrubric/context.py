@@ -1,6 +1,6 @@
 """What every command gets from the CLI's root callback: the config source, loaded on first use.
 
-The tiers' command modules import `settings_of` from here; `dynrubric/cli.py` (the composition
+The tiers' command modules import `settings_of` from here; `dynrubric/app/cli.py` (the composition
 root) imports them. Nothing here imports a command module, so the dependency direction is plain:
 cli -> tier commands -> context -> config.
 """

@@ -85,7 +85,7 @@ def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
 
 def demo_changes() -> str:
     """The keys `--demo` changes, with the default and the demo's value, computed by applying it."""
-    from dynrubric.cli import _demo_caps
+    from dynrubric.app.cli import _demo_caps
     from dynrubric.config import Settings
 
     plain = Settings()

@@ -129,12 +129,12 @@ def test_load_weights_swaps_the_model(tiny_model_dir, tmp_path):
 
 
 def test_non_finite_weights_answer_an_error_not_random_tokens(tiny_model_dir, tmp_path):
-    """The drill's damaged copy (serving/loop.py) makes the engine raise, and its server answer 500."""
+    """The drill's damaged copy (dynrubric/app/loop.py) makes the engine raise, and its server answer 500."""
     from fastapi.testclient import TestClient
 
+    from dynrubric.app.loop import damage_nonfinite
     from dynrubric.engines.base import NonFiniteLogits
     from serving.engine_server import build_app
-    from serving.loop import damage_nonfinite
 
     engine = TransformersEngine(tiny_model_dir)
     engine.load_weights(damage_nonfinite(tiny_model_dir, tmp_path / "r1-damaged"), "r1-damaged")

@@ -426,7 +426,7 @@ def parse_cli(argv: list[str]) -> dict:
     """The options our own CLI parses from `argv` (`dynrubric ...`): unknown commands or flags fail here."""
     from typer.main import get_command
 
-    from dynrubric.cli import app
+    from dynrubric.app.cli import app
 
     assert argv[0] == "dynrubric"
     command, args, ctx = get_command(app), argv[1:], None

@@ -118,7 +118,7 @@ def test_a_slow_starting_service_is_given_its_start_timeout_not_killed_by_the_he
     a second one that is still loading: seen in `up`, where it killed the rounds' vLLM server 6 s into its
     minute-long start, again and again. A service that never gets healthy is still restarted, once its own
     start timeout has passed."""
-    from dynrubric.supervisor import ChildSpec, Supervisor
+    from dynrubric.app.supervisor import ChildSpec, Supervisor
 
     lines: list[str] = []
     sup = Supervisor(tmp_path / "logs", CollectorRegistry(), lines.append, health_interval_s=0.2, unhealthy_after=3)

@@ -25,7 +25,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
-from dynrubric.monitor import find_prometheus, render_config, start_prometheus
+from dynrubric.app.monitor import find_prometheus, render_config, start_prometheus
 from dynrubric.ports import free_port
 from tests.monitoring_support import ROOT, RULES, alerting_rules
 
@@ -256,8 +256,8 @@ def test_monitor_up_without_prometheus_says_how_to_install(tmp_path):
 
 
 def test_local_targets_follow_the_config():
+    from dynrubric.app.monitor import local_targets
     from dynrubric.config import load_settings
-    from dynrubric.monitor import local_targets
 
     settings = load_settings(
         environ={"DYNRUBRIC_REWARD_SERVER__PORT": "8111", "DYNRUBRIC_MONITORING__TARGETS": '{"extra": ["10.1.2.3:9"]}'}

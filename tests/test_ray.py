@@ -85,7 +85,7 @@ def assert_stage_times(summaries: list[dict[str, Any]], state: Path) -> None:
     """Both executors time the same stages (the report's panel of where a round's time went): the policy
     round's judging split into rubrics and verdicts, the generator round's rubric sampling; together
     they account for the round's wall-clock time, and the run log's round records carry them."""
-    from dynrubric.report import STAGES, read_runlog
+    from dynrubric.app.report import STAGES, read_runlog
 
     policy, generator = (s["stage_seconds"] for s in summaries)
     for stages, summary in ((policy, summaries[0]), (generator, summaries[1])):

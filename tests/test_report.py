@@ -5,8 +5,8 @@ import json
 import matplotlib.pyplot as plt
 import pytest
 
+from dynrubric.app.report import UNIT, Thresholds, draw, read_runlog, render
 from dynrubric.errors import DynrubricError
-from dynrubric.report import UNIT, Thresholds, draw, read_runlog, render
 
 THRESHOLDS = Thresholds(
     collapse_min_mean_gap=0.03,
@@ -135,7 +135,7 @@ def test_where_each_rounds_time_went_is_the_run_logs_stage_seconds(tmp_path):
     """One stacked bar per round: each stage's segment spans exactly the seconds the run log recorded,
     in the order the time is spent; the round's wall-clock time is marked; a round without stage times
     (an OpenRLHF round) has no bar."""
-    from dynrubric.report import STAGES
+    from dynrubric.app.report import STAGES
 
     stages = [
         {
@@ -248,7 +248,7 @@ def judged_store(registry_db):
 
 
 def test_the_judged_online_check_is_in_the_report(tmp_path):
-    from dynrubric.report import judged_rollouts
+    from dynrubric.app.report import judged_rollouts
 
     store = judged_store(tmp_path / "registry.sqlite")
     failed, passed = judged_rollouts(r.to_json() for r in store.list())

@@ -257,7 +257,7 @@ def test_the_demo_profile_moves_the_policy_within_one_round(tmp_path: Path, tiny
     AdamW state across the round's steps and move the policy: KL(candidate || parent) on held-out samples well above
     zero. With the old demo (lr 1e-6, one policy step of 4 prompts a round) one round moved each weight by about
     1e-6 and the KL was ~1e-9."""
-    from dynrubric.cli import DEMO_TRAINING
+    from dynrubric.app.cli import DEMO_TRAINING
 
     prompts = write_prompts(tmp_path / "prompts.jsonl", 48)
     demo = DEMO_TRAINING

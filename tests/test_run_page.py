@@ -10,8 +10,8 @@ import time
 import numpy as np
 from matplotlib.image import imread
 
-from dynrubric.report import render
-from dynrubric.run_page import RunPage, render_html
+from dynrubric.app.report import render
+from dynrubric.app.run_page import RunPage, render_html
 from tests.test_report import THRESHOLDS, write_log
 
 CHROMIUM_FLAGS = [

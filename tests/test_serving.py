@@ -269,7 +269,7 @@ def test_a_canary_with_broken_weights_fails_over_to_stable_and_counts_as_a_canar
     """NaN weights (the `up` damage drill's): the engine answers 500 "non-finite logits", the user gets the
     stable answer, and the experiment counts a canary request that failed (never a canary success); the
     logged event names both the assigned arm and the arm that served it."""
-    from serving.loop import damage_nonfinite
+    from dynrubric.app.loop import damage_nonfinite
 
     desired = stack.router_state()["desired"]["canary"]
     broken = damage_nonfinite(Path(desired["path"]), tmp_path / "v-nan")
@@ -333,12 +333,12 @@ def test_a_canary_failing_every_request_is_rolled_back_at_step_0_under_the_demo_
     canary whose engine fails every request (NaN weights: HTTP 500, its users served by stable) is rolled back at
     step 0 by the error-rate guardrail, the check right after the split, before any minimum is asked. The
     rollout logged and kept what its gate could detect at the traffic it started with."""
+    from dynrubric.app.loop import damage_nonfinite
     from dynrubric.config import Settings
     from dynrubric.engines.hf import TransformersEngine
     from dynrubric.rubric.evaluator import Evaluator
     from serving.commands import apply_demo_gate
     from serving.judged import PairJudge
-    from serving.loop import damage_nonfinite
 
     settings = Settings()
     apply_demo_gate(settings)

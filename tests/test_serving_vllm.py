@@ -117,15 +117,15 @@ def test_healthy_canary_is_promoted_then_damaged_one_rolled_back(stack, smollm_d
 
 def test_the_drill_candidate_is_rolled_back_at_step_0_under_the_demo_gate(stack, tiny_model_dir, tmp_path):
     """The `up` damage drill under vLLM: the stable weights with NaN in every row of every weight matrix
-    (`serving.loop.damage_nonfinite`). vLLM answers each request HTTP 200 with max_tokens special tokens and no
+    (`dynrubric.app.loop.damage_nonfinite`). vLLM answers each request HTTP 200 with max_tokens special tokens and no
     text (NaN logits sample token 0) where the transformers engine answers 500; the router counts such an
     answer as the canary's failure and serves its user from stable, and `up --demo`'s gate (its shadows
     included: they go to the broken canary and fail) rolls the candidate back at step 0 on the error rate."""
+    from dynrubric.app.loop import damage_nonfinite
     from dynrubric.engines.hf import TransformersEngine
     from dynrubric.rubric.evaluator import Evaluator
     from serving.commands import apply_demo_gate
     from serving.judged import PairJudge
-    from serving.loop import damage_nonfinite
 
     settings = Settings()
     apply_demo_gate(settings)

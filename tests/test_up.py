@@ -26,7 +26,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from dynrubric.cli import DEMO_TRAINING
+from dynrubric.app.cli import DEMO_TRAINING
 from dynrubric.ports import free_port
 from dynrubric.train.grpo import group_advantages
 
@@ -246,7 +246,7 @@ def test_paused_users_send_nothing_until_resumed(tmp_path):
     """The pause of `up --demo` while a round trains (a stand-in for the users: this tests the thread)."""
     import time
 
-    from serving.loop import UserTraffic
+    from dynrubric.app.loop import UserTraffic
     from serving.users import Outcome
 
     class CountingUsers:

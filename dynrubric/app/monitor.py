@@ -24,7 +24,7 @@ from dynrubric.process import http_ok, log_tail, spawn, stop_signals_interrupt, 
 if TYPE_CHECKING:
     from dynrubric.config import Settings
 
-MONITORING_DIR = Path(__file__).resolve().parents[1] / "monitoring"
+MONITORING_DIR = Path(__file__).resolve().parents[2] / "monitoring"
 INSTALL_FIX = "run `make setup`, or `apt-get install prometheus` (Debian), then try again"
 
 

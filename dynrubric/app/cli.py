@@ -18,13 +18,13 @@ import typer
 from typer._click.exceptions import NoArgsIsHelpError, UsageError
 from typer.exceptions import Abort, Exit, TyperException
 
+from dynrubric.app import rubric_commands
+from dynrubric.app.monitor import app as monitor_app
+from dynrubric.app.train_commands import eval_policy, registry_app, train_app
 from dynrubric.console import heading, make_console
 from dynrubric.context import Context, settings_of
 from dynrubric.errors import DynrubricError
-from dynrubric.monitor import app as monitor_app
 from dynrubric.progress import quiet_model_loading, status
-from dynrubric.rubric import commands as rubric_commands
-from dynrubric.train.commands import eval_policy, registry_app, train_app
 from serving.commands import apply_demo_gate
 from serving.commands import register as register_serving
 from streaming.commands import broker_app, ingest, traffic_app
@@ -115,7 +115,7 @@ def doctor(ctx: typer.Context) -> None:
     """Check everything the embedded defaults need; print what is missing and the command that fixes it."""
     from rich.table import Table
 
-    from dynrubric.doctor import check_of, run_checks
+    from dynrubric.app.doctor import check_of, run_checks
     from streaming.broker import tansu_binary
 
     results = run_checks(settings_of(ctx), [check_of("broker (tansu)", tansu_binary)])
@@ -186,7 +186,7 @@ def up(
     """The main job, the closed loop on embedded defaults: broker, ingest, engine fleet (stable + canary),
     router, simulated users; each cycle trains a round on the new logged prompts, rolls the candidate out
     to the canary in place, gates it on live online metrics and promotes it or rolls it back."""
-    from serving.loop import ClosedLoop, write_run_page
+    from dynrubric.app.loop import ClosedLoop, write_run_page
 
     settings = settings_of(ctx)
     if engine_kind is not None:
@@ -280,7 +280,7 @@ def report(
 ) -> None:
     """Plot the training run log (reward, KL, score gaps vs the collapse thresholds, fallbacks, rounds) and
     the rollouts' rubric-judged online check."""
-    from dynrubric.report import Thresholds, judged_rollouts, read_runlog, render
+    from dynrubric.app.report import Thresholds, judged_rollouts, read_runlog, render
 
     settings = settings_of(ctx)
     log = read_runlog(settings.train_run_dir() / "runlog.jsonl")

@@ -53,13 +53,13 @@ from prometheus_client import CollectorRegistry, Counter
 from pydantic import BaseModel, SecretStr
 
 from dynrubric import atomic
+from dynrubric.app.supervisor import ChildSpec, Supervisor
 from dynrubric.config import Settings
 from dynrubric.errors import DynrubricError
 from dynrubric.ports import free_port
 from dynrubric.process import stop_signals_interrupt
-from dynrubric.supervisor import ChildSpec, Supervisor
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TRAINER_KV_CACHE_GIB = 2  # the rounds' vLLM server: 32 candidates of a step, 8 rubrics at once
 GATE_LINE = re.compile(r"^(ro-\S+) step (\d+) \([^)]*\): (pass|fail|inconclusive): ")
 
@@ -206,8 +206,8 @@ class ClosedLoop:
     def run(self, cycles: int | None, prometheus: bool = True, deadline: float | None = None) -> list[CycleResult]:
         """Start everything, run `cycles` cycles (None: until interrupted), stop everything. `deadline`
         (time.monotonic()): start no cycle that would end after it, judged by the longest cycle so far."""
+        from dynrubric.app.train_commands import engine_factory
         from dynrubric.registry import open_registry
-        from dynrubric.train.commands import engine_factory
         from dynrubric.train.rounds import RoundRunner
         from serving.commands import build_controller, build_router
         from serving.fleet import Fleet, specs_from_settings
@@ -353,7 +353,7 @@ class ClosedLoop:
 
     def _start_prometheus(self, stack: ExitStack) -> None:
         """Debian's Prometheus scraping this run's services, with the shipped rules (alerts fire during the run)."""
-        from dynrubric.monitor import local_targets, render_config, rule_files, start_prometheus
+        from dynrubric.app.monitor import local_targets, render_config, rule_files, start_prometheus
 
         s = self.settings
         served = {"dynrubric-router", "dynrubric-ingest", "dynrubric-up", "dynrubric-rollout"}
@@ -462,8 +462,8 @@ class ClosedLoop:
             time.sleep(2.0)
 
     def cycle(self, cycle: int, config: Path, runner: Any, controller: Any, registry: Any) -> CycleResult:
+        from dynrubric.app.train_commands import round_report
         from dynrubric.registry import CheckpointState
-        from dynrubric.train.commands import round_report
 
         traffic = self.traffic
         assert traffic is not None, "run() starts the users' traffic first"
@@ -615,8 +615,8 @@ def damage_nonfinite(model_dir: Path, out: Path, seed: int = 0) -> Path:
 def write_run_page(settings: Settings, results: list[CycleResult]) -> Path:
     """Gather what the run left (cycles, rollouts, gate verdicts, logged requests and feedback, alerts,
     lineage, the training panels) into `<state_dir>/report/run.html`."""
+    from dynrubric.app.run_page import RunPage, render_html
     from dynrubric.registry import open_registry
-    from dynrubric.run_page import RunPage, render_html
     from serving.rollout import open_rollout_store
     from streaming.store import FEEDBACK, ReplayStore, store_root
 
