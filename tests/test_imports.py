@@ -87,6 +87,48 @@ def test_no_import_circles():
     assert cycle is None, " -> ".join(cycle)
 
 
+CORE = ("dynrubric.engines", "dynrubric.rubric", "dynrubric.train")
+TIERS = ("streaming", "serving")
+APP = "dynrubric.app"
+
+
+def _within(name: str, packages: tuple[str, ...] | str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in ((packages,) if isinstance(packages, str) else packages))
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Arrows that point up: the core (engines, rubric, train) into a tier or the application, a tier into the
+    application. The shared modules at the top of `dynrubric/` (config, errors, registry, ...) are below all."""
+    found = []
+    for name, targets in sorted(graph.items()):
+        if _within(name, CORE):
+            above: tuple[str, ...] = (*TIERS, APP)
+        elif _within(name, TIERS):
+            above = (APP,)
+        elif name.startswith("dynrubric.") and not _within(name, APP) and name != "dynrubric.__main__":
+            above = (*TIERS, APP)  # the shared modules (config, errors, registry, the reward server)
+        else:
+            continue
+        found += [f"{name} -> {t}" for t in sorted(targets) if _within(t, above)]
+    return found
+
+
+def test_layering_violations_are_found():
+    assert layering_violations({"dynrubric.rubric.x": {"streaming.store"}, "serving.a": {"dynrubric.app.cli"}}) == [
+        "dynrubric.rubric.x -> streaming.store",
+        "serving.a -> dynrubric.app.cli",
+    ]
+    assert layering_violations({"dynrubric.app.cli": {"serving.a", "dynrubric.rubric.x"}}) == []
+
+
+def test_no_arrow_points_up_the_layers():
+    """The core imports neither tier nor the application; the tiers do not import the application; the shared
+    modules at the top of `dynrubric/` import neither (function-local imports count)."""
+    modules = project_modules()
+    graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    assert layering_violations(graph) == []
+
+
 def test_every_module_imports_alone():
     """Each module in a fresh child (fork of a parent that imported only third-party packages, so the
     child pays the project's imports alone, not torch's again): a circle or a missing dependency fails."""
@@ -151,7 +193,7 @@ def test_the_report_command_does_not_import_torch(tmp_path: Path):
     )
     code = (
         "import sys\n"
-        "from dynrubric.cli import main\n"
+        "from dynrubric.app.cli import main\n"
         "sys.argv = ['dynrubric', 'report']\n"
         "try:\n"
         "    main()\n"
