@@ -4,7 +4,7 @@ description, and what `dynrubric up --demo` (on by default) changes, read off th
     python scripts/make_config_doc.py            # rewrite docs/configuration.md
     python scripts/make_config_doc.py --check    # exit 1 when the file is not what the schema gives
 
-tests/test_config_doc.py runs the check, so the page cannot drift from the code.
+tests/unit/test_config_doc.py runs the check, so the page cannot drift from the code.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 - The JSON Schema files `streaming/schemas/*.v1.json` (for producers in other languages and for
   reviewers). Regenerate after changing a model with `python -m streaming.derived`;
-  `tests/test_streaming_events.py` fails while a file is stale.
+  `tests/unit/test_streaming_events.py` fails while a file is stale.
 - The replay store's Arrow schemas (`streaming/store.py`): one column per model field (schema_version
   left out, nested models flattened into their fields), then the store's own columns.
 """

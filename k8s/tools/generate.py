@@ -10,7 +10,7 @@
   the same settings give, then the guards and the registration)
 
     python k8s/tools/generate.py          # rewrite the files
-    python k8s/tools/generate.py --check  # exit 1 if they are out of date (tests/test_k8s.py runs this)
+    python k8s/tools/generate.py --check  # exit 1 if they are out of date (tests/integration/test_k8s.py runs this)
 """
 
 from __future__ import annotations
