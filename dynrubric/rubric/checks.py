@@ -188,7 +188,8 @@ def run_check(check: Check, response: str) -> float:
     if kind == "min_words":
         return float(len(_words(response)) >= float(value))  # type: ignore[arg-type]
     if kind == "bullet_count":
-        return float(sum(bool(_BULLET.match(line)) for line in response.splitlines()) == int(value))  # type: ignore[arg-type]
+        bullets = sum(bool(_BULLET.match(line)) for line in response.splitlines())
+        return float(bullets == int(value))  # type: ignore[arg-type]
     if kind == "final_number":
         got = final_number(response)
         want = float(value)  # type: ignore[arg-type]

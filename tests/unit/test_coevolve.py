@@ -269,7 +269,8 @@ def test_schedule_alternates_k_alt_steps_and_starts_with_the_generator_after_a_c
     assert five.schedule(2, 4, refresh=False) == ["policy"] * 3 + ["generator"]
     assert five.schedule(2, 4, refresh=True) == ["generator"] + ["policy"] * 3
     off = Settings.model_validate({"paths": {"state_dir": str(tmp_path)}, "train": {"coevolve": {"enabled": False}}})
-    assert RoundRunner(off, runner.registry, None, None).schedule(1, 3, refresh=True) == ["policy"] * 3  # type: ignore[arg-type]
+    no_coevolution = RoundRunner(off, runner.registry, None, None)  # type: ignore[arg-type]
+    assert no_coevolution.schedule(1, 3, refresh=True) == ["policy"] * 3
 
 
 def test_file_anchors_are_found_for_prompts_from_the_replay_source(tmp_path: Path) -> None:
