@@ -2,7 +2,7 @@
 
 Each user has a fixed key (so the router's sticky assignment applies) and sends prompts drawn from
 the shipped prompt bank (`dynrubric/data/prompts.jsonl`). The response is checked against the
-prompt's ground truth (`streaming.prompts.check`: the official IFEval checkers for the instructions it
+prompt's ground truth (`streaming.prompt_bank.check`: the official IFEval checkers for the instructions it
 states, the computed answer of its arithmetic; the same check the judge's derived items and the
 evaluation of versions use); the user then gives a thumbs up when the check passes and a thumbs down
 when it fails, flipped with probability `noise`, rates only a share of responses, and asks to
@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from streaming.prompts import PromptItem, check, load_prompts
+from streaming.prompt_bank import PromptItem, check, load_prompts
 
 
 def load_checkable(path: Path | None = None) -> list[PromptItem]:

@@ -110,7 +110,7 @@ def traffic_replay(
     raw: Annotated[bool, typer.Option(help="send each line's bytes unchanged to the query-log topic")] = False,
 ) -> None:
     """Produce query-log (and feedback) events from a JSONL file at a given rate."""
-    from streaming.replay import replay
+    from streaming.traffic_replay import replay
 
     s = settings_of(ctx)
     # a live bar only in a terminal: in a log, rich's transient bar leaves an empty line and nothing else

@@ -1,8 +1,8 @@
 """The events on the wire: topic names, the two logged event types, parsing, and dead letters.
 
 The pydantic models here are THE definition of the event schema. Everything else is generated from
-them (`streaming/derived.py`): the JSON Schema files in `streaming/schemas/` (regenerate with
-`python -m streaming.derived`; a test fails when a file is stale) and the replay store's Arrow schemas.
+them (`streaming/event_schemas.py`): the JSON Schema files in `streaming/schemas/` (regenerate with
+`python -m streaming.event_schemas`; a test fails when a file is stale) and the replay store's Arrow schemas.
 
 `parse_event` is what ingest runs on every record. It is bounded (size, nesting depth, number range)
 and raises nothing but `MalformedEvent`, whose `reason` says which class of bad input it was.
@@ -272,7 +272,7 @@ SCHEMA_FILE_OF_MODEL: dict[type[QueryLogEvent] | type[FeedbackEvent], str] = {
 
 
 def load_schema(model: type[QueryLogEvent] | type[FeedbackEvent]) -> dict[str, Any]:
-    """The JSON Schema file of an event model (generated from the model by `streaming/derived.py`)."""
+    """The JSON Schema file of an event model (generated from the model by `streaming/event_schemas.py`)."""
     from importlib import resources
 
     text = resources.files("streaming").joinpath("schemas", SCHEMA_FILE_OF_MODEL[model]).read_text()

@@ -46,7 +46,7 @@ from dynrubric.config import Settings
 from dynrubric.errors import DynrubricError
 from dynrubric.prompt_key import prompt_key
 from dynrubric.train.prompts import TrainPrompt
-from streaming.derived import arrow_fields
+from streaming.event_schemas import arrow_fields
 from streaming.events import AnyFeedback, AnyQueryLog, FeedbackEvent, QueryLogEvent, QueryLogRecord
 
 INDEX = "index.sqlite"
@@ -54,7 +54,7 @@ LOCK = ".writer.lock"
 WRITERS = ".writers"  # shared stores: one lock file per live writer
 QUERY_LOG, FEEDBACK = "query_log", "feedback"
 
-# generated from the event models (streaming/derived.py), then the store's own columns
+# generated from the event models (streaming/event_schemas.py), then the store's own columns
 QUERY_LOG_SCHEMA = pa.schema(
     [
         *arrow_fields(QueryLogEvent, flatten=("sampling",)),

@@ -23,7 +23,7 @@ from serving.rollout import Controller, RolloutStore, RouterClient
 from serving.router import Replica, Router, RouterState, Weights
 from streaming.events import FEEDBACK_TOPIC, QUERY_LOG_TOPIC, ChatMessage
 from streaming.producer import EventProducer
-from streaming.prompts import PromptItem
+from streaming.prompt_bank import PromptItem
 
 TOKEN = SecretStr("test-token")
 

@@ -1,7 +1,7 @@
 """One training round, resumable: prompts -> candidate sets -> rubric scores -> GRPO -> guards -> registry.
 
 The round's plan and the run's state are train/plan.py, a step's work train/step.py, the evaluation
-and the guards' verdict train/evaluation.py; this module runs them in order and publishes the results.
+and the guards' verdict train/round_verdict.py; this module runs them in order and publishes the results.
 
 A round is a fixed plan of steps, written before the first step (`plan.json`: parent version, the
 prompts taken since the last watermark, the held-out prompts, policy/generator phase of each step).
@@ -45,7 +45,6 @@ from dynrubric.errors import DynrubricError
 from dynrubric.registry import CheckpointState, Registry
 from dynrubric.rubric.evaluator import EvaluatorMetrics
 from dynrubric.train.coevolve import RankedAnchors, feedback_ranking, lineage_ages, read_anchor_file, temporal_anchors
-from dynrubric.train.evaluation import evaluate_round, round_verdict
 from dynrubric.train.executor import Executor, InProcess
 from dynrubric.train.plan import (
     COLLAPSE,
@@ -57,6 +56,7 @@ from dynrubric.train.plan import (
     write_json,
 )
 from dynrubric.train.prompts import PromptSource, TrainPrompt
+from dynrubric.train.round_verdict import evaluate_round, round_verdict
 from dynrubric.train.seeds import round_seed
 from dynrubric.train.step import EngineFactory, RoundModels, generator_step, policy_step
 

@@ -20,8 +20,8 @@ UNSURE = "I am not sure."
 def replay_store_of_shipped_traffic(root: Path, limit: int) -> int:
     """The shipped prompt file's first `limit` lines logged twice, as `up` ingests them: version base
     answered with the line's answer, version v1 with UNSURE. Returns the number of prompts."""
-    from streaming.replay import events_of_line
     from streaming.store import Stored, StoreWriter
+    from streaming.traffic_replay import events_of_line
 
     lines = [json.loads(line) for line in SHIPPED.read_text().splitlines() if line.strip()][:limit]
     writer = StoreWriter(root)

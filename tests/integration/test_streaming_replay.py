@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from streaming.prompts import PromptItem, check, default_path, load_prompts
-from streaming.replay import replay
+from streaming.prompt_bank import PromptItem, check, default_path, load_prompts
 from streaming.store import FEEDBACK, ReplayStore
+from streaming.traffic_replay import replay
 from tests.integration.test_streaming_ingest import ingest_cfg, isolated, run_ingest
 
 REPO = Path(__file__).resolve().parents[2]

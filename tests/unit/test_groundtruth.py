@@ -16,7 +16,7 @@ from dynrubric.rubric.instructions import SUPPORTED, Instruction
 from dynrubric.rubric.items import Rubric, RubricItem
 from dynrubric.train.policy_eval import EvalPrompt, decode_params, paired_bootstrap, sample_outcomes
 from dynrubric.train.prompts import make_prompt
-from streaming.prompts import PromptItem, check, load_prompts
+from streaming.prompt_bank import PromptItem, check, load_prompts
 
 # (question, response): the places where the users' own checker, the judge's and the evaluation used to differ
 DISAGREEMENTS = [
@@ -174,8 +174,8 @@ def test_the_guard_rejects_a_candidate_that_learned_to_echo_the_question(tiny_mo
     from transformers import AutoTokenizer
 
     from dynrubric.config import TrainConfig
-    from dynrubric.train.evaluation import round_verdict
     from dynrubric.train.policy_eval import round_evidence
+    from dynrubric.train.round_verdict import round_verdict
 
     lines = [json.dumps({"prompt": f"What is {a} + {a + 1}? Answer with the number only."}) for a in range(2, 32)]
     lines += [json.dumps({"prompt": f"Describe thing {i}. Include the word 'blue'."}) for i in range(10)]

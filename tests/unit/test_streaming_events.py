@@ -10,7 +10,7 @@ import json
 import jsonschema
 import pytest
 
-from streaming.derived import SCHEMA_DIR, schema_text
+from streaming.event_schemas import SCHEMA_DIR, schema_text
 from streaming.events import (
     QUERY_LOG_TOPIC,
     SCHEMA_FILE_OF_MODEL,
@@ -122,7 +122,7 @@ def test_models_accept_and_reject_what_the_schema_does(model, doc):
 def test_schema_files_are_generated_from_the_models(model):
     """A stale file (a model changed, the file not regenerated) fails here."""
     path = SCHEMA_DIR / SCHEMA_FILE_OF_MODEL[model]
-    assert path.read_text() == schema_text(model), f"{path.name} is stale: run `python -m streaming.derived`"
+    assert path.read_text() == schema_text(model), f"{path.name} is stale: run `python -m streaming.event_schemas`"
 
 
 @pytest.mark.parametrize("model", [QueryLogEvent, FeedbackEvent])

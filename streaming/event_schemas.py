@@ -1,7 +1,7 @@
 """What is generated from the event models in `streaming/events.py` (the one definition of the schema).
 
 - The JSON Schema files `streaming/schemas/*.v1.json` (for producers in other languages and for
-  reviewers). Regenerate after changing a model with `python -m streaming.derived`;
+  reviewers). Regenerate after changing a model with `python -m streaming.event_schemas`;
   `tests/unit/test_streaming_events.py` fails while a file is stale.
 - The replay store's Arrow schemas (`streaming/store.py`): one column per model field (schema_version
   left out, nested models flattened into their fields), then the store's own columns.

@@ -70,7 +70,7 @@ def load_prompts(path: Path | None = None) -> list[PromptItem]:
                 items.append(PromptItem.model_validate_json(line))
             except ValueError as e:
                 raise DynrubricError(
-                    f"{path}:{n} is not a valid prompt line: {e}", "see streaming/prompts.py"
+                    f"{path}:{n} is not a valid prompt line: {e}", "see streaming/prompt_bank.py"
                 ) from None
     return items
 
