@@ -79,7 +79,7 @@ class StepStats:
     grad_norm: float
     reward_mean: float  # mean score over ALL sets of the batch (tied ones included)
     sets: int
-    tied_sets: int
+    no_gradient_sets: int  # tied (spread below tie_eps) or given all-zero advantages (an untrusted set)
     samples: int  # responses that contributed gradient
     tokens: int
     updated: bool  # False when every set was tied or the loss was not finite (no optimiser step)
@@ -499,7 +499,7 @@ class GRPOTrainer:
             grad_norm=0.0,
             reward_mean=sum(all_scores) / len(all_scores) if all_scores else 0.0,
             sets=len(groups),
-            tied_sets=tied,
+            no_gradient_sets=tied,
             samples=samples,
             tokens=tokens,
             updated=False,

@@ -49,7 +49,7 @@ def round_verdict(
         GUARDED: "accepted" if verdict.accepted else verdict.reason,
         "mean_gap": mean("mean_gap"),
         "tie_rate": mean("tie_rate"),
-        "tied_sets": sum(h["tied_sets"] for h in history),
+        "no_gradient_sets": sum(h["no_gradient_sets"] for h in history),
         "updates": sum(1 for h in history if h["updated"]),
     }
     if truth:  # the ground truth of the held-out prompts: what the run page's learning curve plots

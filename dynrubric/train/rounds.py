@@ -98,8 +98,10 @@ class TrainMetrics:
             "dynrubric_train_reward_mean", "mean set-conditioned reward of the last step", registry=registry
         )
         self.kl = Gauge("dynrubric_train_kl", "KL to the reference policy of the last step", registry=registry)
-        self.tied_sets = Counter(
-            "dynrubric_train_tied_sets", "sets whose scores were all tied (no gradient)", registry=registry
+        self.no_gradient_sets = Counter(
+            "dynrubric_train_no_gradient_sets",
+            "sets that gave no gradient: tied (score spread below rubric.eps) or untrusted (zero advantage)",
+            registry=registry,
         )
         self.judge_user_agreement = Gauge(
             "dynrubric_train_judge_user_agreement",
@@ -414,7 +416,7 @@ class _Round:
                 if phase == "policy":
                     self.metrics.reward_mean.set(record["reward_mean"])
                     self.metrics.kl.set(record["kl"])
-                    self.metrics.tied_sets.inc(record["tied_sets"])
+                    self.metrics.no_gradient_sets.inc(record["no_gradient_sets"])
                     if record.get("sampler_log_ratio") is not None:  # the sampling engine returned log-probs
                         self.metrics.sampler_log_ratio.set(record["sampler_log_ratio"])
                         self.metrics.sampler_capped.set(record["sampler_capped"])
@@ -463,7 +465,7 @@ class _Round:
 
         policy = [h for h in self.history if h["phase"] == "policy"]
         if not any(h["updated"] for h in policy):
-            tied = sum(h["tied_sets"] for h in policy)
+            tied = sum(h["no_gradient_sets"] for h in policy)
             return (
                 f"no policy update in {len(policy)} policy step(s) ({tied} of "
                 f"{sum(h['sets'] for h in policy)} sets tied or untrusted): nothing to roll out"

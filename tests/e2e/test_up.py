@@ -182,7 +182,7 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
     trainable, applied = False, 0  # `updates`: the optimiser's update count so far (AdamW's step counter)
     for policy in policy_steps:
         # a set where an anchor outranks any candidate contributes no advantage: it is counted among the tied
-        assert 0 <= policy["untrusted_sets"] <= policy["tied_sets"]
+        assert 0 <= policy["untrusted_sets"] <= policy["no_gradient_sets"]
         # untrusted: the anchors overruled the set's rubric items, so none but the echo item weighs
         untrusted = [not s["trusted"] for s in policy["set_scores"]]
         assert sum(untrusted) == policy["untrusted_sets"], policy["set_scores"]

@@ -207,7 +207,7 @@ def test_the_guard_rejects_a_candidate_that_learned_to_echo_the_question(tiny_mo
                 "reward_mean": 0.9,
                 "mean_gap": 0.1,
                 "tie_rate": 0.0,
-                "tied_sets": 0,
+                "no_gradient_sets": 0,
             }
         ],
         {"kl_to_parent": 0.01, "kl_to_base": 0.01, "reward_parent": 0.3, "reward_new": 0.9, "groundtruth": evidence},

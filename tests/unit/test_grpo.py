@@ -49,7 +49,7 @@ def test_a_set_that_differs_only_by_engine_noise_is_tied_and_gives_no_gradient(t
     trainer = make_trainer(tiny_model_dir)
     before = copy.deepcopy(trainer.model.state_dict())
     stats = trainer.step([CandidateSet(g.rollouts, noisy) for g in groups(6)])
-    assert stats.tied_sets == 3 and stats.samples == 0 and not stats.updated
+    assert stats.no_gradient_sets == 3 and stats.samples == 0 and not stats.updated
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
 
 
@@ -221,11 +221,11 @@ def test_tied_sets_give_no_gradient_and_are_counted(tiny_model_dir: Path) -> Non
     before = copy.deepcopy(trainer.model.state_dict())
     tied = [CandidateSet(g.rollouts, (0.5,) * len(g.rollouts)) for g in groups(2)]
     stats = trainer.step(tied)
-    assert stats.tied_sets == 3 and stats.samples == 0 and not stats.updated
+    assert stats.no_gradient_sets == 3 and stats.samples == 0 and not stats.updated
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
     mixed = tied[:2] + groups(3, n_sets=1)
     stats = trainer.step(mixed)
-    assert stats.tied_sets == 2 and stats.samples == 4 and stats.updated and trainer.updates == 1
+    assert stats.no_gradient_sets == 2 and stats.samples == 4 and stats.updated and trainer.updates == 1
 
 
 def test_nonfinite_loss_applies_no_update(tiny_model_dir: Path) -> None:
