@@ -3,6 +3,7 @@ verifier call per set, P(yes) from summed Yes/No variants, the fallback ladder a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -299,6 +300,27 @@ def test_junk_candidates_as_bad_as_an_anchor_keep_the_items_that_rank_them_last(
     every = Evaluator(engine, engine, RubricConfig(trust_rule="every")).judge(QUESTION, rubric, responses)
     assert every.overruled == [False, True, False]  # the off-topic anchor beats the empty candidate on b
     assert every.scores[2] == every.scores[3] == 0.0  # what `best` fixes: off-topic and empty tie
+
+
+def test_stored_verdicts_weighed_again_give_the_judges_scores(engine):
+    """benchmarks/trust_rules.py re-weighs an eval-judge run's stored raw verdicts under each rule: `weigh` over
+    a judgement's raw P(yes) must give exactly the judgement, and another rule what a judge with it gives."""
+    from dynrubric.rubric.calibrate import anchor_responses
+    from dynrubric.rubric.evaluator import weigh
+
+    rubric = Rubric(
+        items=[
+            RubricItem(id="a", text="Is helpful", weight=2),
+            RubricItem(id="b", text="Uses no commas", weight=1, check={"kind": "no_commas"}),
+        ]
+    )
+    responses = ["It is 42.", "Well, 42.", ""]
+    for rule in ("every", "best"):
+        cfg = RubricConfig(trust_rule=rule)
+        judged = Evaluator(engine, engine, cfg).judge(QUESTION, rubric, responses)
+        raw = [c + a for c, a in zip(judged.raw_verdicts, judged.anchor_raw_verdicts, strict=True)]
+        again = weigh(rubric, responses + anchor_responses(QUESTION), raw, len(responses), cfg)
+        assert again == dataclasses.replace(judged, hard_verdict_fallbacks=0)
 
 
 def test_an_empty_response_earns_no_checked_item_of_either_polarity(engine):
