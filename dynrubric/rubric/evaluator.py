@@ -291,7 +291,10 @@ def weigh(
         scores=scores,
         anchor_scores=anchor_scores,
         overruled=overruled,
-        # the echo item alone ranks nothing but echoes: a set is trusted while another item weighs
-        trusted=any(w > 0 and item.origin != "echo" for item, w in zip(rubric.items, weights, strict=True)),
+        # the echo and floor items alone rank nothing but echoes and empty answers: a set is trusted while
+        # another item weighs
+        trusted=any(
+            w > 0 and item.origin not in ("echo", "floor") for item, w in zip(rubric.items, weights, strict=True)
+        ),
         hard_verdict_fallbacks=hard,
     )
