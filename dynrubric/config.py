@@ -212,9 +212,9 @@ class RubricConfig(Section):
         default=True, description="judge known-bad anchors with every set: de-bias verdicts, distrust sets they outrank"
     )
     trust_rule: Literal["every", "best"] = Field(
-        default="best",
-        description="a generated or consensus item is overruled (weight 0) when an anchor outranks on it 'best': "
-        "the set's best candidate, 'every': any real candidate (rubric/calibrate.py); a set with no item left is "
+        default="every",
+        description="a generated or consensus item is overruled (weight 0) when an anchor outranks on it 'every': "
+        "any real candidate, 'best': only the set's best one (rubric/calibrate.py); a set with no item left is "
         "untrusted",
     )
     ground_truth_share: float = Field(

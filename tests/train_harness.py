@@ -101,6 +101,9 @@ def settings(state_dir: Path, model_dir: Path, prompts_file: Path, ray: dict | N
             "models": {"policy": str(model_dir), "generator": str(model_dir), "verifier": str(model_dir)},
             "rubric": {
                 "mode": "prompt_only",
+                # the anchors meet this task's criterion (the off-topic one says "full", the echo "about"), so
+                # an anchor outranks every candidate without a 'u': exactly the sets this task learns from
+                "trust_rule": "best",
                 "retries": 0,
                 "prompt_only_retries": 0,
                 "generator_max_tokens": 16,

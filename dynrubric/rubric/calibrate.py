@@ -14,13 +14,14 @@ the empty answer, an off-topic paragraph, and the question echoed back. They ser
 2. Trust, per item a model or a vote wrote (generated, consensus; evaluator.py applies it), with the
    calibrated verdicts (`rubric.trust_rule`, leads under `eps` excused):
 
-       best (default): overruled when an anchor meets the item better than the set's BEST candidate
-       every:          overruled when an anchor meets it better than ANY real candidate
+       every (default): overruled when an anchor meets the item better than ANY real candidate
+       best:            overruled only when an anchor meets it better than the set's BEST candidate
 
-   `best` is the default because a set's worst candidates are often as bad as an anchor (an empty or
-   off-topic answer): under `every` the off-topic anchor "beats" the empty candidate on any item that
-   credits saying something relevant, so exactly the items that rank the junk below the real attempts
-   were dropped (docs/benchmarks.md: the ordered benchmark, both rules on the same verdicts).
+   `every` is the default because it keeps noise out of training: the items it drops and `best` keeps are
+   mostly model-written items met by any non-empty text, which order a set's junk but, in a set whose
+   ground truth ties, decide the advantages alone (docs/benchmarks.md: the ordered benchmark under both
+   rules on the same verdicts, and the learning runs). That an empty answer ranks below every attempt is
+   the floor item's job (derived.py), a check rather than an accident of the generated items.
 
    An overruled item is noise for this set and weighs nothing. Items read off the prompt (its ground
    truth, the echo veto) are never overruled: the echoed question that contains the required keyword

@@ -6,10 +6,13 @@ can. These items join the generated items of every rubric.
 - `prompt_items(question)`: the prompt's ground truth (groundtruth.py: official IFEval instructions,
   checked by the official checkers; constraints in free words; the value of plain arithmetic), one item
   per part, and a negative item for a response that only repeats the question (the cheapest way to
-  "contain the keyword" or "stay under 40 words"), which the score applies as a veto (score.py). The
-  evaluator never lets a calibration anchor overrule these items, since an anchor that meets a prompt's
-  constraint (the echoed question contains its keyword) meets it for real; the ground-truth items hold
-  `rubric.ground_truth_share` of the score.
+  "contain the keyword" or "stay under 40 words"), which the score applies as a veto (score.py), and the
+  floor item, "the response says something": met by every answer that is not empty, so that an empty
+  answer ranks below every attempt whatever else the rubric holds. In a set without an empty answer it
+  is the same for every candidate and changes no advantage. The evaluator never lets a calibration anchor
+  overrule these items, since an anchor that meets a prompt's constraint (the echoed question contains
+  its keyword) meets it for real; the ground-truth items hold `rubric.ground_truth_share` of the score,
+  the floor item weighs with the generated ones.
 - `consensus_items(responses)`: for a set whose candidates write final numbers and whose prompt has no
   computed answer, the number a strict plurality of at least two candidates (and at least 40% of those
   giving a number) reaches becomes a `final_number` item: self-consistency voting, the label test-time
@@ -29,6 +32,7 @@ from dynrubric.rubric.items import RubricItem
 CONSTRAINT_WEIGHT = 4  # the question states it: close to essential
 ANSWER_WEIGHT = 5  # computed from the question: the answer is known
 ECHO_WEIGHT = 1  # unused by the score: the echo item is a veto (score.py); the schema wants a weight
+FLOOR_WEIGHT = 1  # the least weight: it only tells an empty answer from the rest
 CONSENSUS_WEIGHT = 3  # a vote among candidates, not a proof
 CONSENSUS_MIN_SHARE = 0.4
 INSTRUCTION_TEXT_CHARS = 300
@@ -71,9 +75,19 @@ def echo_item(question: str) -> RubricItem:
     )
 
 
+def floor_item() -> RubricItem:
+    return RubricItem(
+        id="f1",
+        text="The response says something (it is not empty).",
+        weight=FLOOR_WEIGHT,
+        check=Check(kind="min_words", value=1),
+        origin="floor",
+    )
+
+
 def prompt_items(question: str) -> list[RubricItem]:
-    """The checked items of the question's ground truth, then the echo item."""
-    return [*truth_items(derive(question)), echo_item(question)]
+    """The checked items of the question's ground truth, then the echo item and the floor item."""
+    return [*truth_items(derive(question)), echo_item(question), floor_item()]
 
 
 def consensus_items(responses: Sequence[str]) -> list[RubricItem]:

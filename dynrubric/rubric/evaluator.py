@@ -190,45 +190,7 @@ class Evaluator:
             verdicts, hard = self.verifier.verify_items(prompt, judged, [rubric.items[m] for m in asked])
             for m, row in zip(asked, verdicts, strict=True):
                 raw[m] = row
-        oriented = []  # M x (K + A): how much each response earns each item, polarity applied
-        for item, row in zip(rubric.items, raw, strict=True):
-            z = [v if item.polarity == 1 else 1.0 - v for v in row]
-            z = calibrate_row(z, k) if self.config.anchors else z
-            if item.check is not None:
-                checked = [run_check(item.check, r) for r in judged]
-                # an empty response meets no check and earns no credit for avoiding a flaw either
-                # ("not_contains X" at polarity -1 would otherwise score an empty answer above the rest)
-                checked = [
-                    0.0 if not r.strip() else c if item.polarity == 1 else 1.0 - c
-                    for c, r in zip(checked, judged, strict=True)
-                ]
-                z = [cw * c + (1.0 - cw) * x for c, x in zip(checked, z, strict=True)] if cw < 1.0 else checked
-            oriented.append(z)
-        # an item on which a known-bad anchor beats a real candidate is noise for this set; items read off the
-        # prompt itself stand (the echoed question that contains the required keyword meets it for real)
-        overruled = [
-            self.config.anchors
-            and item.origin in OVERRULABLE
-            and anchors_outrank(z[:k], z[k:], self.config.eps, self.config.trust_rule)
-            for item, z in zip(rubric.items, oriented, strict=True)
-        ]
-        weights = item_weights(rubric, overruled, self.config.ground_truth_share)
-        effective = [
-            [x if item.polarity == 1 else 1.0 - x for x in z] for item, z in zip(rubric.items, oriented, strict=True)
-        ]
-        all_scores = aggregate(effective, rubric, weights)
-        scores, anchor_scores = all_scores[:k], all_scores[k:]
-        return Judgement(
-            verdicts=[row[:k] for row in effective],
-            raw_verdicts=[row[:k] for row in raw],
-            anchor_raw_verdicts=[row[k:] for row in raw],
-            scores=scores,
-            anchor_scores=anchor_scores,
-            overruled=overruled,
-            # the echo item alone ranks nothing but echoes: a set is trusted while another item weighs
-            trusted=any(w > 0 and item.origin != "echo" for item, w in zip(rubric.items, weights, strict=True)),
-            hard_verdict_fallbacks=hard,
-        )
+        return weigh(rubric, judged, raw, k, self.config, hard)
 
     def score_sets(
         self,
@@ -286,3 +248,53 @@ class Evaluator:
         self.counts.reasons = (self.counts.reasons + counts.reasons)[-100:]  # the latest, for reports
         if self.metrics is not None:
             self.metrics.record_generation(counts)
+
+
+def weigh(
+    rubric: Rubric, judged: Sequence[str], raw: Sequence[Sequence[float]], k: int, config: RubricConfig, hard: int = 0
+) -> Judgement:
+    """Steps 1 and 3 of the module docstring, given the verifier's answers: `judged` is the K candidates then the
+    A anchors (when `config.anchors`), `raw` their M x (K + A) P(yes) (0.5 where the verifier was not asked).
+    Pure: `eval_judge.json` keeps `raw`, so a set can be weighed again under another rule
+    (benchmarks/trust_rules.py)."""
+    cw = config.check_weight
+    oriented = []  # M x (K + A): how much each response earns each item, polarity applied
+    for item, row in zip(rubric.items, raw, strict=True):
+        z = [v if item.polarity == 1 else 1.0 - v for v in row]
+        z = calibrate_row(z, k) if config.anchors else z
+        if item.check is not None:
+            checked = [run_check(item.check, r) for r in judged]
+            # an empty response meets no check and earns no credit for avoiding a flaw either
+            # ("not_contains X" at polarity -1 would otherwise score an empty answer above the rest)
+            checked = [
+                0.0 if not r.strip() else c if item.polarity == 1 else 1.0 - c
+                for c, r in zip(checked, judged, strict=True)
+            ]
+            z = [cw * c + (1.0 - cw) * x for c, x in zip(checked, z, strict=True)] if cw < 1.0 else checked
+        oriented.append(z)
+    # an item on which a known-bad anchor beats a real candidate is noise for this set; items read off the
+    # prompt itself stand (the echoed question that contains the required keyword meets it for real)
+    overruled = [
+        config.anchors and item.origin in OVERRULABLE and anchors_outrank(z[:k], z[k:], config.eps, config.trust_rule)
+        for item, z in zip(rubric.items, oriented, strict=True)
+    ]
+    weights = item_weights(rubric, overruled, config.ground_truth_share)
+    effective = [
+        [x if item.polarity == 1 else 1.0 - x for x in z] for item, z in zip(rubric.items, oriented, strict=True)
+    ]
+    all_scores = aggregate(effective, rubric, weights)
+    scores, anchor_scores = all_scores[:k], all_scores[k:]
+    return Judgement(
+        verdicts=[row[:k] for row in effective],
+        raw_verdicts=[list(row[:k]) for row in raw],
+        anchor_raw_verdicts=[list(row[k:]) for row in raw],
+        scores=scores,
+        anchor_scores=anchor_scores,
+        overruled=overruled,
+        # the echo and floor items alone rank nothing but echoes and empty answers: a set is trusted while
+        # another item weighs
+        trusted=any(
+            w > 0 and item.origin not in ("echo", "floor") for item, w in zip(rubric.items, weights, strict=True)
+        ),
+        hard_verdict_fallbacks=hard,
+    )

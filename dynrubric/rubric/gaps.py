@@ -48,10 +48,11 @@ def _splits_a_pair(verdicts: Sequence[float], eps: float) -> bool:
 def gap_stats(verdicts: Sequence[Sequence[float]], rubric: Rubric, scores: Sequence[float], eps: float) -> GapStats:
     """Diagnostics of one set. `verdicts` is M x K raw P(yes) (polarity not applied; splits do not
     depend on it), `scores` the K aggregated scores. The echo item is a veto that no real answer is meant to
-    trip (score.py), not a criterion that should split the set: it is left out of the item statistics."""
+    trip (score.py) and the floor item one that every real answer meets (derived.py), not criteria that should
+    split the set: they are left out of the item statistics."""
     if len(verdicts) != len(rubric.items):
         raise ValueError(f"{len(verdicts)} verdict rows for {len(rubric.items)} rubric items")
-    verdicts = [row for row, item in zip(verdicts, rubric.items, strict=True) if item.origin != "echo"]
+    verdicts = [row for row, item in zip(verdicts, rubric.items, strict=True) if item.origin not in ("echo", "floor")]
     k = len(scores)
     pairs = list(combinations(range(k), 2))
     gaps = [abs(scores[i] - scores[j]) for i, j in pairs]

@@ -58,9 +58,9 @@ class RubricItem(BaseModel):
     weight: int = Field(ge=1, le=5)
     polarity: Literal[1, -1] = 1
     check: Check | None = None  # answered by running the check instead of (or blended with) the verifier
-    # who wrote the item: the generator; derived.py from the prompt's ground truth, or the echo item; or the
-    # candidates' consensus. Items derived from the prompt are never overruled by a calibration anchor
-    origin: Literal["generator", "ground_truth", "echo", "consensus"] = "generator"
+    # who wrote the item: the generator; derived.py from the prompt's ground truth, the echo item or the floor
+    # item; or the candidates' consensus. Items derived without a model are never overruled by an anchor
+    origin: Literal["generator", "ground_truth", "echo", "floor", "consensus"] = "generator"
 
     @field_validator("text")
     @classmethod

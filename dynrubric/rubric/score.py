@@ -6,7 +6,8 @@ overruled counts for nothing and the prompt's ground truth counts for a fixed sh
     w'_m = 0                              m overruled (a calibration anchor beat a real candidate on it)
     w'_m = s * w_m / sum_{G} w            m in G, the ground-truth items (the prompt's own constraints,
                                           checked: derived.py), s = rubric.ground_truth_share
-    w'_m = (1 - s) * w_m / sum_{J} w      m in J, every other item that stands (generated, consensus)
+    w'_m = (1 - s) * w_m / sum_{J} w      m in J, every other item that stands (generated, consensus, the
+                                          floor item "says something", derived.py)
 
 When G or J is empty the other keeps its plain weights (`w' = w`): a prompt without ground truth is
 scored as `sum w z / sum w`, the DynamicRubric score. With both present, a response that meets the

@@ -3,6 +3,7 @@ verifier call per set, P(yes) from summed Yes/No variants, the fallback ladder a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -151,8 +152,8 @@ def test_set_conditioned_prompt_shows_every_candidate_within_budget_and_retry_su
     cfg = RubricConfig(response_token_budget=32, retries=1)  # the retry is what this test exercises
     ev = Evaluator(spy, engine, cfg)
     [scored] = ev.score_sets([QUESTION], [RESPONSES + [long_response]])
-    # the generated items, after the checked item the question implies and the echo item
-    assert scored.rubric_source == "set" and [i.id for i in scored.rubric.items] == ["p1", "e1", "ans", "wrong"]
+    # the generated items, after the checked item the question implies, the echo item and the floor item
+    assert scored.rubric_source == "set" and [i.id for i in scored.rubric.items] == ["p1", "e1", "f1", "ans", "wrong"]
     assert ev.counts.parse_failures == 1 and ev.counts.generic_fallbacks == 0
     prompt = spy.generate_requests[0].prompt
     for n, r in enumerate(RESPONSES, 1):
@@ -162,7 +163,7 @@ def test_set_conditioned_prompt_shows_every_candidate_within_budget_and_retry_su
     assert len(engine.tokenizer.encode(prompt)) <= overhead + 5 * (32 + 8)  # 32 tokens a candidate, an ellipsis
     assert spy.generate_requests[0].params.seed != spy.generate_requests[1].params.seed
     assert scored.generator_raw.startswith("Here:")
-    assert scored.gaps.item_split and len(scored.verdicts) == 4 and len(scored.scores) == 5
+    assert scored.gaps.item_split and len(scored.verdicts) == 5 and len(scored.scores) == 5
 
 
 def test_prompt_only_mode_never_shows_candidates(engine):
@@ -174,6 +175,7 @@ def test_prompt_only_mode_never_shows_candidates(engine):
     assert [i.text for i in rubric.items] == [
         "The response's final number is 42.",
         "The response only repeats the question instead of answering it.",
+        "The response says something (it is not empty).",
         "Says 42",
         "Is rude",
     ]
@@ -235,7 +237,7 @@ def test_anchors_debias_verdicts_and_overrule_the_generated_items_they_outrank(e
     assert judged.verdicts[1] == [1.0, 0.0]
     assert judged.overruled == [False, True]  # the echo (no comma) beats "Well, 42." on b: b is noise here
     assert judged.scores == [0.0, 0.0] and judged.trusted  # item a still weighs (it ranks nobody: a tie)
-    best_rule = Evaluator(engine, YesToAll(engine), RubricConfig())  # the default
+    best_rule = Evaluator(engine, YesToAll(engine), RubricConfig(trust_rule="best"))
     kept = best_rule.judge(QUESTION, rubric, ["It is 42.", "Well, 42."])
     assert kept.overruled == [False, False] and kept.scores == pytest.approx([1 / 3, 0.0])  # the best answer wins
     only_b = Rubric(items=[rubric.items[1]])
@@ -246,6 +248,7 @@ def test_an_echo_anchor_never_overrules_the_prompts_own_constraint(engine):
     """Issue 24, point 1: "Include the word X": the echoed question contains X, yet candidates without X still
     rank below candidates with X and the set trains (non-zero advantages). Before, the echo's lead on the
     derived item made the whole set untrusted (zero advantage)."""
+    from dynrubric.rubric.derived import FLOOR_WEIGHT
     from dynrubric.train.grpo import group_advantages
 
     question = "Describe the sea. Include the word 'blue'."
@@ -253,7 +256,7 @@ def test_an_echo_anchor_never_overrules_the_prompts_own_constraint(engine):
     ev = Evaluator(engine, YesToAll(engine), cfg)
     generated = Rubric(items=[RubricItem(id="g1", text="The response describes the sea", weight=3)])
     rubric = ev.rubric_generator.with_derived(generated, question, [])
-    assert [i.origin for i in rubric.items] == ["ground_truth", "echo", "generator"]
+    assert [i.origin for i in rubric.items] == ["ground_truth", "echo", "floor", "generator"]
     responses = [
         "The sea is blue and wide.",
         "The sea is wide and deep.",
@@ -270,35 +273,63 @@ def test_an_echo_anchor_never_overrules_the_prompts_own_constraint(engine):
     assert advantages is not None and all(
         a > 0 if "blue" in r else a < 0 for r, a in zip(responses, advantages, strict=True)
     )
-    # a candidate that echoes the question "contains the keyword" and still scores nothing (the echo veto)
-    assert ev.judge(question, rubric, [question, responses[0]]).scores == pytest.approx([0.0, cfg.ground_truth_share])
+    # a candidate that echoes the question "contains the keyword" and still scores nothing (the echo veto);
+    # the real answer: the constraint's share, and the floor item's part of the rest (g1 is de-biased to 0)
+    share = cfg.ground_truth_share
+    floor = (1 - share) * FLOOR_WEIGHT / (3 + FLOOR_WEIGHT)
+    assert ev.judge(question, rubric, [question, responses[0]]).scores == pytest.approx([0.0, share + floor])
 
 
-def test_junk_candidates_as_bad_as_an_anchor_keep_the_items_that_rank_them_last(engine):
+def test_the_floor_item_ranks_an_empty_answer_below_every_attempt_under_the_default_rule(engine):
     """The ordered benchmark's sets hold an empty and an off-topic answer beside the real attempts. An item
-    that credits a relevant answer is met by the off-topic anchor better than by the empty candidate; under
-    `every` that overruled it, and every wrong, off-topic and empty answer tied at 0 (arithmetic ranks 3-6
-    tied in 22 of 22 sets). Under the default rule (`best`) it stands: wrong > off-topic > empty."""
-    rubric = Rubric(
-        items=[
-            RubricItem(
-                id="a", text="The response's final number is 42", weight=3, check={"kind": "final_number", "value": 42}
-            ),
-            # met by every answer with words, the off-topic anchor included
-            RubricItem(
-                id="b", text="The response has at least one word", weight=1, check={"kind": "min_words", "value": 1}
-            ),
-            RubricItem(id="c", text="The response gives a number", weight=1, check={"kind": "contains", "value": "4"}),
-        ]
-    )
+    that any text meets is met by the off-topic anchor better than by the empty candidate, so `every` (the
+    default) overrules it, and the wrong, off-topic and empty answers tied at 0 (arithmetic ranks 3-6 tied in
+    22 of 22 sets). The derived floor item ("says something") is a check no anchor overrules: the empty
+    answer ranks last, and a set without one is unchanged by it."""
+    from dynrubric.rubric.derived import floor_item
+
+    generated = [
+        RubricItem(
+            id="a", text="The response's final number is 42", weight=3, check={"kind": "final_number", "value": 42}
+        ),
+        RubricItem(
+            id="b", text="The response has at least one word", weight=1, check={"kind": "min_words", "value": 1}
+        ),
+        RubricItem(id="c", text="The response gives a number", weight=1, check={"kind": "contains", "value": "4"}),
+    ]
     responses = ["6 x 7 = 42. It is 42.", "6 x 7 = 43. It is 43.", "Tomatoes like the sun.", ""]
-    judged = Evaluator(engine, engine, RubricConfig()).judge(QUESTION, rubric, responses)
-    assert judged.overruled == [False, False, False] and judged.trusted
+    ev = Evaluator(engine, engine, RubricConfig())
+    judged = ev.judge(QUESTION, Rubric(items=[*generated, floor_item()]), responses)
+    assert judged.overruled == [False, True, False, False] and judged.trusted  # b: the anchor beats the empty one
     s = judged.scores
     assert s[0] > s[1] > s[2] > s[3] == 0.0, s
-    every = Evaluator(engine, engine, RubricConfig(trust_rule="every")).judge(QUESTION, rubric, responses)
-    assert every.overruled == [False, True, False]  # the off-topic anchor beats the empty candidate on b
-    assert every.scores[2] == every.scores[3] == 0.0  # what `best` fixes: off-topic and empty tie
+    without = ev.judge(QUESTION, Rubric(items=generated), responses).scores
+    assert without[2] == without[3] == 0.0  # no floor: the off-topic and the empty answer tie
+    # no empty candidate: the floor item is met by all and changes no ranking and no advantage's sign
+    kept = ev.judge(QUESTION, Rubric(items=[*generated, floor_item()]), responses[:3]).scores
+    alone = ev.judge(QUESTION, Rubric(items=generated), responses[:3]).scores
+    assert sorted(range(3), key=kept.__getitem__) == sorted(range(3), key=alone.__getitem__)
+
+
+def test_stored_verdicts_weighed_again_give_the_judges_scores(engine):
+    """benchmarks/trust_rules.py re-weighs an eval-judge run's stored raw verdicts under each rule: `weigh` over
+    a judgement's raw P(yes) must give exactly the judgement, and another rule what a judge with it gives."""
+    from dynrubric.rubric.calibrate import anchor_responses
+    from dynrubric.rubric.evaluator import weigh
+
+    rubric = Rubric(
+        items=[
+            RubricItem(id="a", text="Is helpful", weight=2),
+            RubricItem(id="b", text="Uses no commas", weight=1, check={"kind": "no_commas"}),
+        ]
+    )
+    responses = ["It is 42.", "Well, 42.", ""]
+    for rule in ("every", "best"):
+        cfg = RubricConfig(trust_rule=rule)
+        judged = Evaluator(engine, engine, cfg).judge(QUESTION, rubric, responses)
+        raw = [c + a for c, a in zip(judged.raw_verdicts, judged.anchor_raw_verdicts, strict=True)]
+        again = weigh(rubric, responses + anchor_responses(QUESTION), raw, len(responses), cfg)
+        assert again == dataclasses.replace(judged, hard_verdict_fallbacks=0)
 
 
 def test_an_empty_response_earns_no_checked_item_of_either_polarity(engine):
