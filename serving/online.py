@@ -90,10 +90,10 @@ class _Arm:
             self.latency.add(self.latency_buffer)
             self.latency_buffer.clear()
 
-    def stats(self, errors: int, routed: int) -> ArmStats:
-        """`errors` and `routed` from one snapshot of the router's counters: the error rate is theirs alone (the
-        log counts requests later than the router, and only answered ones; a router restarted mid-rollout has
-        counted fewer, a smaller sample of the same rate)."""
+    def stats(self, errors: int, routed: int, settled: int) -> ArmStats:
+        """`errors`, `routed` and `settled` from one snapshot of the router's counters: the error rate is
+        errors / settled, the requests whose outcome is known (the log counts requests later than the router, and
+        only answered ones; a router restarted mid-rollout has counted fewer, a smaller sample of the same rate)."""
         self.flush_latency()
         return ArmStats(
             step_users=self.step_users,
@@ -101,7 +101,7 @@ class _Arm:
             users=len(self.users),
             requests=max(routed, self.requests),
             rated=self.rated,
-            errors=UserRates.per_request(min(errors, routed), routed),
+            errors=UserRates.per_request(min(errors, settled), settled),
             positive=UserRates(int(self.pos[0]), self.pos[1], self.pos[2]),
             regenerated=UserRates(int(self.regen[0]), self.regen[1], self.regen[2]),
             latency=self.latency,
@@ -296,9 +296,10 @@ class OnlineMetrics:
             self.halves.popitem(last=False)
 
     # ------------------------------------------------------------ the gate's view
-    def arm_stats(self, arm: str, errors: int = 0, routed: int = 0) -> ArmStats:
-        """The gate's input for one arm; `errors` and `routed` are the router's counters for the experiment."""
-        return self.arms[arm].stats(errors, routed)
+    def arm_stats(self, arm: str, errors: int = 0, routed: int = 0, settled: int = 0) -> ArmStats:
+        """The gate's input for one arm; `errors`, `routed` and `settled` are the router's counters for the
+        experiment (serving/router.py: ArmCounters)."""
+        return self.arms[arm].stats(errors, routed, settled)
 
     def take_pairs(self, n: int) -> list[ShadowPair]:
         """Up to `n` complete shadow pairs for the judge (oldest first)."""

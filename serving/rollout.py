@@ -436,7 +436,10 @@ class Controller:
                     self._judge_s_per_pair = (time.monotonic() - started) / len(pairs)
             arms = {
                 v: self.online.arm_stats(
-                    v, counters.get(v, {}).get("errors", 0), counters.get(v, {}).get("requests", 0)
+                    v,
+                    counters.get(v, {}).get("errors", 0),
+                    counters.get(v, {}).get("requests", 0),
+                    counters.get(v, {}).get("settled", 0),
                 )
                 for v in ("stable", "canary")
             }

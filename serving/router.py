@@ -82,8 +82,12 @@ class Weights:
 
 @dataclass
 class ArmCounters:
-    requests: int = 0
-    errors: int = 0
+    requests: int = 0  # routed to the arm, counted when they arrive
+    errors: int = 0  # failed on the arm, counted when they fail
+    # whose outcome on the arm is known (answered by it, or failed): the error rate's denominator. Requests still
+    # in flight are neither errors nor successes yet; counting them as successes (requests) would dilute a
+    # failing canary's rate at an early look and let the step pass on "no harm shown"
+    settled: int = 0
 
 
 @dataclass
@@ -334,6 +338,7 @@ class Router:
         for i, v in enumerate(plan):
             if v == "stable" and i == 2:
                 self.state.arm("canary").errors += 1
+                self.state.arm("canary").settled += 1
                 self.m_errors.labels("canary").inc()
             replica = self.replica_choice.choose(self.state.replicas, v, tried)
             if replica is None:
@@ -342,13 +347,17 @@ class Router:
             replica.inflight += 1
             version = replica.policy_version
             try:
-                return v, replica, version, await self._post(replica, path, body, stream)
+                answer = await self._post(replica, path, body, stream)
+                if i < 2:  # answered by its own arm (a canary request served by stable settled as an error above)
+                    self.state.arm(variant).settled += 1
+                return v, replica, version, answer
             except EngineFailure as e:
                 failures.append(str(e))
             finally:
                 replica.inflight -= 1
         final = "stable" if variant == "canary" else variant
         self.state.arm(final).errors += 1
+        self.state.arm(final).settled += 1
         self.m_errors.labels(final).inc()
         self.m_requests.labels(final, "502").inc()
         raise HTTPException(
@@ -656,7 +665,7 @@ class Router:
                 for r in s.replicas
             ],
             "counters": {
-                e: {v: {"requests": c.requests, "errors": c.errors} for v, c in arms.items()}
+                e: {v: {"requests": c.requests, "errors": c.errors, "settled": c.settled} for v, c in arms.items()}
                 for e, arms in s.counters.items()
             },
             "traffic": self.traffic.snapshot(),

@@ -62,11 +62,13 @@ def test_rates_are_per_user_and_attributed_by_experiment_and_assigned_arm():
     m.apply(Q, request("s0", "s-user", "stable"))
     m.apply(F, feedback("s0", "thumbs_up"))
     m.apply(F, feedback("s0", "thumbs_down"))  # a changed mind: the last verdict counts
-    canary, stable = m.arm_stats("canary", errors=1, routed=12), m.arm_stats("stable")
+    canary, stable = m.arm_stats("canary", errors=1, routed=12, settled=12), m.arm_stats("stable")
     assert canary.users == 2 and canary.rated == 10 and canary.requests == 12
     assert canary.positive.rate == pytest.approx((1.0 + 0.0) / 2)  # per user, not 9/10 per request
     assert canary.regenerated.rate == pytest.approx((0.0 + 0.5) / 2)
     assert canary.errors.rate == pytest.approx(1 / 12)
+    # 10 of the 12 still in flight: the rate is over the 2 whose outcome is known, not diluted by the 10
+    assert m.arm_stats("canary", errors=1, routed=12, settled=2).errors.rate == pytest.approx(1 / 2)
     assert canary.latency.n == 10  # the stable-answered request's latency is not the canary's
     assert stable.users == 1 and stable.positive.rate == 0.0 and stable.rated == 1
     assert m.skipped == 1

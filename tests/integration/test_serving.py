@@ -252,9 +252,12 @@ def test_a_dead_replica_is_retried_then_reloaded_when_back(stack):
     stack.producer.flush()
     event = {e["request_id"]: e for e in read_topic(stack.bootstrap, "dynrubric.query-log")}[r.headers["x-request-id"]]
     assert (event["variant"], event["experiment_id"]) == ("stable", "exp-dead")
-    canary = stack.router_state()["counters"]["exp-dead"].get("canary", {"requests": 0, "errors": 0})
+    canary = stack.router_state()["counters"]["exp-dead"].get("canary", {"requests": 0, "errors": 0, "settled": 0})
     assigned_canary = event["assigned_variant"] == "canary"
-    assert canary == ({"requests": 1, "errors": 1} if assigned_canary else {"requests": 0, "errors": 0}), event
+    expected = (
+        {"requests": 1, "errors": 1, "settled": 1} if assigned_canary else {"requests": 0, "errors": 0, "settled": 0}
+    )
+    assert canary == expected, event
     # the fleet restarts it; the router reloads its variant's weights and routes to it again
     wait_for(
         lambda: chat(stack, "someone").headers["x-dynrubric-variant"] == "canary",
@@ -284,7 +287,7 @@ def test_a_canary_with_broken_weights_fails_over_to_stable_and_counts_as_a_canar
         set_traffic(stack, 1.0, "exp-nan")
         r = chat(stack, "someone", temperature=1.0)
         assert r.status_code == 200 and r.headers["x-dynrubric-variant"] == "stable", r.text
-        assert stack.router_state()["counters"]["exp-nan"]["canary"] == {"requests": 1, "errors": 1}
+        assert stack.router_state()["counters"]["exp-nan"]["canary"] == {"requests": 1, "errors": 1, "settled": 1}
         stack.producer.flush()
         event = {e["request_id"]: e for e in read_topic(stack.bootstrap, "dynrubric.query-log")}[
             r.headers["x-request-id"]

@@ -175,3 +175,37 @@ def test_failover_tries_two_replicas_of_the_arm_then_stable_for_a_canary_request
     assert forward(router, "canary", everyone) == (["c0", "c1", "s1", "s0"], "HTTP 502")
     assert (router.state.arm("canary").errors, router.state.arm("stable").errors) == (2, 1)
     assert [r.inflight for r in router.state.replicas] == [3, 0, 0, 0]  # every try gave its slot back
+
+
+def test_a_request_in_flight_is_not_yet_a_success_of_its_arm():
+    """The gate's error rate is errors / settled: a canary request still in flight is routed but neither an error
+    nor a success. Counting it as a success (errors / routed) let a canary that fails every request pass step 0
+    while its failures were in flight (CI: the demo gate's NaN canary, rolled back only at step 1)."""
+    router = make_router(fleet())
+    release = asyncio.Event()
+    snapshots: list[tuple[int, int, int]] = []
+
+    async def post(replica, path, body, stream):
+        if replica.variant == "canary":
+            await release.wait()
+            raise EngineFailure(f"{replica.name}: non-finite logits")
+        return "answer"
+
+    async def run() -> str:
+        router._post = post
+        router.state.arm("canary").requests += 1  # as `handle` counts it on arrival
+        request = asyncio.create_task(router._forward("canary", "/v1/completions", {}, stream=False))
+        await asyncio.sleep(0)
+        c = router.state.arm("canary")
+        snapshots.append((c.requests, c.errors, c.settled))  # in flight: routed, not settled
+        release.set()
+        served, _, _, _ = await request
+        return served
+
+    assert asyncio.run(run()) == "stable"  # its user is served by stable
+    c = router.state.arm("canary")
+    assert snapshots == [(1, 0, 0)] and (c.requests, c.errors, c.settled) == (1, 1, 1)
+    assert forward(router, "stable", set()) == (["s0"], "stable")
+    assert (router.state.arm("stable").errors, router.state.arm("stable").settled) == (0, 1)
+    assert forward(router, "canary", set()) == (["c0"], "canary")  # answered by its own arm: settled, no error
+    assert (c.errors, c.settled) == (1, 2)
