@@ -31,7 +31,7 @@ from dynrubric.rubric.calibrate import anchor_responses, anchors_outrank, calibr
 from dynrubric.rubric.checks import run_check
 from dynrubric.rubric.gaps import CollapseDetector, GapStats, gap_stats
 from dynrubric.rubric.generate import GenerationCounts, RubricGenerator, RubricSource
-from dynrubric.rubric.items import Rubric
+from dynrubric.rubric.items import NON_RANKING_ORIGINS, Rubric
 from dynrubric.rubric.score import aggregate, item_weights
 from dynrubric.rubric.verify import Verifier
 
@@ -294,7 +294,7 @@ def weigh(
         # the echo and floor items alone rank nothing but echoes and empty answers: a set is trusted while
         # another item weighs
         trusted=any(
-            w > 0 and item.origin not in ("echo", "floor") for item, w in zip(rubric.items, weights, strict=True)
+            w > 0 and item.origin not in NON_RANKING_ORIGINS for item, w in zip(rubric.items, weights, strict=True)
         ),
         hard_verdict_fallbacks=hard,
     )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from itertools import combinations
 from typing import Any
 
-from dynrubric.rubric.items import Rubric
+from dynrubric.rubric.items import NON_RANKING_ORIGINS, Rubric
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def gap_stats(verdicts: Sequence[Sequence[float]], rubric: Rubric, scores: Seque
     split the set: they are left out of the item statistics."""
     if len(verdicts) != len(rubric.items):
         raise ValueError(f"{len(verdicts)} verdict rows for {len(rubric.items)} rubric items")
-    verdicts = [row for row, item in zip(verdicts, rubric.items, strict=True) if item.origin not in ("echo", "floor")]
+    verdicts = [row for row, item in zip(verdicts, rubric.items, strict=True) if item.origin not in NON_RANKING_ORIGINS]
     k = len(scores)
     pairs = list(combinations(range(k), 2))
     gaps = [abs(scores[i] - scores[j]) for i, j in pairs]

@@ -50,6 +50,11 @@ class RubricParseError(ValueError):
         super().__init__(reason)
 
 
+# the derived items that rank no real answers against each other: the echo veto (no real answer trips it) and
+# the floor item (every real answer meets it); trust and the gap statistics leave them out (derived.py)
+NON_RANKING_ORIGINS = ("echo", "floor")
+
+
 class RubricItem(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
