@@ -233,21 +233,21 @@ def up(
 
 
 #: what `up --demo` trains with on a 2-core CPU, chosen by measurement (docs/benchmarks.md, the learning benchmark):
-#: rounds of five policy steps of 8 prompts x 4 answers and one generator step, a learning rate that moves a
+#: rounds of ten policy steps of 8 prompts x 4 answers and one generator step, a learning rate that moves a
 #: 135M model within a round (AdamW's state carried across the round's steps), and guards sized to that step
 DEMO_TRAINING: dict[str, dict[str, float | int | str]] = {
     "train": {
-        "steps_per_round": 6,
+        "steps_per_round": 11,
         "prompts_per_step": 8,
         "candidates": 4,
         "max_new_tokens": 48,
-        "heldout_prompts": 4,
+        "heldout_prompts": 8,
         "max_kl": 0.3,
         "max_kl_to_base": 1.5,
     },
     "grpo": {"lr": 5e-5, "clip_high": 0.28, "kl_beta": 1e-3, "updates_per_batch": 1, "compute_dtype": "bfloat16"},
-    "coevolve": {"k_alt": 5, "k_alt_generator": 1, "sets_per_step": 2, "rubric_samples": 2},
-    # a round's 40 policy sets come from at least this many distinct new prompts (20% of them are held out)
+    "coevolve": {"k_alt": 10, "k_alt_generator": 1, "sets_per_step": 2, "rubric_samples": 2},
+    # a round's 80 policy sets cycle through at least this many distinct new prompts (20% of them are held out)
     "loop": {"min_new_prompts": 40},
 }
 
