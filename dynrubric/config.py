@@ -90,7 +90,12 @@ class EngineConfig(Section):
         "before its calls (one vLLM server for the policy and the rubric generator)",
     )
     api_key: SecretStr | None = None
-    timeout_s: float = Field(default=120.0, gt=0)
+    timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="openai-http: seconds one request may take; a batch of rubrics (rubric.generator_max_tokens "
+        "tokens under the rubric grammar) can take minutes on a busy CPU",
+    )
     dtype: Literal["float32", "bfloat16"] = "float32"
     threads: int = Field(default=0, ge=0, description="torch threads; 0 = torch's default")
     max_batch_size: int = Field(default=32, ge=1)

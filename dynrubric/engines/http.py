@@ -41,7 +41,7 @@ class OpenAIHTTPEngine(Engine):
         model_dir: Path,
         *,
         api_key: SecretStr | None = None,
-        timeout_s: float = 120.0,
+        timeout_s: float = 600.0,
         top_logprobs: int = 20,
         exact_missing: bool = False,
         concurrency: int = 16,
@@ -55,6 +55,7 @@ class OpenAIHTTPEngine(Engine):
         self.top_logprobs = top_logprobs
         self.exact_missing = exact_missing
         self.concurrency = concurrency
+        self.timeout_s = timeout_s
         headers = {"Authorization": f"Bearer {api_key.get_secret_value()}"} if api_key else {}
         self._client = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -77,6 +78,12 @@ class OpenAIHTTPEngine(Engine):
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
             response = self._client.request(method, path, **kwargs)
+        except httpx.ReadTimeout:  # connected and sent: the server is there, but slower than the timeout
+            raise DynrubricError(
+                f"engine at {self.base_url} did not answer {path} within {self.timeout_s:.0f} s",
+                "raise engine.timeout_s (a batch of rubrics under a grammar takes minutes on a busy CPU), "
+                "or give the server more cores",
+            ) from None
         except httpx.TransportError as e:
             raise DynrubricError(
                 f"engine at {self.base_url} is unreachable ({type(e).__name__})",

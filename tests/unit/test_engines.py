@@ -153,3 +153,41 @@ def test_unreachable_engine_is_one_clear_error(smollm_dir):
     with pytest.raises(DynrubricError, match="unreachable") as info:
         OpenAIHTTPEngine(f"http://127.0.0.1:{free_port()}", smollm_dir, timeout_s=2)
     assert "engine.base_url" in info.value.fix
+
+
+def test_a_slow_engine_is_told_apart_from_an_unreachable_one(smollm_dir):
+    """A server that takes a request and answers later than `engine.timeout_s` is there: the error names the timeout
+    to raise, not a base_url to fix (a rubric batch on a busy CPU outlasted the old 120 s and read as unreachable)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from dynrubric.engines.base import GenerationRequest, SamplingParams
+    from dynrubric.engines.http import OpenAIHTTPEngine
+    from dynrubric.errors import DynrubricError
+
+    answered = threading.Event()
+
+    class SlowServer(BaseHTTPRequestHandler):  # a real HTTP server: lists its model, then stalls on completions
+        def do_GET(self) -> None:
+            body = b'{"data": [{"id": "slow"}]}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:
+            answered.wait(10)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SlowServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        engine = OpenAIHTTPEngine(f"http://127.0.0.1:{server.server_address[1]}", smollm_dir, timeout_s=1)
+        with pytest.raises(DynrubricError, match="did not answer /v1/completions within 1 s") as info:
+            engine.generate([GenerationRequest("hello", SamplingParams(max_tokens=4))])
+        assert "engine.timeout_s" in info.value.fix and "base_url" not in info.value.fix
+    finally:
+        answered.set()
+        server.shutdown()
