@@ -47,9 +47,9 @@ from dynrubric import atomic
 from dynrubric.config import Settings
 from dynrubric.errors import DynrubricError
 from dynrubric.registry import Checkpoint, CheckpointState, Registry
+from dynrubric.seeds import round_seed
 from dynrubric.train.prompts import PromptSource, TrainPrompt
 from dynrubric.train.rounds import RoundRunner
-from dynrubric.train.seeds import round_seed
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from dynrubric.config import Settings
 from dynrubric.errors import DynrubricError
 from dynrubric.registry import CheckpointState, Registry
 from dynrubric.rubric.evaluator import EvaluatorMetrics
+from dynrubric.seeds import round_seed
 from dynrubric.train.coevolve import RankedAnchors, feedback_ranking, lineage_ages, read_anchor_file, temporal_anchors
 from dynrubric.train.executor import Executor, InProcess
 from dynrubric.train.plan import (
@@ -57,7 +58,6 @@ from dynrubric.train.plan import (
 )
 from dynrubric.train.prompts import PromptSource, TrainPrompt
 from dynrubric.train.round_verdict import evaluate_round, round_verdict
-from dynrubric.train.seeds import round_seed
 from dynrubric.train.step import EngineFactory, RoundModels, generator_step, policy_step
 
 EngineRole = Literal["policy", "generator", "verifier"]  # EngineConfig.url_for's roles

@@ -305,7 +305,7 @@ def test_every_seed_of_a_run_is_its_own():
     """The named seed derivation: over 40 rounds x 200 steps, every draw's seed block (the seed and the rubric
     generator's retries, +0..+9) is disjoint from every other's; integer offsets (`root + 101 step + i`, judging
     chunk j at i = 1000 + j) gave chunk j of step s the seed of index j - 10 of step s + 10."""
-    from dynrubric.train.seeds import SEED_BLOCK, round_seed
+    from dynrubric.seeds import SEED_BLOCK, round_seed
 
     draws = [("candidates", 0), ("anchors", 0), ("rubrics", 0), *(("judging", j) for j in range(8))]
     seeds = [round_seed(7, r, purpose, step, i) for r in range(40) for step in range(200) for purpose, i in draws]
