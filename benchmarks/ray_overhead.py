@@ -81,7 +81,7 @@ def time_rounds(state: Path, model: str, executor: str, quick: bool) -> tuple[li
 def time_judging(state: Path, model: str, judges: int, quick: bool, cpus: int) -> float:
     from dynrubric import modelcache
     from dynrubric.app.train_commands import engine_factory
-    from dynrubric.train.judging import ScoreChunk
+    from dynrubric.train.executor import ScoreChunk
     from dynrubric.train.ray_executor import RayExecutor
 
     s = settings_for(state, model, "ray", judges, quick, actor_cpus=max(1, cpus // judges))  # they share the cores

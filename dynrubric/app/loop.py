@@ -432,7 +432,7 @@ class ClosedLoop:
 
     # ------------------------------------------------------------ one cycle
     def _wait_for_prompts(self, runner: Any, cycle: int) -> None:
-        from dynrubric.train.plan import PLAN
+        from dynrubric.train.rounds import PLAN
         from streaming.store import replay_prompt_source
 
         if (runner.round_dir(runner.next_round()) / PLAN).is_file():

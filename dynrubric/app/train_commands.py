@@ -25,9 +25,9 @@ if TYPE_CHECKING:  # the commands import these inside their bodies (see above)
     from dynrubric.config import Settings
     from dynrubric.engines.base import Engine
     from dynrubric.registry import Registry
+    from dynrubric.train.executor import EngineFactory
     from dynrubric.train.prompts import PromptSource
     from dynrubric.train.rounds import EngineRole
-    from dynrubric.train.step import EngineFactory
 
 console = make_console()
 registry_app = typer.Typer(help="The checkpoint registry: versions, lineage, states.", no_args_is_help=True)
@@ -121,8 +121,8 @@ def registry_reject(
 # ---------------------------------------------------------------- train
 def prompt_source(settings: Settings) -> PromptSource:
     """The composition root's choice of prompt source (ARCHITECTURE section 5)."""
-    from dynrubric.train.plan import response_history
     from dynrubric.train.prompts import JsonlPromptSource
+    from dynrubric.train.rounds import response_history
 
     cfg = settings.train
     if cfg.prompt_source == "jsonl":
@@ -196,7 +196,6 @@ def train_round(
     """Run (or resume) training rounds: sample, score with rubrics, GRPO, guard, register."""
     from prometheus_client import CollectorRegistry
 
-    from dynrubric.train.rounds import Progress as RoundProgress
     from dynrubric.train.rounds import RoundRunner
 
     settings = settings_of(ctx)
@@ -209,7 +208,7 @@ def train_round(
         prompt_source(settings),
         engine_factory(settings),
         metrics=metrics,
-        progress=RoundProgress(bars.start, bars.advance),
+        progress=bars,
         heldout=None,
     )
     try:
@@ -286,8 +285,8 @@ def eval_policy(
     official checkers and computed answers grade it; paired bootstrap CIs against its parent and the base."""
     from dynrubric.engines import build_engine
     from dynrubric.progress import status
-    from dynrubric.train.plan import RunState
     from dynrubric.train.policy_eval import compare, decode_params, evaluate_versions, heldout_prompts
+    from dynrubric.train.rounds import RunState
 
     settings = settings_of(ctx)
     registry = _registry(ctx, existing=True)

@@ -358,7 +358,7 @@ def emit(
             "every new prompt is held out, none is left to train on",
             "add prompts, or set train.heldout_file to a separate held-out set",
         )
-    from dynrubric.train.plan import run_dir_of
+    from dynrubric.train.rounds import run_dir_of
 
     target = run_dir_of(settings) / "openrlhf" / f"round-{round_id:04d}"
     output_dir = target / "output"
@@ -404,7 +404,7 @@ def _from_shard_line(line: str) -> TrainPrompt:
 
 def emitted_round(settings: Settings, runner: RoundRunner, round_id: int) -> Emitted:
     """A round `emit` wrote earlier, read back from its directory (to finish it after its job ran)."""
-    from dynrubric.train.plan import run_dir_of
+    from dynrubric.train.rounds import run_dir_of
 
     target = run_dir_of(settings) / "openrlhf" / f"round-{round_id:04d}"
     if not (target / "command.json").is_file():
@@ -483,8 +483,7 @@ def finish(settings: Settings, runner: RoundRunner, emitted: Emitted) -> dict[st
 
     from dynrubric import modelcache
     from dynrubric.train import guards
-    from dynrubric.train.heldout import evaluate_candidate
-    from dynrubric.train.plan import GUARDED
+    from dynrubric.train.rounds import GUARDED, evaluate_candidate
 
     cfg = settings.train
     registry: Registry = runner.registry

@@ -5,7 +5,7 @@ Each version answers the same held-out prompts at the serving decode settings (g
 users and the judge use (rubric/groundtruth.py: official IFEval checkers, computed answers). The judge's
 own reward never enters. The held-out prompts are those of `evaluation.prompts_file` (default: the
 shipped prompt bank) that carry ground truth and whose key falls under `train.heldout_share`
-(`plan.heldout_bucket`): the rounds hold exactly these out of training, so no version ever trained on
+(`prompts.heldout_bucket`): the rounds hold exactly these out of training, so no version ever trained on
 them.
 
     pass(v)        = mean over prompts x of 1[v's answer to x passes x's ground truth]
@@ -35,7 +35,7 @@ from dynrubric.config import Settings
 from dynrubric.engines.base import Engine, GenerationRequest, SamplingParams
 from dynrubric.errors import DynrubricError
 from dynrubric.rubric.groundtruth import GroundTruth, derive
-from dynrubric.train.prompts import TrainPrompt, read_prompt_file
+from dynrubric.train.prompts import TrainPrompt, heldout_bucket, read_prompt_file
 
 
 class EvalPrompt(BaseModel):
@@ -83,8 +83,6 @@ class Comparison(BaseModel):
 def heldout_prompts(settings: Settings, path: Path | None = None) -> list[EvalPrompt]:
     """The held-out prompts with ground truth (module docstring), in key order, at most `evaluation.max_prompts`.
     `path`: every prompt with ground truth of that file instead (its owner vouches that none was trained on)."""
-    from dynrubric.train.plan import heldout_bucket
-
     source = path or settings.evaluation.prompts_file or default_prompts_file()
     chosen = []
     for p in read_prompt_file(source):

@@ -224,8 +224,8 @@ def test_a_generator_step_never_changes_the_served_policy(tmp_path: Path, tiny_m
     (`train.coevolve.single_model: true`, the old default) the same step changes the served weights."""
     import torch
 
+    from dynrubric.train.executor import Trainers, TrainerSpec
     from dynrubric.train.grpo import CandidateSet, SampledResponse
-    from dynrubric.train.step import Trainers, TrainerSpec
     from tests.train_harness import settings as harness_settings
 
     prompts = write_prompts(tmp_path / "prompts.jsonl", 4)

@@ -27,8 +27,8 @@ from dynrubric.train.coevolve import (
     read_anchor_file,
     temporal_anchors,
 )
-from dynrubric.train.plan import RunLogWriter
 from dynrubric.train.prompts import JsonlPromptSource, ResponseHistory, make_prompt, read_prompt_file
+from dynrubric.train.rounds import RunLogWriter
 
 RUBRIC = Rubric(items=[RubricItem(id="a", text="x", weight=3), RubricItem(id="b", text="y", weight=1)])
 

@@ -175,7 +175,7 @@ def test_the_guard_rejects_a_candidate_that_learned_to_echo_the_question(tiny_mo
 
     from dynrubric.config import TrainConfig
     from dynrubric.train.policy_eval import round_evidence
-    from dynrubric.train.round_verdict import round_verdict
+    from dynrubric.train.rounds import round_verdict
 
     lines = [json.dumps({"prompt": f"What is {a} + {a + 1}? Answer with the number only."}) for a in range(2, 32)]
     lines += [json.dumps({"prompt": f"Describe thing {i}. Include the word 'blue'."}) for i in range(10)]

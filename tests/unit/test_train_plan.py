@@ -10,9 +10,8 @@ from dynrubric.config import RubricConfig, Settings
 from dynrubric.registry import CheckpointState, Registry
 from dynrubric.rubric.gaps import CollapseDetector, gap_stats
 from dynrubric.rubric.items import Rubric, RubricItem
-from dynrubric.train.plan import SUMMARY, heldout_bucket
-from dynrubric.train.prompts import JsonlPromptSource, ResponseHistory
-from dynrubric.train.rounds import RoundRunner
+from dynrubric.train.prompts import JsonlPromptSource, ResponseHistory, heldout_bucket
+from dynrubric.train.rounds import SUMMARY, RoundRunner
 from tests.train_harness import write_prompts
 
 
