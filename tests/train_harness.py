@@ -175,4 +175,4 @@ if __name__ == "__main__":
     r = runner(state, model, prompts, progress=PrintedPhases())
     while len(r.completed_rounds()) < rounds:
         summary = r.run()
-        print(f"round {summary['round']} -> {summary['version']} {summary['state']}", flush=True)
+        print(f"round {summary.round} -> {summary.version} {summary.state}", flush=True)

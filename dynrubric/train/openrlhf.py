@@ -49,6 +49,7 @@ from dynrubric.errors import DynrubricError
 from dynrubric.registry import Checkpoint, CheckpointState, Registry
 from dynrubric.seeds import round_seed
 from dynrubric.train.prompts import PromptSource, TrainPrompt
+from dynrubric.train.records import Collapse, Guard, OpenRLHFSummary, write_record
 from dynrubric.train.rounds import RoundRunner
 
 
@@ -475,7 +476,7 @@ def run(emitted: Emitted, *, in_ray_job: bool = False) -> None:
         )
 
 
-def finish(settings: Settings, runner: RoundRunner, emitted: Emitted) -> dict[str, Any]:
+def finish(settings: Settings, runner: RoundRunner, emitted: Emitted) -> OpenRLHFSummary:
     """Guard the job's checkpoint against its parent on the held-out prompts (the embedded rounds'
     guards and evaluation), register it as a candidate or rejected, and write the round's summary
     with the watermark taken at job start."""
@@ -516,12 +517,12 @@ def finish(settings: Settings, runner: RoundRunner, emitted: Emitted) -> dict[st
                 engine.close()
     verdict = guards.check(
         nonfinite_steps=[],
-        kl=evaluation["kl_to_parent"],
+        kl=evaluation.kl_to_parent,
         max_kl=cfg.max_kl,
-        kl_to_base=evaluation["kl_to_base"],
+        kl_to_base=evaluation.kl_to_base,
         max_kl_to_base=cfg.max_kl_to_base,
-        reward_parent=evaluation["reward_parent"],
-        reward_new=evaluation["reward_new"],
+        reward_parent=evaluation.reward_parent,
+        reward_new=evaluation.reward_new,
         max_reward_drop=cfg.max_reward_drop,
     )
     ckpt = registry.register(
@@ -531,28 +532,28 @@ def finish(settings: Settings, runner: RoundRunner, emitted: Emitted) -> dict[st
         metrics={
             "trainer": "openrlhf",
             "prompts": emitted.prompts,
-            "heldout_reward": evaluation["reward_new"],
-            "heldout_reward_parent": evaluation["reward_parent"],
-            "kl": evaluation["kl_to_parent"],
-            "kl_to_base": evaluation["kl_to_base"],
+            "heldout_reward": evaluation.reward_new,
+            "heldout_reward_parent": evaluation.reward_parent,
+            "kl": evaluation.kl_to_parent,
+            "kl_to_base": evaluation.kl_to_base,
             GUARDED: "accepted" if verdict.accepted else verdict.reason,
         },
         version=f"{cfg.version_prefix}{emitted.round}",
         state=CheckpointState.candidate if verdict.accepted else CheckpointState.rejected,
         reason=None if verdict.accepted else f"{verdict.reason}: {verdict.detail}",
     )
-    summary = {
-        "round": emitted.round,
-        "trainer": "openrlhf",
-        "parent": parent.version,
-        "version": ckpt.version,
-        "state": ckpt.state.value,
-        "guard": {"accepted": verdict.accepted, "reason": verdict.reason, "detail": verdict.detail},
-        "eval": evaluation,
-        "refresh": None,
-        "collapse": {"fired": False, "note": None},
-        "watermark_before": emitted.watermark_before,
-        "watermark_after": emitted.watermark_after,
-    }
-    atomic.write_text(runner.round_dir(emitted.round) / "summary.json", json.dumps(summary, indent=2))
+    summary = OpenRLHFSummary(
+        round=emitted.round,
+        parent=parent.version,
+        version=ckpt.version,
+        state=ckpt.state.value,
+        guard=Guard(accepted=verdict.accepted, reason=verdict.reason, detail=verdict.detail),
+        eval=evaluation,
+        refresh=None,
+        collapse=Collapse(fired=False, note=None),
+        watermark_before=emitted.watermark_before,
+        watermark_after=emitted.watermark_after,
+        prompts=emitted.prompts,
+    )
+    write_record(runner.round_dir(emitted.round) / "summary.json", summary)
     return summary

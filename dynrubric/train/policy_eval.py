@@ -26,7 +26,6 @@ import random
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -36,6 +35,7 @@ from dynrubric.engines.base import Engine, GenerationRequest, SamplingParams
 from dynrubric.errors import DynrubricError
 from dynrubric.rubric.groundtruth import GroundTruth, derive
 from dynrubric.train.prompts import TrainPrompt, heldout_bucket, read_prompt_file
+from dynrubric.train.records import Comparison, TruthEvidence
 
 
 class EvalPrompt(BaseModel):
@@ -62,22 +62,6 @@ class VersionOutcomes(BaseModel):
 
     def by_kind(self) -> dict[str, float]:
         return {kind: self.pass_rate(kind) for kind in sorted(set(self.kinds.values()))}
-
-
-class Comparison(BaseModel):
-    """`version` against `reference` on the prompts both answered: paired difference and its bootstrap CI."""
-
-    model_config = ConfigDict(frozen=True)
-
-    version: str
-    reference: str
-    prompts: int
-    delta: float
-    low: float
-    high: float
-
-    def line(self) -> str:
-        return f"{self.delta:+.3f} (95% CI {self.low:+.3f}..{self.high:+.3f}) vs {self.reference}"
 
 
 def heldout_prompts(settings: Settings, path: Path | None = None) -> list[EvalPrompt]:
@@ -227,20 +211,20 @@ def evaluate_versions(
 
 def round_evidence(
     settings: Settings, engine: Engine, candidate: tuple[str, Path], parent: tuple[str, Path], base: tuple[str, Path]
-) -> dict[str, Any]:
+) -> TruthEvidence:
     """A round's ground-truth evidence (eval.json's `groundtruth`): pass rates of the candidate, its parent and
     the base, and the candidate's paired differences from both."""
     outcomes = evaluate_versions(settings, engine, list(dict.fromkeys([candidate, parent, base])))
     e = settings.evaluation
     new = outcomes[candidate[0]]
-    return {
-        "version": candidate[0],
-        "prompts": len(new.passed),
-        "pass": {v: o.pass_rate() for v, o in outcomes.items()},
-        "pass_by_kind": {v: o.by_kind() for v, o in outcomes.items()},
-        "vs_parent": compare(new, outcomes[parent[0]], e.bootstrap_samples, e.confidence).model_dump(),
-        "vs_base": compare(new, outcomes[base[0]], e.bootstrap_samples, e.confidence).model_dump(),
-    }
+    return TruthEvidence(
+        version=candidate[0],
+        prompts=len(new.passed),
+        pass_rate={v: o.pass_rate() for v, o in outcomes.items()},
+        pass_rate_by_kind={v: o.by_kind() for v, o in outcomes.items()},
+        vs_parent=compare(new, outcomes[parent[0]], e.bootstrap_samples, e.confidence),
+        vs_base=compare(new, outcomes[base[0]], e.bootstrap_samples, e.confidence),
+    )
 
 
 def ground_truth_rates(settings: Settings, versions: Sequence[str]) -> dict[str, float | None]:

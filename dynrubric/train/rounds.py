@@ -39,7 +39,6 @@ and the total KL to the base. Held-out prompts are split off by prompt key and n
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import time
@@ -77,9 +76,29 @@ from dynrubric.train.prompts import (
     heldout_bucket,
     read_prompt_file,
 )
+from dynrubric.train.records import (
+    Collapse,
+    Evaluation,
+    Fallbacks,
+    GeneratorStep,
+    Guard,
+    OpenRLHFSummary,
+    PolicyStep,
+    RoundSummary,
+    RunLogFile,
+    SetScores,
+    WorkerFailureLine,
+    read_record,
+    read_steps,
+    read_summary,
+    round_line,
+    step_line,
+    write_record,
+    write_steps,
+)
 
 EngineRole = Literal["policy", "generator", "verifier"]  # EngineConfig.url_for's roles
-PLAN, SUMMARY, EVAL, COLLAPSE = "plan.json", "summary.json", "eval.json", "collapse.json"
+PLAN, SUMMARY, EVAL, COLLAPSE, HISTORY = "plan.json", "summary.json", "eval.json", "collapse.json", "history.json"
 GUARDED = "guard"  # metrics key: "accepted" on a candidate whose round passed the guards
 
 
@@ -111,48 +130,6 @@ def prompts_of(records: Sequence[dict[str, Any]]) -> list[TrainPrompt]:
     return [TrainPrompt(key=r["key"], messages=tuple((m[0], m[1]) for m in r["messages"])) for r in records]
 
 
-class RunLogWriter:
-    """Append-only JSONL of step and round records; `append` skips keys already present, so a
-    resumed round never logs a step twice."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-
-    def keys(self) -> set[str]:
-        if not self.path.exists():
-            return set()
-        out = set()
-        for line in self.path.read_text().splitlines():
-            try:
-                out.add(json.loads(line)["key"])
-            except (json.JSONDecodeError, KeyError):  # a torn last line after a crash
-                continue
-        return out
-
-    def append(self, records: Sequence[dict[str, Any]]) -> None:
-        known = self.keys()
-        new = [r for r in records if r["key"] not in known]
-        if not new:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
-            for r in new:
-                f.write(json.dumps(r, allow_nan=False, default=float) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-
-    def records(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        out = []
-        for line in self.path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return out
-
-
 class RunState:
     """The run's rounds on disk and in the registry: which round is next, what it builds on, its plan.
     `heldout`, when given, replaces the configured held-out prompts. Without a prompt `source` it only
@@ -171,7 +148,7 @@ class RunState:
         self.source = source
         self.heldout_override = list(heldout) if heldout is not None else None
         self.run_dir = run_dir_of(settings)
-        self.runlog = RunLogWriter(self.run_dir / "runlog.jsonl")
+        self.runlog = RunLogFile(self.run_dir / "runlog.jsonl")
         self.rollouts = response_history(settings)
 
     def prompt_source(self) -> PromptSource:
@@ -187,9 +164,9 @@ class RunState:
             return []
         return sorted(int(d.name) for d in rounds.iterdir() if d.name.isdigit() and (d / SUMMARY).is_file())
 
-    def last_summary(self) -> dict[str, Any] | None:
+    def last_summary(self) -> RoundSummary | OpenRLHFSummary | None:
         done = self.completed_rounds()
-        return read_json(self.round_dir(done[-1]) / SUMMARY) if done else None
+        return read_summary(self.round_dir(done[-1]) / SUMMARY) if done else None
 
     def next_round(self) -> int:
         rounds = self.run_dir / "rounds"
@@ -264,7 +241,7 @@ class RunState:
             return plan
         parent = self.head()
         last = self.last_summary()
-        watermark = last["watermark_after"] if last else None
+        watermark = last.watermark_after if last else None
         prompts, watermark_after = self.prompt_source().new_prompts(watermark, self.cfg.max_prompts_per_round)
         if not prompts:
             raise DynrubricError(
@@ -278,8 +255,8 @@ class RunState:
                 "add prompts, or set train.heldout_file to a separate held-out set",
             )
         refresh = None
-        if last and last.get("collapse", {}).get("fired") and self.cfg.coevolve.enabled:
-            refresh = f"collapse detected in round {last['round']}: starting with a generator phase"
+        if last and last.collapse.fired and self.cfg.coevolve.enabled:
+            refresh = f"collapse detected in round {last.round}: starting with a generator phase"
         plan = {
             "round": round_id,
             "parent": parent.version,
@@ -428,14 +405,19 @@ class RoundRunner(RunState):
         self.evaluator_metrics = EvaluatorMetrics(self.metrics_registry)
         self.executor: Executor | None = None
 
-    def run(self, round_id: int | None = None) -> dict[str, Any]:
+    def run(self, round_id: int | None = None) -> RoundSummary:
         """Run (or resume) a round. When one of its workers dies (a Ray actor or node), every worker is
         dropped and the round resumes from its last published step, up to `ray.max_restarts` times;
         each such failure is a run-log record and a counted metric."""
         round_id = self.next_round() if round_id is None else round_id
         done = self.round_dir(round_id) / SUMMARY
         if done.is_file():
-            summary: dict[str, Any] = read_json(done)
+            summary = read_summary(done)
+            if isinstance(summary, OpenRLHFSummary):
+                raise DynrubricError(
+                    f"round {round_id} is complete: OpenRLHF trained it ({done})",
+                    "run the next round (leave out --round)",
+                )
             return summary
         failures = 0
         while True:
@@ -450,14 +432,13 @@ class RoundRunner(RunState):
                 self.metrics.worker_failures.inc()
                 self.runlog.append(
                     [
-                        {
-                            "key": f"round/{round_id}/worker-failure/{time.time_ns()}",
-                            "kind": "worker_failure",
-                            "round": round_id,
-                            "time": time.time(),
-                            "error": f"{type(e).__name__}: {str(e)[:500]}",
-                            "resumed": failures <= self.settings.ray.max_restarts,
-                        }
+                        WorkerFailureLine(
+                            key=f"round/{round_id}/worker-failure/{time.time_ns()}",
+                            round=round_id,
+                            time=time.time(),
+                            error=f"{type(e).__name__}: {str(e)[:500]}",
+                            resumed=failures <= self.settings.ray.max_restarts,
+                        )
                     ]
                 )
                 if failures > self.settings.ray.max_restarts:
@@ -513,7 +494,7 @@ class _Round:
         self.models: RoundModels | None = None
         self.collapse_fired = False  # a policy step's collapse detector fired this round (run() resets it)
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> RoundSummary:
         """The round from its newest published step (or its plan) to its summary."""
         started = time.time()
         self.collapse_fired = False
@@ -528,12 +509,12 @@ class _Round:
             self.progress.advance(f"round {self.id}", first)
             for step in range(first, len(schedule)):
                 phase = schedule[step]
+                record: PolicyStep | GeneratorStep
                 if phase == "policy":
                     self.progress.start("score sets", self.cfg.prompts_per_step)
-                    body = self.policy_step(step)
+                    record = self.policy_step(step)
                 else:
-                    body = self.generator_step(step)
-                record = {"step": step, "phase": phase, "time": time.time(), **body}
+                    record = self.generator_step(step)
                 t0 = time.perf_counter()
                 self.publish_step(step, record)
                 self.clock["checkpoints"] += time.perf_counter() - t0
@@ -563,7 +544,7 @@ class _Round:
         self.version = self.plan["version"]
         self.single = self.cfg.coevolve.single_model
         latest = self.latest_step()
-        self.history: list[dict[str, Any]] = read_json(latest / "history.json") if latest else []
+        self.history: list[PolicyStep | GeneratorStep] = read_steps(latest / HISTORY) if latest else []
         self.models = RoundModels(
             self.settings,
             self.executor,
@@ -612,12 +593,13 @@ class _Round:
         start = step * n
         return [self.prompts[(start + i) % len(self.prompts)] for i in range(n)]
 
-    def policy_step(self, step: int) -> dict[str, Any]:
+    def policy_step(self, step: int) -> PolicyStep:
         """One GRPO batch of the policy: K candidates per prompt, each set scored under one rubric (judging
         chunk j drawn with seed `("judging", step, j)`), the update. Returns the step's record; the sampled
         responses go to the rollouts log (the temporal-contrast anchors of later rounds)."""
         from dynrubric.train.grpo import CandidateSet
 
+        started = time.time()
         cfg = self.cfg
         models = self.loaded()
         prompts = self.batch(step, cfg.prompts_per_step)
@@ -657,39 +639,42 @@ class _Round:
             [(p.key, self.parent.version, rs) for p, rs in zip(prompts, responses, strict=True)],
             origin=f"round/{self.id}/step/{step}",
         )
-        return {
+        return PolicyStep(
+            step=step,
+            time=started,
             # candidates, their rubrics and verdicts, the update; rubrics + verdicts is the judging's wall time
-            "stage_seconds": {"candidates": t1 - t0, **judging, "update": time.perf_counter() - t2},
+            stage_seconds={"candidates": t1 - t0, **judging, "update": time.perf_counter() - t2},
             **stats,
-            "mean_gap": sum(s.gaps.mean_abs_gap for s in scored) / n,
-            "tie_rate": sum(s.gaps.tie_rate for s in scored) / n,
-            "nonsplit_share": sum(s.gaps.nonsplit_share for s in scored) / n,
-            "untrusted_sets": sum(not s.trusted for s in scored),
+            mean_gap=sum(s.gaps.mean_abs_gap for s in scored) / n,
+            tie_rate=sum(s.gaps.tie_rate for s in scored) / n,
+            nonsplit_share=sum(s.gaps.nonsplit_share for s in scored) / n,
+            untrusted_sets=sum(not s.trusted for s in scored),
             # per set, so that the trust rule can be checked from the run log: candidates' and anchors' scores
-            "set_scores": [
-                {
-                    "scores": s.scores,
-                    "anchor_scores": s.anchor_scores,
-                    "trusted": s.trusted,
-                    "overruled_items": s.overruled_items,
-                }
+            set_scores=[
+                SetScores(
+                    scores=s.scores,
+                    anchor_scores=s.anchor_scores,
+                    trusted=s.trusted,
+                    overruled_items=s.overruled_items,
+                )
                 for s in scored
             ],
-            "rubric_sources": {
+            rubric_sources={
                 src: sum(s.rubric_source == src for s in scored) for src in ("set", "prompt_only", "generic")
             },
-            "fallbacks": {
-                "parse_failures": counts.parse_failures,
-                "prompt_only": counts.prompt_only_fallbacks,
-                "generic": counts.generic_fallbacks,
-                "hard_verdict": sum(s.hard_verdict_fallbacks for s in scored),
-            },
-            "collapse": models.collapse.collapsed,
-        }
+            fallbacks=Fallbacks(
+                parse_failures=counts.parse_failures,
+                prompt_only=counts.prompt_only_fallbacks,
+                generic=counts.generic_fallbacks,
+                hard_verdict=sum(s.hard_verdict_fallbacks for s in scored),
+            ),
+            collapse=models.collapse.collapsed,
+        )
 
-    def generator_step(self, step: int) -> dict[str, Any]:
+    def generator_step(self, step: int) -> GeneratorStep:
         """One GRPO batch of the rubric generator over candidate sets of the step's prompts (train/coevolve.py):
         rubrics sampled for each set, rewarded by how well they rank the set against its anchors."""
+        started = time.time()
         settings, co = self.settings, self.cfg.coevolve
         models = self.loaded()
         evaluator = models.evaluator
@@ -719,14 +704,16 @@ class _Round:
         )
         t2 = time.perf_counter()
         stats = models.trainers.step("generator", groups)
-        updates = stats.pop("updates")
         # the generator's rubrics: sampled for the candidate sets, judged and rewarded (t1..t2)
-        return {
-            "stage_seconds": {"candidates": t1 - t0, "rubrics": t2 - t1, "update": time.perf_counter() - t2},
-            **stats,
-            **{f"gen_{k}": v for k, v in gstats.as_dict().items()},
-            "updates": updates,
-        }
+        return GeneratorStep.model_validate(
+            {
+                "step": step,
+                "time": started,
+                "stage_seconds": {"candidates": t1 - t0, "rubrics": t2 - t1, "update": time.perf_counter() - t2},
+                **stats,
+                **{f"gen_{k}": v for k, v in gstats.as_dict().items()},
+            }
+        )
 
     def anchors_for(self, prompt: TrainPrompt, current: Sequence[str], rng: random.Random) -> RankedAnchors | None:
         """The ranked anchors of `train.coevolve.anchors` (coevolve.py) for a prompt, or None."""
@@ -751,14 +738,14 @@ class _Round:
         )
         return RankedAnchors(ranked, "temporal") if ranked else None
 
-    def publish_step(self, step: int, record: dict[str, Any]) -> None:
+    def publish_step(self, step: int, record: PolicyStep | GeneratorStep) -> None:
         """The step's weights, optimiser state, history and collapse window as ONE atomic directory; the
         engines then serve the published weights."""
         self.history.append(record)
         target = self.steps_dir / f"{step:04d}"
         with atomic.directory(target) as tmp:
             self.loaded().save(tmp)
-            (tmp / "history.json").write_text(json.dumps(self.history, allow_nan=False, default=float))
+            write_steps(tmp / HISTORY, self.history)
             (tmp / COLLAPSE).write_text(json.dumps(self.loaded().collapse.state()))
         for old in self.steps_dir.iterdir():
             if old.name.isdigit() and old.name < target.name:
@@ -766,21 +753,19 @@ class _Round:
         self.loaded().load_published(target, self.version, step)
 
     def log_steps(self) -> None:
-        self.state.runlog.append(
-            [{"key": f"round/{self.id}/step/{h['step']}", "kind": "step", "round": self.id, **h} for h in self.history]
-        )
+        self.state.runlog.append([step_line(self.id, h) for h in self.history])
 
-    def record_metrics(self, record: dict[str, Any]) -> None:
+    def record_metrics(self, record: PolicyStep | GeneratorStep) -> None:
         """A published step's gauges and counters (monitoring/README.md)."""
-        if record["phase"] == "policy":
-            self.metrics.reward_mean.set(record["reward_mean"])
-            self.metrics.kl.set(record["kl"])
-            self.metrics.no_gradient_sets.inc(record["no_gradient_sets"])
-            if record.get("sampler_log_ratio") is not None:  # the sampling engine returned log-probs
-                self.metrics.sampler_log_ratio.set(record["sampler_log_ratio"])
-                self.metrics.sampler_capped.set(record["sampler_capped"])
-        elif record.get("gen_judge_user_agreement") is not None:
-            self.metrics.judge_user_agreement.set(record["gen_judge_user_agreement"])
+        if isinstance(record, PolicyStep):
+            self.metrics.reward_mean.set(record.reward_mean)
+            self.metrics.kl.set(record.kl)
+            self.metrics.no_gradient_sets.inc(record.no_gradient_sets)
+            if record.sampler_log_ratio is not None:  # the sampling engine returned log-probs
+                self.metrics.sampler_log_ratio.set(record.sampler_log_ratio)
+                self.metrics.sampler_capped.set(record.sampler_capped or 0.0)
+        elif record.gen_judge_user_agreement is not None:
+            self.metrics.judge_user_agreement.set(record.gen_judge_user_agreement)
 
     # ---------------------------------------------------------------- evaluation, guards, registration
     def unchanged(self) -> str | None:
@@ -788,25 +773,24 @@ class _Round:
         tied or untrusted), or the final weights are byte for byte the parent's."""
         from dynrubric.registry import weights_sha256
 
-        policy = [h for h in self.history if h["phase"] == "policy"]
-        if not any(h["updated"] for h in policy):
-            tied = sum(h["no_gradient_sets"] for h in policy)
+        policy = [h for h in self.history if isinstance(h, PolicyStep)]
+        if not any(h.updated for h in policy):
+            tied = sum(h.no_gradient_sets for h in policy)
             return (
                 f"no policy update in {len(policy)} policy step(s) ({tied} of "
-                f"{sum(h['sets'] for h in policy)} sets tied or untrusted): nothing to roll out"
+                f"{sum(h.sets for h in policy)} sets tied or untrusted): nothing to roll out"
             )
         final = self.latest_step()
         if final is not None and weights_sha256(final / "policy" / "model") == self.parent.weights_sha256:
             return "the trained weights equal the parent's (same sha256): nothing to roll out"
         return None
 
-    def evaluate(self) -> dict[str, Any]:
+    def evaluate(self) -> Evaluation:
         """The guards' evidence (`evaluate_candidate`), gathered once: a round resumed after its evaluation
         reads it back from eval.json."""
         path = self.dir / EVAL
         if path.is_file():
-            saved: dict[str, Any] = read_json(path)
-            return saved
+            return read_record(path, Evaluation)
         final = self.latest_step()
         m = self.loaded()
         evaluation = evaluate_candidate(
@@ -824,17 +808,18 @@ class _Round:
             pad_id=m.trainers.pad_token_id,
             seed=self.seed("heldout", 0),
         )
-        write_json(path, evaluation)
+        write_record(path, evaluation)
         return evaluation
 
-    def finish_unregistered(self, why: str, started: float) -> dict[str, Any]:
+    def finish_unregistered(self, why: str, started: float) -> RoundSummary:
         """A round that registers nothing (`unchanged`): the next round builds on the same parent. The
         generator's step, if any, is kept as in an accepted round: it changed no served weights."""
         self.keep_generator()
-        guard = {"accepted": False, "reason": "no_update", "detail": why}
-        return self.publish(self.summary(None, "unregistered", guard, {}, {}, started))
+        guard = Guard(accepted=False, reason="no_update", detail=why)
+        return self.publish(self.summary(None, "unregistered", guard, {}, None, started))
 
-    def finish(self, evaluation: dict[str, Any], started: float) -> dict[str, Any]:
+    def finish(self, evaluation: Evaluation, started: float) -> RoundSummary:
+        """The guards' verdict on the evidence; the candidate registered (candidate or rejected) with its metrics."""
         t0 = time.perf_counter()
         verdict, metrics = round_verdict(self.cfg, self.history, evaluation, self.settings.evaluation.guard)
         final = self.latest_step()
@@ -855,7 +840,7 @@ class _Round:
         if "heldout_pass" in metrics:
             self.metrics.heldout_pass.set(metrics["heldout_pass"])
         self.clock["guard"] = time.perf_counter() - t0
-        guard = {"accepted": verdict.accepted, "reason": verdict.reason, "detail": verdict.detail}
+        guard = Guard(accepted=verdict.accepted, reason=verdict.reason, detail=verdict.detail)
         return self.publish(self.summary(ckpt.version, ckpt.state.value, guard, metrics, evaluation, started))
 
     def keep_generator(self) -> None:
@@ -872,47 +857,45 @@ class _Round:
         self,
         version: str | None,
         state: str,
-        guard: dict[str, Any],
+        guard: Guard,
         metrics: dict[str, Any],
-        evaluation: dict[str, Any],
+        evaluation: Evaluation | None,
         started: float,
-    ) -> dict[str, Any]:
-        collapse = self.collapse_fired or any(h.get("collapse") for h in self.history)
-        return {
-            "round": self.id,
-            "parent": self.parent.version,
-            "version": version,
-            "state": state,
-            "guard": guard,
-            "metrics": metrics,
-            "eval": evaluation,
-            "steps": self.history,
-            "phases": {p: sum(h["phase"] == p for h in self.history) for p in ("policy", "generator")},
-            "refresh": self.plan["refresh"],
-            "collapse": {
-                "fired": collapse,
-                "note": None
+    ) -> RoundSummary:
+        collapse = self.collapse_fired or any(isinstance(h, PolicyStep) and h.collapse for h in self.history)
+        return RoundSummary(
+            round=self.id,
+            parent=self.parent.version,
+            version=version,
+            state=state,
+            guard=guard,
+            metrics=metrics,
+            eval=evaluation,
+            steps=self.history,
+            phases={p: sum(h.phase == p for h in self.history) for p in ("policy", "generator")},
+            refresh=self.plan["refresh"],
+            collapse=Collapse(
+                fired=collapse,
+                note=None
                 if not collapse
                 else (
                     "collapse detected: the next round starts with a generator phase"
                     if self.cfg.coevolve.enabled
                     else "collapse detected; co-evolution is disabled, so no generator phase follows"
                 ),
-            },
-            "prompts": len(self.prompts),
-            "watermark_before": self.plan["watermark_before"],
-            "watermark_after": self.plan["watermark_after"],
-            "seconds": time.time() - started,
-            "stage_seconds": self.stage_seconds(),
-        }
+            ),
+            prompts=len(self.prompts),
+            watermark_before=self.plan["watermark_before"],
+            watermark_after=self.plan["watermark_after"],
+            seconds=time.time() - started,
+            stage_seconds=self.stage_seconds(),
+        )
 
-    def publish(self, summary: dict[str, Any]) -> dict[str, Any]:
+    def publish(self, summary: RoundSummary) -> RoundSummary:
         """The round's summary, written last: from here on the round is complete and never runs again."""
         write_json(self.state.run_dir / COLLAPSE, self.loaded().collapse.state())
-        write_json(self.dir / SUMMARY, summary)
-        self.state.runlog.append(
-            [{"key": f"round/{self.id}", "kind": "round", **{k: v for k, v in summary.items() if k != "steps"}}]
-        )
+        write_record(self.dir / SUMMARY, summary)
+        self.state.runlog.append([round_line(summary)])
         shutil.rmtree(self.steps_dir, ignore_errors=True)  # the weights now live in the registry (or nowhere)
         return summary
 
@@ -923,7 +906,7 @@ class _Round:
         (verdict, registration) are this run's."""
 
         def steps(phase: str, stage: str) -> float:
-            return sum((h.get("stage_seconds", {}).get(stage, 0.0) for h in self.history if h["phase"] == phase), 0.0)
+            return sum((h.stage_seconds.get(stage, 0.0) for h in self.history if h.phase == phase), 0.0)
 
         return {
             "setup": self.clock["setup"],
@@ -1078,7 +1061,7 @@ def evaluate_candidate(
     verifier_engine: Engine,
     pad_id: int,
     seed: int,
-) -> dict[str, Any]:
+) -> Evaluation:
     """The guards' inputs for `candidate_dir` vs `parent`. `generator_engine` None: single-model mode
     (the policy engine at the parent's weights writes the rubrics). `candidate_model`: the candidate's
     torch model when the caller holds it (else loaded from `candidate_dir`). Leaves the policy engine
@@ -1138,62 +1121,64 @@ def evaluate_candidate(
         (parent.version, parent.path),
         (base.version, base.path),
     )
-    return {
-        "groundtruth": groundtruth,
-        "heldout_prompts": len(heldout),
-        "heldout_keys": [p.key for p in heldout],
-        "reward_parent": sum(sum(s.scores[:k]) / k for s in scored) / len(scored),
-        "reward_new": sum(sum(s.scores[k:]) / k for s in scored) / len(scored),
-        "kl_to_parent": kl_parent,
-        "kl_to_base": kl_base,
-        "base": base.version,
-        "judge": judged_by,
-        "mean_gap": sum(s.gaps.mean_abs_gap for s in scored) / len(scored),
-    }
+    return Evaluation(
+        groundtruth=groundtruth,
+        heldout_prompts=len(heldout),
+        heldout_keys=[p.key for p in heldout],
+        reward_parent=sum(sum(s.scores[:k]) / k for s in scored) / len(scored),
+        reward_new=sum(sum(s.scores[k:]) / k for s in scored) / len(scored),
+        kl_to_parent=kl_parent,
+        kl_to_base=kl_base,
+        base=base.version,
+        judge=judged_by,
+        mean_gap=sum(s.gaps.mean_abs_gap for s in scored) / len(scored),
+    )
 
 
 # ==================================================================== the guards' verdict
 def round_verdict(
-    cfg: TrainConfig, history: Sequence[dict[str, Any]], evaluation: dict[str, Any], truth_guard: bool = True
+    cfg: TrainConfig,
+    history: Sequence[PolicyStep | GeneratorStep],
+    evaluation: Evaluation,
+    truth_guard: bool = True,
 ) -> tuple[guards.GuardVerdict, dict[str, Any]]:
-    """(the guards' verdict, the checkpoint's metrics) of a round with step records `history`. `truth_guard`:
+    """(the guards' verdict, the checkpoint's metrics) of a round with steps `history`. `truth_guard`:
     whether the ground-truth comparison with the parent can reject (`evaluation.guard`)."""
-    policy_steps = [h for h in history if h["phase"] == "policy"]
-    truth = evaluation.get("groundtruth")
+    policy_steps = [h for h in history if isinstance(h, PolicyStep)]
+    truth = evaluation.groundtruth
     verdict = guards.check(
-        nonfinite_steps=[h["step"] for h in history if h["nonfinite"]],
-        kl=evaluation["kl_to_parent"],
+        nonfinite_steps=[h.step for h in history if h.nonfinite],
+        kl=evaluation.kl_to_parent,
         max_kl=cfg.max_kl,
-        kl_to_base=evaluation["kl_to_base"],
+        kl_to_base=evaluation.kl_to_base,
         max_kl_to_base=cfg.max_kl_to_base,
-        reward_parent=evaluation["reward_parent"],
-        reward_new=evaluation["reward_new"],
+        reward_parent=evaluation.reward_parent,
+        reward_new=evaluation.reward_new,
         max_reward_drop=cfg.max_reward_drop,
-        groundtruth_vs_parent=truth["vs_parent"] if truth and truth_guard else None,
+        groundtruth_vs_parent=truth.vs_parent.model_dump() if truth and truth_guard else None,
     )
 
-    def mean(key: str) -> float | None:
-        return (sum(h[key] for h in policy_steps) / len(policy_steps)) if policy_steps else None
+    def mean(values: Sequence[float]) -> float | None:
+        return sum(values) / len(values) if values else None
 
-    metrics = {
-        "reward_mean": mean("reward_mean"),
-        "heldout_reward": evaluation["reward_new"],
-        "heldout_reward_parent": evaluation["reward_parent"],
-        "kl": evaluation["kl_to_parent"],
-        "kl_to_base": evaluation["kl_to_base"],
+    metrics: dict[str, Any] = {
+        "reward_mean": mean([h.reward_mean for h in policy_steps]),
+        "heldout_reward": evaluation.reward_new,
+        "heldout_reward_parent": evaluation.reward_parent,
+        "kl": evaluation.kl_to_parent,
+        "kl_to_base": evaluation.kl_to_base,
         GUARDED: "accepted" if verdict.accepted else verdict.reason,
-        "mean_gap": mean("mean_gap"),
-        "tie_rate": mean("tie_rate"),
-        "no_gradient_sets": sum(h["no_gradient_sets"] for h in history),
-        "updates": sum(1 for h in history if h["updated"]),
+        "mean_gap": mean([h.mean_gap for h in policy_steps]),
+        "tie_rate": mean([h.tie_rate for h in policy_steps]),
+        "no_gradient_sets": sum(h.no_gradient_sets for h in history),
+        "updates": sum(1 for h in history if h.updated),
     }
     if truth:  # the ground truth of the held-out prompts: what the run page's learning curve plots
-        version = truth["version"]
         metrics |= {
-            "heldout_pass": truth["pass"][version],
-            "heldout_pass_by_kind": truth["pass_by_kind"][version],
-            "heldout_vs_parent": truth["vs_parent"],
-            "heldout_vs_base": truth["vs_base"],
-            "heldout_truth_prompts": truth["prompts"],
+            "heldout_pass": truth.pass_rate[truth.version],
+            "heldout_pass_by_kind": truth.pass_rate_by_kind[truth.version],
+            "heldout_vs_parent": truth.vs_parent.model_dump(),
+            "heldout_vs_base": truth.vs_base.model_dump(),
+            "heldout_truth_prompts": truth.prompts,
         }
     return verdict, metrics
