@@ -483,8 +483,7 @@ def finish(settings: Settings, runner: RoundRunner, emitted: Emitted) -> OpenRLH
     from transformers import AutoTokenizer
 
     from dynrubric import modelcache
-    from dynrubric.train import guards
-    from dynrubric.train.rounds import GUARDED, evaluate_candidate
+    from dynrubric.train.rounds import GUARDED, check_guards, evaluate_candidate
 
     cfg = settings.train
     registry: Registry = runner.registry
@@ -515,16 +514,7 @@ def finish(settings: Settings, runner: RoundRunner, emitted: Emitted) -> OpenRLH
         for engine in (policy, verifier, generator):
             if engine is not None:
                 engine.close()
-    verdict = guards.check(
-        nonfinite_steps=[],
-        kl=evaluation.kl_to_parent,
-        max_kl=cfg.max_kl,
-        kl_to_base=evaluation.kl_to_base,
-        max_kl_to_base=cfg.max_kl_to_base,
-        reward_parent=evaluation.reward_parent,
-        reward_new=evaluation.reward_new,
-        max_reward_drop=cfg.max_reward_drop,
-    )
+    verdict = check_guards(cfg, evaluation, nonfinite_steps=[], truth_guard=False)
     ckpt = registry.register(
         emitted.output_dir,
         parent=parent.version,

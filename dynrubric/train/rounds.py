@@ -1136,6 +1136,25 @@ def evaluate_candidate(
 
 
 # ==================================================================== the guards' verdict
+def check_guards(
+    cfg: TrainConfig, evaluation: Evaluation, nonfinite_steps: list[int], truth_guard: bool
+) -> guards.GuardVerdict:
+    """The guards (train/guards.py) on a candidate's evidence, at the bounds of `cfg`. `truth_guard`: whether
+    the ground-truth comparison with the parent can reject."""
+    truth = evaluation.groundtruth
+    return guards.check(
+        nonfinite_steps=nonfinite_steps,
+        kl=evaluation.kl_to_parent,
+        max_kl=cfg.max_kl,
+        kl_to_base=evaluation.kl_to_base,
+        max_kl_to_base=cfg.max_kl_to_base,
+        reward_parent=evaluation.reward_parent,
+        reward_new=evaluation.reward_new,
+        max_reward_drop=cfg.max_reward_drop,
+        groundtruth_vs_parent=truth.vs_parent.model_dump() if truth and truth_guard else None,
+    )
+
+
 def round_verdict(
     cfg: TrainConfig,
     history: Sequence[PolicyStep | GeneratorStep],
@@ -1146,17 +1165,7 @@ def round_verdict(
     whether the ground-truth comparison with the parent can reject (`evaluation.guard`)."""
     policy_steps = [h for h in history if isinstance(h, PolicyStep)]
     truth = evaluation.groundtruth
-    verdict = guards.check(
-        nonfinite_steps=[h.step for h in history if h.nonfinite],
-        kl=evaluation.kl_to_parent,
-        max_kl=cfg.max_kl,
-        kl_to_base=evaluation.kl_to_base,
-        max_kl_to_base=cfg.max_kl_to_base,
-        reward_parent=evaluation.reward_parent,
-        reward_new=evaluation.reward_new,
-        max_reward_drop=cfg.max_reward_drop,
-        groundtruth_vs_parent=truth.vs_parent.model_dump() if truth and truth_guard else None,
-    )
+    verdict = check_guards(cfg, evaluation, [h.step for h in history if h.nonfinite], truth_guard)
 
     def mean(values: Sequence[float]) -> float | None:
         return sum(values) / len(values) if values else None
