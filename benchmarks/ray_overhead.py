@@ -25,6 +25,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dynrubric.train.records import RoundSummary
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the checkout this file is in, not another install
@@ -58,7 +62,7 @@ def settings_for(state: Path, model: str, executor: str, judges: int, quick: boo
     )
 
 
-def time_rounds(state: Path, model: str, executor: str, quick: bool) -> tuple[list[float], dict]:
+def time_rounds(state: Path, model: str, executor: str, quick: bool) -> tuple[list[float], RoundSummary]:
     """Seconds of two rounds one after another (the first starts the workers), and the last summary."""
     from dynrubric.app.train_commands import engine_factory, prompt_source
     from dynrubric.registry import open_registry
@@ -81,7 +85,7 @@ def time_rounds(state: Path, model: str, executor: str, quick: bool) -> tuple[li
 def time_judging(state: Path, model: str, judges: int, quick: bool, cpus: int) -> float:
     from dynrubric import modelcache
     from dynrubric.app.train_commands import engine_factory
-    from dynrubric.train.judging import ScoreChunk
+    from dynrubric.train.executor import ScoreChunk
     from dynrubric.train.ray_executor import RayExecutor
 
     s = settings_for(state, model, "ray", judges, quick, actor_cpus=max(1, cpus // judges))  # they share the cores
@@ -119,8 +123,8 @@ def time_judging(state: Path, model: str, judges: int, quick: bool, cpus: int) -
         executor.close()
 
 
-def stages(summary: dict) -> str:
-    return ", ".join(f"{k} {v:.1f}" for k, v in summary["stage_seconds"].items())
+def stages(summary: RoundSummary) -> str:
+    return ", ".join(f"{k} {v:.1f}" for k, v in summary.stage_seconds.items())
 
 
 def main() -> None:
@@ -138,14 +142,14 @@ def main() -> None:
 
             model = str(build_tiny_model(Path(tmp) / "tiny"))
         local, summary = time_rounds(Path(tmp) / "inprocess", model, "inprocess", args.quick)
-        print(f"in-process: round 1 {local[0]:.1f} s, round 2 {local[1]:.1f} s ({summary['phases']})", flush=True)
+        print(f"in-process: round 1 {local[0]:.1f} s, round 2 {local[1]:.1f} s ({summary.phases})", flush=True)
         print(f"  round 2 stages: {stages(summary)}", flush=True)
         ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
         try:
             remote, ray_summary = time_rounds(Path(tmp) / "ray", model, "ray", args.quick)
             print(
                 f"on Ray:     round 1 {remote[0]:.1f} s (starts the actors), round 2 {remote[1]:.1f} s "
-                f"({ray_summary['phases']})"
+                f"({ray_summary.phases})"
             )
             print(f"  round 2 stages: {stages(ray_summary)}")
             print(f"first-round ratio (actor start included): {remote[0] / local[0]:.2f}")

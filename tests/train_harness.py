@@ -135,9 +135,8 @@ def write_prompts(path: Path, n: int) -> Path:
 
 def runner(state_dir: Path, model_dir: Path, prompts_file: Path, ray: dict | None = None, progress=None, **train):
     from dynrubric.registry import open_registry
-    from dynrubric.train.plan import response_history
     from dynrubric.train.prompts import JsonlPromptSource
-    from dynrubric.train.rounds import RoundRunner
+    from dynrubric.train.rounds import RoundRunner, response_history
 
     s = settings(state_dir, model_dir, prompts_file, ray, **train)
     return RoundRunner(
@@ -176,4 +175,4 @@ if __name__ == "__main__":
     r = runner(state, model, prompts, progress=PrintedPhases())
     while len(r.completed_rounds()) < rounds:
         summary = r.run()
-        print(f"round {summary['round']} -> {summary['version']} {summary['state']}", flush=True)
+        print(f"round {summary.round} -> {summary.version} {summary.state}", flush=True)

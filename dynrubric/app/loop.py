@@ -58,6 +58,7 @@ from dynrubric.config import Settings
 from dynrubric.errors import DynrubricError
 from dynrubric.ports import free_port
 from dynrubric.process import stop_signals_interrupt
+from dynrubric.train.records import RoundOutcome
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER_KV_CACHE_GIB = 2  # the rounds' vLLM server: 32 candidates of a step, 8 rubrics at once
@@ -432,13 +433,13 @@ class ClosedLoop:
 
     # ------------------------------------------------------------ one cycle
     def _wait_for_prompts(self, runner: Any, cycle: int) -> None:
-        from dynrubric.train.plan import PLAN
+        from dynrubric.train.rounds import PLAN
         from streaming.store import replay_prompt_source
 
         if (runner.round_dir(runner.next_round()) / PLAN).is_file():
             return  # an interrupted round: it resumes on its own plan
         last = runner.last_summary()
-        watermark = last["watermark_after"] if last else None
+        watermark = last.watermark_after if last else None
         need = self.settings.loop.min_new_prompts
         deadline = time.monotonic() + self.settings.loop.wait_timeout_s
         seen, said_at = -1, 0.0
@@ -481,19 +482,19 @@ class ClosedLoop:
             if pause:
                 traffic.resume()
         summary = runner.last_summary()
-        for line in round_report(summary, runner.round_dir(summary["round"]) / "summary.json"):
+        for line in round_report(summary, runner.round_dir(summary.round) / "summary.json"):
             self.log(f"cycle {cycle}: {line}")
-        version = summary["version"] or "-"
+        version = summary.version or "-"
         drill = cycle == self.settings.loop.drill_cycle
-        if summary["state"] != CheckpointState.candidate.value:
+        if summary.state != CheckpointState.candidate.value:
             if drill:
                 self.log(f"cycle {cycle}: damage drill not run: the round has no candidate to damage")
-            if summary["version"] is None:  # nothing registered: a rollout could not change anything
-                decision, reason, load_s = "no update", summary["guard"]["detail"], None
+            if summary.version is None:  # nothing registered: a rollout could not change anything
+                decision, reason, load_s = "no update", summary.guard.detail, None
             else:
                 decision, reason, load_s = (
                     "not rolled out",
-                    f"the round's guard rejected it: {summary['guard']['detail']}",
+                    f"the round's guard rejected it: {summary.guard.detail}",
                     None,
                 )
         else:
@@ -502,7 +503,7 @@ class ClosedLoop:
             decision, reason, load_s = self._roll_out(version, controller, registry)
         stable = registry.stable()
         serving = stable.version if stable else "-"
-        result = CycleResult(cycle, summary["round"], version, summary["state"], decision, reason, serving, load_s)
+        result = CycleResult(cycle, summary.round, version, summary.state, decision, reason, serving, load_s)
         self.m_cycles.labels(decision.replace(" ", "_")).inc()
         self.log(f"cycle {cycle}: rollout of {version}: {decision}: {reason}")
         if load_s is not None:
@@ -515,18 +516,18 @@ class ClosedLoop:
         self.log(f"cycle {cycle}: {self._ground_truth_line(summary, serving)}")
         return result
 
-    def _ground_truth_line(self, summary: dict[str, Any], serving: str) -> str:
+    def _ground_truth_line(self, summary: RoundOutcome, serving: str) -> str:
         """The served version's held-out ground-truth pass rate (and the candidate's, when it was evaluated)."""
         from dynrubric.train.policy_eval import ground_truth_rates
 
         rates = ground_truth_rates(self.settings, [serving, "base"])
-        truth = (summary.get("eval") or {}).get("groundtruth")
+        truth = summary.eval.groundtruth if summary.eval else None
         candidate = ""
         if truth:
-            c = truth["vs_parent"]
+            c = truth.vs_parent
             candidate = (
-                f"candidate {truth['version']} {truth['pass'][truth['version']]:.3f} ({c['delta']:+.3f} vs "
-                f"parent, 95% CI {c['low']:+.3f}..{c['high']:+.3f}); "
+                f"candidate {truth.version} {truth.pass_rate[truth.version]:.3f} ({c.delta:+.3f} vs "
+                f"parent, 95% CI {c.low:+.3f}..{c.high:+.3f}); "
             )
         served = "not evaluated" if rates.get(serving) is None else f"{rates[serving]:.3f}"
         base = "" if serving == "base" or rates.get("base") is None else f" (base {rates['base']:.3f})"

@@ -17,18 +17,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from dynrubric import atomic
 from dynrubric.errors import DynrubricError
+from dynrubric.train.records import GeneratorStepLine, PolicyStepLine, RoundLine, parse_line
 
 
 @dataclass(frozen=True)
 class RunLog:
-    steps: list[dict[str, Any]]  # policy steps, in order
-    generator_steps: list[dict[str, Any]]
-    rounds: list[dict[str, Any]]
+    steps: list[PolicyStepLine]  # in order
+    generator_steps: list[GeneratorStepLine]
+    rounds: list[RoundLine]
 
 
 def read_runlog(path: Path) -> RunLog:
+    """The run log's records (train/records.py), each checked: a line of another schema version, or with a
+    field missing or changed, is an error naming the line and the field."""
     if not path.is_file():
         raise DynrubricError(
             f"no run log at {path}",
@@ -40,21 +45,21 @@ def read_runlog(path: Path) -> RunLog:
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            doc = json.loads(line)
         except json.JSONDecodeError:
             raise DynrubricError(f"{path} line {n} is not JSON", "the run log is corrupt; restore it") from None
-    steps = [r for r in records if r.get("kind") == "step"]
+        records.append(parse_line(doc, f"{path} line {n}"))
     return RunLog(
-        steps=[s for s in steps if s.get("phase", "policy") == "policy"],
-        generator_steps=[s for s in steps if s.get("phase") == "generator"],
-        rounds=[r for r in records if r.get("kind") == "round"],
+        steps=[r for r in records if isinstance(r, PolicyStepLine)],
+        generator_steps=[r for r in records if isinstance(r, GeneratorStepLine)],
+        rounds=[r for r in records if isinstance(r, RoundLine)],
     )
 
 
-def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+def _series(records: Sequence[BaseModel], key: str) -> tuple[list[int], list[float]]:
     xs, ys = [], []
     for i, r in enumerate(records):
-        value = r.get(key)
+        value = getattr(r, key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             xs.append(i)
             ys.append(float(value))
@@ -92,16 +97,16 @@ STAGES = {
 }
 
 
-def stage_times(rounds: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
+def stage_times(rounds: list[RoundLine]) -> tuple[list[RoundLine], dict[str, list[float]]]:
     """The rounds that recorded where their time went, and each stage's seconds per such round: the
-    known stages in order, then any other a run log holds (an older layout), under its own name."""
-    timed = [r for r in rounds if r.get("stage_seconds")]
-    names = [k for k in STAGES if any(k in r["stage_seconds"] for r in timed)]
-    names += list(dict.fromkeys(k for r in timed for k in r["stage_seconds"] if k not in STAGES))
-    return timed, {k: [float(r["stage_seconds"].get(k, 0.0)) for r in timed] for k in names}
+    known stages in order, then any other a round recorded, under its own name."""
+    timed = [r for r in rounds if r.stage_seconds]
+    names = [k for k in STAGES if any(k in r.stage_seconds for r in timed)]
+    names += list(dict.fromkeys(k for r in timed for k in r.stage_seconds if k not in STAGES))
+    return timed, {k: [float(r.stage_seconds.get(k, 0.0)) for r in timed] for k in names}
 
 
-def draw_stage_times(ax, rounds: list[dict[str, Any]]) -> None:
+def draw_stage_times(ax, rounds: list[RoundLine]) -> None:
     """Per round, a bar of its stages' seconds stacked in the order they are spent, and the round's
     wall-clock time as a mark (above the bar: time no stage accounts for, such as the run log)."""
     timed, stages = stage_times(rounds)
@@ -117,13 +122,13 @@ def draw_stage_times(ax, rounds: list[dict[str, Any]]) -> None:
             color="grey",
         )
         return
-    ids = [r["round"] for r in timed]
+    ids = [r.round for r in timed]
     bottom = [0.0] * len(ids)
     for name, values in stages.items():
         label, color = STAGES.get(name, (name, None))
         ax.bar(ids, values, bottom=bottom, color=color, label=label, width=0.6)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    walls = [(r["round"], float(r["seconds"])) for r in timed if isinstance(r.get("seconds"), (int, float))]
+    walls = [(r.round, r.seconds) for r in timed]
     if walls:
         ax.scatter(
             [i for i, _ in walls],
@@ -139,10 +144,10 @@ def draw_stage_times(ax, rounds: list[dict[str, Any]]) -> None:
     ax.legend(fontsize=8, loc="upper left", ncol=3, framealpha=0.6)
 
 
-def sets_scored(steps: list[dict[str, Any]]) -> int:
+def sets_scored(steps: list[PolicyStepLine]) -> int:
     """Candidate sets the policy steps scored over the whole run: what the collapse detector saw (its
     window carries across rounds)."""
-    return sum(sum((s.get("rubric_sources") or {}).values()) for s in steps)
+    return sum(sum(s.rubric_sources.values()) for s in steps)
 
 
 @dataclass(frozen=True)
@@ -250,41 +255,38 @@ def draw_judged(plot, table, judged: Sequence[JudgedRollout]) -> None:
     )
 
 
-def draw_learning_curve(ax, rounds: list[dict[str, Any]], line) -> list[int]:
+def draw_learning_curve(ax, rounds: list[RoundLine], line) -> list[int]:
     """Is the loop learning: per round, the held-out ground-truth pass rate (official checkers, computed
     answers; no judge) of the new checkpoint and of its parent, beside the judge's held-out reward. Returns
     the rounds drawn."""
-    evaluated = [r for r in rounds if isinstance((r.get("eval") or {}).get("reward_new"), (int, float))]
-    ids = [r["round"] for r in evaluated]
-    truth = [r for r in evaluated if (r["eval"].get("groundtruth") or {}).get("pass")]
+    evaluated = [(r, r.eval) for r in rounds if r.eval is not None]
+    ids = [r.round for r, _ in evaluated]
+    truth = [(r, e.groundtruth) for r, e in evaluated if e.groundtruth is not None]
     if truth:
-        gt = [r["eval"]["groundtruth"] for r in truth]
         # the parent as a ring around the new checkpoint's dot: equal rates stay visible as two marks
         line(
             ax,
-            [r["round"] for r in truth],
-            [g["pass"][g["vs_parent"]["reference"]] for g in gt],
+            [r.round for r, _ in truth],
+            [g.pass_rate[g.vs_parent.reference] for _, g in truth],
             color="grey",
             markerfacecolor="none",
             markersize=13,
             label="ground truth: parent",
         )
         for accepted, color in ((True, "tab:green"), (False, "tab:red")):
-            mine = [
-                (r, g) for r, g in zip(truth, gt, strict=True) if (r.get("guard") or {}).get("accepted") == accepted
-            ]
+            mine = [(r, g) for r, g in truth if r.guard.accepted == accepted]
             if mine:
                 ax.scatter(
-                    [r["round"] for r, _ in mine],
-                    [g["pass"][g["version"]] for _, g in mine],
+                    [r.round for r, _ in mine],
+                    [g.pass_rate[g.version] for _, g in mine],
                     color=color,
                     zorder=3,
                     label="ground truth: new checkpoint, " + ("accepted" if accepted else "rejected"),
                 )
-        for r, g in zip(truth, gt, strict=True):
+        for r, g in truth:
             ax.annotate(
-                f"{g['version']} {g['vs_base']['delta']:+.2f} vs base",
-                (r["round"], g["pass"][g["version"]]),
+                f"{g.version} {g.vs_base.delta:+.2f} vs base",
+                (r.round, g.pass_rate[g.version]),
                 fontsize=7,
                 xytext=(4, 4),
                 textcoords="offset points",
@@ -292,7 +294,7 @@ def draw_learning_curve(ax, rounds: list[dict[str, Any]], line) -> list[int]:
     line(
         ax,
         ids,
-        [r["eval"]["reward_new"] for r in evaluated],
+        [e.reward_new for _, e in evaluated],
         color="tab:blue",
         linestyle="--",
         marker="x",
@@ -307,7 +309,7 @@ def draw_learning_curve(ax, rounds: list[dict[str, Any]], line) -> list[int]:
     return ids
 
 
-def draw_mismatch(ratio_ax, capped_ax, steps: list[dict[str, Any]], t: Thresholds, line) -> None:
+def draw_mismatch(ratio_ax, capped_ax, steps: list[PolicyStepLine], t: Thresholds, line) -> None:
     """Per policy step, the sampler-trainer mismatch (`ratio_ax`, mean |log pi_old - log mu| per token)
     and the share of tokens whose importance weight was truncated (`capped_ax`, 0..1)."""
     import math
@@ -447,7 +449,7 @@ def draw(log: RunLog, thresholds: Thresholds, judged: Sequence[JudgedRollout] = 
     bottom = [0.0] * len(log.steps)
     colors = {"set": "tab:green", "prompt_only": "tab:orange", "generic": "tab:red"}
     for source in SOURCES:
-        values = [float((s.get("rubric_sources") or {}).get(source, 0)) for s in log.steps]
+        values = [float(s.rubric_sources.get(source, 0)) for s in log.steps]
         if any(values):
             ax.bar(range(len(values)), values, bottom=bottom, color=colors[source], label=f"rubric from: {source}")
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
@@ -468,7 +470,7 @@ def draw(log: RunLog, thresholds: Thresholds, judged: Sequence[JudgedRollout] = 
     finish(ax, "no scored sets")
 
     ax = axes[2][1]
-    failed = [float((s.get("fallbacks") or {}).get("parse_failures", 0)) for s in log.steps]
+    failed = [float(s.fallbacks.parse_failures) for s in log.steps]
     if any(failed):
         ax.bar(range(len(failed)), failed, color="tab:gray", label="generator tries that gave no valid rubric")
     ax.set(

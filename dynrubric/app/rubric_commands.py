@@ -502,8 +502,9 @@ def _sample_real_sets(settings: Settings, path: Path, n: int) -> None:
     the prompt's ground truth, written to `path`."""
     from dynrubric import atomic
     from dynrubric.engines import build_engine
-    from dynrubric.train.heldout import sample_sets
+    from dynrubric.seeds import derive_seed
     from dynrubric.train.policy_eval import heldout_prompts
+    from dynrubric.train.rounds import sample_sets
 
     chosen = [
         p
@@ -520,7 +521,11 @@ def _sample_real_sets(settings: Settings, path: Path, n: int) -> None:
         for i in range(0, len(chosen), 8):
             chunk = chosen[i : i + 8]
             _, outs = sample_sets(
-                settings, engine, [p.prompt for p in chunk], settings.train.candidates, settings.train.seed + i
+                settings,
+                engine,
+                [p.prompt for p in chunk],
+                settings.train.candidates,
+                derive_seed(settings.train.seed, "real-sets", i),
             )
             for p, completions in zip(chunk, outs, strict=True):
                 responses = [c.text for c in completions]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, cast
+from typing import TYPE_CHECKING, Annotated, cast
 
 import typer
 from rich.table import Table
@@ -25,9 +25,10 @@ if TYPE_CHECKING:  # the commands import these inside their bodies (see above)
     from dynrubric.config import Settings
     from dynrubric.engines.base import Engine
     from dynrubric.registry import Registry
+    from dynrubric.train.executor import EngineFactory
     from dynrubric.train.prompts import PromptSource
+    from dynrubric.train.records import Comparison, RoundOutcome
     from dynrubric.train.rounds import EngineRole
-    from dynrubric.train.step import EngineFactory
 
 console = make_console()
 registry_app = typer.Typer(help="The checkpoint registry: versions, lineage, states.", no_args_is_help=True)
@@ -121,8 +122,8 @@ def registry_reject(
 # ---------------------------------------------------------------- train
 def prompt_source(settings: Settings) -> PromptSource:
     """The composition root's choice of prompt source (ARCHITECTURE section 5)."""
-    from dynrubric.train.plan import response_history
     from dynrubric.train.prompts import JsonlPromptSource
+    from dynrubric.train.rounds import response_history
 
     cfg = settings.train
     if cfg.prompt_source == "jsonl":
@@ -196,7 +197,6 @@ def train_round(
     """Run (or resume) training rounds: sample, score with rubrics, GRPO, guard, register."""
     from prometheus_client import CollectorRegistry
 
-    from dynrubric.train.rounds import Progress as RoundProgress
     from dynrubric.train.rounds import RoundRunner
 
     settings = settings_of(ctx)
@@ -209,7 +209,7 @@ def train_round(
         prompt_source(settings),
         engine_factory(settings),
         metrics=metrics,
-        progress=RoundProgress(bars.start, bars.advance),
+        progress=bars,
         heldout=None,
     )
     try:
@@ -221,7 +221,7 @@ def train_round(
             )
             with bars:
                 summary = runner.run(round_id if n == 0 else None)
-            for line in round_report(summary, runner.round_dir(summary["round"]) / "summary.json"):
+            for line in round_report(summary, runner.round_dir(summary.round) / "summary.json"):
                 console.print(line, markup=False, highlight=False)
     finally:
         runner.close()
@@ -229,47 +229,51 @@ def train_round(
             server.should_exit = True
 
 
-def round_report(summary: dict[str, Any], path: Path) -> list[str]:
+def round_report(summary: RoundOutcome, path: Path) -> list[str]:
     """The end-of-round lines: verdict, where the rubrics came from, what fell back, collapse, timing."""
-    guard = summary["guard"]
-    policy = [s for s in summary.get("steps", []) if s.get("phase") == "policy"]
+    from dynrubric.train.records import EmbeddedOutcome, PolicyStep, RoundSummary
+
+    guard = summary.guard
+    policy = [s for s in summary.steps if isinstance(s, PolicyStep)] if isinstance(summary, RoundSummary) else []
     sources: Counter[str] = Counter()
     fallbacks: Counter[str] = Counter()
     for s in policy:
-        sources.update(s.get("rubric_sources") or {})
-        fallbacks.update(s.get("fallbacks") or {})
+        sources.update(s.rubric_sources)
+        fallbacks.update(s.fallbacks.model_dump())
     sets = sum(sources.values())
-    if summary["version"] is None:
-        head = f"round {summary['round']}: no candidate registered (parent {summary['parent']}; {guard['detail']})"
+    if summary.version is None:
+        head = f"round {summary.round}: no candidate registered (parent {summary.parent}; {guard.detail})"
     else:
         head = (
-            f"round {summary['round']}: {summary['version']} {summary['state']} (parent {summary['parent']}; "
-            f"guard {'accepted' if guard['accepted'] else 'REJECTED'}: {guard['detail']})"
+            f"round {summary.round}: {summary.version} {summary.state} (parent {summary.parent}; "
+            f"guard {'accepted' if guard.accepted else 'REJECTED'}: {guard.detail})"
         )
-    lines = [
-        head,
-        f"  steps: {summary['phases']['policy']} policy, {summary['phases']['generator']} generator; "
-        f"{summary.get('prompts', 0)} prompts; {summary.get('seconds', 0.0):.0f}s",
-        f"  rubrics of {sets} scored sets: "
-        + ", ".join(f"{k} {sources[k]}" for k in ("set", "prompt_only", "generic")),
-        f"  fallbacks: {fallbacks['parse_failures']} failed generator tries; sets falling back to prompt-only "
-        f"{fallbacks['prompt_only']}, to the generic rubric {fallbacks['generic']}; "
-        f"hard verdicts {fallbacks['hard_verdict']}",
-    ]
-    truth = (summary.get("eval") or {}).get("groundtruth")
+    lines = [head]
+    if isinstance(summary, EmbeddedOutcome):
+        lines += [
+            f"  steps: {summary.phases['policy']} policy, {summary.phases['generator']} generator; "
+            f"{summary.prompts} prompts; {summary.seconds:.0f}s",
+            f"  rubrics of {sets} scored sets: "
+            + ", ".join(f"{k} {sources[k]}" for k in ("set", "prompt_only", "generic")),
+            f"  fallbacks: {fallbacks['parse_failures']} failed generator tries; sets falling back to prompt-only "
+            f"{fallbacks['prompt_only']}, to the generic rubric {fallbacks['generic']}; "
+            f"hard verdicts {fallbacks['hard_verdict']}",
+        ]
+    truth = summary.eval.groundtruth if summary.eval else None
     if truth:
-        rates = ", ".join(f"{v} {p:.3f}" for v, p in truth["pass"].items())
+        rates = ", ".join(f"{v} {p:.3f}" for v, p in truth.pass_rate.items())
         lines.append(
-            f"  ground truth on {truth['prompts']} held-out prompts: pass {rates}; "
-            f"{truth['version']} vs parent {_delta(truth['vs_parent'])}, vs base {_delta(truth['vs_base'])}"
+            f"  ground truth on {truth.prompts} held-out prompts: pass {rates}; "
+            f"{truth.version} vs parent {_delta(truth.vs_parent)}, vs base {_delta(truth.vs_base)}"
         )
-    stages = summary.get("stage_seconds")
-    if stages:
-        lines.append("  time: " + ", ".join(f"{stage} {seconds:.0f}s" for stage, seconds in stages.items()))
-    if summary.get("refresh"):
-        lines.append(f"  refresh: {summary['refresh']}")
-    if summary["collapse"]["fired"]:
-        lines.append(f"  {summary['collapse']['note']}")
+    if isinstance(summary, EmbeddedOutcome) and summary.stage_seconds:
+        lines.append(
+            "  time: " + ", ".join(f"{stage} {seconds:.0f}s" for stage, seconds in summary.stage_seconds.items())
+        )
+    if summary.refresh:
+        lines.append(f"  refresh: {summary.refresh}")
+    if summary.collapse.fired:
+        lines.append(f"  {summary.collapse.note}")
     lines.append(f"  summary: {path}")
     return lines
 
@@ -286,8 +290,8 @@ def eval_policy(
     official checkers and computed answers grade it; paired bootstrap CIs against its parent and the base."""
     from dynrubric.engines import build_engine
     from dynrubric.progress import status
-    from dynrubric.train.plan import RunState
     from dynrubric.train.policy_eval import compare, decode_params, evaluate_versions, heldout_prompts
+    from dynrubric.train.rounds import RunState
 
     settings = settings_of(ctx)
     registry = _registry(ctx, existing=True)
@@ -329,7 +333,7 @@ def eval_policy(
         o = outcomes[v]
         parent, base = known[v].parent, state.base_of(known[v]).version
         cells = [
-            _delta(compare(o, outcomes[ref], e.bootstrap_samples, e.confidence).model_dump())
+            _delta(compare(o, outcomes[ref], e.bootstrap_samples, e.confidence))
             if ref is not None and ref != v
             else "-"
             for ref in (parent, base)
@@ -338,8 +342,8 @@ def eval_policy(
     console.print(table)
 
 
-def _delta(c: dict[str, Any]) -> str:
-    return f"{c['delta']:+.3f} (95% CI {c['low']:+.3f}..{c['high']:+.3f})"
+def _delta(c: Comparison) -> str:
+    return f"{c.delta:+.3f} (95% CI {c.low:+.3f}..{c.high:+.3f})"
 
 
 @train_app.command("openrlhf")
@@ -386,7 +390,7 @@ def train_openrlhf(
     else:
         round_id = runner.next_round()
         last = runner.last_summary()
-        watermark = last["watermark_after"] if last else None
+        watermark = last.watermark_after if last else None
         emitted = openrlhf.emit(settings, runner, source, round_id, runner.head(), watermark)
         console.print(
             f"round {round_id}: {emitted.prompts} prompts ({len(emitted.heldout)} held out), "
@@ -397,7 +401,5 @@ def train_openrlhf(
             return
         openrlhf.run(emitted, in_ray_job=in_ray_job)
     summary = openrlhf.finish(settings, runner, emitted)
-    style = "green" if summary["guard"]["accepted"] else "red"
-    console.print(
-        f"[{style}]{summary['version']} {summary['state']}[/] from {emitted.output_dir}: {summary['guard']['detail']}"
-    )
+    style = "green" if summary.guard.accepted else "red"
+    console.print(f"[{style}]{summary.version} {summary.state}[/] from {emitted.output_dir}: {summary.guard.detail}")

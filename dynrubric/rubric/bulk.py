@@ -16,7 +16,6 @@ holding its rubric writer and verifier engines once. A set's rubric seed is deri
 from __future__ import annotations
 
 import json
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import pyarrow.parquet as pq
 from dynrubric import atomic
 from dynrubric.config import Settings
 from dynrubric.rubric.evaluator import Evaluator, ScoredSet
+from dynrubric.seeds import derive_seed
 
 SCORED_SCHEMA = pa.schema(
     [
@@ -47,9 +47,8 @@ SCORED_SCHEMA = pa.schema(
 
 
 def set_seed(base: int, prompt: str, responses: Sequence[str]) -> int:
-    """A seed block for one set from its content: `base + 1000 * crc32(set)` (mod 2^31)."""
-    digest = zlib.crc32(json.dumps([prompt, list(responses)], ensure_ascii=False).encode())
-    return (base + 1000 * digest) % (2**31)
+    """A seed block for one set from its content: the seed named by the set under `rubric.seed` (dynrubric/seeds.py)."""
+    return derive_seed(base, "set", json.dumps([prompt, list(responses)], ensure_ascii=False))
 
 
 def scored_row(prompt_key: str | None, s: ScoredSet) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from dynrubric.rubric.generate import GenerationCounts, RubricGenerator, RubricS
 from dynrubric.rubric.items import NON_RANKING_ORIGINS, Rubric
 from dynrubric.rubric.score import aggregate, item_weights
 from dynrubric.rubric.verify import Verifier
+from dynrubric.seeds import derive_seed
 
 OVERRULABLE = frozenset({"generator", "consensus"})  # items a model or a vote wrote: anchors can overrule them
 
@@ -205,8 +206,8 @@ class Evaluator:
             raise ValueError(f"{len(prompts)} prompts but {len(candidate_sets)} candidate sets")
         if any(len(c) == 0 for c in candidate_sets):
             raise ValueError("every candidate set needs at least one response")
-        if seed is None:  # a new seed block per call: retries within it add 1, 2, ... (at most 1000 tries per call)
-            seed = self.config.seed + 1000 * self._calls
+        if seed is None:  # a new seed block per call (dynrubric/seeds.py): retries within it add 1, 2, ...
+            seed = derive_seed(self.config.seed, "evaluator-call", self._calls)
             self._calls += 1
         generated, counts = self.rubric_generator.generate_many(prompts, candidate_sets, seed)
         self._record_generation(counts)

@@ -1,5 +1,6 @@
-"""Where a round's expensive stages run: in this process (`train.executor: inprocess`) or on Ray
-(`ray`, train/ray_executor.py).
+"""What a round's workers run, and where: in this process (`train.executor: inprocess`) or on Ray (`ray`,
+train/ray_executor.py). Everything here crosses the actor boundary: a trainer actor builds `Trainers` from a
+`TrainerSpec`, a judge actor scores `ScoreChunk`s with `score_chunk`.
 
 The round (train/rounds.py) keeps its plan, state files, registry writes and run log in the driver
 process. An executor provides the workers of its stages:
@@ -16,15 +17,134 @@ counts a set or a step twice.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from dynrubric.config import Settings
 from dynrubric.engines.base import Engine
-from dynrubric.rubric.evaluator import Evaluator
-from dynrubric.train.judging import ScoreChunk, ScoredChunk, score_chunk
-from dynrubric.train.step import EngineFactory, Trainers, TrainerSpec
+from dynrubric.rubric.evaluator import Evaluator, ScoredSet
+from dynrubric.rubric.generate import GenerationCounts
+
+#: builds an engine for a role ("policy", "generator", "verifier") over a model dir
+EngineFactory = Callable[[str, Path], Engine]
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def pad_id(tok: Any) -> int:
+    return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """Where a round's trainers start: step dir `latest` (None: the parent's weights, a fresh optimiser).
+    `base`: the lineage's root, the KL penalty's reference; `generator_base`: the generator's weights
+    before the round (two-model mode). Plain paths, so a trainer actor can build from it."""
+
+    settings: Settings
+    parent: Path
+    base: Path
+    generator_base: Path
+    latest: Path | None
+
+
+class Trainers:
+    """The policy's GRPO trainer, and the generator's in two-model mode (else the policy's)."""
+
+    def __init__(self, spec: TrainerSpec):
+        from dynrubric.train.grpo import GRPOTrainer, load_policy, load_reference
+
+        settings, latest = spec.settings, spec.latest
+        cfg = settings.train
+        gcfg = cfg.grpo
+        self.single = cfg.coevolve.single_model
+        tie_eps = settings.rubric.eps
+        policy_dir = latest / "policy" if latest else None
+        adapter = policy_dir / "adapter" if policy_dir and gcfg.lora_rank > 0 else None
+        model = load_policy(policy_dir / "model" if policy_dir and adapter is None else spec.parent, gcfg, adapter)
+        self.tokenizer = load_tokenizer(spec.parent)
+        # the KL penalty pulls toward the base of the lineage, not the parent, so that it bounds the drift
+        # the rounds add up (with LoRA the reference is the adapter-free parent; the guard still bounds it)
+        self.policy = GRPOTrainer(model, load_reference(spec.base, gcfg), gcfg, pad_id(self.tokenizer), tie_eps)
+        if policy_dir:
+            self.policy.load_optimizer(policy_dir / "optimizer.pt")
+        self.pad_token_id = self.policy.pad_token_id
+        self.generator = self.policy
+        if not self.single:
+            gen_dir = latest / "generator" if latest else None
+            gen_cfg = gcfg.model_copy(update={"lr": cfg.coevolve.generator_lr or gcfg.lr})
+            gadapter = gen_dir / "adapter" if gen_dir and gcfg.lora_rank > 0 else None
+            gmodel = load_policy(
+                gen_dir / "model" if gen_dir and gadapter is None else spec.generator_base, gen_cfg, gadapter
+            )
+            self.gen_tokenizer = load_tokenizer(spec.generator_base)
+            self.generator = GRPOTrainer(
+                gmodel, load_reference(spec.generator_base, gen_cfg), gen_cfg, pad_id(self.gen_tokenizer), tie_eps
+            )
+            if gen_dir:
+                self.generator.load_optimizer(gen_dir / "optimizer.pt")
+
+    @property
+    def candidate_model(self) -> Any:
+        """The policy being trained (the evaluation's KL uses it instead of loading the saved copy)."""
+        return self.policy.model
+
+    def step(self, phase: str, groups: Sequence[Any]) -> dict[str, Any]:
+        """One GRPO batch of the policy ("policy") or the generator: its stats, `updates` the trainer's
+        total so far."""
+        trainer = self.policy if phase == "policy" else self.generator
+        stats = trainer.step(groups)
+        return {**stats.as_dict(), "updates": trainer.updates}
+
+    def save(self, directory: Path) -> None:
+        """The trainers' state (weights any engine can load, optimiser) into a step directory."""
+        self.policy.save(directory / "policy")
+        self.tokenizer.save_pretrained(directory / "policy" / "model")
+        if not self.single:
+            self.generator.save(directory / "generator")
+            self.gen_tokenizer.save_pretrained(directory / "generator" / "model")
+
+
+@dataclass(frozen=True)
+class ScoreChunk:
+    """Candidate sets scored together: one rubric per set, generated with seed block `seed`."""
+
+    questions: list[str]
+    responses: list[list[str]]
+    seed: int
+
+
+@dataclass(frozen=True)
+class ScoredChunk:
+    sets: list[ScoredSet]
+    counts: GenerationCounts = field(default_factory=GenerationCounts)  # the rubric ladder's, for this chunk
+    seconds: float = 0.0  # the judge's time on the chunk: its rubrics, then the sets' verify_seconds
+
+
+def score_chunk(evaluator: Evaluator, chunk: ScoreChunk, progress: Callable[[int], None] | None = None) -> ScoredChunk:
+    """Score one chunk; the counts are those of this chunk alone. `progress(1)` after each set is judged."""
+    before = replace(evaluator.counts)
+    start = time.perf_counter()
+    sets = evaluator.score_sets(chunk.questions, chunk.responses, progress=progress, seed=chunk.seed)
+    seconds = time.perf_counter() - start
+    after = evaluator.counts
+    return ScoredChunk(
+        sets,
+        GenerationCounts(
+            parse_failures=after.parse_failures - before.parse_failures,
+            prompt_only_fallbacks=after.prompt_only_fallbacks - before.prompt_only_fallbacks,
+            generic_fallbacks=after.generic_fallbacks - before.generic_fallbacks,
+            dropped_checks=after.dropped_checks - before.dropped_checks,
+        ),
+        seconds,
+    )
 
 
 class Judges(Protocol):

@@ -47,9 +47,10 @@ from dynrubric import atomic
 from dynrubric.config import Settings
 from dynrubric.errors import DynrubricError
 from dynrubric.registry import Checkpoint, CheckpointState, Registry
+from dynrubric.seeds import round_seed
 from dynrubric.train.prompts import PromptSource, TrainPrompt
+from dynrubric.train.records import Collapse, Guard, OpenRLHFSummary, write_record
 from dynrubric.train.rounds import RoundRunner
-from dynrubric.train.seeds import round_seed
 
 
 @dataclass(frozen=True)
@@ -358,7 +359,7 @@ def emit(
             "every new prompt is held out, none is left to train on",
             "add prompts, or set train.heldout_file to a separate held-out set",
         )
-    from dynrubric.train.plan import run_dir_of
+    from dynrubric.train.rounds import run_dir_of
 
     target = run_dir_of(settings) / "openrlhf" / f"round-{round_id:04d}"
     output_dir = target / "output"
@@ -404,7 +405,7 @@ def _from_shard_line(line: str) -> TrainPrompt:
 
 def emitted_round(settings: Settings, runner: RoundRunner, round_id: int) -> Emitted:
     """A round `emit` wrote earlier, read back from its directory (to finish it after its job ran)."""
-    from dynrubric.train.plan import run_dir_of
+    from dynrubric.train.rounds import run_dir_of
 
     target = run_dir_of(settings) / "openrlhf" / f"round-{round_id:04d}"
     if not (target / "command.json").is_file():
@@ -475,16 +476,14 @@ def run(emitted: Emitted, *, in_ray_job: bool = False) -> None:
         )
 
 
-def finish(settings: Settings, runner: RoundRunner, emitted: Emitted) -> dict[str, Any]:
+def finish(settings: Settings, runner: RoundRunner, emitted: Emitted) -> OpenRLHFSummary:
     """Guard the job's checkpoint against its parent on the held-out prompts (the embedded rounds'
     guards and evaluation), register it as a candidate or rejected, and write the round's summary
     with the watermark taken at job start."""
     from transformers import AutoTokenizer
 
     from dynrubric import modelcache
-    from dynrubric.train import guards
-    from dynrubric.train.heldout import evaluate_candidate
-    from dynrubric.train.plan import GUARDED
+    from dynrubric.train.rounds import GUARDED, check_guards, evaluate_candidate
 
     cfg = settings.train
     registry: Registry = runner.registry
@@ -515,16 +514,7 @@ def finish(settings: Settings, runner: RoundRunner, emitted: Emitted) -> dict[st
         for engine in (policy, verifier, generator):
             if engine is not None:
                 engine.close()
-    verdict = guards.check(
-        nonfinite_steps=[],
-        kl=evaluation["kl_to_parent"],
-        max_kl=cfg.max_kl,
-        kl_to_base=evaluation["kl_to_base"],
-        max_kl_to_base=cfg.max_kl_to_base,
-        reward_parent=evaluation["reward_parent"],
-        reward_new=evaluation["reward_new"],
-        max_reward_drop=cfg.max_reward_drop,
-    )
+    verdict = check_guards(cfg, evaluation, nonfinite_steps=[], truth_guard=False)
     ckpt = registry.register(
         emitted.output_dir,
         parent=parent.version,
@@ -532,28 +522,28 @@ def finish(settings: Settings, runner: RoundRunner, emitted: Emitted) -> dict[st
         metrics={
             "trainer": "openrlhf",
             "prompts": emitted.prompts,
-            "heldout_reward": evaluation["reward_new"],
-            "heldout_reward_parent": evaluation["reward_parent"],
-            "kl": evaluation["kl_to_parent"],
-            "kl_to_base": evaluation["kl_to_base"],
+            "heldout_reward": evaluation.reward_new,
+            "heldout_reward_parent": evaluation.reward_parent,
+            "kl": evaluation.kl_to_parent,
+            "kl_to_base": evaluation.kl_to_base,
             GUARDED: "accepted" if verdict.accepted else verdict.reason,
         },
         version=f"{cfg.version_prefix}{emitted.round}",
         state=CheckpointState.candidate if verdict.accepted else CheckpointState.rejected,
         reason=None if verdict.accepted else f"{verdict.reason}: {verdict.detail}",
     )
-    summary = {
-        "round": emitted.round,
-        "trainer": "openrlhf",
-        "parent": parent.version,
-        "version": ckpt.version,
-        "state": ckpt.state.value,
-        "guard": {"accepted": verdict.accepted, "reason": verdict.reason, "detail": verdict.detail},
-        "eval": evaluation,
-        "refresh": None,
-        "collapse": {"fired": False, "note": None},
-        "watermark_before": emitted.watermark_before,
-        "watermark_after": emitted.watermark_after,
-    }
-    atomic.write_text(runner.round_dir(emitted.round) / "summary.json", json.dumps(summary, indent=2))
+    summary = OpenRLHFSummary(
+        round=emitted.round,
+        parent=parent.version,
+        version=ckpt.version,
+        state=ckpt.state.value,
+        guard=Guard(accepted=verdict.accepted, reason=verdict.reason, detail=verdict.detail),
+        eval=evaluation,
+        refresh=None,
+        collapse=Collapse(fired=False, note=None),
+        watermark_before=emitted.watermark_before,
+        watermark_after=emitted.watermark_after,
+        prompts=emitted.prompts,
+    )
+    write_record(runner.round_dir(emitted.round) / "summary.json", summary)
     return summary

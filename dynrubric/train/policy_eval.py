@@ -5,7 +5,7 @@ Each version answers the same held-out prompts at the serving decode settings (g
 users and the judge use (rubric/groundtruth.py: official IFEval checkers, computed answers). The judge's
 own reward never enters. The held-out prompts are those of `evaluation.prompts_file` (default: the
 shipped prompt bank) that carry ground truth and whose key falls under `train.heldout_share`
-(`plan.heldout_bucket`): the rounds hold exactly these out of training, so no version ever trained on
+(`prompts.heldout_bucket`): the rounds hold exactly these out of training, so no version ever trained on
 them.
 
     pass(v)        = mean over prompts x of 1[v's answer to x passes x's ground truth]
@@ -26,7 +26,6 @@ import random
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -35,7 +34,8 @@ from dynrubric.config import Settings
 from dynrubric.engines.base import Engine, GenerationRequest, SamplingParams
 from dynrubric.errors import DynrubricError
 from dynrubric.rubric.groundtruth import GroundTruth, derive
-from dynrubric.train.prompts import TrainPrompt, read_prompt_file
+from dynrubric.train.prompts import TrainPrompt, heldout_bucket, read_prompt_file
+from dynrubric.train.records import Comparison, TruthEvidence
 
 
 class EvalPrompt(BaseModel):
@@ -64,27 +64,9 @@ class VersionOutcomes(BaseModel):
         return {kind: self.pass_rate(kind) for kind in sorted(set(self.kinds.values()))}
 
 
-class Comparison(BaseModel):
-    """`version` against `reference` on the prompts both answered: paired difference and its bootstrap CI."""
-
-    model_config = ConfigDict(frozen=True)
-
-    version: str
-    reference: str
-    prompts: int
-    delta: float
-    low: float
-    high: float
-
-    def line(self) -> str:
-        return f"{self.delta:+.3f} (95% CI {self.low:+.3f}..{self.high:+.3f}) vs {self.reference}"
-
-
 def heldout_prompts(settings: Settings, path: Path | None = None) -> list[EvalPrompt]:
     """The held-out prompts with ground truth (module docstring), in key order, at most `evaluation.max_prompts`.
     `path`: every prompt with ground truth of that file instead (its owner vouches that none was trained on)."""
-    from dynrubric.train.plan import heldout_bucket
-
     source = path or settings.evaluation.prompts_file or default_prompts_file()
     chosen = []
     for p in read_prompt_file(source):
@@ -229,20 +211,20 @@ def evaluate_versions(
 
 def round_evidence(
     settings: Settings, engine: Engine, candidate: tuple[str, Path], parent: tuple[str, Path], base: tuple[str, Path]
-) -> dict[str, Any]:
+) -> TruthEvidence:
     """A round's ground-truth evidence (eval.json's `groundtruth`): pass rates of the candidate, its parent and
     the base, and the candidate's paired differences from both."""
     outcomes = evaluate_versions(settings, engine, list(dict.fromkeys([candidate, parent, base])))
     e = settings.evaluation
     new = outcomes[candidate[0]]
-    return {
-        "version": candidate[0],
-        "prompts": len(new.passed),
-        "pass": {v: o.pass_rate() for v, o in outcomes.items()},
-        "pass_by_kind": {v: o.by_kind() for v, o in outcomes.items()},
-        "vs_parent": compare(new, outcomes[parent[0]], e.bootstrap_samples, e.confidence).model_dump(),
-        "vs_base": compare(new, outcomes[base[0]], e.bootstrap_samples, e.confidence).model_dump(),
-    }
+    return TruthEvidence(
+        version=candidate[0],
+        prompts=len(new.passed),
+        pass_rate={v: o.pass_rate() for v, o in outcomes.items()},
+        pass_rate_by_kind={v: o.by_kind() for v, o in outcomes.items()},
+        vs_parent=compare(new, outcomes[parent[0]], e.bootstrap_samples, e.confidence),
+        vs_base=compare(new, outcomes[base[0]], e.bootstrap_samples, e.confidence),
+    )
 
 
 def ground_truth_rates(settings: Settings, versions: Sequence[str]) -> dict[str, float | None]:

@@ -44,6 +44,11 @@ def make_prompt(messages: Sequence[tuple[str, str]] | str) -> TrainPrompt:
     return TrainPrompt(key=prompt_key(msgs), messages=msgs)
 
 
+def heldout_bucket(key: str) -> float:
+    """Where a prompt key falls in [0, 1): prompts below `train.heldout_share` are held out, never trained."""
+    return int(key[:8], 16) / 16**8
+
+
 @runtime_checkable
 class PromptSource(Protocol):
     def new_prompts(self, since_watermark: str | None, limit: int) -> tuple[list[TrainPrompt], str | None]:

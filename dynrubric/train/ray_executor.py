@@ -28,9 +28,15 @@ from dynrubric.config import Settings
 from dynrubric.engines.base import Completion, Engine, GenerationRequest
 from dynrubric.ray_cluster import connect, use_cores
 from dynrubric.rubric.evaluator import Evaluator
-from dynrubric.train.executor import Judges
-from dynrubric.train.judging import ScoreChunk, ScoredChunk, score_chunk
-from dynrubric.train.step import EngineFactory, Trainers, TrainerSpec
+from dynrubric.train.executor import (
+    EngineFactory,
+    Judges,
+    ScoreChunk,
+    ScoredChunk,
+    Trainers,
+    TrainerSpec,
+    score_chunk,
+)
 
 #: what a dead worker looks like to the driver: its actor died or cannot be reached (actors here are
 #: never restarted, so an unreachable one is gone), its node died, or its process crashed

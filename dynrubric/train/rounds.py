@@ -1,7 +1,13 @@
-"""One training round, resumable: prompts -> candidate sets -> rubric scores -> GRPO -> guards -> registry.
+"""One training round, top to bottom: plan -> steps (candidates, rubric scores, GRPO) -> evaluation -> guards
+-> registry, resumable at every step.
 
-The round's plan and the run's state are train/plan.py, a step's work train/step.py, the evaluation
-and the guards' verdict train/round_verdict.py; this module runs them in order and publishes the results.
+Read in this order: `RoundRunner.run` retries a round when a worker dies; `_Round.run` plans the round,
+runs its steps (`policy_step`, `generator_step`), publishes each, evaluates the candidate
+(`evaluate_candidate`), applies the guards (`round_verdict`) and writes the summary. `RunState` answers
+what the round builds on and writes its plan; `RoundModels` holds what a round trains and judges with.
+Where the workers run (this process, Ray actors) is train/executor.py and train/ray_executor.py; the
+losses train/grpo.py, the generator's rewards train/coevolve.py, the guards' checks train/guards.py, the
+ground-truth evaluation train/policy_eval.py.
 
 A round is a fixed plan of steps, written before the first step (`plan.json`: parent version, the
 prompts taken since the last watermark, the held-out prompts, policy/generator phase of each step).
@@ -11,6 +17,10 @@ round from the newest published step with exactly the state it had, so no update
 (AdamW's own step counter, saved with it, proves it). Evaluation is saved as `eval.json`, the
 checkpoint is registered under a deterministic version id (registration is idempotent), and
 `summary.json` is written last: a round with a summary is complete and is never run again.
+
+Every draw of a round has its own seed, `round_seed(train.seed, round, purpose, step, i)` (dynrubric/seeds.py):
+the candidates and the anchors of each step, each judging chunk, the generator's rubrics, the held-out
+evaluation. A resumed step draws exactly what the interrupted one drew.
 
 Layout under `train.run_dir` (default `<state_dir>/train`):
 
@@ -32,35 +42,274 @@ import json
 import random
 import shutil
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from dynrubric import atomic
-from dynrubric.config import Settings
+from dynrubric import atomic, modelcache
+from dynrubric.config import Settings, TrainConfig
+from dynrubric.engines.base import Completion, Engine, GenerationRequest, SamplingParams
 from dynrubric.errors import DynrubricError
-from dynrubric.registry import CheckpointState, Registry
-from dynrubric.rubric.evaluator import EvaluatorMetrics
-from dynrubric.train.coevolve import RankedAnchors, feedback_ranking, lineage_ages, read_anchor_file, temporal_anchors
-from dynrubric.train.executor import Executor, InProcess
-from dynrubric.train.plan import (
-    COLLAPSE,
-    EVAL,
-    SUMMARY,
-    RunState,
-    prompts_of,
-    read_json,
-    write_json,
+from dynrubric.registry import Checkpoint, CheckpointState, Registry
+from dynrubric.rubric.evaluator import Evaluator, EvaluatorMetrics, ScoredSet
+from dynrubric.rubric.gaps import CollapseDetector
+from dynrubric.rubric.generate import RUBRIC_SCHEMA_JSON, GenerationCounts
+from dynrubric.seeds import RoundPurpose, round_seed
+from dynrubric.train import guards
+from dynrubric.train.coevolve import (
+    RankedAnchors,
+    feedback_ranking,
+    generator_groups,
+    lineage_ages,
+    read_anchor_file,
+    sampled_response,
+    temporal_anchors,
 )
-from dynrubric.train.prompts import PromptSource, TrainPrompt
-from dynrubric.train.round_verdict import evaluate_round, round_verdict
-from dynrubric.train.seeds import round_seed
-from dynrubric.train.step import EngineFactory, RoundModels, generator_step, policy_step
+from dynrubric.train.executor import EngineFactory, Executor, InProcess, ScoreChunk, TrainerSpec
+from dynrubric.train.prompts import (
+    PromptSource,
+    ResponseHistory,
+    TrainPrompt,
+    heldout_bucket,
+    read_prompt_file,
+)
+from dynrubric.train.records import (
+    Collapse,
+    Evaluation,
+    Fallbacks,
+    GeneratorStep,
+    Guard,
+    OpenRLHFSummary,
+    PolicyStep,
+    RoundSummary,
+    RunLogFile,
+    SetScores,
+    WorkerFailureLine,
+    read_record,
+    read_steps,
+    read_summary,
+    round_line,
+    step_line,
+    write_record,
+    write_steps,
+)
 
 EngineRole = Literal["policy", "generator", "verifier"]  # EngineConfig.url_for's roles
+PLAN, SUMMARY, EVAL, COLLAPSE, HISTORY = "plan.json", "summary.json", "eval.json", "collapse.json", "history.json"
+GUARDED = "guard"  # metrics key: "accepted" on a candidate whose round passed the guards
+
+
+# ==================================================================== the run's state and a round's plan
+def is_accepted(ckpt: Checkpoint) -> bool:
+    if ckpt.state in (CheckpointState.canary, CheckpointState.stable):
+        return True
+    return ckpt.state == CheckpointState.candidate and ckpt.metrics.get(GUARDED) == "accepted"
+
+
+def run_dir_of(settings: Settings) -> Path:
+    return settings.train_run_dir()
+
+
+def response_history(settings: Settings) -> ResponseHistory:
+    """The trainer's own log of sampled responses (the JSONL prompt source's temporal-contrast anchors)."""
+    return ResponseHistory(run_dir_of(settings) / "rollouts.jsonl")
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def write_json(path: Path, data: Any) -> None:
+    atomic.write_text(path, json.dumps(data, indent=2, allow_nan=False, default=float))
+
+
+def prompts_of(records: Sequence[dict[str, Any]]) -> list[TrainPrompt]:
+    return [TrainPrompt(key=r["key"], messages=tuple((m[0], m[1]) for m in r["messages"])) for r in records]
+
+
+class RunState:
+    """The run's rounds on disk and in the registry: which round is next, what it builds on, its plan.
+    `heldout`, when given, replaces the configured held-out prompts. Without a prompt `source` it only
+    answers which round is next and registers the base version."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        source: PromptSource | None,
+        heldout: Sequence[TrainPrompt] | None = None,
+    ):
+        self.settings = settings
+        self.cfg = settings.train
+        self.registry = registry
+        self.source = source
+        self.heldout_override = list(heldout) if heldout is not None else None
+        self.run_dir = run_dir_of(settings)
+        self.runlog = RunLogFile(self.run_dir / "runlog.jsonl")
+        self.rollouts = response_history(settings)
+
+    def prompt_source(self) -> PromptSource:
+        assert self.source is not None, "this run state was built without a prompt source"
+        return self.source
+
+    def round_dir(self, round_id: int) -> Path:
+        return self.run_dir / "rounds" / f"{round_id:04d}"
+
+    def completed_rounds(self) -> list[int]:
+        rounds = self.run_dir / "rounds"
+        if not rounds.is_dir():
+            return []
+        return sorted(int(d.name) for d in rounds.iterdir() if d.name.isdigit() and (d / SUMMARY).is_file())
+
+    def last_summary(self) -> RoundSummary | OpenRLHFSummary | None:
+        done = self.completed_rounds()
+        return read_summary(self.round_dir(done[-1]) / SUMMARY) if done else None
+
+    def next_round(self) -> int:
+        rounds = self.run_dir / "rounds"
+        started = sorted(int(d.name) for d in rounds.iterdir() if d.name.isdigit()) if rounds.is_dir() else []
+        done = set(self.completed_rounds())
+        unfinished = [r for r in started if r not in done]
+        return unfinished[0] if unfinished else (max(done) + 1 if done else 1)
+
+    def ensure_base(self) -> Checkpoint:
+        """The registry's first version: the configured policy model, registered stable as `base`."""
+        existing = self.registry.list()
+        if existing:
+            return existing[0]
+        from dynrubric import modelcache
+
+        model_dir = modelcache.resolve(self.settings.paths.resolved_home(), self.settings.models.policy)
+        ckpt = self.registry.register(model_dir, parent=None, round=None, metrics={}, version="base")
+        return self.registry.promote(ckpt.version)
+
+    def head(self) -> Checkpoint:
+        """The newest ACCEPTED version, what the next round builds on: one a person promoted (canary,
+        stable), or a candidate whose round passed the guards. A candidate registered without them
+        (by hand) is not built on until promoted."""
+        self.ensure_base()
+        accepted = [c for c in self.registry.list() if is_accepted(c)]
+        if not accepted:
+            raise DynrubricError(
+                "the registry has no accepted checkpoint to train from (all rejected, retired or unguarded)",
+                "promote a version with `dynrubric registry promote VERSION`",
+            )
+        return accepted[-1]
+
+    def generator_dir(self) -> Path:
+        """The generator's weights as the last accepted round left them (two-model mode)."""
+        current = self.run_dir / "generator"
+        if (current / "model" / "config.json").is_file():
+            return current / "model"
+        from dynrubric import modelcache
+
+        return modelcache.resolve(self.settings.paths.resolved_home(), self.settings.models.generator)
+
+    def base_of(self, ckpt: Checkpoint) -> Checkpoint:
+        """The root of `ckpt`'s lineage: the model all drift is measured from."""
+        seen = {ckpt.version}
+        while ckpt.parent is not None and ckpt.parent not in seen:
+            ckpt = self.registry.get(ckpt.parent)
+            seen.add(ckpt.version)
+        return ckpt
+
+    # ------------------------------------------------------------ plan
+    def schedule(self, round_id: int, steps: int, refresh: bool) -> list[str]:
+        """The phase of each of a round's steps: `k_alt` policy steps, then `k_alt_generator` generator steps,
+        and again, counted across rounds; after a collapse, a generator phase first."""
+        co = self.cfg.coevolve
+        if not co.enabled:
+            return ["policy"] * steps
+        n_policy, n_generator = co.k_alt, co.k_alt_generator or co.k_alt
+
+        def phase(g: int) -> str:
+            return "policy" if g % (n_policy + n_generator) < n_policy else "generator"
+
+        if refresh:  # collapse-triggered: a generator phase first, then the usual alternation
+            first = min(n_generator, steps)
+            return ["generator"] * first + [phase(s) for s in range(steps - first)]
+        offset = (round_id - 1) * steps
+        return [phase(offset + s) for s in range(steps)]
+
+    def make_plan(self, round_id: int) -> dict[str, Any]:
+        path = self.round_dir(round_id) / PLAN
+        if path.is_file():
+            plan: dict[str, Any] = read_json(path)
+            return plan
+        parent = self.head()
+        last = self.last_summary()
+        watermark = last.watermark_after if last else None
+        prompts, watermark_after = self.prompt_source().new_prompts(watermark, self.cfg.max_prompts_per_round)
+        if not prompts:
+            raise DynrubricError(
+                f"no new prompts since watermark {watermark!r} for round {round_id}",
+                "add prompts to the replay store / prompt file, then run the round again",
+            )
+        prompts, heldout = self.split_heldout(prompts)
+        if not prompts:
+            raise DynrubricError(
+                f"round {round_id}: every new prompt is held out, none is left to train on",
+                "add prompts, or set train.heldout_file to a separate held-out set",
+            )
+        refresh = None
+        if last and last.collapse.fired and self.cfg.coevolve.enabled:
+            refresh = f"collapse detected in round {last.round}: starting with a generator phase"
+        plan = {
+            "round": round_id,
+            "parent": parent.version,
+            "version": f"{self.cfg.version_prefix}{round_id}",
+            "prompts": [{"key": p.key, "messages": p.messages} for p in prompts],
+            "heldout": [{"key": p.key, "messages": p.messages} for p in heldout],
+            "watermark_before": watermark,
+            "watermark_after": watermark_after,
+            "schedule": self.schedule(round_id, self.cfg.steps_per_round, refresh is not None),
+            "refresh": refresh,
+            "started_at": time.time(),
+        }
+        write_json(path, plan)
+        return plan
+
+    def split_heldout(self, prompts: list[TrainPrompt]) -> tuple[list[TrainPrompt], list[TrainPrompt]]:
+        """(training prompts, held-out prompts), disjoint. The held-out set is `train.heldout_file`, or
+        the prompts whose key falls under `train.heldout_share` (a deterministic split by prompt key),
+        gathered across rounds: the last round's held-out set, then this round's held-out prompts. With
+        none yet, the new prompt lowest in that order is held out. Held-out prompts are never trained."""
+        n = self.cfg.heldout_prompts
+        if self.heldout_override is not None:
+            held = self.heldout_override
+        elif self.cfg.heldout_file:
+            held = read_prompt_file(self.cfg.heldout_file)
+        else:
+            plans = [self.round_dir(r) / PLAN for r in self.completed_rounds() if (self.round_dir(r) / PLAN).is_file()]
+            held = prompts_of(read_json(plans[-1])["heldout"]) if plans else []
+            held += [p for p in prompts if heldout_bucket(p.key) < self.cfg.heldout_share]
+            if not held and prompts:
+                held = [min(prompts, key=lambda p: heldout_bucket(p.key))]
+        keys = {p.key for p in held}
+        unique = list({p.key: p for p in held}.values())
+        return [p for p in prompts if p.key not in keys], unique[:n]
+
+
+# ==================================================================== rounds, retried when a worker dies
+class Progress(Protocol):
+    """What a round reports as it goes (the CLI's rich bars implement it)."""
+
+    def start(self, phase: str, total: int) -> None: ...
+
+    def advance(self, phase: str, n: int) -> None: ...
+
+
+class Quiet:
+    """A `Progress` that reports nothing (tests, benchmarks)."""
+
+    def start(self, phase: str, total: int) -> None:
+        """Nothing to draw."""
+
+    def advance(self, phase: str, n: int) -> None:
+        """Nothing to draw."""
 
 
 def check_frozen_judges(settings: Settings) -> None:
@@ -134,16 +383,8 @@ class TrainMetrics:
             self.guard_rejections.labels(reason=reason)
 
 
-@dataclass
-class Progress:
-    """What a round reports as it goes (the CLI draws rich bars from it; tests pass nothing)."""
-
-    start: Callable[[str, int], None] = lambda phase, total: None
-    advance: Callable[[str, int], None] = lambda phase, n: None
-
-
 class RoundRunner(RunState):
-    """Runs (or resumes) rounds over the run's state (plan.py), with engines from `engines`."""
+    """Runs (or resumes) rounds over the run's state (`RunState`), with engines from `engines`."""
 
     def __init__(
         self,
@@ -160,18 +401,23 @@ class RoundRunner(RunState):
         self.engines = engines
         self.metrics_registry = metrics or CollectorRegistry()
         self.metrics = TrainMetrics(self.metrics_registry)
-        self.progress = progress or Progress()
+        self.progress: Progress = progress or Quiet()
         self.evaluator_metrics = EvaluatorMetrics(self.metrics_registry)
         self.executor: Executor | None = None
 
-    def run(self, round_id: int | None = None) -> dict[str, Any]:
+    def run(self, round_id: int | None = None) -> RoundSummary:
         """Run (or resume) a round. When one of its workers dies (a Ray actor or node), every worker is
         dropped and the round resumes from its last published step, up to `ray.max_restarts` times;
         each such failure is a run-log record and a counted metric."""
         round_id = self.next_round() if round_id is None else round_id
         done = self.round_dir(round_id) / SUMMARY
         if done.is_file():
-            summary: dict[str, Any] = read_json(done)
+            summary = read_summary(done)
+            if isinstance(summary, OpenRLHFSummary):
+                raise DynrubricError(
+                    f"round {round_id} is complete: OpenRLHF trained it ({done})",
+                    "run the next round (leave out --round)",
+                )
             return summary
         failures = 0
         while True:
@@ -186,14 +432,13 @@ class RoundRunner(RunState):
                 self.metrics.worker_failures.inc()
                 self.runlog.append(
                     [
-                        {
-                            "key": f"round/{round_id}/worker-failure/{time.time_ns()}",
-                            "kind": "worker_failure",
-                            "round": round_id,
-                            "time": time.time(),
-                            "error": f"{type(e).__name__}: {str(e)[:500]}",
-                            "resumed": failures <= self.settings.ray.max_restarts,
-                        }
+                        WorkerFailureLine(
+                            key=f"round/{round_id}/worker-failure/{time.time_ns()}",
+                            round=round_id,
+                            time=time.time(),
+                            error=f"{type(e).__name__}: {str(e)[:500]}",
+                            resumed=failures <= self.settings.ray.max_restarts,
+                        )
                     ]
                 )
                 if failures > self.settings.ray.max_restarts:
@@ -223,6 +468,7 @@ def make_executor(settings: Settings, engines: EngineFactory) -> Executor:
     return InProcess(settings, engines)
 
 
+# ==================================================================== one round
 class _Round:
     """One round while it runs: its plan, its models, the steps it publishes."""
 
@@ -248,12 +494,49 @@ class _Round:
         self.models: RoundModels | None = None
         self.collapse_fired = False  # a policy step's collapse detector fired this round (run() resets it)
 
-    def loaded(self) -> RoundModels:
-        """The round's models, once `setup` has loaded them."""
-        assert self.models is not None, "setup() loads the round's models first"
-        return self.models
+    def run(self) -> RoundSummary:
+        """The round from its newest published step (or its plan) to its summary."""
+        started = time.time()
+        self.collapse_fired = False
+        try:
+            t0 = time.perf_counter()
+            self.setup()
+            self.clock = {"setup": time.perf_counter() - t0, "checkpoints": 0.0}
+            self.log_steps()
+            schedule = self.plan["schedule"]
+            first = len(self.history)
+            self.progress.start(f"round {self.id}", len(schedule))
+            self.progress.advance(f"round {self.id}", first)
+            for step in range(first, len(schedule)):
+                phase = schedule[step]
+                record: PolicyStep | GeneratorStep
+                if phase == "policy":
+                    self.progress.start("score sets", self.cfg.prompts_per_step)
+                    record = self.policy_step(step)
+                else:
+                    record = self.generator_step(step)
+                t0 = time.perf_counter()
+                self.publish_step(step, record)
+                self.clock["checkpoints"] += time.perf_counter() - t0
+                self.log_steps()
+                self.record_metrics(record)
+                self.progress.advance(f"round {self.id}", 1)
+            unchanged = self.unchanged()
+            if unchanged is not None:  # nothing to roll out: no evaluation, no registration
+                self.clock |= {"evaluate": 0.0, "guard": 0.0}
+                return self.finish_unregistered(unchanged, started)
+            self.progress.start("evaluate", 1)
+            t0 = time.perf_counter()
+            evaluation = self.evaluate()
+            self.clock["evaluate"] = time.perf_counter() - t0
+            self.progress.advance("evaluate", 1)
+            return self.finish(evaluation, started)
+        finally:
+            self.close()
 
+    # ---------------------------------------------------------------- setup
     def setup(self) -> None:
+        """The round's plan (written now if new), its step history so far, its models and anchors."""
         self.plan = self.state.make_plan(self.id)
         self.prompts = prompts_of(self.plan["prompts"])
         self.heldout = prompts_of(self.plan["heldout"])
@@ -261,7 +544,7 @@ class _Round:
         self.version = self.plan["version"]
         self.single = self.cfg.coevolve.single_model
         latest = self.latest_step()
-        self.history: list[dict[str, Any]] = read_json(latest / "history.json") if latest else []
+        self.history: list[PolicyStep | GeneratorStep] = read_steps(latest / HISTORY) if latest else []
         self.models = RoundModels(
             self.settings,
             self.executor,
@@ -286,6 +569,11 @@ class _Round:
                 "set train.coevolve.anchors_file to a JSONL of ranked responses",
             )
 
+    def loaded(self) -> RoundModels:
+        """The round's models, once `setup` has loaded them."""
+        assert self.models is not None, "setup() loads the round's models first"
+        return self.models
+
     def latest_step(self) -> Path | None:
         if not self.steps_dir.is_dir():
             return None
@@ -297,12 +585,135 @@ class _Round:
             self.models.close()
 
     # ---------------------------------------------------------------- steps
-    def seed(self, purpose: str, step: int, i: int = 0) -> int:
+    def seed(self, purpose: RoundPurpose, step: int, i: int = 0) -> int:
+        """The seed of one draw of this round (dynrubric/seeds.py)."""
         return round_seed(self.cfg.seed, self.id, purpose, step, i)
 
     def batch(self, step: int, n: int) -> list[TrainPrompt]:
         start = step * n
         return [self.prompts[(start + i) % len(self.prompts)] for i in range(n)]
+
+    def policy_step(self, step: int) -> PolicyStep:
+        """One GRPO batch of the policy: K candidates per prompt, each set scored under one rubric (judging
+        chunk j drawn with seed `("judging", step, j)`), the update. Returns the step's record; the sampled
+        responses go to the rollouts log (the temporal-contrast anchors of later rounds)."""
+        from dynrubric.train.grpo import CandidateSet
+
+        started = time.time()
+        cfg = self.cfg
+        models = self.loaded()
+        prompts = self.batch(step, cfg.prompts_per_step)
+        tok = models.policy_engine.tokenizer
+        t0 = time.perf_counter()
+        texts, outs = sample_sets(
+            self.settings, models.policy_engine, prompts, cfg.candidates, self.seed("candidates", step)
+        )
+        responses = [[c.text for c in cs] for cs in outs]
+        t1 = time.perf_counter()
+        n = len(prompts)
+        size = -(-n // min(cfg.judge_chunks, n))
+        chunks = [
+            ScoreChunk(
+                [p.question for p in prompts[i : i + size]], responses[i : i + size], self.seed("judging", step, j)
+            )
+            for j, i in enumerate(range(0, n, size))
+        ]
+        scored, counts, judging = models.score(chunks, self.progress)
+        t2 = time.perf_counter()
+        groups = []
+        for text, cs, sc in zip(texts, outs, scored, strict=True):
+            prompt_ids = tuple(tok.encode(text, add_special_tokens=False))
+            # an untrusted set (a known-bad anchor outranks a candidate) teaches nothing: zero advantage
+            untrusted = None if sc.trusted else tuple(0.0 for _ in cs)
+            groups.append(
+                CandidateSet(
+                    tuple(sampled_response(prompt_ids, c, tok) for c in cs),
+                    tuple(sc.scores),
+                    advantages=untrusted,
+                    temperature=cfg.temperature,
+                )
+            )
+        stats = models.trainers.step("policy", groups)
+        self.collapse_fired = self.collapse_fired or models.collapse.collapsed
+        self.state.rollouts.append(
+            [(p.key, self.parent.version, rs) for p, rs in zip(prompts, responses, strict=True)],
+            origin=f"round/{self.id}/step/{step}",
+        )
+        return PolicyStep(
+            step=step,
+            time=started,
+            # candidates, their rubrics and verdicts, the update; rubrics + verdicts is the judging's wall time
+            stage_seconds={"candidates": t1 - t0, **judging, "update": time.perf_counter() - t2},
+            **stats,
+            mean_gap=sum(s.gaps.mean_abs_gap for s in scored) / n,
+            tie_rate=sum(s.gaps.tie_rate for s in scored) / n,
+            nonsplit_share=sum(s.gaps.nonsplit_share for s in scored) / n,
+            untrusted_sets=sum(not s.trusted for s in scored),
+            # per set, so that the trust rule can be checked from the run log: candidates' and anchors' scores
+            set_scores=[
+                SetScores(
+                    scores=s.scores,
+                    anchor_scores=s.anchor_scores,
+                    trusted=s.trusted,
+                    overruled_items=s.overruled_items,
+                )
+                for s in scored
+            ],
+            rubric_sources={
+                src: sum(s.rubric_source == src for s in scored) for src in ("set", "prompt_only", "generic")
+            },
+            fallbacks=Fallbacks(
+                parse_failures=counts.parse_failures,
+                prompt_only=counts.prompt_only_fallbacks,
+                generic=counts.generic_fallbacks,
+                hard_verdict=sum(s.hard_verdict_fallbacks for s in scored),
+            ),
+            collapse=models.collapse.collapsed,
+        )
+
+    def generator_step(self, step: int) -> GeneratorStep:
+        """One GRPO batch of the rubric generator over candidate sets of the step's prompts (train/coevolve.py):
+        rubrics sampled for each set, rewarded by how well they rank the set against its anchors."""
+        started = time.time()
+        settings, co = self.settings, self.cfg.coevolve
+        models = self.loaded()
+        evaluator = models.evaluator
+        prompts = self.batch(step, co.sets_per_step)
+        t0 = time.perf_counter()
+        _, outs = sample_sets(
+            settings, models.policy_engine, prompts, self.cfg.candidates, self.seed("candidates", step)
+        )
+        t1 = time.perf_counter()
+        responses = [[c.text for c in cs] for cs in outs]
+        rng = random.Random(self.seed("anchors", step))
+        anchors = [self.anchors_for(p, rs, rng) for p, rs in zip(prompts, responses, strict=True)]
+        groups, gstats = generator_groups(
+            models.generator_engine,
+            evaluator.rubric_generator.set_prompt,
+            # the verdicts the evaluator scores with: checks run, verifier de-biased by the anchors
+            lambda q, rs, rubric: evaluator.judge(q, rubric, rs).verdicts,
+            evaluator.apply_rubric,
+            list(zip(prompts, responses, strict=True)),
+            anchors,
+            co,
+            settings.rubric.max_items,
+            settings.rubric.generator_temperature,
+            settings.rubric.eps,
+            self.seed("rubrics", step),
+            RUBRIC_SCHEMA_JSON if settings.rubric.constrained else None,
+        )
+        t2 = time.perf_counter()
+        stats = models.trainers.step("generator", groups)
+        # the generator's rubrics: sampled for the candidate sets, judged and rewarded (t1..t2)
+        return GeneratorStep.model_validate(
+            {
+                "step": step,
+                "time": started,
+                "stage_seconds": {"candidates": t1 - t0, "rubrics": t2 - t1, "update": time.perf_counter() - t2},
+                **stats,
+                **{f"gen_{k}": v for k, v in gstats.as_dict().items()},
+            }
+        )
 
     def anchors_for(self, prompt: TrainPrompt, current: Sequence[str], rng: random.Random) -> RankedAnchors | None:
         """The ranked anchors of `train.coevolve.anchors` (coevolve.py) for a prompt, or None."""
@@ -327,38 +738,14 @@ class _Round:
         )
         return RankedAnchors(ranked, "temporal") if ranked else None
 
-    def step(self, step: int, phase: str) -> dict[str, Any]:
-        if phase == "generator":
-            return generator_step(
-                self.settings,
-                self.loaded(),
-                self.batch(step, self.cfg.coevolve.sets_per_step),
-                self.seed("candidates", step),
-                self.anchors_for,
-                lambda purpose: self.seed(purpose, step),
-            )
-        prompts = self.batch(step, self.cfg.prompts_per_step)
-        record, responses = policy_step(
-            self.settings,
-            self.loaded(),
-            prompts,
-            self.seed("candidates", step),
-            lambda j: self.seed("judging", step, j),
-            lambda n: self.progress.advance("score sets", n),
-        )
-        self.collapse_fired = self.collapse_fired or self.loaded().collapse.collapsed
-        self.state.rollouts.append(
-            [(p.key, self.parent.version, rs) for p, rs in zip(prompts, responses, strict=True)],
-            origin=f"round/{self.id}/step/{step}",
-        )
-        return record
-
-    def publish_step(self, step: int, record: dict[str, Any]) -> None:
+    def publish_step(self, step: int, record: PolicyStep | GeneratorStep) -> None:
+        """The step's weights, optimiser state, history and collapse window as ONE atomic directory; the
+        engines then serve the published weights."""
         self.history.append(record)
         target = self.steps_dir / f"{step:04d}"
         with atomic.directory(target) as tmp:
             self.loaded().save(tmp)
-            (tmp / "history.json").write_text(json.dumps(self.history, allow_nan=False, default=float))
+            write_steps(tmp / HISTORY, self.history)
             (tmp / COLLAPSE).write_text(json.dumps(self.loaded().collapse.state()))
         for old in self.steps_dir.iterdir():
             if old.name.isdigit() and old.name < target.name:
@@ -366,17 +753,48 @@ class _Round:
         self.loaded().load_published(target, self.version, step)
 
     def log_steps(self) -> None:
-        self.state.runlog.append(
-            [{"key": f"round/{self.id}/step/{h['step']}", "kind": "step", "round": self.id, **h} for h in self.history]
-        )
+        self.state.runlog.append([step_line(self.id, h) for h in self.history])
 
-    # ---------------------------------------------------------------- evaluation
-    def evaluate(self) -> dict[str, Any]:
+    def record_metrics(self, record: PolicyStep | GeneratorStep) -> None:
+        """A published step's gauges and counters (monitoring/README.md)."""
+        if isinstance(record, PolicyStep):
+            self.metrics.reward_mean.set(record.reward_mean)
+            self.metrics.kl.set(record.kl)
+            self.metrics.no_gradient_sets.inc(record.no_gradient_sets)
+            if record.sampler_log_ratio is not None:  # the sampling engine returned log-probs
+                self.metrics.sampler_log_ratio.set(record.sampler_log_ratio)
+                self.metrics.sampler_capped.set(record.sampler_capped or 0.0)
+        elif record.gen_judge_user_agreement is not None:
+            self.metrics.judge_user_agreement.set(record.gen_judge_user_agreement)
+
+    # ---------------------------------------------------------------- evaluation, guards, registration
+    def unchanged(self) -> str | None:
+        """Why the round has no new policy to register, or None: no policy step applied an update (every set
+        tied or untrusted), or the final weights are byte for byte the parent's."""
+        from dynrubric.registry import weights_sha256
+
+        policy = [h for h in self.history if isinstance(h, PolicyStep)]
+        if not any(h.updated for h in policy):
+            tied = sum(h.no_gradient_sets for h in policy)
+            return (
+                f"no policy update in {len(policy)} policy step(s) ({tied} of "
+                f"{sum(h.sets for h in policy)} sets tied or untrusted): nothing to roll out"
+            )
+        final = self.latest_step()
+        if final is not None and weights_sha256(final / "policy" / "model") == self.parent.weights_sha256:
+            return "the trained weights equal the parent's (same sha256): nothing to roll out"
+        return None
+
+    def evaluate(self) -> Evaluation:
+        """The guards' evidence (`evaluate_candidate`), gathered once: a round resumed after its evaluation
+        reads it back from eval.json."""
+        path = self.dir / EVAL
+        if path.is_file():
+            return read_record(path, Evaluation)
         final = self.latest_step()
         m = self.loaded()
-        return evaluate_round(
-            self.dir / EVAL,
-            settings=self.settings,
+        evaluation = evaluate_candidate(
+            self.settings,
             candidate_dir=final / "policy" / "model" if final else self.parent.path,
             candidate_version=self.version,
             candidate_model=m.trainers.candidate_model,
@@ -390,99 +808,18 @@ class _Round:
             pad_id=m.trainers.pad_token_id,
             seed=self.seed("heldout", 0),
         )
+        write_record(path, evaluation)
+        return evaluation
 
-    # ---------------------------------------------------------------- run
-    def run(self) -> dict[str, Any]:
-        started = time.time()
-        self.collapse_fired = False
-        try:
-            t0 = time.perf_counter()
-            self.setup()
-            self.clock = {"setup": time.perf_counter() - t0, "checkpoints": 0.0}
-            self.log_steps()
-            schedule = self.plan["schedule"]
-            first = len(self.history)
-            self.progress.start(f"round {self.id}", len(schedule))
-            self.progress.advance(f"round {self.id}", first)
-            for step in range(first, len(schedule)):
-                phase = schedule[step]
-                if phase == "policy":
-                    self.progress.start("score sets", self.cfg.prompts_per_step)
-                record = {"step": step, "phase": phase, "time": time.time(), **self.step(step, phase)}
-                t0 = time.perf_counter()
-                self.publish_step(step, record)
-                self.clock["checkpoints"] += time.perf_counter() - t0
-                self.log_steps()
-                if phase == "policy":
-                    self.metrics.reward_mean.set(record["reward_mean"])
-                    self.metrics.kl.set(record["kl"])
-                    self.metrics.no_gradient_sets.inc(record["no_gradient_sets"])
-                    if record.get("sampler_log_ratio") is not None:  # the sampling engine returned log-probs
-                        self.metrics.sampler_log_ratio.set(record["sampler_log_ratio"])
-                        self.metrics.sampler_capped.set(record["sampler_capped"])
-                elif record.get("gen_judge_user_agreement") is not None:
-                    self.metrics.judge_user_agreement.set(record["gen_judge_user_agreement"])
-                self.progress.advance(f"round {self.id}", 1)
-            unchanged = self.unchanged()
-            if unchanged is not None:  # nothing to roll out: no evaluation, no registration
-                self.clock |= {"evaluate": 0.0, "guard": 0.0}
-                return self.finish_unregistered(unchanged, started)
-            self.progress.start("evaluate", 1)
-            t0 = time.perf_counter()
-            evaluation = self.evaluate()
-            self.clock["evaluate"] = time.perf_counter() - t0
-            self.progress.advance("evaluate", 1)
-            return self.finish(evaluation, started)
-        finally:
-            self.close()
-
-    def stage_seconds(self) -> dict[str, float]:
-        """Where the round's time went, in the order it is spent. The steps' stages cover all the round's
-        steps (a resumed round's earlier ones too); setup (models, engines, actors), checkpoints (each
-        step published: weights saved, engines reloaded), the held-out evaluation and the guard
-        (verdict, registration) are this run's."""
-
-        def steps(phase: str, stage: str) -> float:
-            return sum((h.get("stage_seconds", {}).get(stage, 0.0) for h in self.history if h["phase"] == phase), 0.0)
-
-        return {
-            "setup": self.clock["setup"],
-            "candidates": steps("policy", "candidates") + steps("generator", "candidates"),
-            "rubrics": steps("policy", "rubrics"),
-            "verdicts": steps("policy", "verdicts"),
-            "policy_update": steps("policy", "update"),
-            "generator_rubrics": steps("generator", "rubrics"),
-            "generator_update": steps("generator", "update"),
-            "checkpoints": self.clock["checkpoints"],
-            "evaluate": self.clock["evaluate"],
-            "guard": self.clock["guard"],
-        }
-
-    def unchanged(self) -> str | None:
-        """Why the round has no new policy to register, or None: no policy step applied an update (every set
-        tied or untrusted), or the final weights are byte for byte the parent's."""
-        from dynrubric.registry import weights_sha256
-
-        policy = [h for h in self.history if h["phase"] == "policy"]
-        if not any(h["updated"] for h in policy):
-            tied = sum(h["no_gradient_sets"] for h in policy)
-            return (
-                f"no policy update in {len(policy)} policy step(s) ({tied} of "
-                f"{sum(h['sets'] for h in policy)} sets tied or untrusted): nothing to roll out"
-            )
-        final = self.latest_step()
-        if final is not None and weights_sha256(final / "policy" / "model") == self.parent.weights_sha256:
-            return "the trained weights equal the parent's (same sha256): nothing to roll out"
-        return None
-
-    def finish_unregistered(self, why: str, started: float) -> dict[str, Any]:
+    def finish_unregistered(self, why: str, started: float) -> RoundSummary:
         """A round that registers nothing (`unchanged`): the next round builds on the same parent. The
         generator's step, if any, is kept as in an accepted round: it changed no served weights."""
         self.keep_generator()
-        guard = {"accepted": False, "reason": "no_update", "detail": why}
-        return self.publish(self.summary(None, "unregistered", guard, {}, {}, started))
+        guard = Guard(accepted=False, reason="no_update", detail=why)
+        return self.publish(self.summary(None, "unregistered", guard, {}, None, started))
 
-    def finish(self, evaluation: dict[str, Any], started: float) -> dict[str, Any]:
+    def finish(self, evaluation: Evaluation, started: float) -> RoundSummary:
+        """The guards' verdict on the evidence; the candidate registered (candidate or rejected) with its metrics."""
         t0 = time.perf_counter()
         verdict, metrics = round_verdict(self.cfg, self.history, evaluation, self.settings.evaluation.guard)
         final = self.latest_step()
@@ -503,7 +840,7 @@ class _Round:
         if "heldout_pass" in metrics:
             self.metrics.heldout_pass.set(metrics["heldout_pass"])
         self.clock["guard"] = time.perf_counter() - t0
-        guard = {"accepted": verdict.accepted, "reason": verdict.reason, "detail": verdict.detail}
+        guard = Guard(accepted=verdict.accepted, reason=verdict.reason, detail=verdict.detail)
         return self.publish(self.summary(ckpt.version, ckpt.state.value, guard, metrics, evaluation, started))
 
     def keep_generator(self) -> None:
@@ -520,46 +857,337 @@ class _Round:
         self,
         version: str | None,
         state: str,
-        guard: dict[str, Any],
+        guard: Guard,
         metrics: dict[str, Any],
-        evaluation: dict[str, Any],
+        evaluation: Evaluation | None,
         started: float,
-    ) -> dict[str, Any]:
-        collapse = self.collapse_fired or any(h.get("collapse") for h in self.history)
-        return {
-            "round": self.id,
-            "parent": self.parent.version,
-            "version": version,
-            "state": state,
-            "guard": guard,
-            "metrics": metrics,
-            "eval": evaluation,
-            "steps": self.history,
-            "phases": {p: sum(h["phase"] == p for h in self.history) for p in ("policy", "generator")},
-            "refresh": self.plan["refresh"],
-            "collapse": {
-                "fired": collapse,
-                "note": None
+    ) -> RoundSummary:
+        collapse = self.collapse_fired or any(isinstance(h, PolicyStep) and h.collapse for h in self.history)
+        return RoundSummary(
+            round=self.id,
+            parent=self.parent.version,
+            version=version,
+            state=state,
+            guard=guard,
+            metrics=metrics,
+            eval=evaluation,
+            steps=self.history,
+            phases={p: sum(h.phase == p for h in self.history) for p in ("policy", "generator")},
+            refresh=self.plan["refresh"],
+            collapse=Collapse(
+                fired=collapse,
+                note=None
                 if not collapse
                 else (
                     "collapse detected: the next round starts with a generator phase"
                     if self.cfg.coevolve.enabled
                     else "collapse detected; co-evolution is disabled, so no generator phase follows"
                 ),
-            },
-            "prompts": len(self.prompts),
-            "watermark_before": self.plan["watermark_before"],
-            "watermark_after": self.plan["watermark_after"],
-            "seconds": time.time() - started,
-            "stage_seconds": self.stage_seconds(),
-        }
+            ),
+            prompts=len(self.prompts),
+            watermark_before=self.plan["watermark_before"],
+            watermark_after=self.plan["watermark_after"],
+            seconds=time.time() - started,
+            stage_seconds=self.stage_seconds(),
+        )
 
-    def publish(self, summary: dict[str, Any]) -> dict[str, Any]:
+    def publish(self, summary: RoundSummary) -> RoundSummary:
         """The round's summary, written last: from here on the round is complete and never runs again."""
         write_json(self.state.run_dir / COLLAPSE, self.loaded().collapse.state())
-        write_json(self.dir / SUMMARY, summary)
-        self.state.runlog.append(
-            [{"key": f"round/{self.id}", "kind": "round", **{k: v for k, v in summary.items() if k != "steps"}}]
-        )
+        write_record(self.dir / SUMMARY, summary)
+        self.state.runlog.append([round_line(summary)])
         shutil.rmtree(self.steps_dir, ignore_errors=True)  # the weights now live in the registry (or nowhere)
         return summary
+
+    def stage_seconds(self) -> dict[str, float]:
+        """Where the round's time went, in the order it is spent. The steps' stages cover all the round's
+        steps (a resumed round's earlier ones too); setup (models, engines, actors), checkpoints (each
+        step published: weights saved, engines reloaded), the held-out evaluation and the guard
+        (verdict, registration) are this run's."""
+
+        def steps(phase: str, stage: str) -> float:
+            return sum((h.stage_seconds.get(stage, 0.0) for h in self.history if h.phase == phase), 0.0)
+
+        return {
+            "setup": self.clock["setup"],
+            "candidates": steps("policy", "candidates") + steps("generator", "candidates"),
+            "rubrics": steps("policy", "rubrics"),
+            "verdicts": steps("policy", "verdicts"),
+            "policy_update": steps("policy", "update"),
+            "generator_rubrics": steps("generator", "rubrics"),
+            "generator_update": steps("generator", "update"),
+            "checkpoints": self.clock["checkpoints"],
+            "evaluate": self.clock["evaluate"],
+            "guard": self.clock["guard"],
+        }
+
+
+# ==================================================================== the round's models and judges
+class RoundModels:
+    """The trainers, engines and judges of one round, built by `executor` from step dir `latest`
+    (None: the parent). `collapse` is the round's collapse detector: the judges' sets update it in
+    order, whichever judge scored them."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        executor: Any,
+        parent: Checkpoint,
+        base: Checkpoint,
+        generator_base: Path,
+        latest: Path | None,
+        metrics: EvaluatorMetrics | None,
+    ):
+        self.settings = settings
+        self.single = settings.train.coevolve.single_model
+        self.generator_base = generator_base
+        self.metrics = metrics
+        r = settings.rubric
+        self.collapse = CollapseDetector(r.collapse_window, r.collapse_min_mean_gap, r.collapse_max_nonsplit_share)
+        self.trainers = executor.trainers(TrainerSpec(settings, parent.path, base.path, generator_base, latest))
+        policy_dir = latest / "policy" / "model" if latest else parent.path
+        self.policy_engine = executor.engine("policy", policy_dir)
+        self.generator_engine = self.policy_engine
+        writer_dir = policy_dir
+        if not self.single:
+            writer_dir = latest / "generator" / "model" if latest else generator_base
+            self.generator_engine = executor.engine("generator", writer_dir)
+        verifier_dir = modelcache.resolve(settings.paths.resolved_home(), settings.models.verifier)
+        self.verifier_engine = executor.engine("verifier", verifier_dir)
+        # the generator step's judge (its verdicts, the anchors' scores); the step's sets go to the judges
+        self.evaluator = Evaluator(self.generator_engine, self.verifier_engine, settings.rubric, metrics=None)
+        self.judges = executor.judges(
+            self.generator_engine,
+            self.verifier_engine,
+            "policy" if self.single else "generator",
+            writer_dir,
+            verifier_dir,
+        )
+
+    def score(
+        self, chunks: Sequence[ScoreChunk], progress: Progress
+    ) -> tuple[list[ScoredSet], GenerationCounts, dict[str, float]]:
+        """Judge a step's chunks of sets (each under its own seed block), then update the collapse detector and
+        the metrics with them in order. Also returns the wall time split into rubric generation and
+        verification (`judge_stages`)."""
+        start = time.perf_counter()
+        results = self.judges.score(chunks, partial(progress.advance, "score sets"))
+        wall = time.perf_counter() - start
+        counts = GenerationCounts()
+        scored: list[ScoredSet] = []
+        for result in results:
+            for field_name in ("parse_failures", "prompt_only_fallbacks", "generic_fallbacks", "dropped_checks"):
+                setattr(counts, field_name, getattr(counts, field_name) + getattr(result.counts, field_name))
+            scored.extend(result.sets)
+        if self.metrics is not None:
+            self.metrics.record_generation(counts)
+        for s in scored:
+            collapsed = self.collapse.update(s.gaps)
+            if self.metrics is not None:
+                self.metrics.record_set(s, collapsed)
+        return (
+            scored,
+            counts,
+            judge_stages(wall, sum(r.seconds for r in results), sum(s.verify_seconds for s in scored)),
+        )
+
+    def save(self, directory: Path) -> None:
+        self.trainers.save(directory)
+
+    def load_published(self, step_dir: Path, version: str, step: int) -> None:
+        """Point the engines (and the judges' rubric writers) at a published step's weights."""
+        self.policy_engine.load_weights(step_dir / "policy" / "model", f"{version}-s{step}")
+        if not self.single:
+            self.generator_engine.load_weights(step_dir / "generator" / "model", f"{version}-gen-s{step}")
+        writer = step_dir / ("policy" if self.single else "generator") / "model"
+        self.judges.load_rubric_writer(writer, self.generator_engine.policy_version)
+
+    def close(self) -> None:
+        self.judges.close()
+        for engine in {id(e): e for e in (self.policy_engine, self.generator_engine, self.verifier_engine)}.values():
+            engine.close()
+
+
+def judge_stages(wall: float, busy: float, verifying: float) -> dict[str, float]:
+    """The judging wall time as rubric generation and verification. The judges' own clocks (`busy`:
+    their time on the chunks, `verifying`: the part spent on verdicts) say how it divides; with several
+    judges working at once their times add up to more than the wall time, so the wall time is divided
+    in their proportion."""
+    share = min(verifying / busy, 1.0) if busy > 0 else 0.0
+    return {"rubrics": wall * (1.0 - share), "verdicts": wall * share}
+
+
+# ==================================================================== the candidate's evaluation
+def sample_sets(
+    settings: Settings, engine: Engine, prompts: Sequence[TrainPrompt], k: int, seed: int
+) -> tuple[list[str], list[list[Completion]]]:
+    """(rendered prompts, K completions each) at the training sampling parameters."""
+    cfg = settings.train
+    texts = [engine.render_chat(p.chat()) for p in prompts]
+    # one seed for the whole batch: requests with equal params are generated together
+    # with the engine's own log-probs of each token: the trainer's importance weight (train.grpo.tis)
+    params = SamplingParams(
+        max_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        n=k,
+        seed=seed,
+        logprobs=cfg.grpo.tis,
+    )
+    return texts, engine.generate([GenerationRequest(t, params) for t in texts])
+
+
+def load_frozen(model_dir: Path) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def evaluate_candidate(
+    settings: Settings,
+    *,
+    candidate_dir: Path,
+    candidate_version: str,
+    candidate_model: Any | None,
+    parent: Checkpoint,
+    base: Checkpoint,
+    heldout: Sequence[TrainPrompt],
+    policy_engine: Engine,
+    generator_engine: Engine | None,
+    previous_generator: Path | None,
+    verifier_engine: Engine,
+    pad_id: int,
+    seed: int,
+) -> Evaluation:
+    """The guards' inputs for `candidate_dir` vs `parent`. `generator_engine` None: single-model mode
+    (the policy engine at the parent's weights writes the rubrics). `candidate_model`: the candidate's
+    torch model when the caller holds it (else loaded from `candidate_dir`). Leaves the policy engine
+    at the weights of the last version it sampled."""
+    from dynrubric.train.coevolve import completion_ids
+    from dynrubric.train.grpo import SampledResponse, mean_kl
+
+    k = settings.train.candidates
+    policy_engine.load_weights(candidate_dir, candidate_version)
+    texts, new = sample_sets(settings, policy_engine, heldout, k, seed)
+    policy_engine.load_weights(parent.path, parent.version)
+    _, old = sample_sets(settings, policy_engine, heldout, k, seed)
+    if generator_engine is None:
+        rubric_writer = policy_engine
+    else:
+        rubric_writer = generator_engine
+        if previous_generator is not None:
+            # named after the parent: the generator as the round that accepted the parent left it
+            rubric_writer.load_weights(previous_generator, parent.version)
+    judge = Evaluator(rubric_writer, verifier_engine, settings.rubric, metrics=None)
+    judged_by = {"generator": rubric_writer.policy_version, "verifier": verifier_engine.policy_version}
+    sets = [[c.text for c in o] + [c.text for c in n] for o, n in zip(old, new, strict=True)]
+    scored = judge.score_sets([p.question for p in heldout], sets)
+
+    tok = policy_engine.tokenizer
+    rollouts = [
+        SampledResponse(tuple(tok.encode(t, add_special_tokens=False)), completion_ids(c, tok))
+        for t, cs in zip(texts, new, strict=True)
+        for c in cs
+    ]
+    model = candidate_model if candidate_model is not None else load_frozen(candidate_dir)
+    parent_model = load_frozen(parent.path)
+
+    def kl_to(reference: Any) -> float:
+        return mean_kl(
+            model,
+            reference,
+            rollouts,
+            settings.train.temperature,
+            pad_id,
+            settings.train.grpo.micro_batch_size,
+            settings.train.grpo.logprob_chunk_mib,
+        )
+
+    kl_parent = kl_to(parent_model)
+    if base.version == parent.version:
+        kl_base = kl_parent
+    else:
+        del parent_model
+        kl_base = kl_to(load_frozen(base.path))
+    from dynrubric.train.policy_eval import round_evidence
+
+    groundtruth = round_evidence(
+        settings,
+        policy_engine,
+        (candidate_version, candidate_dir),
+        (parent.version, parent.path),
+        (base.version, base.path),
+    )
+    return Evaluation(
+        groundtruth=groundtruth,
+        heldout_prompts=len(heldout),
+        heldout_keys=[p.key for p in heldout],
+        reward_parent=sum(sum(s.scores[:k]) / k for s in scored) / len(scored),
+        reward_new=sum(sum(s.scores[k:]) / k for s in scored) / len(scored),
+        kl_to_parent=kl_parent,
+        kl_to_base=kl_base,
+        base=base.version,
+        judge=judged_by,
+        mean_gap=sum(s.gaps.mean_abs_gap for s in scored) / len(scored),
+    )
+
+
+# ==================================================================== the guards' verdict
+def check_guards(
+    cfg: TrainConfig, evaluation: Evaluation, nonfinite_steps: list[int], truth_guard: bool
+) -> guards.GuardVerdict:
+    """The guards (train/guards.py) on a candidate's evidence, at the bounds of `cfg`. `truth_guard`: whether
+    the ground-truth comparison with the parent can reject."""
+    truth = evaluation.groundtruth
+    return guards.check(
+        nonfinite_steps=nonfinite_steps,
+        kl=evaluation.kl_to_parent,
+        max_kl=cfg.max_kl,
+        kl_to_base=evaluation.kl_to_base,
+        max_kl_to_base=cfg.max_kl_to_base,
+        reward_parent=evaluation.reward_parent,
+        reward_new=evaluation.reward_new,
+        max_reward_drop=cfg.max_reward_drop,
+        groundtruth_vs_parent=truth.vs_parent.model_dump() if truth and truth_guard else None,
+    )
+
+
+def round_verdict(
+    cfg: TrainConfig,
+    history: Sequence[PolicyStep | GeneratorStep],
+    evaluation: Evaluation,
+    truth_guard: bool = True,
+) -> tuple[guards.GuardVerdict, dict[str, Any]]:
+    """(the guards' verdict, the checkpoint's metrics) of a round with steps `history`. `truth_guard`:
+    whether the ground-truth comparison with the parent can reject (`evaluation.guard`)."""
+    policy_steps = [h for h in history if isinstance(h, PolicyStep)]
+    truth = evaluation.groundtruth
+    verdict = check_guards(cfg, evaluation, [h.step for h in history if h.nonfinite], truth_guard)
+
+    def mean(values: Sequence[float]) -> float | None:
+        return sum(values) / len(values) if values else None
+
+    metrics: dict[str, Any] = {
+        "reward_mean": mean([h.reward_mean for h in policy_steps]),
+        "heldout_reward": evaluation.reward_new,
+        "heldout_reward_parent": evaluation.reward_parent,
+        "kl": evaluation.kl_to_parent,
+        "kl_to_base": evaluation.kl_to_base,
+        GUARDED: "accepted" if verdict.accepted else verdict.reason,
+        "mean_gap": mean([h.mean_gap for h in policy_steps]),
+        "tie_rate": mean([h.tie_rate for h in policy_steps]),
+        "no_gradient_sets": sum(h.no_gradient_sets for h in history),
+        "updates": sum(1 for h in history if h.updated),
+    }
+    if truth:  # the ground truth of the held-out prompts: what the run page's learning curve plots
+        metrics |= {
+            "heldout_pass": truth.pass_rate[truth.version],
+            "heldout_pass_by_kind": truth.pass_rate_by_kind[truth.version],
+            "heldout_vs_parent": truth.vs_parent.model_dump(),
+            "heldout_vs_base": truth.vs_base.model_dump(),
+            "heldout_truth_prompts": truth.prompts,
+        }
+    return verdict, metrics

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from dynrubric.train.records import read_summary
 from tests.train_harness import KeywordVerifier, keyword_rate, runner, write_prompts
 
 ROOT = Path(__file__).parents[2]
@@ -44,11 +45,11 @@ def test_three_rounds_move_the_policy_toward_the_rubric_preferred_behaviour(tmp_
     assert [versions[v].round for v in ("r1", "r2", "r3")] == [1, 2, 3]
     accepted = "base"
     for s in summaries:  # a rejected round is never built on
-        assert s["parent"] == accepted, (s["round"], s["parent"], accepted)
-        assert s["state"] == ("candidate" if s["guard"]["accepted"] else "rejected")
-        accepted = s["version"] if s["guard"]["accepted"] else accepted
-        assert (r.round_dir(s["round"]) / "summary.json").is_file()
-        assert set(versions[s["version"]].metrics) >= {
+        assert s.parent == accepted, (s.round, s.parent, accepted)
+        assert s.state == ("candidate" if s.guard.accepted else "rejected")
+        accepted = s.version if s.guard.accepted else accepted
+        assert (r.round_dir(s.round) / "summary.json").is_file()
+        assert set(versions[s.version].metrics) >= {
             "reward_mean",
             "kl",
             "kl_to_base",
@@ -59,29 +60,29 @@ def test_three_rounds_move_the_policy_toward_the_rubric_preferred_behaviour(tmp_
         }
     assert r.head().version == accepted != "base"
     # each round took its own prompts: the watermark moved 16 prompts per round
-    assert [s["watermark_after"] for s in summaries] == ["16", "32", "48"]
+    assert [s.watermark_after for s in summaries] == ["16", "32", "48"]
     # a collapse in round N makes round N+1 start with a generator phase, and the summary says so
     for before, after in pairwise(summaries):
-        assert bool(after["refresh"]) == before["collapse"]["fired"]
-        if before["collapse"]["fired"]:
-            assert after["steps"][0]["phase"] == "generator" and "collapse" in after["refresh"]
+        assert bool(after.refresh) == before.collapse.fired
+        if before.collapse.fired:
+            assert after.steps[0].phase == "generator" and "collapse" in after.refresh
     # the run log holds every step and round exactly once
-    keys = [rec["key"] for rec in r.runlog.records()]
+    keys = [rec.key for rec in r.runlog.records()]
     assert len(keys) == len(set(keys)) == 3 * r.cfg.steps_per_round + 3
     # the guard ran at its defaults, judged by the frozen rule verifier and the PARENT's rubric writer,
     # on held-out prompts no round trained on; the drift from the base is tracked
     assert (r.cfg.max_kl, r.cfg.max_reward_drop) == (0.05, 0.05)
     for s in summaries:
-        assert s["eval"]["judge"] == {"generator": s["parent"], "verifier": "keyword-rule"}
-        assert not set(s["eval"]["heldout_keys"]) & {
-            p["key"] for p in json.loads((r.round_dir(s["round"]) / "plan.json").read_text())["prompts"]
+        assert s.eval.judge == {"generator": s.parent, "verifier": "keyword-rule"}
+        assert not set(s.eval.heldout_keys) & {
+            p["key"] for p in json.loads((r.round_dir(s.round) / "plan.json").read_text())["prompts"]
         }
-        assert s["eval"]["base"] == "base" and s["eval"]["kl_to_base"] > 0
+        assert s.eval.base == "base" and s.eval.kl_to_base > 0
 
     questions = [f"Tell me something about thing number {i}." for i in range(64)]
     base_rate = keyword_rate(versions["base"].path, questions, 16, seed=123)
     final_rate = keyword_rate(versions[accepted].path, questions, 16, seed=123)
-    assert final_rate - base_rate >= MARGIN, (base_rate, final_rate, [(s["guard"], s["eval"]) for s in summaries])
+    assert final_rate - base_rate >= MARGIN, (base_rate, final_rate, [(s.guard, s.eval) for s in summaries])
 
 
 def _wait_for_steps(runlog: Path, n: int, proc: subprocess.Popen, timeout: float = 900) -> None:
@@ -151,30 +152,30 @@ def test_kill_9_during_a_round_then_resume_applies_exactly_one_update_per_step(t
     assert eval_file.is_file()
 
     r = runner(state, tiny_model_dir, prompts)
-    summary = json.loads((r.round_dir(1) / "summary.json").read_text())
-    steps = summary["steps"]
-    assert [h["step"] for h in steps] == list(range(n_steps))
+    summary = read_summary(r.round_dir(1) / "summary.json")
+    steps = summary.steps
+    assert [h.step for h in steps] == list(range(n_steps))
     # the evaluation restarted after the kill judged the trained weights (the ones registered), not the parent's
-    assert summary["eval"]["kl_to_parent"] > 0
+    assert summary.eval.kl_to_parent > 0
     # AdamW's own step counter after each policy step: exactly one more update per updating step
-    policy = [h for h in steps if h["phase"] == "policy"]
+    policy = [h for h in steps if h.phase == "policy"]
     expected, count = [], 0
     for h in policy:
-        count += 1 if h["updated"] else 0
+        count += 1 if h.updated else 0
         expected.append(count)
-    assert [h["updates"] for h in policy] == expected and count >= 1
-    keys = [rec["key"] for rec in r.runlog.records()]
+    assert [h.updates for h in policy] == expected and count >= 1
+    keys = [rec.key for rec in r.runlog.records()]
     assert sorted(keys) == sorted({*keys}) and len([k for k in keys if "/step/" in k]) == n_steps
     assert [c.version for c in r.registry.list()] == ["base", "r1"]
     assert not (r.round_dir(1) / "steps").exists()  # step state is removed once the checkpoint is registered
 
     # a finished round is never run again
-    assert r.run(1)["version"] == "r1" and len(r.registry.list()) == 2
+    assert r.run(1).version == "r1" and len(r.registry.list()) == 2
 
     # guard: a KL bound no update can meet rejects round 2, records why, and keeps r1 as the head
     strict = runner(state, tiny_model_dir, prompts, max_kl=1e-12, steps_per_round=1)
     s2 = strict.run()
-    assert s2["state"] == "rejected" and s2["guard"]["reason"] == "kl"
+    assert s2.state == "rejected" and s2.guard.reason == "kl"
     rejected = strict.registry.get("r2")
     assert rejected.state.value == "rejected" and rejected.reason.startswith("kl: ")
     assert strict.head().version == "r1"
@@ -212,10 +213,10 @@ def test_collapse_window_spans_rounds_so_small_rounds_fire_it(tmp_path: Path, ti
     r.engines = engines
     assert r.settings.rubric.collapse_window == 8
     first, second = r.run(), r.run()
-    assert [first["collapse"]["fired"], second["collapse"]["fired"]] == [False, True]
-    assert second["steps"][0]["nonsplit_share"] == 1.0
+    assert [first.collapse.fired, second.collapse.fired] == [False, True]
+    assert second.steps[0].nonsplit_share == 1.0
     third = r.run()  # the evaluator refresh: a generator phase first
-    assert third["refresh"] and third["steps"][0]["phase"] == "generator" and third["phases"]["generator"] == 1
+    assert third.refresh and third.steps[0].phase == "generator" and third.phases["generator"] == 1
 
 
 def test_a_generator_step_never_changes_the_served_policy(tmp_path: Path, tiny_model_dir: Path):
@@ -224,8 +225,8 @@ def test_a_generator_step_never_changes_the_served_policy(tmp_path: Path, tiny_m
     (`train.coevolve.single_model: true`, the old default) the same step changes the served weights."""
     import torch
 
+    from dynrubric.train.executor import Trainers, TrainerSpec
     from dynrubric.train.grpo import CandidateSet, SampledResponse
-    from dynrubric.train.step import Trainers, TrainerSpec
     from tests.train_harness import settings as harness_settings
 
     prompts = write_prompts(tmp_path / "prompts.jsonl", 4)
@@ -274,12 +275,12 @@ def test_the_demo_profile_moves_the_policy_within_one_round(tmp_path: Path, tiny
         max_kl_to_base=demo["train"]["max_kl_to_base"],
     )
     summary = r.run()
-    policy = [h for h in summary["steps"] if h["phase"] == "policy"]
+    policy = [h for h in summary.steps if h.phase == "policy"]
     assert len(policy) == demo["coevolve"]["k_alt"] >= 4
-    applied = sum(h["updated"] for h in policy)
+    applied = sum(h.updated for h in policy)
     # AdamW's step counter runs on across the round's policy steps: one optimiser state, not a fresh one per step
-    assert [h["updates"] for h in policy][-1] == applied * demo["grpo"]["updates_per_batch"] >= 3
-    assert summary["eval"]["kl_to_parent"] > 1e-3, summary["eval"]
+    assert [h.updates for h in policy][-1] == applied * demo["grpo"]["updates_per_batch"] >= 3
+    assert summary.eval.kl_to_parent > 1e-3, summary.eval
 
 
 @pytest.mark.slow
@@ -291,12 +292,9 @@ def test_a_round_without_a_policy_update_registers_nothing(tmp_path: Path, tiny_
     r = runner(tmp_path / "state", tiny_model_dir, prompts, steps_per_round=2, coevolve={"k_alt": 2})
     r.settings.rubric.eps = 0.99  # a spread of at least 0.99 between scores in [0, 1]: every set is a tie
     summary = r.run()
-    assert [h["updated"] for h in summary["steps"]] == [False, False], summary["steps"]
-    assert summary["version"] is None and summary["state"] == "unregistered", summary
-    assert (
-        summary["guard"]["reason"] == "no_update"
-        and "no policy update in 2 policy step(s)" in summary["guard"]["detail"]
-    )
+    assert [h.updated for h in summary.steps] == [False, False], summary.steps
+    assert summary.version is None and summary.state == "unregistered", summary
+    assert summary.guard.reason == "no_update" and "no policy update in 2 policy step(s)" in summary.guard.detail
     assert [c.version for c in r.registry.list()] == ["base"]
     assert r.head().version == "base"
 
@@ -305,7 +303,7 @@ def test_every_seed_of_a_run_is_its_own():
     """The named seed derivation: over 40 rounds x 200 steps, every draw's seed block (the seed and the rubric
     generator's retries, +0..+9) is disjoint from every other's; integer offsets (`root + 101 step + i`, judging
     chunk j at i = 1000 + j) gave chunk j of step s the seed of index j - 10 of step s + 10."""
-    from dynrubric.train.seeds import SEED_BLOCK, round_seed
+    from dynrubric.seeds import SEED_BLOCK, round_seed
 
     draws = [("candidates", 0), ("anchors", 0), ("rubrics", 0), *(("judging", j) for j in range(8))]
     seeds = [round_seed(7, r, purpose, step, i) for r in range(40) for step in range(200) for purpose, i in draws]

@@ -27,8 +27,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from dynrubric.app.cli import DEMO_TRAINING
+from dynrubric.app.report import read_runlog
 from dynrubric.ports import free_port
 from dynrubric.train.grpo import group_advantages
+from dynrubric.train.records import RoundSummary, read_summary
 
 SCRIPT = Path(sys.executable).parent / "dynrubric"
 REPO = Path(__file__).resolve().parents[2]
@@ -172,34 +174,33 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
 
     # round 1: the demo's shape (k_alt policy steps on trusted sets only, then a generator step), a guard
     # verdict that is the one its bounds give on the held-out numbers
-    summary = json.loads((state / "train" / "rounds" / "0001" / "summary.json").read_text())
+    summary = read_summary(state / "train" / "rounds" / "0001" / "summary.json")
+    assert isinstance(summary, RoundSummary)
     demo = DEMO_TRAINING["coevolve"]
-    assert summary["phases"] == {"policy": demo["k_alt"], "generator": demo["k_alt_generator"]}
-    steps = [json.loads(line) for line in (state / "train" / "runlog.jsonl").read_text().splitlines()]
-    policy_steps = [s for s in steps if s.get("kind") == "step" and s.get("phase") == "policy" and s.get("round") == 1]
+    assert summary.phases == {"policy": demo["k_alt"], "generator": demo["k_alt_generator"]}
+    policy_steps = [s for s in read_runlog(state / "train" / "runlog.jsonl").steps if s.round == 1]
     assert len(policy_steps) == demo["k_alt"]
     eps = float(env["DYNRUBRIC_RUBRIC__EPS"])
     trainable, applied = False, 0  # `updates`: the optimiser's update count so far (AdamW's step counter)
     for policy in policy_steps:
         # a set where an anchor outranks any candidate contributes no advantage: it is counted among the tied
-        assert 0 <= policy["untrusted_sets"] <= policy["no_gradient_sets"]
+        assert 0 <= policy.untrusted_sets <= policy.no_gradient_sets
         # untrusted: the anchors overruled the set's rubric items, so none but the echo item weighs
-        untrusted = [not s["trusted"] for s in policy["set_scores"]]
-        assert sum(untrusted) == policy["untrusted_sets"], policy["set_scores"]
-        assert all(s["overruled_items"] > 0 for s in policy["set_scores"] if not s["trusted"]), policy["set_scores"]
+        untrusted = [not s.trusted for s in policy.set_scores]
+        assert sum(untrusted) == policy.untrusted_sets, policy.set_scores
+        assert all(s.overruled_items > 0 for s in policy.set_scores if not s.trusted), policy.set_scores
         # the tiny random model's answers are near garbage: an anchor outranks one of them in about half of
         # the sets, so a step may have nothing to learn from; when a set is trusted and not tied, it trains
-        step_trainable = any(
-            s["trusted"] and group_advantages(s["scores"], 1e-6, eps) is not None for s in policy["set_scores"]
-        )
+        step_trainable = any(s.trusted and group_advantages(s.scores, 1e-6, eps) is not None for s in policy.set_scores)
         applied += int(step_trainable)
-        assert policy["updated"] is step_trainable and policy["updates"] == applied, policy
+        assert policy.updated is step_trainable and policy.updates == applied, policy
         trainable |= step_trainable
-    held_out = summary["eval"]
+    held_out = summary.eval
+    assert held_out is not None
     # five steps of sets judged with per-item trust: a round where nothing trains is a failure
-    assert trainable, [p["set_scores"] for p in policy_steps]
+    assert trainable, [p.set_scores for p in policy_steps]
     assert versions["r1"]["weights_sha256"] != versions["base"]["weights_sha256"]
-    assert held_out["kl_to_parent"] > 0 and held_out["kl_to_base"] > 0, held_out
+    assert held_out.kl_to_parent > 0 and held_out.kl_to_base > 0, held_out
     shown = json.loads(
         subprocess.run(
             [str(SCRIPT), "config", "show", "--format", "json"],
@@ -213,14 +214,14 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
     broken = [
         name
         for name, bad in (
-            ("kl", held_out["kl_to_parent"] > shown["max_kl"]),
-            ("kl_to_base", held_out["kl_to_base"] > shown["max_kl_to_base"]),
-            ("reward_drop", held_out["reward_parent"] - held_out["reward_new"] > shown["max_reward_drop"]),
+            ("kl", held_out.kl_to_parent > shown["max_kl"]),
+            ("kl_to_base", held_out.kl_to_base > shown["max_kl_to_base"]),
+            ("reward_drop", held_out.reward_parent - held_out.reward_new > shown["max_reward_drop"]),
         )
         if bad
     ]
-    guard = summary["guard"]
-    assert guard["reason"] == (broken[0] if broken else None) and guard["accepted"] == (not broken), (guard, held_out)
+    guard = summary.guard
+    assert guard.reason == (broken[0] if broken else None) and guard.accepted == (not broken), (guard, held_out)
     assert "round 1: r1 candidate (parent base; guard accepted" in text
 
     # every answered request in the replay store exactly once; no prompt twice in a round, none held out trained

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from dynrubric.ports import free_port
+from dynrubric.train.records import WorkerFailureLine
 from tests.integration.test_ray import SMALL, comparable, differences
 from tests.train_harness import runner, write_prompts
 
@@ -167,13 +168,13 @@ def test_ray_round_survives_a_killed_worker_node(tmp_path: Path, tiny_model_dir:
     assert "at" in killed, "the worker node was never killed"
 
     records = cluster.runlog.records()
-    failures = [r for r in records if r["kind"] == "worker_failure"]
-    print("worker failures:", [(r["error"][:100], r["resumed"]) for r in failures])
-    assert failures and all(r["resumed"] for r in failures), records
-    keys = [r["key"] for r in records if r["kind"] != "worker_failure"]
+    failures = [r for r in records if isinstance(r, WorkerFailureLine)]
+    print("worker failures:", [(r.error[:100], r.resumed) for r in failures])
+    assert failures and all(r.resumed for r in failures), records
+    keys = [r.key for r in records if not isinstance(r, WorkerFailureLine)]
     assert sorted(keys) == sorted(set(keys)) == sorted(["round/1", "round/1/step/0", "round/1/step/1"])
-    assert [h["step"] for h in disturbed["steps"]] == [0, 1]
-    assert disturbed["steps"][0]["updates"] == 1  # AdamW's own counter: the first step's update once
+    assert [h.step for h in disturbed.steps] == [0, 1]
+    assert disturbed.steps[0].updates == 1  # AdamW's own counter: the first step's update once
     assert len([n for n in ray.nodes() if n["Alive"]]) == 1
 
     undisturbed = runner(tmp_path / "local", tiny_model_dir, prompts, **small).run()

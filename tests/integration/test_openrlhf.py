@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from dynrubric.errors import DynrubricError
+from dynrubric.train.records import read_summary
 from tests.openrlhf_shim import openrlhf_dir
 
 ROOT = Path(__file__).parents[2]
@@ -210,9 +211,10 @@ def test_the_jobs_checkpoint_is_guarded_before_registration_and_the_watermark_is
     again = openrlhf.emitted_round(r.settings, r, 1)
     assert again == emitted
     summary = openrlhf.finish(r.settings, r, again)
-    assert summary["watermark_after"] == "8"
-    assert summary["state"] == "rejected" and summary["guard"]["reason"] == "kl", summary["guard"]
-    assert summary["eval"]["judge"] == {"generator": "base", "verifier": "keyword-rule"}
+    assert summary.watermark_after == "8"
+    assert summary.state == "rejected" and summary.guard.reason == "kl", summary.guard
+    assert summary.eval is not None and summary.eval.judge == {"generator": "base", "verifier": "keyword-rule"}
+    assert read_summary(r.round_dir(1) / "summary.json") == summary
     assert r.registry.get("r1").reason.startswith("kl: ") and r.head().version == "base"
-    late, _ = r.source.new_prompts(summary["watermark_after"], 10)
+    late, _ = r.source.new_prompts(summary.watermark_after, 10)
     assert [p.question for p in late] == ["A late question."]

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from dynrubric.train.records import RoundSummary
 from tests.train_harness import runner, write_prompts
 
 ray = pytest.importorskip("ray")
@@ -51,11 +52,11 @@ def differences(a: Any, b: Any, path: str = "") -> list[str]:
     return [] if a == b else [f"{path}: {a!r} vs {b!r}"]
 
 
-def comparable(summary: dict[str, Any]) -> dict[str, Any]:
+def comparable(summary: RoundSummary) -> dict[str, Any]:
     """The summary without its clock readings."""
-    clocks = ("seconds", "time", "stage_seconds")
-    out = {k: v for k, v in summary.items() if k not in clocks}
-    out["steps"] = [{k: v for k, v in s.items() if k not in clocks} for s in summary["steps"]]
+    clocks = {"seconds", "time", "stage_seconds"}
+    out = summary.model_dump(exclude=clocks | {"steps"})
+    out["steps"] = [s.model_dump(exclude=clocks) for s in summary.steps]
     return out
 
 
@@ -72,29 +73,29 @@ def test_ray_rounds_equal_the_in_process_rounds(tmp_path: Path, tiny_model_dir: 
     finally:
         on_ray.close()
 
-    assert [s["steps"][0]["phase"] for s in a] == ["policy", "generator"]
-    assert a[0]["steps"][0]["sets"] == 4 and a[0]["steps"][0]["tokens"] > 0  # the comparison covers a real update
-    assert a[1]["parent"] == ("r1" if a[0]["guard"]["accepted"] else "base")
+    assert [s.steps[0].phase for s in a] == ["policy", "generator"]
+    assert a[0].steps[0].sets == 4 and a[0].steps[0].tokens > 0  # the comparison covers a real update
+    assert a[1].parent == ("r1" if a[0].guard.accepted else "base")
     for x, y in zip(a, b, strict=True):
         assert differences(comparable(x), comparable(y)) == []
     assert_stage_times(a, tmp_path / "inprocess")
     assert_stage_times(b, tmp_path / "ray")
 
 
-def assert_stage_times(summaries: list[dict[str, Any]], state: Path) -> None:
+def assert_stage_times(summaries: list[RoundSummary], state: Path) -> None:
     """Both executors time the same stages (the report's panel of where a round's time went): the policy
     round's judging split into rubrics and verdicts, the generator round's rubric sampling; together
     they account for the round's wall-clock time, and the run log's round records carry them."""
     from dynrubric.app.report import STAGES, read_runlog
 
-    policy, generator = (s["stage_seconds"] for s in summaries)
+    policy, generator = (s.stage_seconds for s in summaries)
     for stages, summary in ((policy, summaries[0]), (generator, summaries[1])):
         assert list(stages) == list(STAGES) and all(v >= 0 for v in stages.values()), stages
-        assert 0.8 * summary["seconds"] <= sum(stages.values()) <= summary["seconds"], (stages, summary["seconds"])
+        assert 0.8 * summary.seconds <= sum(stages.values()) <= summary.seconds, (stages, summary.seconds)
     assert policy["candidates"] > 0 and policy["rubrics"] > 0 and policy["verdicts"] > 0 and policy["policy_update"] > 0
     assert policy["generator_rubrics"] == generator["rubrics"] == generator["verdicts"] == 0
     assert generator["candidates"] > 0 and generator["generator_rubrics"] > 0
-    assert [r["stage_seconds"] for r in read_runlog(state / "train" / "runlog.jsonl").rounds] == [policy, generator]
+    assert [r.stage_seconds for r in read_runlog(state / "train" / "runlog.jsonl").rounds] == [policy, generator]
 
 
 def test_an_actor_uses_the_cores_the_in_process_round_would(local_ray) -> None:

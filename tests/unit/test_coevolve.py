@@ -27,7 +27,6 @@ from dynrubric.train.coevolve import (
     read_anchor_file,
     temporal_anchors,
 )
-from dynrubric.train.plan import RunLogWriter
 from dynrubric.train.prompts import JsonlPromptSource, ResponseHistory, make_prompt, read_prompt_file
 
 RUBRIC = Rubric(items=[RubricItem(id="a", text="x", weight=3), RubricItem(id="b", text="y", weight=1)])
@@ -238,15 +237,6 @@ def test_anchor_file_is_validated(tmp_path: Path) -> None:
     f.write_text(json.dumps({"prompt": "q", "responses": ["only"]}) + "\n")
     with pytest.raises(DynrubricError, match="fewer than 2"):
         read_anchor_file(f)
-
-
-def test_run_log_appends_each_key_once(tmp_path: Path) -> None:
-    log = RunLogWriter(tmp_path / "runlog.jsonl")
-    log.append([{"key": "a", "v": 1}, {"key": "b", "v": 2}])
-    log.append([{"key": "b", "v": 3}, {"key": "c", "v": 4}])
-    with open(log.path, "a") as f:
-        f.write('{"key": "torn')  # a crash mid-line
-    assert [r["key"] for r in log.records()] == ["a", "b", "c"]
 
 
 def test_schedule_alternates_k_alt_steps_and_starts_with_the_generator_after_a_collapse(tmp_path: Path) -> None:

@@ -358,8 +358,7 @@ def test_an_empty_response_earns_no_checked_item_of_either_polarity(engine):
 def test_a_rounds_local_judges_report_each_set_as_it_is_judged(engine):
     """A step's judging takes minutes on a CPU: progress comes after each set's verdicts, not once at the end."""
     from dynrubric.config import Settings
-    from dynrubric.train.executor import LocalJudges
-    from dynrubric.train.judging import ScoreChunk
+    from dynrubric.train.executor import LocalJudges, ScoreChunk
 
     spy = Spy(engine)
     settings = Settings.model_validate({"rubric": {"retries": 0, "prompt_only_retries": 0, "generator_max_tokens": 16}})

@@ -175,7 +175,8 @@ def test_the_guard_rejects_a_candidate_that_learned_to_echo_the_question(tiny_mo
 
     from dynrubric.config import TrainConfig
     from dynrubric.train.policy_eval import round_evidence
-    from dynrubric.train.round_verdict import round_verdict
+    from dynrubric.train.rounds import round_verdict
+    from tests.run_records import evaluation, policy_step
 
     lines = [json.dumps({"prompt": f"What is {a} + {a + 1}? Answer with the number only."}) for a in range(2, 32)]
     lines += [json.dumps({"prompt": f"Describe thing {i}. Include the word 'blue'."}) for i in range(10)]
@@ -195,22 +196,11 @@ def test_the_guard_rejects_a_candidate_that_learned_to_echo_the_question(tiny_mo
         }
     )
     evidence = round_evidence(settings, engine, ("r1", tmp_path), ("base", tmp_path), ("base", tmp_path))
-    assert evidence["pass"] == {"r1": 10 / 40, "base": 1.0}
+    assert evidence.pass_rate == {"r1": 10 / 40, "base": 1.0}
     verdict, metrics = round_verdict(
         TrainConfig(),
-        [
-            {
-                "phase": "policy",
-                "step": 0,
-                "nonfinite": False,
-                "updated": True,
-                "reward_mean": 0.9,
-                "mean_gap": 0.1,
-                "tie_rate": 0.0,
-                "no_gradient_sets": 0,
-            }
-        ],
-        {"kl_to_parent": 0.01, "kl_to_base": 0.01, "reward_parent": 0.3, "reward_new": 0.9, "groundtruth": evidence},
+        [policy_step(0, reward_mean=0.9)],
+        evaluation(kl_to_parent=0.01, kl_to_base=0.01, reward_parent=0.3, reward_new=0.9, groundtruth=evidence),
     )
     # the judge's held-out reward went up (0.3 -> 0.9): only ground truth shows the candidate is worse
     assert verdict.reason == "heldout_regression" and metrics["heldout_pass"] == 0.25

@@ -184,13 +184,12 @@ def _top_level_imports(path: Path) -> set[str]:
 def test_the_report_command_does_not_import_torch(tmp_path: Path):
     """`dynrubric report` only reads the run log and draws it: run in a fresh interpreter over a one-step
     run log, it must leave torch (seconds to import, gigabytes in a GPU image) unloaded."""
-    import json
     import subprocess
 
+    from tests.run_records import policy_step, round_summary, write_runlog
+
     (tmp_path / "train").mkdir()
-    (tmp_path / "train" / "runlog.jsonl").write_text(
-        json.dumps({"key": "round/1/step/0", "kind": "step", "phase": "policy", "step": 0, "reward_mean": 0.5}) + "\n"
-    )
+    write_runlog(tmp_path / "train" / "runlog.jsonl", [round_summary(1, [policy_step(0)])])
     code = (
         "import sys\n"
         "from dynrubric.app.cli import main\n"

@@ -7,6 +7,7 @@ import pytest
 
 from dynrubric.app.report import UNIT, Thresholds, draw, read_runlog, render
 from dynrubric.errors import DynrubricError
+from tests.run_records import generator_step, policy_step, round_summary, write_runlog
 
 THRESHOLDS = Thresholds(
     collapse_min_mean_gap=0.03,
@@ -18,57 +19,29 @@ THRESHOLDS = Thresholds(
 )
 
 
-def write_log(path, steps: int, sets_per_step: int = 4, generator_steps: int = 1):
-    records = []
-    for step in range(steps):
-        records.append(
-            {
-                "key": f"round/1/step/{step}",
-                "kind": "step",
-                "round": 1,
-                "step": step,
-                "phase": "policy",
-                "reward_mean": 0.4 + 0.05 * step,
-                "kl": 0.0001 * step,
-                "mean_gap": 0.2 - 0.04 * step,
-                "tie_rate": 0.1,
-                "nonsplit_share": 1.0,
-                "untrusted_sets": step % 2,
-                "rubric_sources": {"set": sets_per_step - 1, "prompt_only": 0, "generic": 1},
-                "fallbacks": {"generic": 1, "prompt_only": 0, "parse_failures": 3, "hard_verdict": 0},
-            }
+def write_log(path, steps: int, sets_per_step: int = 4, generator_steps: int = 1, **policy_fields):
+    """A one-round run log of `steps` policy steps and `generator_steps` generator steps; `policy_fields`: a
+    list of values per policy step for the named fields."""
+    policy = [
+        policy_step(
+            step,
+            reward_mean=0.4 + 0.05 * step,
+            kl=0.0001 * step,
+            mean_gap=0.2 - 0.04 * step,
+            tie_rate=0.1,
+            nonsplit_share=1.0,
+            untrusted_sets=step % 2,
+            rubric_sources={"set": sets_per_step - 1, "prompt_only": 0, "generic": 1},
+            fallbacks={"generic": 1, "prompt_only": 0, "parse_failures": 3, "hard_verdict": 0},
+            **{k: v[step] for k, v in policy_fields.items()},
         )
-    for step in range(generator_steps):
-        records.append(
-            {
-                "key": f"round/1/step/{steps + step}",
-                "kind": "step",
-                "round": 1,
-                "step": steps + step,
-                "phase": "generator",
-                "reward_mean": 1.3,
-            }
-        )
-    for step in range(generator_steps):
-        records[steps + step]["gen_judge_user_agreement"] = 0.75
-    truth = {
-        "version": "r1",
-        "prompts": 200,
-        "pass": {"r1": 0.42, "base": 0.36},
-        "vs_parent": {"reference": "base", "delta": 0.06, "low": 0.01, "high": 0.11},
-        "vs_base": {"reference": "base", "delta": 0.06, "low": 0.01, "high": 0.11},
-    }
-    records.append(
-        {
-            "key": "round/1",
-            "kind": "round",
-            "round": 1,
-            "version": "r1",
-            "guard": {"accepted": True},
-            "eval": {"reward_parent": 0.4, "reward_new": 0.55, "kl_to_parent": 0.001, "groundtruth": truth},
-        }
-    )
-    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+        for step in range(steps)
+    ]
+    generator = [
+        generator_step(steps + step, reward_mean=1.3, gen_judge_user_agreement=0.75) for step in range(generator_steps)
+    ]
+    summary = round_summary(1, [*policy, *generator], stage_seconds={})
+    write_runlog(path, [summary])
     return read_runlog(path)
 
 
@@ -134,7 +107,7 @@ def test_one_or_two_points_are_markers_not_a_line(tmp_path):
 def test_where_each_rounds_time_went_is_the_run_logs_stage_seconds(tmp_path):
     """One stacked bar per round: each stage's segment spans exactly the seconds the run log recorded,
     in the order the time is spent; the round's wall-clock time is marked; a round without stage times
-    (an OpenRLHF round) has no bar."""
+    has no bar."""
     from dynrubric.app.report import STAGES
 
     stages = [
@@ -164,31 +137,10 @@ def test_where_each_rounds_time_went_is_the_run_logs_stage_seconds(tmp_path):
         },
     ]
     path = tmp_path / "runlog.jsonl"
-    records = [
-        {
-            "key": f"round/{i}",
-            "kind": "round",
-            "round": i,
-            "version": f"r{i}",
-            "guard": {"accepted": True},
-            "eval": {"reward_parent": 0.4, "reward_new": 0.5},
-            "seconds": sum(st.values()) + 0.5,
-            "stage_seconds": st,
-        }
-        for i, st in ((1, stages[0]), (2, stages[1]))
+    summaries = [
+        round_summary(i, [], seconds=sum(st.values()) + 0.5, stage_seconds=st) for i, st in enumerate(stages, 1)
     ]
-    records.append(
-        {
-            "key": "round/3",
-            "kind": "round",
-            "round": 3,
-            "trainer": "openrlhf",
-            "version": "r3",
-            "guard": {"accepted": True},
-            "eval": {"reward_parent": 0.5, "reward_new": 0.5},
-        }
-    )
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_runlog(path, [*summaries, round_summary(3, [], stage_seconds={})])
     fig = draw(read_runlog(path), THRESHOLDS)
     ax = panels(fig)["where each round's time went (seconds per stage)"]
     assert ax.get_ylabel() == "seconds"
@@ -221,7 +173,9 @@ def test_where_each_rounds_time_went_is_the_run_logs_stage_seconds(tmp_path):
 def test_missing_or_corrupt_run_log_is_a_clear_error(tmp_path):
     with pytest.raises(DynrubricError, match="no run log"):
         read_runlog(tmp_path / "runlog.jsonl")
-    (tmp_path / "runlog.jsonl").write_text('{"kind": "step"}\nnot json\n')
+    write_runlog(tmp_path / "runlog.jsonl", [round_summary(1, [])])
+    with open(tmp_path / "runlog.jsonl", "a") as f:
+        f.write("not json\n")
     with pytest.raises(DynrubricError, match="line 2"):
         read_runlog(tmp_path / "runlog.jsonl")
 
@@ -362,14 +316,14 @@ def test_the_sampler_trainer_mismatch_is_drawn_per_policy_step(tmp_path):
     run whose engine returned no log-probs says so."""
     import math
 
-    path = tmp_path / "runlog.jsonl"
-    write_log(path, steps=3)
-    records = [json.loads(line) for line in path.read_text().splitlines()]
-    policy = [r for r in records if r.get("phase") == "policy"]
-    for r, (ratio, capped) in zip(policy, [(0.01, 0.0), (0.2, 0.05), (0.9, 0.3)], strict=True):
-        r.update(sampler_log_ratio=ratio, sampler_capped=capped, sampler_tokens=100)
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    p = panels(draw(read_runlog(path), THRESHOLDS))
+    log = write_log(
+        tmp_path / "runlog.jsonl",
+        steps=3,
+        sampler_log_ratio=[0.01, 0.2, 0.9],
+        sampler_capped=[0.0, 0.05, 0.3],
+        sampler_tokens=[100] * 3,
+    )
+    p = panels(draw(log, THRESHOLDS))
     mismatch = p["sampler vs trainer: log-prob mismatch per policy step"]
     [data] = [line for line in mismatch.get_lines() if line.get_linestyle() != "--"]
     assert list(data.get_xdata()) == [0, 1, 2] and list(data.get_ydata()) == [0.01, 0.2, 0.9]

@@ -10,9 +10,10 @@ from dynrubric.config import RubricConfig, Settings
 from dynrubric.registry import CheckpointState, Registry
 from dynrubric.rubric.gaps import CollapseDetector, gap_stats
 from dynrubric.rubric.items import Rubric, RubricItem
-from dynrubric.train.plan import SUMMARY, heldout_bucket
-from dynrubric.train.prompts import JsonlPromptSource, ResponseHistory
-from dynrubric.train.rounds import RoundRunner
+from dynrubric.train.prompts import JsonlPromptSource, ResponseHistory, heldout_bucket
+from dynrubric.train.records import write_record
+from dynrubric.train.rounds import SUMMARY, RoundRunner
+from tests.run_records import round_summary
 from tests.train_harness import write_prompts
 
 
@@ -34,9 +35,8 @@ def runner_at(state: Path, model_dir: Path, prompts: Path, **train) -> RoundRunn
 
 def complete(runner: RoundRunner, plan: dict) -> None:
     """Mark a planned round finished (its summary is all the next plan reads)."""
-    (runner.round_dir(plan["round"]) / SUMMARY).write_text(
-        json.dumps({"round": plan["round"], "watermark_after": plan["watermark_after"], "collapse": {"fired": False}})
-    )
+    summary = round_summary(plan["round"], [], watermark_after=plan["watermark_after"])
+    write_record(runner.round_dir(plan["round"]) / SUMMARY, summary)
 
 
 def test_held_out_prompts_are_split_off_by_key_never_trained_and_stable_across_rounds(
