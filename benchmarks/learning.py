@@ -62,10 +62,10 @@ def main() -> None:
     if rc != 0:
         raise SystemExit(f"dynrubric up failed (exit {rc})")
 
-    from dynrubric.config import load_settings
+    from dynrubric.config_loader import load_settings
     from dynrubric.registry import open_registry
 
-    settings = load_settings(args.config, env)
+    settings = load_settings(args.config, env, profile="demo")  # the profile `up` ran with
     registry = open_registry(settings)
     final = registry.stable()
     versions = ["base"] + ([final.version] if final and final.version != "base" else [])
