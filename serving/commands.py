@@ -83,7 +83,7 @@ def fleet_up(ctx: typer.Context) -> None:
         with status(console, f"starting {len(specs)} engine(s) on {version}"):
             fleet.start(settings.vllm.start_timeout_s)
         for s in specs:
-            console.print(f"[green]up[/] {s.name} ({s.kind}, {s.variant}) at {s.base_url}")
+            console.print(f"[green]up[/] {s.name} ({s.server}, {s.variant}) at {s.base_url}")
         console.print(f"fleet /metrics on :{settings.serving.fleet_port}")
         serve(make_app("dynrubric fleet", metrics), settings.serving.host, settings.serving.fleet_port)
 

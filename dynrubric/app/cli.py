@@ -172,8 +172,9 @@ def up(
             "end after this many minutes (with --forever: as many as fit)",
         ),
     ] = None,
-    engine_kind: Annotated[
-        str | None, typer.Option(help="vllm | transformers: the kind of every fleet engine (default: serving.engines)")
+    engine_server: Annotated[
+        str | None,
+        typer.Option(help="vllm | transformers: the server program of every fleet engine (serving.engines[].server)"),
     ] = None,
     prometheus: Annotated[
         bool, typer.Option(help="start Debian's Prometheus scraping the run's services with the shipped rules")
@@ -200,10 +201,12 @@ def up(
     from dynrubric.app.loop import ClosedLoop, write_run_page
 
     settings = settings_of(ctx, profile)
-    if engine_kind is not None:
-        if engine_kind not in ("vllm", "transformers"):
-            raise DynrubricError(f"unknown --engine-kind {engine_kind!r}", "use --engine-kind vllm or transformers")
-        engines = [e.model_dump() | {"kind": engine_kind} for e in settings.serving.engines]
+    if engine_server is not None:
+        if engine_server not in ("vllm", "transformers"):
+            raise DynrubricError(
+                f"unknown --engine-server {engine_server!r}", "use --engine-server vllm or transformers"
+            )
+        engines = [e.model_dump() | {"server": engine_server} for e in settings.serving.engines]
         settings = override(settings, {"serving": {"engines": engines}})
     if cycles < 1:
         raise DynrubricError(f"--cycles {cycles} runs nothing", "pass --cycles 1 or more, or --forever")

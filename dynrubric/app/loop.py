@@ -274,14 +274,14 @@ class ClosedLoop:
             stack.callback(fleet.stop)
             self.log(
                 f"starting {len(specs)} engine(s) on {stable.version}: "
-                + ", ".join(f"{x.name} ({x.kind}, {x.variant})" for x in specs)
+                + ", ".join(f"{x.name} ({x.server}, {x.variant})" for x in specs)
             )
             self.fleet = fleet
             fleet.start(s.vllm.start_timeout_s)
             for spec in specs:
                 self.supervisor.record_pid(spec.name, fleet.process(spec.name).pid)
             # the rounds read their own copy of the settings: on a vLLM fleet it names their own vLLM server
-            trainer_config = self._start_trainer_engine(s) if all(spec.kind == "vllm" for spec in specs) else config
+            trainer_config = self._start_trainer_engine(s) if all(spec.server == "vllm" for spec in specs) else config
 
             router_metrics = CollectorRegistry()  # the router's own /metrics, scraped as dynrubric-router
             producer = EventProducer(s.kafka, router_metrics)

@@ -37,8 +37,8 @@ REPO = Path(__file__).resolve().parents[2]
 def up_env(tiny_model_dir: Path, state: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DYNRUBRIC_")}
     engines = [
-        {"name": "engine-0", "variant": "stable", "kind": "transformers", "port": free_port()},
-        {"name": "engine-1", "variant": "canary", "kind": "transformers", "port": free_port()},
+        {"name": "engine-0", "variant": "stable", "server": "transformers", "port": free_port()},
+        {"name": "engine-1", "variant": "canary", "server": "transformers", "port": free_port()},
     ]
     env.update(
         {

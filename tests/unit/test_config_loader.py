@@ -92,3 +92,41 @@ def test_the_loop_runtime_leaves_the_loaded_settings_as_they_were():
     assert s.serving.token == SecretStr("t") and s.train.prompt_source == "replay"
     assert s.train == loaded.train.model_copy(update={"prompt_source": "replay"})
     assert loaded.model_dump() == before and loaded.serving.port == 0
+
+
+@pytest.mark.parametrize(
+    ("old", "value", "new"),
+    [
+        ("rubric.anchors", False, "rubric.calibration_answers"),
+        ("train.coevolve.anchors", "temporal", "train.coevolve.ranking_source"),
+        ("train.coevolve.anchors_file", "ranked.jsonl", "train.coevolve.rankings_file"),
+        ("train.coevolve.anchor_lambda", 0.5, "train.coevolve.ranking_weight"),
+    ],
+)
+def test_a_renamed_key_is_an_error_naming_its_new_name(tmp_path, old, value, new):
+    """"anchor" named three things (calibration answers, the generator's ranked lists, path resolution); a config
+    written with an old name fails with the new one, in a file and in the environment."""
+    data: dict = {}
+    *sections, key = old.split(".")
+    node = data
+    for section in sections:
+        node = node.setdefault(section, {})
+    node[key] = value
+    with pytest.raises(DynrubricError) as e:
+        load_settings(write(tmp_path / "old.yaml", data), {})
+    assert f"config key '{old}' was renamed to '{new}'" in str(e.value)
+    env = "DYNRUBRIC_" + old.replace(".", "__").upper()
+    with pytest.raises(DynrubricError) as e:
+        load_settings(None, {env: str(value)})
+    assert f"{env} sets '{old}', which was renamed to '{new}'" in str(e.value)
+    assert "DYNRUBRIC_" + new.replace(".", "__").upper() in str(e.value)
+
+
+def test_a_fleet_engine_kind_is_an_error_naming_server(tmp_path):
+    """`engine.kind` says how a command reaches its models; a fleet engine's server program is `server`."""
+    engines = [{"name": "e0", "variant": "stable", "kind": "transformers", "port": 8301}]
+    with pytest.raises(DynrubricError) as e:
+        load_settings(write(tmp_path / "old.yaml", {"serving": {"engines": engines}}), {})
+    assert "config key 'serving.engines.0.kind' was renamed to 'serving.engines[].server'" in str(e.value)
+    engines[0]["server"] = engines[0].pop("kind")
+    assert load_settings(write(tmp_path / "new.yaml", {"serving": {"engines": engines}}), {}).serving.engines[0].server
