@@ -195,7 +195,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from dynrubric import modelcache
-    from dynrubric.config import load_settings
+    from dynrubric.config_loader import load_settings
 
     model_dir = (
         Path(args.model)

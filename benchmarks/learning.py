@@ -14,7 +14,7 @@ the users' max_tokens, the official IFEval checkers and computed answers; no jud
 
 and the learning curve, one line per cycle (each round's candidate and parent on the same prompts).
 
-    python benchmarks/learning.py --state-dir DIR [--minutes M] [--engine-kind vllm|transformers]
+    python benchmarks/learning.py --state-dir DIR [--minutes M] [--engine-server vllm|transformers]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--state-dir", type=Path, required=True)
     ap.add_argument("--minutes", type=float, default=45.0, help="time budget of the closed loop")
     ap.add_argument(
-        "--engine-kind",
+        "--engine-server",
         choices=["vllm", "transformers"],
         default=None,
         help="the serving engines (default: the config's, vLLM)",
@@ -55,17 +55,17 @@ def main() -> None:
     env = {**os.environ, "DYNRUBRIC_PATHS__STATE_DIR": str(state)}
     if args.config is not None:
         env["DYNRUBRIC_CONFIG"] = str(args.config.resolve())
-    extra = [] if args.engine_kind is None else ["--engine-kind", args.engine_kind]
+    extra = [] if args.engine_server is None else ["--engine-server", args.engine_server]
     started = time.monotonic()
     rc = run_loop(state, args.minutes, extra, env)
     loop_s = time.monotonic() - started
     if rc != 0:
         raise SystemExit(f"dynrubric up failed (exit {rc})")
 
-    from dynrubric.config import load_settings
+    from dynrubric.config_loader import load_settings
     from dynrubric.registry import open_registry
 
-    settings = load_settings(args.config, env)
+    settings = load_settings(args.config, env, profile="demo")  # the profile `up` ran with
     registry = open_registry(settings)
     final = registry.stable()
     versions = ["base"] + ([final.version] if final and final.version != "base" else [])

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dynrubric.config import load_settings  # noqa: E402
+from dynrubric.config_loader import load_settings  # noqa: E402
 
 QUESTIONS = [
     "What is 17 + 25? Explain briefly.",

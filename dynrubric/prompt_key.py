@@ -1,7 +1,7 @@
 """The identity of a chat prompt: one function for the whole project.
 
 The replay store keys logged prompts with it (Parquet column `prompt_key`, its `prompt_shards` index),
-and the trainer keys prompt files, held-out prompts and human-ranked anchor files with it, so an anchor
+and the trainer keys prompt files, held-out prompts and human-ranked rankings files with it, so a ranking
 written for a prompt is found whichever source the prompt came from. It is the store's original
 algorithm, so replay stores written before keep their keys.
 """

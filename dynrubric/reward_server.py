@@ -24,7 +24,7 @@ set-conditioned reward needs the whole set, so:
   meet whichever replica the client picked;
 - the reply is always `{"rewards": [float], "scores": [float], "extra_logs": {name: [float]}}` with
   finite floats: OpenRLHF reads a missing or null reward as None and crashes its training step;
-- an untrusted set (a calibration anchor outranked a candidate: the judge cannot tell them from
+- an untrusted set (a calibration answer outranked a candidate: the judge cannot tell them from
   garbage) gets the set's mean as every reward, so OpenRLHF's group normalisation gives it zero
   advantage; `scores` keep the judge's scores and `rubric_untrusted` says which sets these were.
 """

@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from dynrubric.config_loader import DEFAULT_PROFILE
 from dynrubric.console import make_console
 from dynrubric.context import settings_of
 from dynrubric.errors import DynrubricError
@@ -58,30 +59,6 @@ def _wait_for_signal() -> None:
     stop.wait()
 
 
-def apply_demo_gate(settings) -> None:
-    """The demo's rollouts (`up --demo`, `gate plan --demo`): decided on the rubric judge's verdicts on shadow pairs.
-
-    One machine's tens of users can show no feedback-rate margin worth the name, so the last step must show
-    the judged win rate above 1/2 - judge_margin instead (`gate.promote_on = [judged]`); harm on the feedback
-    rates, the error rate, latency or the judged win rate still rolls back at every step. The minimums and
-    margins are caps and floors, so a config that asks for more keeps it; what the result can detect is
-    printed at the start of every rollout (`serving.power`).
-    """
-    g, r = settings.gate, settings.rollout
-    for key, cap in {"min_users_per_arm": 5, "min_requests_per_arm": 8, "min_rated_per_arm": 6}.items():
-        setattr(g, key, min(getattr(g, key), cap))
-    # tens of pairs: the judged margin is what ~80 pairs show for an equal canary (gate plan --demo prints it)
-    for key, floor in {"mixture_tau": 0.3, "error_rate_margin": 0.2, "judge_margin": 0.25, "judge_tau": 0.25}.items():
-        setattr(g, key, max(getattr(g, key), floor))
-    g.promote_on = ["judged"]
-    r.judge = True
-    settings.serving.shadow_rate = max(settings.serving.shadow_rate, 0.5)
-    if len(r.steps) > 2:
-        r.steps = [0.3, 0.6]
-    r.poll_interval_s = min(r.poll_interval_s, 2.0)
-    r.max_step_s = min(r.max_step_s, 600.0)
-
-
 # ---------------------------------------------------------------- fleet
 @fleet_app.command("up")
 def fleet_up(ctx: typer.Context) -> None:
@@ -106,7 +83,7 @@ def fleet_up(ctx: typer.Context) -> None:
         with status(console, f"starting {len(specs)} engine(s) on {version}"):
             fleet.start(settings.vllm.start_timeout_s)
         for s in specs:
-            console.print(f"[green]up[/] {s.name} ({s.kind}, {s.variant}) at {s.base_url}")
+            console.print(f"[green]up[/] {s.name} ({s.server}, {s.variant}) at {s.base_url}")
         console.print(f"fleet /metrics on :{settings.serving.fleet_port}")
         serve(make_app("dynrubric fleet", metrics), settings.serving.host, settings.serving.fleet_port)
 
@@ -328,7 +305,9 @@ def gate_plan(
     ctx: typer.Context,
     rps: Annotated[list[float], typer.Option(help="requests a second of a planned deployment (repeat for several)")],
     users: Annotated[list[int], typer.Option(help="distinct users sending them (one for all --rps, or one each)")],
-    demo: Annotated[bool, typer.Option(help="the gate `up --demo` runs (`apply_demo_gate`)")] = False,
+    profile: Annotated[
+        str, typer.Option(help="the profile under the -c files: production (the default) or demo (the gate `up` runs)")
+    ] = DEFAULT_PROFILE,
 ) -> None:
     """What the configured gate can detect at each traffic: the smallest harm per metric caught with 80% power
     within rollout.max_step_s at each step, and when an equal canary is promoted (the line every rollout logs)."""
@@ -340,9 +319,7 @@ def gate_plan(
         raise DynrubricError(f"{len(users)} --users for {len(rps)} --rps", "give one --users, or one per --rps")
     if any(x <= 0 for x in rps) or any(u < 1 for u in users):
         raise DynrubricError("--rps must be > 0 and --users >= 1", "e.g. --rps 1 --rps 10 --users 40 --users 1000")
-    settings = settings_of(ctx)
-    if demo:
-        apply_demo_gate(settings)
+    settings = settings_of(ctx, profile)
     g, r = settings.gate, settings.rollout
     plans = []
     for rate, n in zip(rps, users * len(rps) if len(users) == 1 else users, strict=True):

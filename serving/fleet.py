@@ -33,7 +33,7 @@ SERVED_MODEL_NAME = "policy"
 class EngineSpec:
     name: str
     variant: str
-    kind: str  # "vllm" | "transformers"
+    server: str  # the server program: "vllm" | "transformers" (serving.engines[].server)
     port: int
     model_dir: Path
     policy_version: str
@@ -53,7 +53,7 @@ class EngineSpec:
         return VllmServer(self.model_dir, cfg, port=self.port, served_model_name=SERVED_MODEL_NAME)
 
     def command(self) -> list[str]:
-        if self.kind == "vllm":
+        if self.server == "vllm":
             return self._vllm().command()
         return [
             sys.executable,
@@ -71,7 +71,7 @@ class EngineSpec:
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
-        if self.kind == "vllm":
+        if self.server == "vllm":
             env = self._vllm().environment()
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)
             if self.cpus is not None:
@@ -93,7 +93,7 @@ def specs_from_settings(settings: Settings, model_dir: Path, policy_version: str
         EngineSpec(
             name=e.name,
             variant=e.variant,
-            kind=e.kind,
+            server=e.server,
             port=e.port,
             model_dir=model_dir,
             policy_version=policy_version,
@@ -154,10 +154,10 @@ class Fleet:
         """Start every engine: vLLM ones one at a time (two loads at once thrash a small machine), the rest at once."""
         for spec in self.specs:
             self._spawn(spec)
-            if spec.kind == "vllm":
+            if spec.server == "vllm":
                 self.wait_healthy(spec, timeout_s)
         for spec in self.specs:
-            if spec.kind != "vllm":
+            if spec.server != "vllm":
                 self.wait_healthy(spec, timeout_s)
         self._watcher = threading.Thread(target=self._watch, name="fleet-watch", daemon=True)
         self._watcher.start()

@@ -558,7 +558,7 @@ class ReplayPromptSource:
     """The trainer's `PromptSource` (dynrubric/train/prompts.py) over the replay store.
 
     A prompt's key is the store's prompt_key, so `responses_by_version` finds every response ever
-    logged for it (the temporal-contrast anchors). The trainer's watermark string is the shard id.
+    logged for it (the temporal-contrast rankings). The trainer's watermark string is the shard id.
     """
 
     def __init__(self, root: Path):

@@ -24,7 +24,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def smollm_dir() -> Path:
     """SmolLM2-135M-Instruct from the model cache (`make setup` prepares it)."""
     from dynrubric import modelcache
-    from dynrubric.config import load_settings
+    from dynrubric.config_loader import load_settings
 
     return modelcache.resolve(load_settings().paths.resolved_home(), "smollm2-135m")
 

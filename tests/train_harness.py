@@ -73,9 +73,11 @@ def engines(role: str, model_dir: Path) -> Engine:
     return TransformersEngine(model_dir, max_batch_size=64)
 
 
-def settings(state_dir: Path, model_dir: Path, prompts_file: Path, ray: dict | None = None, **train) -> Settings:
+def settings(
+    state_dir: Path, model_dir: Path, prompts_file: Path, ray: dict | None = None, rubric: dict | None = None, **train
+) -> Settings:
     """Small settings for the task (measured: ~2 min per round on the shared 2-core machine at load 17),
-    with the guards at their defaults."""
+    with the guards at their defaults; `rubric` and `train` (keyword arguments) change their sections' keys."""
     train_cfg = {
         "prompts_file": str(prompts_file),
         "candidates": 8,
@@ -111,7 +113,8 @@ def settings(state_dir: Path, model_dir: Path, prompts_file: Path, ray: dict | N
                     {"text": CRITERION, "weight": 3},
                     {"text": "The response is polite.", "weight": 1},
                 ],
-            },
+            }
+            | (rubric or {}),
             "train": train_cfg,
             # the ground-truth evaluation of every version: a few of the bank's held-out prompts, short answers
             "evaluation": {"max_prompts": 8, "max_tokens": 8},
@@ -133,12 +136,20 @@ def write_prompts(path: Path, n: int) -> Path:
     return path
 
 
-def runner(state_dir: Path, model_dir: Path, prompts_file: Path, ray: dict | None = None, progress=None, **train):
+def runner(
+    state_dir: Path,
+    model_dir: Path,
+    prompts_file: Path,
+    ray: dict | None = None,
+    progress=None,
+    rubric: dict | None = None,
+    **train,
+):
     from dynrubric.registry import open_registry
     from dynrubric.train.prompts import JsonlPromptSource
     from dynrubric.train.rounds import RoundRunner, response_history
 
-    s = settings(state_dir, model_dir, prompts_file, ray, **train)
+    s = settings(state_dir, model_dir, prompts_file, ray, rubric, **train)
     return RoundRunner(
         s, open_registry(s), JsonlPromptSource(prompts_file, response_history(s)), engines, progress=progress
     )

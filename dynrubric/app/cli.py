@@ -21,11 +21,12 @@ from typer.exceptions import Abort, Exit, TyperException
 from dynrubric.app import rubric_commands
 from dynrubric.app.monitor import app as monitor_app
 from dynrubric.app.train_commands import eval_policy, registry_app, train_app
+from dynrubric.config import Settings
+from dynrubric.config_loader import DEFAULT_PROFILE, override
 from dynrubric.console import heading, make_console
 from dynrubric.context import Context, settings_of
 from dynrubric.errors import DynrubricError
 from dynrubric.progress import quiet_model_loading, status
-from serving.commands import apply_demo_gate
 from serving.commands import register as register_serving
 from streaming.commands import broker_app, ingest, traffic_app
 
@@ -55,8 +56,13 @@ console = make_console()
 err_console = make_console(stderr=True)
 
 ConfigOpt = Annotated[
-    Path | None,
-    typer.Option("--config", "-c", help="YAML config file (default: $DYNRUBRIC_CONFIG, else built-in defaults)"),
+    list[Path] | None,
+    typer.Option(
+        "--config",
+        "-c",
+        help="YAML config file over the command's profile; repeat it to layer files, later ones winning "
+        "(default: $DYNRUBRIC_CONFIG); DYNRUBRIC_* variables win over all files",
+    ),
 ]
 
 
@@ -66,7 +72,7 @@ def root(
     config: ConfigOpt = None,
     debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
 ) -> None:
-    ctx.obj = Context(config)
+    ctx.obj = Context(config or [])
 
 
 # ---------------------------------------------------------------- config, models, doctor
@@ -74,15 +80,20 @@ def root(
 def config_show(
     ctx: typer.Context,
     fmt: Annotated[str, typer.Option("--format", help="yaml | json")] = "yaml",
+    profile: Annotated[
+        str,
+        typer.Option(help="the profile under the -c files: production (the schema defaults) or demo (`up`'s default)"),
+    ] = DEFAULT_PROFILE,
 ) -> None:
-    """Print the effective configuration (secrets masked); valid YAML (or JSON) that `-c` reads back."""
+    """Print the effective configuration (secrets masked): schema defaults < profile < -c files < DYNRUBRIC_*
+    variables; valid YAML (or JSON) that `-c` reads back."""
     import yaml
 
-    from dynrubric.config import masked_dump
+    from dynrubric.config_loader import masked_dump
 
     if fmt not in ("yaml", "json"):
         raise DynrubricError(f"unknown --format {fmt!r}", "use --format yaml or --format json")
-    data = masked_dump(settings_of(ctx))
+    data = masked_dump(settings_of(ctx, profile))
     # plain stdout, never rich: rich wraps long strings at the console width, which breaks the YAML
     if fmt == "json":
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
@@ -161,20 +172,21 @@ def up(
             "end after this many minutes (with --forever: as many as fit)",
         ),
     ] = None,
-    engine_kind: Annotated[
-        str | None, typer.Option(help="vllm | transformers: the kind of every fleet engine (default: serving.engines)")
+    engine_server: Annotated[
+        str | None,
+        typer.Option(help="vllm | transformers: the server program of every fleet engine (serving.engines[].server)"),
     ] = None,
     prometheus: Annotated[
         bool, typer.Option(help="start Debian's Prometheus scraping the run's services with the shipped rules")
     ] = True,
-    demo: Annotated[
-        bool,
+    profile: Annotated[
+        str,
         typer.Option(
-            help="small rounds and a small-traffic gate sized for a 2-core CPU, deciding rollouts on "
-            "the judged shadow check (off: the configured train.*/rubric.*/gate.*/rollout.* "
-            "values and serving.shadow_rate)"
+            help="the profile under the -c files: demo (the default: small rounds and a small-traffic gate sized "
+            "for a 2-core CPU, deciding rollouts on the judged shadow check) or production (the schema defaults); "
+            "`dynrubric config show --profile demo` prints what the loop runs with"
         ),
-    ] = True,
+    ] = "demo",
     drill_cycle: Annotated[
         int | None,
         typer.Option(
@@ -188,17 +200,18 @@ def up(
     to the canary in place, gates it on live online metrics and promotes it or rolls it back."""
     from dynrubric.app.loop import ClosedLoop, write_run_page
 
-    settings = settings_of(ctx)
-    if engine_kind is not None:
-        if engine_kind not in ("vllm", "transformers"):
-            raise DynrubricError(f"unknown --engine-kind {engine_kind!r}", "use --engine-kind vllm or transformers")
-        settings.serving.engines = [e.model_copy(update={"kind": engine_kind}) for e in settings.serving.engines]
-    if demo:  # caps, so a config that asks for less keeps it
-        _demo_caps(settings)
+    settings = settings_of(ctx, profile)
+    if engine_server is not None:
+        if engine_server not in ("vllm", "transformers"):
+            raise DynrubricError(
+                f"unknown --engine-server {engine_server!r}", "use --engine-server vllm or transformers"
+            )
+        engines = [e.model_dump() | {"server": engine_server} for e in settings.serving.engines]
+        settings = override(settings, {"serving": {"engines": engines}})
     if cycles < 1:
         raise DynrubricError(f"--cycles {cycles} runs nothing", "pass --cycles 1 or more, or --forever")
     if drill_cycle is not None:
-        settings.loop.drill_cycle = drill_cycle
+        settings = override(settings, {"loop": {"drill_cycle": drill_cycle}})
     if not forever and settings.loop.drill_cycle is not None and settings.loop.drill_cycle > cycles:
         raise DynrubricError(
             f"loop.drill_cycle {settings.loop.drill_cycle} is after the last of {cycles} cycle(s)",
@@ -228,49 +241,8 @@ def up(
         highlight=False,
         soft_wrap=True,
     )
-    report(ctx, out=None)
+    _report(settings, out=None)
     console.print(f"run page: {write_run_page(settings, results)}", markup=False, highlight=False, soft_wrap=True)
-
-
-#: what `up --demo` trains with on a 2-core CPU, chosen by measurement (docs/benchmarks.md, the learning benchmark):
-#: rounds of ten policy steps of 8 prompts x 4 answers and one generator step, a learning rate that moves a
-#: 135M model within a round (AdamW's state carried across the round's steps), and guards sized to that step
-DEMO_TRAINING: dict[str, dict[str, float | int | str]] = {
-    "train": {
-        "steps_per_round": 11,
-        "prompts_per_step": 8,
-        "candidates": 4,
-        "max_new_tokens": 48,
-        "heldout_prompts": 8,
-        "max_kl": 0.3,
-        "max_kl_to_base": 1.5,
-    },
-    "grpo": {"lr": 5e-5, "clip_high": 0.28, "kl_beta": 1e-3, "updates_per_batch": 1, "compute_dtype": "bfloat16"},
-    "coevolve": {"k_alt": 10, "k_alt_generator": 1, "sets_per_step": 2, "rubric_samples": 2},
-    # a round's 80 policy sets cycle through at least this many distinct new prompts (20% of them are held out)
-    "loop": {"min_new_prompts": 40},
-}
-
-
-def _demo_caps(settings) -> None:
-    """Round sizes, optimiser and gate sample sizes a 2-core CPU gets through in minutes (sizes are caps: lower
-    configs stay)."""
-    train = DEMO_TRAINING["train"]
-    settings.train.steps_per_round = train["steps_per_round"]  # the round's shape: k_alt policy + k_alt_generator
-    for key in ("prompts_per_step", "candidates", "max_new_tokens", "heldout_prompts"):
-        setattr(settings.train, key, min(getattr(settings.train, key), train[key]))
-    for key in ("max_kl", "max_kl_to_base"):  # the guards allow the demo's learning rate its step
-        setattr(settings.train, key, max(getattr(settings.train, key), train[key]))
-    for key, value in DEMO_TRAINING["grpo"].items():
-        setattr(settings.train.grpo, key, value)
-    for key, value in DEMO_TRAINING["coevolve"].items():
-        setattr(settings.train.coevolve, key, value)
-    settings.loop.min_new_prompts = max(settings.loop.min_new_prompts, DEMO_TRAINING["loop"]["min_new_prompts"])
-    for key, cap in {"generator_max_tokens": 256, "retries": 1, "prompt_only_retries": 0}.items():
-        setattr(settings.rubric, key, min(getattr(settings.rubric, key), cap))
-    apply_demo_gate(settings)  # rollouts decided on the judged check: one machine's traffic is too small for feedback
-    # one machine serves and trains: the round gets the cores while it runs (production trains elsewhere)
-    settings.loop.pause_users_while_training = True
 
 
 @app.command()
@@ -280,9 +252,12 @@ def report(
 ) -> None:
     """Plot the training run log (reward, KL, score gaps vs the collapse thresholds, fallbacks, rounds) and
     the rollouts' rubric-judged online check."""
+    _report(settings_of(ctx), out)
+
+
+def _report(settings: Settings, out: Path | None) -> None:
     from dynrubric.app.report import Thresholds, judged_rollouts, read_runlog, render
 
-    settings = settings_of(ctx)
     log = read_runlog(settings.train_run_dir() / "runlog.jsonl")
     out = out or settings.paths.resolved_state() / "report" / "run.png"
     r = settings.rubric

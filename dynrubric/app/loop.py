@@ -50,11 +50,12 @@ from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter
-from pydantic import BaseModel, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from dynrubric import atomic
 from dynrubric.app.supervisor import ChildSpec, Supervisor
 from dynrubric.config import Settings
+from dynrubric.config_loader import override, plain_dump
 from dynrubric.errors import DynrubricError
 from dynrubric.ports import free_port
 from dynrubric.process import stop_signals_interrupt
@@ -77,19 +78,31 @@ class CycleResult:
     registered_to_canary_s: float | None
 
 
-def plain_dump(value: Any) -> Any:
-    """Settings as plain data that `-c` reads back, secrets included (for the children's config file)."""
-    if isinstance(value, SecretStr):
-        return value.get_secret_value()
-    if isinstance(value, BaseModel):
-        return {k: plain_dump(getattr(value, k)) for k in type(value).model_fields}
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, (list, tuple)):
-        return [plain_dump(v) for v in value]
-    if isinstance(value, dict):
-        return {k: plain_dump(v) for k, v in value.items()}
-    return value
+class LoopRuntime(BaseModel):
+    """What one `dynrubric up` run decides at start-up, kept apart from the settings it loaded (frozen, as loaded):
+    the address of the broker it started, the control token its components share (serving.token when configured,
+    else a fresh one), and the ports it picked where the config says 0."""
+
+    model_config = ConfigDict(frozen=True)
+
+    bootstrap_servers: str
+    control_token: SecretStr
+    router_port: int = Field(ge=1)
+    ingest_metrics_port: int = Field(ge=1)
+
+    def component_settings(self, settings: Settings) -> Settings:
+        """The settings this run's components are configured with: `settings` with this run's values, and the rounds
+        taking their prompts from the replay store that ingest fills. The children read them from
+        `<state_dir>/up/config.yaml`; the router, controller and producer in this process get the same object."""
+        return override(
+            settings,
+            {
+                "kafka": {"bootstrap_servers": self.bootstrap_servers},
+                "serving": {"token": self.control_token, "port": self.router_port},
+                "ingest": {"metrics_port": self.ingest_metrics_port},
+                "train": {"prompt_source": "replay"},
+            },
+        )
 
 
 def child_env() -> dict[str, str]:
@@ -193,11 +206,11 @@ class ClosedLoop:
         self.traffic: UserTraffic | None = None
 
     # ------------------------------------------------------------ start-up
-    def _write_config(self, settings: Settings | None = None, name: str = "config.yaml") -> Path:
+    def _write_config(self, settings: Settings, name: str = "config.yaml") -> Path:
         import yaml
 
         path = self.dir / name
-        atomic.write_text(path, yaml.safe_dump(plain_dump(settings or self.settings), sort_keys=False))
+        atomic.write_text(path, yaml.safe_dump(plain_dump(settings), sort_keys=False))
         path.chmod(0o600)
         return path
 
@@ -216,29 +229,30 @@ class ClosedLoop:
         from streaming.broker import EmbeddedBroker
         from streaming.producer import EventProducer
 
-        s = self.settings
+        loaded = self.settings
         stop_signals_interrupt()
         self.dir.mkdir(parents=True, exist_ok=True)
-        if s.serving.token is None:  # the control endpoints need one; this run's components share it
-            s.serving.token = SecretStr(secrets.token_urlsafe(24))
-        for section, key in ((s.serving, "port"), (s.ingest, "metrics_port")):
-            if getattr(section, key) == 0:
-                setattr(section, key, free_port())
-        s.train.prompt_source = "replay"
-        registry = open_registry(s)
+        registry = open_registry(loaded)
         with ExitStack() as stack:
-            if s.loop.metrics_port:
+            if loaded.loop.metrics_port:
                 from dynrubric.service import make_app
 
                 stack.enter_context(
-                    thread_server(make_app("dynrubric up", self.metrics), s.serving.host, s.loop.metrics_port)
+                    thread_server(make_app("dynrubric up", self.metrics), loaded.serving.host, loaded.loop.metrics_port)
                 )
             broker = stack.enter_context(EmbeddedBroker(port=0, log_path=self.dir / "logs" / "broker.log"))
-            s.kafka.bootstrap_servers = broker.bootstrap_servers
+            runtime = LoopRuntime(
+                bootstrap_servers=broker.bootstrap_servers,
+                # the control endpoints need a token; this run's components share it
+                control_token=loaded.serving.token or SecretStr(secrets.token_urlsafe(24)),
+                router_port=loaded.serving.port or free_port(),
+                ingest_metrics_port=loaded.ingest.metrics_port or free_port(),
+            )
+            s = runtime.component_settings(loaded)
             stack.callback(self.supervisor.stop)  # children stop before the broker does
             online_state = self.state / "rollout" / f"online-{s.rollout.consumer_group}.json"
             online_state.unlink(missing_ok=True)  # offsets into the previous run's (memory) topics
-            config = self._write_config()
+            config = self._write_config(s)
             self.log(f"broker at {broker.bootstrap_servers}; children read {config}")
 
             ingest_url = f"http://{s.ingest.metrics_host}:{s.ingest.metrics_port}/healthz"
@@ -261,14 +275,14 @@ class ClosedLoop:
             stack.callback(fleet.stop)
             self.log(
                 f"starting {len(specs)} engine(s) on {stable.version}: "
-                + ", ".join(f"{x.name} ({x.kind}, {x.variant})" for x in specs)
+                + ", ".join(f"{x.name} ({x.server}, {x.variant})" for x in specs)
             )
             self.fleet = fleet
             fleet.start(s.vllm.start_timeout_s)
             for spec in specs:
                 self.supervisor.record_pid(spec.name, fleet.process(spec.name).pid)
             # the rounds read their own copy of the settings: on a vLLM fleet it names their own vLLM server
-            trainer_config = self._start_trainer_engine() if all(spec.kind == "vllm" for spec in specs) else config
+            trainer_config = self._start_trainer_engine(s) if all(spec.server == "vllm" for spec in specs) else config
 
             router_metrics = CollectorRegistry()  # the router's own /metrics, scraped as dynrubric-router
             producer = EventProducer(s.kafka, router_metrics)
@@ -285,7 +299,7 @@ class ClosedLoop:
                     thread_server(build_controller_app(controller, controller_metrics), s.serving.host, s.rollout.port)
                 )
             if prometheus:
-                self._start_prometheus(stack)
+                self._start_prometheus(stack, s)
             users = SimulatedUsers(
                 f"http://{s.serving.host}:{s.serving.port}",
                 load_checkable(),
@@ -327,36 +341,38 @@ class ClosedLoop:
                 raise
         return self.results
 
-    def _start_trainer_engine(self) -> Path:
+    def _start_trainer_engine(self, settings: Settings) -> Path:
         """The rounds' own vLLM server (a supervised child on every core): the policy samples its candidate sets and
         the held-out answers there, and the rubric generator writes its rubrics there, the two taking turns with
         their own weights (`engine.shared_servers`); the verifier, which only scores, stays in the trainer process.
         The serving fleet is left to the users. Returns the rounds' config file (`up/trainer.yaml`), which says so;
-        this process's settings, and the rollout judge built from them, keep their own engines."""
+        `settings`, and the rollout judge built from them, keep their own engines."""
         from dynrubric import modelcache
-        from dynrubric.config import VllmConfig
         from dynrubric.engines.vllm_server import VllmServer
 
-        model = modelcache.resolve(self.settings.paths.resolved_home(), self.settings.models.verifier)
-        s = self.settings.model_copy(deep=True)
+        s = settings
+        model = modelcache.resolve(s.paths.resolved_home(), s.models.verifier)
         server = VllmServer(
-            model, VllmConfig(**{**s.vllm.model_dump(), "kv_cache_space_gib": TRAINER_KV_CACHE_GIB}), port=free_port()
+            model, s.vllm.model_copy(update={"kv_cache_space_gib": TRAINER_KV_CACHE_GIB}), port=free_port()
         )
         env = {**server.environment(), "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}
         self.supervisor.start(
             ChildSpec("trainer-engine", server.command(), env, f"{server.base_url}/health", s.vllm.start_timeout_s)
         )
-        s.engine.kind, s.engine.base_url = "openai-http", server.base_url
-        s.engine.policy_url = s.engine.generator_url = s.engine.verifier_url = None
-        s.engine.shared_servers, s.engine.in_process = True, ["verifier"]
+        engine = {
+            "kind": "openai-http",
+            "base_url": server.base_url,
+            "shared_servers": True,
+            "in_process": ["verifier"],
+        }
+        trainer = override(s, {"engine": engine | dict.fromkeys(("policy_url", "generator_url", "verifier_url"))})
         self.log(f"trainer engine (vLLM, policy and rubric generator) at {server.base_url}")
-        return self._write_config(s, "trainer.yaml")
+        return self._write_config(trainer, "trainer.yaml")
 
-    def _start_prometheus(self, stack: ExitStack) -> None:
+    def _start_prometheus(self, stack: ExitStack, s: Settings) -> None:
         """Debian's Prometheus scraping this run's services, with the shipped rules (alerts fire during the run)."""
         from dynrubric.app.monitor import local_targets, render_config, rule_files, start_prometheus
 
-        s = self.settings
         served = {"dynrubric-router", "dynrubric-ingest", "dynrubric-up", "dynrubric-rollout"}
         targets = {job: a for job, a in local_targets(s).items() if job in served or job in s.monitoring.targets}
         m = s.monitoring

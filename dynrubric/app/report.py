@@ -458,7 +458,7 @@ def draw(log: RunLog, thresholds: Thresholds, judged: Sequence[JudgedRollout] = 
         *_series(log.steps, "untrusted_sets"),
         color="black",
         marker="X",
-        label="untrusted: an anchor outranked a candidate (no advantage)",
+        label="untrusted: a calibration answer outranked a candidate (no advantage)",
     )
     ax.set(
         title="where each scored set's rubric came from; untrusted sets",
@@ -488,7 +488,7 @@ def draw(log: RunLog, thresholds: Thresholds, judged: Sequence[JudgedRollout] = 
         *_series(log.generator_steps, "reward_mean"),
         color="tab:brown",
         marker="s",
-        label="mean rubric reward (R_disc + anchor + format)",
+        label="mean rubric reward (R_disc + ranking + format)",
     )
     line(
         ax,

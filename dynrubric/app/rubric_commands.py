@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
-from pydantic import ValidationError
 
+from dynrubric.config_loader import override
 from dynrubric.console import make_console
 from dynrubric.context import settings_of
 from dynrubric.errors import DynrubricError
@@ -98,15 +98,14 @@ def score(
     from dynrubric.engines import build_engine
     from dynrubric.rubric.evaluator import Evaluator
 
-    settings = settings_of(ctx)
+    options = {"engine": {"kind": engine}} if engine is not None else {}
+    if mode is not None:
+        options["rubric"] = {"mode": mode}
     try:
-        if engine is not None:
-            settings.engine.kind = engine  # type: ignore[assignment]
-        if mode is not None:
-            settings.rubric.mode = mode  # type: ignore[assignment]
-    except ValidationError as e:  # the settings validate assignments
+        settings = override(settings_of(ctx), options)
+    except DynrubricError as e:  # the override is validated like a config file
         raise DynrubricError(
-            f"bad option: {e.errors()[0]['msg']}", "use --engine transformers|openai-http, --mode set|prompt_only"
+            f"bad option: {e.problem}", "use --engine transformers|openai-http, --mode set|prompt_only"
         ) from None
     if on_ray:
         score_on_ray(settings, sets_file, out)

@@ -13,7 +13,7 @@ Per mode and kind, on ordered sets (s = scores, `eps` the rubric's tie threshold
   advantage is zero; the empty response is not "on top" of anything there);
 - score-length correlation: Pearson r between scores and response length in words (a judge that
   follows length, not quality, shows here);
-- untrusted: sets where a calibration anchor outranked a real candidate.
+- untrusted: sets where a calibration answer outranked a real candidate.
 The collapse detector runs over the ordered sets in order (its false alarm rate: alarms / decisions)
 and over the equal-quality sets (its alarm rate), with the configured window, or the number of sets
 when there are fewer.

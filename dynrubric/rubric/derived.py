@@ -9,10 +9,10 @@ can. These items join the generated items of every rubric.
   "contain the keyword" or "stay under 40 words"), which the score applies as a veto (score.py), and the
   floor item, "the response says something": met by every answer that is not empty, so that an empty
   answer ranks below every attempt whatever else the rubric holds. In a set without an empty answer it
-  is the same for every candidate and changes no advantage. The evaluator never lets a calibration anchor
-  overrule these items, since an anchor that meets a prompt's constraint (the echoed question contains
-  its keyword) meets it for real; the ground-truth items hold `rubric.ground_truth_share` of the score,
-  the floor item weighs with the generated ones.
+  is the same for every candidate and changes no advantage. The evaluator never lets a calibration
+  answer overrule these items, since a calibration answer that meets a prompt's constraint (the echoed
+  question contains its keyword) meets it for real; the ground-truth items hold
+  `rubric.ground_truth_share` of the score, the floor item weighs with the generated ones.
 - `consensus_items(responses)`: for a set whose candidates write final numbers and whose prompt has no
   computed answer, the number a strict plurality of at least two candidates (and at least 40% of those
   giving a number) reaches becomes a `final_number` item: self-consistency voting, the label test-time

@@ -6,12 +6,12 @@ from the question and all K candidates, joined by the items derived without a mo
 1. checked items are answered by their deterministic check (checks.py), blended with the verifier's
    P(yes) when `rubric.check_weight` < 1; an empty response earns no checked item, whatever its polarity;
 2. the other items get P(yes) from the verifier, one batched call for the K candidates and the A
-   calibration anchors (calibrate.py), and are de-biased against the anchors;
-3. an item a model or a vote wrote (generated, consensus) on which an anchor outranks a real candidate
+   calibration answers (calibrate.py), and are de-biased against them;
+3. an item a model or a vote wrote (generated, consensus) on which a calibration answer outranks a real candidate
    (any, or the best: `rubric.trust_rule`) is overruled: it is noise for this set and weighs nothing.
    Items read off the prompt (its ground truth, the echo item: derived.py) are never overruled;
    scores `E(y|C) = sum w' z / sum w'` with the weights of score.py (the prompt's ground truth holds
-   `rubric.ground_truth_share`), anchors scored with the same rubric; a set where every item but the
+   `rubric.ground_truth_share`), the calibration answers scored with the same rubric; a set where every item but the
    echo item was overruled is untrusted (no signal left: zero advantage);
 4. the per-set gap diagnostics, the rolling collapse detector and the Prometheus metrics of
    monitoring/README.md.
@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dynrubric.config import RubricConfig
 from dynrubric.engines.base import Engine
-from dynrubric.rubric.calibrate import anchor_responses, anchors_outrank, calibrate_row
+from dynrubric.rubric.calibrate import calibrate_row, calibration_outranks, known_bad_answers
 from dynrubric.rubric.checks import run_check
 from dynrubric.rubric.gaps import CollapseDetector, GapStats, gap_stats
 from dynrubric.rubric.generate import GenerationCounts, RubricGenerator, RubricSource
@@ -36,7 +36,8 @@ from dynrubric.rubric.score import aggregate, item_weights
 from dynrubric.rubric.verify import Verifier
 from dynrubric.seeds import derive_seed
 
-OVERRULABLE = frozenset({"generator", "consensus"})  # items a model or a vote wrote: anchors can overrule them
+#: items a model or a vote wrote: calibration answers can overrule them
+OVERRULABLE = frozenset({"generator", "consensus"})
 
 GAP_BUCKETS = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 SHARE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -57,10 +58,10 @@ class ScoredSet:
     generator_raw: str
     verify_seconds: float = 0.0
     raw_verdicts: list[list[float]] | None = None  # M x K verifier P(yes) before checks and calibration
-    anchor_scores: list[float] | None = None  # the calibration anchors' scores under the same rubric
-    anchor_raw_verdicts: list[list[float]] | None = None  # M x A verifier P(yes) of the anchors
-    trusted: bool = True  # False: calibration anchors overruled every item but the echo item: no signal left
-    overruled_items: int = 0  # items a calibration anchor overruled (weight 0 in the scores)
+    anchor_scores: list[float] | None = None  # the calibration answers' scores under the same rubric
+    anchor_raw_verdicts: list[list[float]] | None = None  # M x A verifier P(yes) of the calibration answers
+    trusted: bool = True  # False: calibration answers overruled every item but the echo item: no signal left
+    overruled_items: int = 0  # items a calibration answer overruled (weight 0 in the scores)
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -88,11 +89,11 @@ class Judgement:
 
     verdicts: list[list[float]]  # M x K, as ScoredSet.verdicts
     raw_verdicts: list[list[float]]  # M x K verifier P(yes); 0.5 where the verifier was not asked
-    anchor_raw_verdicts: list[list[float]]  # M x A, the same for the calibration anchors
+    anchor_raw_verdicts: list[list[float]]  # M x A, the same for the calibration answers
     scores: list[float]
     anchor_scores: list[float]
-    overruled: list[bool]  # M: items a calibration anchor overruled (weight 0 in the scores)
-    trusted: bool  # False when anchors overruled every item but the echo item (no signal left)
+    overruled: list[bool]  # M: items a calibration answer overruled (weight 0 in the scores)
+    trusted: bool  # False when calibration answers overruled every item but the echo item (no signal left)
     hard_verdict_fallbacks: int
 
 
@@ -129,7 +130,7 @@ class EvaluatorMetrics:
         )
         self.untrusted = Counter(
             "dynrubric_rubric_untrusted_sets",
-            "sets where calibration anchors overruled every rubric item (rubric.trust_rule)",
+            "sets where calibration answers overruled every rubric item (rubric.trust_rule)",
             registry=registry,
         )
 
@@ -173,7 +174,7 @@ class Evaluator:
         return generated.rubric, generated.source, generated.raw
 
     def apply_rubric(self, prompt: str, rubric: Rubric, responses: Sequence[str]) -> list[float]:
-        """Scores of `responses` under a given rubric (co-evolution anchors); updates no diagnostics."""
+        """Scores of `responses` under a given rubric (the generator's ranked responses); updates no diagnostics."""
         if not responses:
             return []
         return self.judge(prompt, rubric, responses).scores
@@ -181,7 +182,7 @@ class Evaluator:
     def judge(self, prompt: str, rubric: Rubric, responses: Sequence[str]) -> Judgement:
         """Steps 1-3 of the module docstring for one set under one rubric."""
         k = len(responses)
-        judged = list(responses) + (anchor_responses(prompt) if self.config.anchors else [])
+        judged = list(responses) + (known_bad_answers(prompt) if self.config.calibration_answers else [])
         cw = self.config.check_weight
         # items the verifier answers: those without a check, and all of them when checks are blended
         asked = [m for m, item in enumerate(rubric.items) if item.check is None or cw < 1.0]
@@ -255,14 +256,15 @@ def weigh(
     rubric: Rubric, judged: Sequence[str], raw: Sequence[Sequence[float]], k: int, config: RubricConfig, hard: int = 0
 ) -> Judgement:
     """Steps 1 and 3 of the module docstring, given the verifier's answers: `judged` is the K candidates then the
-    A anchors (when `config.anchors`), `raw` their M x (K + A) P(yes) (0.5 where the verifier was not asked).
+    A calibration answers (when `config.calibration_answers`), `raw` their M x (K + A) P(yes) (0.5 where the
+    verifier was not asked).
     Pure: `eval_judge.json` keeps `raw`, so a set can be weighed again under another rule
     (benchmarks/trust_rules.py)."""
     cw = config.check_weight
     oriented = []  # M x (K + A): how much each response earns each item, polarity applied
     for item, row in zip(rubric.items, raw, strict=True):
         z = [v if item.polarity == 1 else 1.0 - v for v in row]
-        z = calibrate_row(z, k) if config.anchors else z
+        z = calibrate_row(z, k) if config.calibration_answers else z
         if item.check is not None:
             checked = [run_check(item.check, r) for r in judged]
             # an empty response meets no check and earns no credit for avoiding a flaw either
@@ -273,10 +275,12 @@ def weigh(
             ]
             z = [cw * c + (1.0 - cw) * x for c, x in zip(checked, z, strict=True)] if cw < 1.0 else checked
         oriented.append(z)
-    # an item on which a known-bad anchor beats a real candidate is noise for this set; items read off the
+    # an item on which a calibration answer beats a real candidate is noise for this set; items read off the
     # prompt itself stand (the echoed question that contains the required keyword meets it for real)
     overruled = [
-        config.anchors and item.origin in OVERRULABLE and anchors_outrank(z[:k], z[k:], config.eps, config.trust_rule)
+        config.calibration_answers
+        and item.origin in OVERRULABLE
+        and calibration_outranks(z[:k], z[k:], config.eps, config.trust_rule)
         for item, z in zip(rubric.items, oriented, strict=True)
     ]
     weights = item_weights(rubric, overruled, config.ground_truth_share)

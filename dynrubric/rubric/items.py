@@ -64,7 +64,7 @@ class RubricItem(BaseModel):
     polarity: Literal[1, -1] = 1
     check: Check | None = None  # answered by running the check instead of (or blended with) the verifier
     # who wrote the item: the generator; derived.py from the prompt's ground truth, the echo item or the floor
-    # item; or the candidates' consensus. Items derived without a model are never overruled by an anchor
+    # item; or the candidates' consensus. Items derived without a model are never overruled by a calibration answer
     origin: Literal["generator", "ground_truth", "echo", "floor", "consensus"] = "generator"
 
     @field_validator("text")

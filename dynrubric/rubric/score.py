@@ -1,9 +1,9 @@
 """Aggregation: one score per response from the item verdicts, `E(y|C) = veto(y) * sum w' z / sum w'`.
 
-The weights `w'` are the items' own weights `w`, rebalanced by `item_weights` so that an item an anchor
+The weights `w'` are the items' own weights `w`, rebalanced by `item_weights` so that an item a calibration answer
 overruled counts for nothing and the prompt's ground truth counts for a fixed share:
 
-    w'_m = 0                              m overruled (a calibration anchor beat a real candidate on it)
+    w'_m = 0                              m overruled (a calibration answer beat a real candidate on it)
     w'_m = s * w_m / sum_{G} w            m in G, the ground-truth items (the prompt's own constraints,
                                           checked: derived.py), s = rubric.ground_truth_share
     w'_m = (1 - s) * w_m / sum_{J} w      m in J, every other item that stands (generated, consensus, the

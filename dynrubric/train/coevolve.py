@@ -18,7 +18,7 @@ R_disc is the spread of the verdicts across the candidates, not the verifier's u
 answered 0.5 for every candidate (the hard-verdict fallback, a NaN) splits nothing and earns 0, while
 for 0/1 verdicts Var_C(v) = vbar (1 - vbar), in 0 .. 0.25.
 
-Anchors, by `train.coevolve.anchors`:
+Anchors, by `train.coevolve.ranking_source`:
 - feedback (default): the users' own ranking of the responses logged for the prompt. Each distinct
   response's mean feedback value (thumbs up +1, thumbs down -1, regenerate -1; copy and dwell are no
   verdict) orders them, one response per value, best first. Where a prompt has no two responses the users
@@ -158,7 +158,8 @@ def read_anchor_file(path: Path) -> dict[str, list[str]]:
     path = Path(path)
     if not path.is_file():
         raise DynrubricError(
-            f"anchors file {path} does not exist", "set train.coevolve.anchors_file, or anchors=temporal"
+            f"rankings file {path} does not exist",
+            "set train.coevolve.rankings_file, or train.coevolve.ranking_source: temporal",
         )
     out: dict[str, list[str]] = {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
@@ -264,7 +265,7 @@ def generator_groups(
         disc_all.extend(d for d, f in zip(disc, fmt, strict=True) if f)
         anchor_all.extend(parsed)
         adv = [
-            d + config.anchor_lambda * a + config.format_weight * f
+            d + config.ranking_weight * a + config.format_weight * f
             for d, a, f in zip(
                 normalised(disc, tie_eps), normalised(anch_filled, tie_eps), normalised(fmt, tie_eps), strict=True
             )

@@ -559,14 +559,14 @@ class _Round:
         if window.is_file():
             self.models.collapse.restore(read_json(window))
         self.anchor_file = (
-            read_anchor_file(self.cfg.coevolve.anchors_file)
-            if self.cfg.coevolve.anchors == "file" and self.cfg.coevolve.anchors_file
+            read_anchor_file(self.cfg.coevolve.rankings_file)
+            if self.cfg.coevolve.ranking_source == "file" and self.cfg.coevolve.rankings_file
             else None
         )
-        if self.cfg.coevolve.anchors == "file" and self.anchor_file is None:
+        if self.cfg.coevolve.ranking_source == "file" and self.anchor_file is None:
             raise DynrubricError(
-                "train.coevolve.anchors is 'file' but anchors_file is not set",
-                "set train.coevolve.anchors_file to a JSONL of ranked responses",
+                "train.coevolve.ranking_source is 'file' but rankings_file is not set",
+                "set train.coevolve.rankings_file to a JSONL of ranked responses",
             )
 
     def loaded(self) -> RoundModels:
@@ -716,12 +716,12 @@ class _Round:
         )
 
     def anchors_for(self, prompt: TrainPrompt, current: Sequence[str], rng: random.Random) -> RankedAnchors | None:
-        """The ranked anchors of `train.coevolve.anchors` (coevolve.py) for a prompt, or None."""
+        """The ranked anchors of `train.coevolve.ranking_source` (coevolve.py) for a prompt, or None."""
         if self.anchor_file is not None:
             ranked = self.anchor_file.get(prompt.key)
             return RankedAnchors(ranked, "file") if ranked else None
         co = self.cfg.coevolve
-        if co.anchors == "feedback" and (
+        if co.ranking_source == "feedback" and (
             users := feedback_ranking(self.state.prompt_source().feedback_by_response(prompt.key))
         ):
             return RankedAnchors(users, "users")

@@ -23,7 +23,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # dynrubric itself, when run as `python k8s/tools/generate.py`
 
-from dynrubric.config import load_settings  # noqa: E402
+from dynrubric.config_loader import load_settings  # noqa: E402
 from dynrubric.train import openrlhf  # noqa: E402
 
 MONITORING = ROOT / "monitoring"

@@ -98,6 +98,37 @@ def test_config_show_round_trips_through_a_pipe(tmp_path):
     assert as_json["rubric"]["generic_rubric"][0]["text"] == long_item
 
 
+def test_config_show_prints_a_profile_under_the_c_files_and_the_environment(tmp_path):
+    """`config show --profile demo` prints what `up` runs with by default; -c files go over it in order, and the
+    environment over them; the default profile (production) is the schema defaults."""
+    first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
+    first.write_text("train:\n  grpo:\n    clip_high: 0.3\n  steps_per_round: 2\n")
+    second.write_text("train:\n  steps_per_round: 3\n")
+
+    def train(*args: str, env: dict[str, str] | None = None) -> dict:
+        shown = run(*args, "config", "show", "--format", "json", env=env)
+        assert shown.returncode == 0, shown.stderr
+        return json.loads(shown.stdout)["train"]
+
+    demo = run("config", "show", "--profile", "demo")
+    assert demo.returncode == 0, demo.stderr
+    assert "    lr: 5.0e-05\n" in demo.stdout and "  steps_per_round: 11\n" in demo.stdout
+    assert "    lr: 1.0e-06\n" in run("config", "show").stdout
+    layered = json.loads(
+        run("-c", str(first), "-c", str(second), "config", "show", "--profile", "demo", "--format", "json").stdout
+    )["train"]
+    assert (layered["grpo"]["lr"], layered["grpo"]["clip_high"], layered["steps_per_round"]) == (5e-05, 0.3, 3)
+    env = {"DYNRUBRIC_TRAIN__STEPS_PER_ROUND": "5"}
+    assert train("-c", str(first), "-c", str(second), env=env)["steps_per_round"] == 5
+
+
+def test_an_unknown_profile_is_one_line_naming_the_choices():
+    for command in (["config", "show"], ["up"], ["gate", "plan", "--rps", "1", "--users", "40"]):
+        assert_one_line_error(
+            run(*command, "--profile", "staging"), "unknown profile 'staging' (--profile)", "demo, production"
+        )
+
+
 def test_relative_paths_resolve_the_same_from_any_directory(tmp_path):
     cfg = tmp_path / "project" / "dynrubric.yaml"
     cfg.parent.mkdir()

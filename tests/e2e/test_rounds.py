@@ -19,6 +19,7 @@ from itertools import pairwise
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dynrubric.train.records import read_summary
 from tests.train_harness import KeywordVerifier, keyword_rate, runner, write_prompts
@@ -225,6 +226,7 @@ def test_a_generator_step_never_changes_the_served_policy(tmp_path: Path, tiny_m
     (`train.coevolve.single_model: true`, the old default) the same step changes the served weights."""
     import torch
 
+    from dynrubric.config_loader import override
     from dynrubric.train.executor import Trainers, TrainerSpec
     from dynrubric.train.grpo import CandidateSet, SampledResponse
     from tests.train_harness import settings as harness_settings
@@ -240,9 +242,7 @@ def test_a_generator_step_never_changes_the_served_policy(tmp_path: Path, tiny_m
     ]
     changed = {}
     for single in (None, True):  # None: the default
-        settings = base.model_copy(deep=True)
-        if single is not None:
-            settings.train.coevolve.single_model = single
+        settings = base if single is None else override(base, {"train": {"coevolve": {"single_model": single}}})
         trainers = Trainers(TrainerSpec(settings, tiny_model_dir, tiny_model_dir, tiny_model_dir, None))
         before = {k: v.clone() for k, v in trainers.policy.model.state_dict().items()}
         stats = trainers.step("generator", groups)
@@ -254,25 +254,25 @@ def test_a_generator_step_never_changes_the_served_policy(tmp_path: Path, tiny_m
 
 @pytest.mark.slow
 def test_the_demo_profile_moves_the_policy_within_one_round(tmp_path: Path, tiny_model_dir: Path):
-    """Issue 24, point 2: `dynrubric up`'s training settings (DEMO_TRAINING) make several updates per round with one
+    """Issue 24, point 2: `dynrubric up`'s training settings (the demo profile) make several updates per round with one
     AdamW state across the round's steps and move the policy: KL(candidate || parent) on held-out samples well above
     zero. With the old demo (lr 1e-6, one policy step of 4 prompts a round) one round moved each weight by about
     1e-6 and the KL was ~1e-9."""
-    from dynrubric.app.cli import DEMO_TRAINING
+    from dynrubric.config_loader import PROFILES_DIR
 
     prompts = write_prompts(tmp_path / "prompts.jsonl", 48)
-    demo = DEMO_TRAINING
+    demo = yaml.safe_load((PROFILES_DIR / "demo.yaml").read_text())["train"]
     r = runner(
         tmp_path / "state",
         tiny_model_dir,
         prompts,
         grpo=demo["grpo"],
         coevolve=demo["coevolve"],
-        steps_per_round=demo["train"]["steps_per_round"],
-        prompts_per_step=demo["train"]["prompts_per_step"],
+        steps_per_round=demo["steps_per_round"],
+        prompts_per_step=demo["prompts_per_step"],
         max_prompts_per_round=32,
-        max_kl=demo["train"]["max_kl"],
-        max_kl_to_base=demo["train"]["max_kl_to_base"],
+        max_kl=demo["max_kl"],
+        max_kl_to_base=demo["max_kl_to_base"],
     )
     summary = r.run()
     policy = [h for h in summary.steps if h.phase == "policy"]
@@ -289,8 +289,10 @@ def test_a_round_without_a_policy_update_registers_nothing(tmp_path: Path, tiny_
     set is tied, no policy step applies an update, and the round registers no candidate: the summary says why
     and the next round builds on the same parent."""
     prompts = write_prompts(tmp_path / "prompts.jsonl", 48)
-    r = runner(tmp_path / "state", tiny_model_dir, prompts, steps_per_round=2, coevolve={"k_alt": 2})
-    r.settings.rubric.eps = 0.99  # a spread of at least 0.99 between scores in [0, 1]: every set is a tie
+    # a spread of at least 0.99 between scores in [0, 1]: every set is a tie
+    r = runner(
+        tmp_path / "state", tiny_model_dir, prompts, rubric={"eps": 0.99}, steps_per_round=2, coevolve={"k_alt": 2}
+    )
     summary = r.run()
     assert [h.updated for h in summary.steps] == [False, False], summary.steps
     assert summary.version is None and summary.state == "unregistered", summary

@@ -15,7 +15,8 @@ import shutil
 import httpx
 import pytest
 
-from dynrubric.config import GateConfig, RolloutConfig, Settings
+from dynrubric.config import GateConfig, RolloutConfig
+from dynrubric.config_loader import load_settings
 from dynrubric.registry import CheckpointState
 from serving.users import SimulatedUsers
 from tests.serving_harness import damage, drive, read_topic, signal_prompts, start_stack, stop_stack
@@ -119,16 +120,14 @@ def test_the_drill_candidate_is_rolled_back_at_step_0_under_the_demo_gate(stack,
     """The `up` damage drill under vLLM: the stable weights with NaN in every row of every weight matrix
     (`dynrubric.app.loop.damage_nonfinite`). vLLM answers each request HTTP 200 with max_tokens special tokens and no
     text (NaN logits sample token 0) where the transformers engine answers 500; the router counts such an
-    answer as the canary's failure and serves its user from stable, and `up --demo`'s gate (its shadows
+    answer as the canary's failure and serves its user from stable, and the demo profile's gate (its shadows
     included: they go to the broken canary and fail) rolls the candidate back at step 0 on the error rate."""
     from dynrubric.app.loop import damage_nonfinite
     from dynrubric.engines.hf import TransformersEngine
     from dynrubric.rubric.evaluator import Evaluator
-    from serving.commands import apply_demo_gate
     from serving.judged import PairJudge
 
-    settings = Settings()
-    apply_demo_gate(settings)
+    settings = load_settings(environ={}, profile="demo")
     baseline = stack.registry.stable()
     stack.registry.register(
         damage_nonfinite(baseline.path, tmp_path / "nan"), baseline.version, 3, {}, version="v-drill"

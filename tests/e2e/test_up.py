@@ -26,8 +26,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from dynrubric.app.cli import DEMO_TRAINING
 from dynrubric.app.report import read_runlog
+from dynrubric.config_loader import load_settings
 from dynrubric.ports import free_port
 from dynrubric.train.grpo import group_advantages
 from dynrubric.train.records import RoundSummary, read_summary
@@ -39,8 +39,8 @@ REPO = Path(__file__).resolve().parents[2]
 def up_env(tiny_model_dir: Path, state: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DYNRUBRIC_")}
     engines = [
-        {"name": "engine-0", "variant": "stable", "kind": "transformers", "port": free_port()},
-        {"name": "engine-1", "variant": "canary", "kind": "transformers", "port": free_port()},
+        {"name": "engine-0", "variant": "stable", "server": "transformers", "port": free_port()},
+        {"name": "engine-1", "variant": "canary", "server": "transformers", "port": free_port()},
     ]
     env.update(
         {
@@ -64,7 +64,6 @@ def up_env(tiny_model_dir: Path, state: Path) -> dict[str, str]:
             "DYNRUBRIC_MONITORING__PROMETHEUS_PORT": str(free_port()),
             "DYNRUBRIC_LOOP__USERS_RPS": "4",
             "DYNRUBRIC_LOOP__USERS_MAX_TOKENS": "8",
-            "DYNRUBRIC_LOOP__MIN_NEW_PROMPTS": "8",
             "DYNRUBRIC_LOOP__DRILL_CYCLE": "1",
             # the tiny random model barely separates candidates (mean gap ~0.006): under the default tie
             # threshold (0.02) every set is a tie and the policy step applies no update, so nothing here
@@ -151,7 +150,7 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
     assert drill, text[-5000:]
     assert "cycle 2: rollout of r2: rolled_back" in text, text[-5000:]
     assert "restarts: engine-1 1, ingest 1, trainer 1;" in text, text[-3000:]
-    # --demo: the round gets the machine's cores while it trains
+    # the demo profile: the round gets the machine's cores while it trains
     assert text.count("users paused while the round trains") == 2, text[-5000:]
     assert "failed 0" in text  # the stable arm answered every user, canary damaged, down or not
     for cycle in (1, 2):  # the stable arm kept the last promoted version
@@ -176,10 +175,10 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
     # verdict that is the one its bounds give on the held-out numbers
     summary = read_summary(state / "train" / "rounds" / "0001" / "summary.json")
     assert isinstance(summary, RoundSummary)
-    demo = DEMO_TRAINING["coevolve"]
-    assert summary.phases == {"policy": demo["k_alt"], "generator": demo["k_alt_generator"]}
+    demo = load_settings(environ=env, profile="demo").train.coevolve  # what `up` composed: profile < environment
+    assert summary.phases == {"policy": demo.k_alt, "generator": demo.k_alt_generator}
     policy_steps = [s for s in read_runlog(state / "train" / "runlog.jsonl").steps if s.round == 1]
-    assert len(policy_steps) == demo["k_alt"]
+    assert len(policy_steps) == demo.k_alt
     eps = float(env["DYNRUBRIC_RUBRIC__EPS"])
     trainable, applied = False, 0  # `updates`: the optimiser's update count so far (AdamW's step counter)
     for policy in policy_steps:
@@ -244,7 +243,7 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
 
 
 def test_paused_users_send_nothing_until_resumed(tmp_path):
-    """The pause of `up --demo` while a round trains (a stand-in for the users: this tests the thread)."""
+    """The pause of `up` (the demo profile) while a round trains (a stand-in for the users: this tests the thread)."""
     import time
 
     from dynrubric.app.loop import UserTraffic

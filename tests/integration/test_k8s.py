@@ -297,7 +297,7 @@ def head_container(objs: list[dict]) -> dict:
 
 def configmap_settings(objs: list[dict], tmp_path: Path, **env: str):
     """The rendered ConfigMap's settings (validated by the config schema), with `env` on top."""
-    from dynrubric.config import load_settings
+    from dynrubric.config_loader import load_settings
 
     config = tmp_path / "dynrubric.yaml"
     config.write_text(find(objs, "ConfigMap", "dynrubric-config")["data"]["dynrubric.yaml"])
@@ -337,7 +337,7 @@ def _group_sizes(objs: list[dict], tmp_path: Path) -> dict[str, int]:
     head builds (the rendered ConfigMap's settings plus its env), the reward server as it will run (the same
     ConfigMap plus its Deployment's env), and the entrypoint and RayJob that the one generator
     (dynrubric/train/openrlhf.py) builds, as `emit` writes them per round."""
-    from dynrubric.config import load_settings
+    from dynrubric.config_loader import load_settings
     from dynrubric.train import openrlhf
 
     def flag(argv: list[str]) -> int:
@@ -365,7 +365,7 @@ def test_group_size_is_one_number_for_trainer_and_reward_server(overlay, tmp_pat
     so a mismatch scores every group as a wrong-sized set. One config value, train.candidates, must
     reach the RayJob's round, the emitted round and the reward server; and the rendered RayJob is what the
     generator builds from the rendered ConfigMap (same entrypoint, same GPUs), not a hand-kept copy."""
-    from dynrubric.config import load_settings
+    from dynrubric.config_loader import load_settings
     from dynrubric.train import openrlhf
 
     objs = rendered(overlay)
@@ -497,7 +497,7 @@ def test_analysis_template_maps_gate_verdicts():
 
 
 def test_app_config_in_the_configmap_is_valid_settings():
-    from dynrubric.config import load_settings
+    from dynrubric.config_loader import load_settings
 
     settings = load_settings(K8S / "base" / "config" / "dynrubric.yaml", environ={})
     assert settings.engine.kind == "openai-http"
@@ -559,7 +559,7 @@ def test_engines_require_the_api_key_their_callers_send(overlay):
         for n in ("dynrubric-router", "dynrubric-reward-server")
     )
     assert env(router)["DYNRUBRIC_SERVING__ENGINE_API_KEY"] == key and env(reward)["DYNRUBRIC_ENGINE__API_KEY"] == key
-    from dynrubric.config import load_settings
+    from dynrubric.config_loader import load_settings
 
     settings = load_settings(
         K8S / "base" / "config" / "dynrubric.yaml",

@@ -257,7 +257,7 @@ def test_monitor_up_without_prometheus_says_how_to_install(tmp_path):
 
 def test_local_targets_follow_the_config():
     from dynrubric.app.monitor import local_targets
-    from dynrubric.config import load_settings
+    from dynrubric.config_loader import load_settings
 
     settings = load_settings(
         environ={"DYNRUBRIC_REWARD_SERVER__PORT": "8111", "DYNRUBRIC_MONITORING__TARGETS": '{"extra": ["10.1.2.3:9"]}'}

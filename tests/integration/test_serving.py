@@ -332,19 +332,17 @@ def assert_untouched(stack, before: dict) -> None:
 
 
 def test_a_canary_failing_every_request_is_rolled_back_at_step_0_under_the_demo_gate(stack, tiny_model_dir, tmp_path):
-    """Harm stops at once, under `up --demo`'s gate (judged promotion; 5 users, 8 requests, 6 rated a arm): a
+    """Harm stops at once, under the demo profile's gate (judged promotion; 5 users, 8 requests, 6 rated a arm): a
     canary whose engine fails every request (NaN weights: HTTP 500, its users served by stable) is rolled back at
     step 0 by the error-rate guardrail, the check right after the split, before any minimum is asked. The
     rollout logged and kept what its gate could detect at the traffic it started with."""
     from dynrubric.app.loop import damage_nonfinite
-    from dynrubric.config import Settings
+    from dynrubric.config_loader import load_settings
     from dynrubric.engines.hf import TransformersEngine
     from dynrubric.rubric.evaluator import Evaluator
-    from serving.commands import apply_demo_gate
     from serving.judged import PairJudge
 
-    settings = Settings()
-    apply_demo_gate(settings)
+    settings = load_settings(environ={}, profile="demo")
     baseline = stack.registry.stable()
     stack.registry.register(
         damage_nonfinite(baseline.path, tmp_path / "nan"), baseline.version, 3, {}, version="v-nan-demo"

@@ -21,8 +21,9 @@ def test_the_configuration_page_is_generated_from_the_schema():
     assert r.returncode == 0, r.stderr + r.stdout
 
 
-def test_the_page_lists_every_key_and_what_the_demo_changes():
+def test_the_page_lists_every_key_and_what_each_profile_changes():
     from dynrubric.config import Settings
+    from dynrubric.config_loader import profile_names
 
     text = (REPO / "docs" / "configuration.md").read_text()
 
@@ -36,4 +37,6 @@ def test_the_page_lists_every_key_and_what_the_demo_changes():
 
     for name, field in Settings.model_fields.items():
         listed(field.annotation, name)
-    assert "| `train.grpo.lr` | `1e-06` | `5e-05` |" in text  # the demo's learning rate, read off _demo_caps
+    for name in profile_names():
+        assert f"## Profile `{name}`" in text
+    assert "| `train.grpo.lr` | `1e-06` | `5e-05` |" in text  # the demo's learning rate, read off its profile file

@@ -314,7 +314,7 @@ def test_the_floor_item_ranks_an_empty_answer_below_every_attempt_under_the_defa
 def test_stored_verdicts_weighed_again_give_the_judges_scores(engine):
     """benchmarks/trust_rules.py re-weighs an eval-judge run's stored raw verdicts under each rule: `weigh` over
     a judgement's raw P(yes) must give exactly the judgement, and another rule what a judge with it gives."""
-    from dynrubric.rubric.calibrate import anchor_responses
+    from dynrubric.rubric.calibrate import known_bad_answers
     from dynrubric.rubric.evaluator import weigh
 
     rubric = Rubric(
@@ -328,7 +328,7 @@ def test_stored_verdicts_weighed_again_give_the_judges_scores(engine):
         cfg = RubricConfig(trust_rule=rule)
         judged = Evaluator(engine, engine, cfg).judge(QUESTION, rubric, responses)
         raw = [c + a for c, a in zip(judged.raw_verdicts, judged.anchor_raw_verdicts, strict=True)]
-        again = weigh(rubric, responses + anchor_responses(QUESTION), raw, len(responses), cfg)
+        again = weigh(rubric, responses + known_bad_answers(QUESTION), raw, len(responses), cfg)
         assert again == dataclasses.replace(judged, hard_verdict_fallbacks=0)
 
 

@@ -141,12 +141,9 @@ def test_a_canary_whose_engine_dies_before_the_last_look_is_not_promoted():
 
 
 def demo_gate() -> GateConfig:
-    from dynrubric.config import Settings
-    from serving.commands import apply_demo_gate
+    from dynrubric.config_loader import load_settings
 
-    settings = Settings()
-    apply_demo_gate(settings)
-    return settings.gate
+    return load_settings(environ={}, profile="demo").gate
 
 
 def test_harm_stops_at_once_whatever_the_minimums():

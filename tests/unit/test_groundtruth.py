@@ -73,7 +73,7 @@ def test_users_judge_and_evaluation_give_one_verdict_per_constraint(tiny_model_d
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     for question, response in DISAGREEMENTS:
         engine = Scripted(tok, {question: response})
-        evaluator = Evaluator(engine, engine, RubricConfig(anchors=False))
+        evaluator = Evaluator(engine, engine, RubricConfig(calibration_answers=False))
         kind = "arithmetic" if question.startswith("What is") else "instruction"
         users = check(PromptItem(id="x", kind=kind, messages=[{"role": "user", "content": question}]), response)
         rubric = evaluator.rubric_generator.with_derived(

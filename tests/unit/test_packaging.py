@@ -107,3 +107,16 @@ def test_report_without_matplotlib_is_one_line_naming_the_extra(tmp_path):
     assert result.returncode != 0 and len(lines) == 1, result.stderr
     assert "matplotlib" in lines[0] and "dynrubric[report]" in lines[0], lines[0]
     assert not (tmp_path / "state" / "report").exists()
+
+
+def test_every_data_file_of_the_packages_is_in_the_wheel():
+    """A file the code reads beside itself (the prompt bank, the event schemas, the config profiles) must match a
+    package-data glob, or `pip install .` ships the code without it (READMEs are documentation, not data)."""
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    listed = subprocess.run(["git", "ls-files", *PACKAGES], cwd=ROOT, capture_output=True, text=True, check=True)
+    data = [Path(p) for p in listed.stdout.split() if not p.endswith((".py", "README.md"))]
+    assert any(p.parts[:2] == ("dynrubric", "profiles") for p in data)  # the profiles are among them
+    missing = [
+        p for p in data if not any(p.relative_to(p.parts[0]).match(glob) for glob in package_data.get(p.parts[0], []))
+    ]
+    assert not missing, f"add these to [tool.setuptools.package-data] in pyproject.toml: {missing}"

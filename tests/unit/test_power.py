@@ -94,9 +94,9 @@ def test_the_plan_says_what_holds_a_decision_at_small_traffic():
     )
     assert default.decision_s is None and "users per arm (0 of 100)" in default.held_by
     assert "rolls back at its timeout" in default.decision()
-    from serving.commands import apply_demo_gate
+    from dynrubric.config_loader import load_settings
 
-    apply_demo_gate(settings)
+    settings = load_settings(environ={}, profile="demo")
     demo = plan(small, Population.assumed(settings.gate.simulation), settings.gate, settings.rollout)
     assert demo.decision_s is not None and demo.decision_s < settings.rollout.max_step_s
     judged = next(m for m in demo.metrics if m.metric == "judged win rate")

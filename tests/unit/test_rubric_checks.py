@@ -23,7 +23,7 @@ from dynrubric.rubric.benchmark import (
     summarise_mode,
     summarise_real,
 )
-from dynrubric.rubric.calibrate import anchors_outrank, calibrate_row
+from dynrubric.rubric.calibrate import calibrate_row, calibration_outranks
 from dynrubric.rubric.checks import Check, CheckError, echoes, parse_check, run_check
 from dynrubric.rubric.derived import consensus_items, prompt_items
 from dynrubric.rubric.items import parse_rubric
@@ -219,11 +219,11 @@ def test_calibration_against_the_anchor_mean_and_the_trust_rule():
     # 3 real candidates, then 2 anchors with mean 0.4
     assert calibrate_row([0.7, 0.4, 0.1, 0.3, 0.5], 3) == pytest.approx([0.5, 0.0, 0.0, 0.0, 1 / 6])
     assert calibrate_row([0.9, 1.0, 1.0], 1) == [0.0, 0.0, 0.0]  # anchors at 1: the item says nothing
-    assert anchors_outrank([0.5, 0.3], [0.31], eps=0.02) is False  # within the tie threshold
-    assert anchors_outrank([0.5, 0.3], [0.45], eps=0.02) is True  # above a weak candidate: untrusted by default
-    assert anchors_outrank([0.5, 0.3], [0.45], eps=0.02, rule="best") is False  # the best answer still wins
-    assert anchors_outrank([0.5, 0.3], [0.51], eps=0.02, rule="best") is False  # within the tie threshold
-    assert anchors_outrank([0.5, 0.3], [0.55], eps=0.02, rule="best") is True  # garbage above every real answer
+    assert calibration_outranks([0.5, 0.3], [0.31], eps=0.02) is False  # within the tie threshold
+    assert calibration_outranks([0.5, 0.3], [0.45], eps=0.02) is True  # above a weak candidate: untrusted by default
+    assert calibration_outranks([0.5, 0.3], [0.45], eps=0.02, rule="best") is False  # the best answer still wins
+    assert calibration_outranks([0.5, 0.3], [0.51], eps=0.02, rule="best") is False  # within the tie threshold
+    assert calibration_outranks([0.5, 0.3], [0.55], eps=0.02, rule="best") is True  # garbage above every real answer
 
 
 def test_empty_on_top_needs_a_ranking():
