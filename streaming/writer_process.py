@@ -26,12 +26,21 @@ import sys
 import time
 from collections import Counter as Tally
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
 from typing import NamedTuple
 
 from dynrubric.config import IngestConfig
 from dynrubric.errors import DynrubricError
-from streaming.events import FeedbackEvent, MalformedEvent, QueryLogEvent, QueryLogRecord, parse_record
+from streaming.events import (
+    AnyFeedback,
+    AnyQueryLog,
+    FeedbackEvent,
+    MalformedEvent,
+    QueryLogEvent,
+    QueryLogRecord,
+    parse_records,
+)
 from streaming.filters import PromptFilter, load_scrubber, scrubbed
 from streaming.store import CommitResult, Stored, StoreWriter
 
@@ -104,11 +113,9 @@ class BatchWriter:
         dead: list[tuple[int, str, str]] = []
         filtered: Tally = Tally()
         keep: list[tuple[int, Stored]] = []
-        for i, rec in enumerate(records):
-            try:
-                event = parse_record(MODEL_OF_KIND[rec.kind], rec.value, self.cfg.max_event_bytes, self.cfg.variants)
-            except MalformedEvent as e:
-                dead.append((i, e.reason, e.detail))
+        for i, event in self._parsed(records):
+            if isinstance(event, MalformedEvent):
+                dead.append((i, event.reason, event.detail))
                 continue
             if isinstance(event, (QueryLogEvent, QueryLogRecord)):
                 reason = self.filter.reason(event)
@@ -117,11 +124,25 @@ class BatchWriter:
                     continue
                 if self.scrub is not None:
                     event = scrubbed(event, self.scrub)
+            rec = records[i]
             keep.append((i, Stored(event, rec.partition, rec.offset)))
         prepared = time.monotonic()
         result = self._commit_isolating(keep, dead)
         dead.sort()
         return WrittenBatch(result, dead, dict(filtered), prepared - started, time.monotonic() - prepared)
+
+    def _parsed(self, records: list[RawRecord]) -> list[tuple[int, AnyQueryLog | AnyFeedback | MalformedEvent]]:
+        """Each record's index and its event or MalformedEvent (`parse_records` per topic's model), in order."""
+        parsed: list[tuple[int, AnyQueryLog | AnyFeedback | MalformedEvent]] = []
+        for kind, model in MODEL_OF_KIND.items():
+            positions = [i for i, rec in enumerate(records) if rec.kind == kind]
+            if positions:
+                events = parse_records(
+                    model, [records[i].value for i in positions], self.cfg.max_event_bytes, self.cfg.variants
+                )
+                parsed.extend(zip(positions, events, strict=True))
+        parsed.sort(key=itemgetter(0))
+        return parsed
 
     def _commit_isolating(self, keep: list[tuple[int, Stored]], dead: list[tuple[int, str, str]]) -> CommitResult:
         """Commit the records; if a record makes the commit fail, bisect until it is alone, dead-letter it
