@@ -28,7 +28,7 @@ from collections import Counter as Tally
 from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from dynrubric.config import IngestConfig
 from dynrubric.errors import DynrubricError
@@ -41,7 +41,7 @@ from streaming.events import (
     QueryLogRecord,
     parse_records,
 )
-from streaming.filters import PromptFilter, load_scrubber, scrubbed
+from streaming.filters import PromptFilter, load_scrubber, scrubbed_all
 from streaming.store import CommitResult, Stored, StoreWriter
 
 QUERY_LOG_KIND, FEEDBACK_KIND = 0, 1  # RawRecord.kind: which event model the record's topic carries
@@ -112,7 +112,7 @@ class BatchWriter:
         started = time.monotonic()
         dead: list[tuple[int, str, str]] = []
         filtered: Tally = Tally()
-        keep: list[tuple[int, Stored]] = []
+        kept: list[tuple[int, AnyQueryLog | AnyFeedback]] = []
         for i, event in self._parsed(records):
             if isinstance(event, MalformedEvent):
                 dead.append((i, event.reason, event.detail))
@@ -122,10 +122,13 @@ class BatchWriter:
                 if reason is not None:
                     filtered[reason] += 1
                     continue
-                if self.scrub is not None:
-                    event = scrubbed(event, self.scrub)
-            rec = records[i]
-            keep.append((i, Stored(event, rec.partition, rec.offset)))
+            kept.append((i, event))
+        if self.scrub is not None:  # the query logs' texts, all at once
+            queries = [j for j, (_, e) in enumerate(kept) if isinstance(e, (QueryLogEvent, QueryLogRecord))]
+            clean = scrubbed_all([cast(AnyQueryLog, kept[j][1]) for j in queries], self.scrub)
+            for j, event in zip(queries, clean, strict=True):
+                kept[j] = (kept[j][0], event)
+        keep = [(i, Stored(event, records[i].partition, records[i].offset)) for i, event in kept]
         prepared = time.monotonic()
         result = self._commit_isolating(keep, dead)
         dead.sort()
