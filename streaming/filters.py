@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 
 import msgspec
 
@@ -97,8 +98,13 @@ def scrubbed(event: AnyQueryLog, scrub: Scrubber) -> AnyQueryLog:
 
 def scrubbed_all(events: Sequence[AnyQueryLog], scrub: Scrubber) -> list[AnyQueryLog]:
     """`scrubbed` of each event, the texts of all of them scrubbed in one pass (`scrub_texts`)."""
-    texts = [t for e in events for t in (*(m.content for m in e.messages), e.response)]
+    texts: list[str] = []
+    for e in events:
+        texts.extend(map(_CONTENT, e.messages))
+        texts.append(e.response)
     cleaned = scrub_texts(texts, scrub)
+    if cleaned == texts:  # most batches: nothing to replace
+        return list(events)
     out: list[AnyQueryLog] = []
     start = 0
     for event in events:
@@ -122,6 +128,7 @@ def scrub_texts(texts: list[str], scrub: Scrubber) -> list[str]:
     return out
 
 
+_CONTENT = attrgetter("content")
 _ALL_BYTES = bytes(range(256))
 _NOT_DIGIT_OR_NUL = _ALL_BYTES.translate(None, b"0123456789\x00")
 _NOT_AT_OR_NUL = _ALL_BYTES.translate(None, b"@\x00")

@@ -263,3 +263,13 @@ def test_each_stored_row_is_its_events_values_whichever_parser_made_the_event(tm
             values["prompt_text"] = users[-1] if users else ""
         values.update(source_partition=i % 3, source_offset=100 + i)
         assert rows[values["request_id"]] == values
+
+
+def test_a_prompts_key_is_the_stores_original_digest():
+    """Replay stores written before keep their keys: blake2b-128 of role US content, the pairs joined by RS."""
+    import hashlib
+
+    from dynrubric.prompt_key import prompt_key
+
+    expected = hashlib.blake2b(b"system\x1fbe brief\x1euser\x1f2+2?", digest_size=16).hexdigest()
+    assert prompt_key([("system", "be brief"), ("user", "2+2?")]) == expected
