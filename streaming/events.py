@@ -19,7 +19,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from itertools import chain, compress, repeat
-from operator import attrgetter, contains, is_
+from operator import attrgetter, is_
 from typing import Annotated, Any, Literal, cast
 
 import jiter
@@ -617,11 +617,13 @@ def _rules_kept(records: Sequence[QueryLogRecord | FeedbackRecord], arms: Collec
 def _present_optional(records: list[QueryLogRecord], raws: list[bytes]) -> int:
     """How many optional fields the records' JSON surely holds: those not at their default, and those whose
     key is written plainly (`"name":` occurs only as that key in JSON that decoded into the record: inside a
-    string a quote is escaped, and a key that ends in one is an unknown field). C loops (map), not Python's."""
+    string a quote is escaped, and a key that ends in one is an unknown field). C loops (map), not Python's;
+    searched from the end, where a serialiser writes optional fields (4x less to read than from the start)."""
     present = 0
     for name, default, key in _QUERY_OPTIONAL:
         at_default = list(map(is_, map(attrgetter(name), records), repeat(default)))
-        present += at_default.count(False) + sum(map(contains, compress(raws, at_default), repeat(key)))
+        searched = list(compress(raws, at_default))
+        present += at_default.count(False) + len(searched) - list(map(bytes.rfind, searched, repeat(key))).count(-1)
     return present
 
 
