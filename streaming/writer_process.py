@@ -18,6 +18,7 @@ writer, so one writer caps an ingest process however fast its consumer is (docs/
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import signal
@@ -221,6 +222,10 @@ def _child_main(conn, store_dir: Path, cfg: IngestConfig, parent_pid: int) -> No
     except DynrubricError as e:
         conn.send(WriterFailure(e.problem, e.fix))
         return
+    # What start-up left (pydantic, pyarrow and the rest, ~10^5 objects) is never garbage: out of the collector's
+    # reach, the full collections a batch's allocations trigger walk the batch's objects, not all of these again
+    gc.collect()
+    gc.freeze()
     conn.send(WriterReady(writer.store.removed_orphans))
     try:
         while (records := conn.recv()) is not None:
