@@ -493,7 +493,7 @@ def parse_record(
         record = msgspec.convert(doc, RECORD_OF_MODEL[model])  # strict: no bool for int, no float for int
     except msgspec.ValidationError:
         return _validated(model, doc, arms)
-    if _rules_kept([record], arms) is not None:  # jiter has refused duplicate keys
+    if _rules_kept([record], arms):  # jiter has refused duplicate keys
         return record
     return _validated(model, doc, arms)
 
@@ -567,7 +567,7 @@ def _batch_accepted(
 ) -> bool:
     """True when every record keeps the rules (`_rules_kept`) and no record's JSON holds a key twice."""
     strings = _rules_kept(records, arms)
-    if strings is None:
+    if not strings:
         return False
     if isinstance(records[0], FeedbackRecord):
         keys = len(records) * _FEEDBACK_KEYS
@@ -579,24 +579,25 @@ def _batch_accepted(
     return _keys_counted(b"\n".join(raws), keys, strings)
 
 
-def _rules_kept(records: Sequence[QueryLogRecord | FeedbackRecord], arms: Collection[str] | None) -> str | None:
+def _rules_kept(records: Sequence[QueryLogRecord | FeedbackRecord], arms: Collection[str] | None) -> list[str]:
     """The rules of the models that the records' types do not state, over a batch at once: ts in its window
     (by min and max), no forbidden character in identifiers or text (one search over each, joined by a
     character both rules allow), each distinct policy version's characters, the dwell rule, the deployment's
     arms. (The other numbers are finite: msgspec's bounds reject NaN and the infinities.) None when a rule
-    is broken by any record, else the records' decoded strings joined (every string value but the literals')."""
+    is broken by any record, else the records' decoded strings, joined in a few strings (every string value but
+    the literals'), for the key count: [] when a rule is broken."""
     ts = [r.ts for r in records]
     if not (TS_MIN <= min(ts) and max(ts) < TS_MAX):  # False for NaN too
-        return None
+        return []
     if isinstance(records[0], FeedbackRecord):
         feedback = cast(list[FeedbackRecord], records)
         if any(r.kind == "dwell" and not (r.value is not None and r.value > 0) for r in feedback):
-            return None
+            return []
         ids = " ".join(chain.from_iterable(map(_FEEDBACK_IDS, feedback)))
-        return None if _has_forbidden(ids, _FORBIDDEN_IN_ID, _ASCII_ID_FORBIDDEN) else ids
+        return [] if _has_forbidden(ids, _FORBIDDEN_IN_ID, _ASCII_ID_FORBIDDEN) else [ids]
     queries = cast(list[QueryLogRecord], records)
     if not all(_POLICY_VERSION.fullmatch(v) for v in {r.policy_version for r in queries}):
-        return None
+        return []
     ids = " ".join(
         chain(
             chain.from_iterable(map(_QUERY_IDS, queries)),
@@ -604,16 +605,16 @@ def _rules_kept(records: Sequence[QueryLogRecord | FeedbackRecord], arms: Collec
         )
     )
     if _has_forbidden(ids, _FORBIDDEN_IN_ID, _ASCII_ID_FORBIDDEN):
-        return None
+        return []
     contents = "\n".join([m.content for r in queries for m in r.messages])
     responses = "\n".join(map(_RESPONSE, queries))
     if any(_has_forbidden(t, _CONTROL_IN_TEXT, _ASCII_TEXT_CONTROLS) for t in (contents, responses)):
-        return None
+        return []
     if arms is not None:
         assigned = {r.assigned_variant for r in queries} - {None}
         if not ({r.variant for r in queries} <= set(arms) and assigned <= set(arms)):
-            return None
-    return " ".join((ids, contents, responses))
+            return []
+    return [ids, contents, responses]
 
 
 def _present_optional(records: list[QueryLogRecord], raws: list[bytes]) -> int:
@@ -638,13 +639,13 @@ def _has_forbidden(text: str, pattern: re.Pattern[str], ascii_forbidden: bytes) 
     return pattern.search(text) is not None
 
 
-def _keys_counted(raw: bytes, keys: int, strings: str) -> bool:
+def _keys_counted(raw: bytes, keys: int, strings: list[str]) -> bool:
     """True when the JSON holds exactly `keys` keys, at most the distinct keys its records were decoded from:
     then no key is there twice. A JSON colon outside a string follows a key, so the keys are the colons of
     the bytes less those of the decoded strings, unless an escape wrote a colon (\\u003a: then False)."""
     if b"\\u003" in raw:
         return False
-    return raw.count(b":") - strings.count(":") == keys
+    return raw.count(b":") - sum(s.count(":") for s in strings) == keys
 
 
 @dataclass(frozen=True)
