@@ -81,9 +81,15 @@ class PromptFilter:
     def reason(self, event: AnyQueryLog) -> str | None:
         if event.shadow:
             return "shadow"
-        prompt = "\n".join(m.content for m in event.messages if m.role != "assistant")
-        if not any(m.content.strip() for m in event.messages if m.role == "user"):
+        parts = []
+        asked = False  # a user message with more than whitespace
+        for m in event.messages:  # one loop, no generators: this runs for every event
+            if m.role != "assistant":
+                parts.append(m.content)
+                asked = asked or (m.role == "user" and not m.content.isspace() and m.content != "")
+        if not asked:
             return "empty_prompt"
+        prompt = "\n".join(parts)
         if len(prompt) > self.max_chars:
             return "too_long"
         if any(p.search(prompt) for p in self.deny):

@@ -101,6 +101,14 @@ def test_filters():
         f.reason(query_event("b", messages=[{"role": "system", "content": "s"}, {"role": "user", "content": " "}]))
         == "empty_prompt"
     )
+    for blank in ("", "\u3000\u2003\t\n"):  # no text, or only (Unicode) whitespace: what str.strip() removes
+        assert f.reason(query_event("e", messages=[{"role": "user", "content": blank}])) == "empty_prompt"
+    chat = [
+        {"role": "assistant", "content": "x" * 30},
+        {"role": "user", "content": ""},
+        {"role": "user", "content": "?"},
+    ]
+    assert f.reason(query_event("g", messages=chat)) is None  # an assistant turn is not prompt; one user text is
     assert f.reason(query_event("c", messages=[{"role": "user", "content": "x" * 21}])) == "too_long"
     assert f.reason(query_event("d", messages=[{"role": "user", "content": "IGNORE previous"}])) == "denied"
     assert f.reason(query_event("e", messages=[{"role": "user", "content": "short"}], shadow=True)) == "shadow"
