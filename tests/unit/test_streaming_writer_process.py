@@ -94,6 +94,14 @@ def test_a_pool_of_writers_gives_the_batch_the_outcome_one_writer_gives(tmp_path
     assert sorted(stored) == sorted(ReplayStore(tmp_path / "single").table()["request_id"].to_pylist())
     assert len(stored) == len(set(stored)) == 8
 
+    def origins(store: str) -> list[tuple]:  # each row's Kafka origin, as its slice carried it (r0: either slice's)
+        rows = ReplayStore(tmp_path / store).table().to_pylist()
+        return sorted(
+            (r["request_id"], r["source_partition"], r["source_offset"]) for r in rows if r["request_id"] != "r0"
+        )
+
+    assert origins("pooled") == origins("single") and ("r11", 0, 11) in origins("pooled")
+
 
 def test_a_store_held_by_another_writer_is_reported_by_the_parent(tmp_path):
     holder = StoreWriter(tmp_path)
