@@ -168,6 +168,7 @@ class StoreWriter:
                     "the consumer group",
                 ) from None
             time.sleep(0.05)
+        self.shared = shared
         self._own_fd: int | None = None
         if shared:
             (self.root / WRITERS).mkdir(exist_ok=True)
@@ -269,8 +270,9 @@ class StoreWriter:
         now = time.time()
         self.db.execute("BEGIN IMMEDIATE")
         try:
-            if self._known([key for shard in shards for key in shard.keys]):
-                raise StoreRace  # checked again under the write lock: another writer may have come first
+            # checked again under the write lock: another writer of a shared store may have come first
+            if self.shared and self._known([key for shard in shards for key in shard.keys]):
+                raise StoreRace
             for shard, path in zip(shards, paths, strict=True):
                 tss = shard.columns["ts"]
                 rows = len(shard.keys)
