@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 
 import msgspec
 
@@ -80,9 +81,15 @@ class PromptFilter:
     def reason(self, event: AnyQueryLog) -> str | None:
         if event.shadow:
             return "shadow"
-        prompt = "\n".join(m.content for m in event.messages if m.role != "assistant")
-        if not any(m.content.strip() for m in event.messages if m.role == "user"):
+        parts = []
+        asked = False  # a user message with more than whitespace
+        for m in event.messages:  # one loop, no generators: this runs for every event
+            if m.role != "assistant":
+                parts.append(m.content)
+                asked = asked or (m.role == "user" and not m.content.isspace() and m.content != "")
+        if not asked:
             return "empty_prompt"
+        prompt = "\n".join(parts)
         if len(prompt) > self.max_chars:
             return "too_long"
         if any(p.search(prompt) for p in self.deny):
@@ -92,11 +99,61 @@ class PromptFilter:
 
 def scrubbed(event: AnyQueryLog, scrub: Scrubber) -> AnyQueryLog:
     """The event with the scrubber applied to every message and the response (the same object if clean)."""
-    originals: Sequence[ChatMessage | ChatMessageRecord] = event.messages
-    contents = [scrub(m.content) for m in originals]
-    response = scrub(event.response)
-    if response == event.response and all(c == m.content for c, m in zip(contents, originals, strict=True)):
-        return event
+    return scrubbed_all([event], scrub)[0]
+
+
+def scrubbed_all(events: Sequence[AnyQueryLog], scrub: Scrubber) -> list[AnyQueryLog]:
+    """`scrubbed` of each event, the texts of all of them scrubbed in one pass (`scrub_texts`)."""
+    texts: list[str] = []
+    for e in events:
+        texts.extend(map(_CONTENT, e.messages))
+        texts.append(e.response)
+    cleaned = scrub_texts(texts, scrub)
+    if cleaned == texts:  # most batches: nothing to replace
+        return list(events)
+    out: list[AnyQueryLog] = []
+    start = 0
+    for event in events:
+        end = start + len(event.messages) + 1
+        if cleaned[start:end] == texts[start:end]:
+            out.append(event)
+        else:
+            out.append(_with_texts(event, cleaned[start : end - 1], cleaned[end - 1]))
+        start = end
+    return out
+
+
+def scrub_texts(texts: list[str], scrub: Scrubber) -> list[str]:
+    """`[scrub(t) for t in texts]`. The default scrubber changes only a text with an "@" or 7 or more ASCII
+    digits; those are found for all texts at once (two C passes over them joined), and only they are scrubbed."""
+    if scrub is not scrub_pii:
+        return [scrub(t) for t in texts]
+    out = list(texts)
+    for i in _pii_candidates(texts):
+        out[i] = scrub_pii(texts[i])
+    return out
+
+
+_CONTENT = attrgetter("content")
+_ALL_BYTES = bytes(range(256))
+_NOT_DIGIT_OR_NUL = _ALL_BYTES.translate(None, b"0123456789\x00")
+_NOT_AT_OR_NUL = _ALL_BYTES.translate(None, b"@\x00")
+
+
+def _pii_candidates(texts: list[str]) -> list[int] | range:
+    """The indices of the texts that hold an "@" or 7 or more ASCII digits (`scrub_pii`'s shortcuts). The texts'
+    UTF-8 bytes joined by NUL, less every byte but the digits (or the "@") and the NULs, split at the NULs: each
+    text's digits (or "@"s). A text that holds a NUL itself makes the split miscount: then every index."""
+    data = "\x00".join(texts).encode("utf-8", "surrogatepass")
+    digits = data.translate(None, _NOT_DIGIT_OR_NUL).split(b"\x00")
+    ats = data.translate(None, _NOT_AT_OR_NUL).split(b"\x00")
+    if len(digits) != len(texts):
+        return range(len(texts))
+    return [i for i, (d, a) in enumerate(zip(digits, ats, strict=True)) if len(d) >= 7 or a]
+
+
+def _with_texts(event: AnyQueryLog, contents: list[str], response: str) -> AnyQueryLog:
+    """The event with its messages' contents and its response replaced (each message keeps its role)."""
     if isinstance(event, QueryLogEvent):
         messages = [ChatMessage(role=m.role, content=c) for m, c in zip(event.messages, contents, strict=True)]
         return event.model_copy(update={"messages": messages, "response": response})

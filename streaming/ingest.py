@@ -34,7 +34,7 @@ from streaming.consumers import Fetched, Partition, make_consumer
 from streaming.dead_letters import DeadLetterSender
 from streaming.kafka import Topics, ensure_topics, unreachable
 from streaming.store import QUERY_LOG
-from streaming.writer_process import FEEDBACK_KIND, QUERY_LOG_KIND, RawRecord, WriterPool, WrittenBatch
+from streaming.writer_process import FEEDBACK_KIND, QUERY_LOG_KIND, RawBatch, WriterPool, WrittenBatch
 
 log = logging.getLogger(__name__)
 QUIET_S = 0.1  # a poll this long that returns nothing closes a batch that is at least a quarter full
@@ -95,7 +95,7 @@ class IngestMetrics:
 @dataclass
 class Batch:
     started: float
-    records: list[RawRecord] = field(default_factory=list)
+    records: RawBatch = field(default_factory=RawBatch)
     keys: list[bytes | None] = field(default_factory=list)  # Kafka keys, for dead letters
     topics: list[str] = field(default_factory=list)  # source topics, for dead letters
     offsets: dict[Partition, int] = field(default_factory=dict)  # next offset to consume
@@ -244,7 +244,7 @@ class Ingestor:
             self.summary.consumed += n
             batch.offsets[(f.topic, f.partition)] = f.offsets[-1] + 1
             kind = self.kind_of_topic[f.topic]
-            batch.records.extend(RawRecord(kind, f.partition, o, v) for o, v in zip(f.offsets, f.values, strict=True))
+            batch.records.extend(kind, f.partition, f.offsets, f.values)
             batch.keys.extend(f.keys)
             batch.topics.extend([f.topic] * n)
 
@@ -338,18 +338,18 @@ class Ingestor:
             try:
                 written = self.writer.write(batch.records)
                 letters = []
+                records = batch.records
                 for i, reason, detail in written.dead:
-                    rec = batch.records[i]
                     letter = self.dlq.letter(
                         reason,
                         detail,
-                        raw=rec.value,
+                        raw=records.values[i],
                         key=batch.keys[i],
                         topic=batch.topics[i],
-                        partition=rec.partition,
-                        offset=rec.offset,
+                        partition=records.partitions[i],
+                        offset=records.offsets[i],
                     )
-                    letters.append((letter, rec.value))
+                    letters.append((letter, records.values[i]))
                 # raises when a dead letter was not delivered: nothing of the batch is committed
                 self.metrics.dlq_already_sent.inc(self.dlq.send(letters))
                 self._done.put((batch, written))

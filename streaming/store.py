@@ -35,6 +35,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from operator import attrgetter
 from pathlib import Path
 from typing import cast
 
@@ -167,6 +168,7 @@ class StoreWriter:
                     "the consumer group",
                 ) from None
             time.sleep(0.05)
+        self.shared = shared
         self._own_fd: int | None = None
         if shared:
             (self.root / WRITERS).mkdir(exist_ok=True)
@@ -241,17 +243,21 @@ class StoreWriter:
         if not fresh:
             return result
 
-        groups: dict[tuple[str, str, str | None], list[tuple[str, dict]]] = defaultdict(list)
+        groups: dict[tuple[str, str, str | None], list[tuple[str, Stored]]] = defaultdict(list)
         for key, r in fresh.items():
             if isinstance(r.event, (QueryLogEvent, QueryLogRecord)):
-                groups[(QUERY_LOG, _date(r.event.ts), r.event.policy_version)].append((key, _query_row(r)))
+                groups[(QUERY_LOG, _date(r.event.ts), r.event.policy_version)].append((key, r))
             else:
-                groups[(FEEDBACK, _date(r.event.ts), None)].append((key, _feedback_row(r)))
+                groups[(FEEDBACK, _date(r.event.ts), None)].append((key, r))
+        shards = [
+            Shard(*group, [key for key, _ in items], _columns(group[0], [r for _, r in items]))
+            for group, items in groups.items()
+        ]
         paths: list[str] = []
         try:
-            for group, items in groups.items():
-                paths.append(self._write_shard(*group, [row for _, row in items]))
-            self._register(groups, paths, result)
+            for shard in shards:
+                paths.append(self._write_shard(shard.kind, shard.date, shard.version, shard.columns))
+            self._register(shards, paths, result)
         except BaseException:
             # nothing of a failed commit stays behind: the caller may retry the records without the bad one
             for path in paths:
@@ -259,33 +265,35 @@ class StoreWriter:
             raise
         return result
 
-    def _register(self, groups: dict, paths: list[str], result: CommitResult) -> None:
+    def _register(self, shards: list[Shard], paths: list[str], result: CommitResult) -> None:
         """ONE SQLite transaction: the shards enter the manifest and their keys the dedupe index."""
         now = time.time()
         self.db.execute("BEGIN IMMEDIATE")
         try:
-            if self._known([key for items in groups.values() for key, _ in items]):
-                raise StoreRace  # checked again under the write lock: another writer may have come first
-            for ((kind, date, version), items), path in zip(groups.items(), paths, strict=True):
-                tss = [row["ts"] for _, row in items]
+            # checked again under the write lock: another writer of a shared store may have come first
+            if self.shared and self._known([key for shard in shards for key in shard.keys]):
+                raise StoreRace
+            for shard, path in zip(shards, paths, strict=True):
+                tss = shard.columns["ts"]
+                rows = len(shard.keys)
                 cur = self.db.execute(
                     "INSERT INTO shards (kind, path, date, policy_version, rows, min_ts, max_ts, created_at)"
                     " VALUES (?,?,?,?,?,?,?,?)",
-                    (kind, path, date, version, len(items), min(tss), max(tss), now),
+                    (shard.kind, path, shard.date, shard.version, rows, min(tss), max(tss), now),
                 )
                 shard_id = cur.lastrowid
                 assert shard_id is not None, "an INSERT sets lastrowid"
                 result.shard_ids.append(shard_id)
-                result.written[kind] = result.written.get(kind, 0) + len(items)
+                result.written[shard.kind] = result.written.get(shard.kind, 0) + rows
                 # one statement per table (json_each), not one per row: every SQLite step releases and
                 # re-takes the GIL, which the busy consumer thread makes slow
                 self.db.execute(
                     "INSERT INTO seen (key, shard_id) SELECT value, ? FROM json_each(?)",
-                    (shard_id, json.dumps([k for k, _ in items])),
+                    (shard_id, json.dumps(shard.keys)),
                 )
-                lookup = "prompt_shards" if kind == QUERY_LOG else "feedback_shards"
-                column = "prompt_key" if kind == QUERY_LOG else "request_id"
-                values = {row[column] for _, row in items}
+                lookup = "prompt_shards" if shard.kind == QUERY_LOG else "feedback_shards"
+                column = "prompt_key" if shard.kind == QUERY_LOG else "request_id"
+                values = set(shard.columns[column])
                 self.db.execute(
                     f"INSERT INTO {lookup} SELECT value, ? FROM json_each(?)", (shard_id, json.dumps(sorted(values)))
                 )
@@ -301,11 +309,11 @@ class StoreWriter:
         )
         return {row[0] for row in rows}
 
-    def _write_shard(self, kind: str, date: str, version: str | None, rows: list[dict]) -> str:
+    def _write_shard(self, kind: str, date: str, version: str | None, columns: dict[str, list]) -> str:
         schema = QUERY_LOG_SCHEMA if kind == QUERY_LOG else FEEDBACK_SCHEMA
         # column by column: Arrow converts a list per column ~20x faster than a dict per row (from_pylist)
-        # row[name], not row.get: a column the rows do not fill is a KeyError here, never a column of silent nulls
-        table = pa.Table.from_pydict({name: [row[name] for row in rows] for name in schema.names}, schema=schema)
+        # columns[name], not .get: a column the rows do not fill is a KeyError here, never a column of silent nulls
+        table = pa.Table.from_pydict({name: columns[name] for name in schema.names}, schema=schema)
         if kind == QUERY_LOG:
             rel = Path(kind, f"date={date}", f"policy_version={version}")
         else:
@@ -316,7 +324,7 @@ class StoreWriter:
         tmp = directory / f".{name}.tmp"
         try:
             # a path, not a Python file object: Arrow then writes natively instead of calling back into Python
-            pq.write_table(table, str(tmp), compression="zstd")
+            pq.write_table(table, str(tmp), compression="zstd", use_dictionary=_DICTIONARY_COLUMNS[kind])
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -345,49 +353,55 @@ def _writer_of(name: str) -> str | None:
     return parts[1] if len(parts) == 3 and parts[0] == "part" else None
 
 
-def _query_row(r: Stored) -> dict:
-    e = cast(AnyQueryLog, r.event)
-    messages = [{"role": m.role, "content": m.content} for m in e.messages]
-    users = [m["content"] for m in messages if m["role"] == "user"]
-    return {
-        "request_id": e.request_id,
-        "ts": e.ts,
-        "user_key": e.user_key,
-        "session_id": e.session_id,
-        "variant": e.variant,
-        "policy_version": e.policy_version,
-        "model": e.model,
-        "messages": messages,
-        "prompt_key": prompt_key((m["role"], m["content"]) for m in messages),
-        "prompt_text": users[-1] if users else "",
-        "response": e.response,
-        "finish_reason": e.finish_reason,
-        "temperature": e.sampling.temperature,
-        "top_p": e.sampling.top_p,
-        "max_tokens": e.sampling.max_tokens,
-        "latency_ms": e.latency_ms,
-        "prompt_tokens": e.prompt_tokens,
-        "completion_tokens": e.completion_tokens,
-        "experiment_id": e.experiment_id,
-        "assigned_variant": e.assigned_variant,
-        "pair_id": e.pair_id,
-        "shadow": e.shadow,
-        "source_partition": r.partition,
-        "source_offset": r.offset,
-    }
+@dataclass(frozen=True)
+class Shard:
+    """One shard of a batch: its partition, the dedupe keys of its rows, and the rows as Arrow's columns."""
+
+    kind: str
+    date: str
+    version: str | None
+    keys: list[str]
+    columns: dict[str, list]
 
 
-def _feedback_row(r: Stored) -> dict:
-    e = cast(AnyFeedback, r.event)
-    return {
-        "request_id": e.request_id,
-        "ts": e.ts,
-        "user_key": e.user_key,
-        "kind": e.kind,
-        "value": e.value,
-        "source_partition": r.partition,
-        "source_offset": r.offset,
-    }
+# the columns that are the event's own fields, as they are named on it
+_QUERY_FIELDS = (
+    "request_id", "ts", "user_key", "session_id", "variant", "policy_version", "model", "response", "finish_reason",
+    "latency_ms", "prompt_tokens", "completion_tokens", "experiment_id", "assigned_variant", "pair_id", "shadow",
+)  # fmt: skip
+_FEEDBACK_FIELDS = ("request_id", "ts", "user_key", "kind", "value")
+_SAMPLING_FIELDS = ("temperature", "top_p", "max_tokens")
+_ROLE_CONTENT = attrgetter("role", "content")
+# Parquet dictionary-encodes these columns only: their values repeat (users, arms, versions, models). Tried on the
+# others (texts, ids, numbers) a dictionary is built and thrown away, which cost ~15% of the shard's write.
+_DICTIONARY_COLUMNS = {
+    QUERY_LOG: [
+        "user_key", "session_id", "variant", "policy_version", "model", "finish_reason", "experiment_id",
+        "assigned_variant",
+    ],
+    FEEDBACK: ["user_key", "kind"],
+}  # fmt: skip
+
+
+def _columns(kind: str, stored: list[Stored]) -> dict[str, list]:
+    """The stored records as the columns of their kind's shard (a list per column: Arrow's fast input).
+
+    Each column is read by one C loop over the events (attrgetter of every field at once, then one transpose);
+    the messages are (role, content) pairs, which Arrow takes for its struct as it takes dicts."""
+    events = [s.event for s in stored]
+    names = _QUERY_FIELDS if kind == QUERY_LOG else _FEEDBACK_FIELDS
+    columns = dict(zip(names, map(list, zip(*map(attrgetter(*names), events), strict=True)), strict=True))
+    columns["source_partition"] = [s.partition for s in stored]
+    columns["source_offset"] = [s.offset for s in stored]
+    if kind == QUERY_LOG:
+        queries = cast(list[AnyQueryLog], events)
+        samplings = map(attrgetter(*_SAMPLING_FIELDS), map(attrgetter("sampling"), queries))
+        columns.update(zip(_SAMPLING_FIELDS, map(list, zip(*samplings, strict=True)), strict=True))
+        messages = [list(map(_ROLE_CONTENT, e.messages)) for e in queries]
+        columns["messages"] = messages
+        columns["prompt_key"] = list(map(prompt_key, messages))
+        columns["prompt_text"] = [next((c for role, c in reversed(ms) if role == "user"), "") for ms in messages]
+    return columns
 
 
 # ---------------------------------------------------------------- reading (the trainer's side)

@@ -4,7 +4,7 @@ Ingest runs this half of its work in a second process so that it does not share 
 kafka-python's record decoding (pure Python): in one process the two took turns and ingest reached
 ~0.75 of a bare consumer's rate; split, the consumer keeps one core and the writer another.
 
-The parent (`streaming/ingest.py`) owns everything Kafka: it sends `RawRecord` lists down a pipe and
+The parent (`streaming/ingest.py`) owns everything Kafka: it sends `RawBatch`es down a pipe and
 gets back a `WrittenBatch` once the batch's shards are durable. The child owns the replay store
 (its writer lock, index and shards), so a store is never written by a process that has lost its
 consumer: on Linux the child is killed with its parent (PR_SET_PDEATHSIG), and the kernel then
@@ -18,6 +18,7 @@ writer, so one writer caps an ingest process however fast its consumer is (docs/
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import signal
@@ -25,14 +26,24 @@ import sqlite3
 import sys
 import time
 from collections import Counter as Tally
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from dynrubric.config import IngestConfig
 from dynrubric.errors import DynrubricError
-from streaming.events import FeedbackEvent, MalformedEvent, QueryLogEvent, QueryLogRecord, parse_record
-from streaming.filters import PromptFilter, load_scrubber, scrubbed
+from streaming.events import (
+    AnyFeedback,
+    AnyQueryLog,
+    FeedbackEvent,
+    MalformedEvent,
+    QueryLogEvent,
+    QueryLogRecord,
+    parse_records,
+)
+from streaming.filters import PromptFilter, load_scrubber, scrubbed_all
 from streaming.store import CommitResult, Stored, StoreWriter
 
 QUERY_LOG_KIND, FEEDBACK_KIND = 0, 1  # RawRecord.kind: which event model the record's topic carries
@@ -44,10 +55,46 @@ READY_TIMEOUT_S = 120  # start-up: a Python import, plus the store lock wait (ad
 
 
 class RawRecord(NamedTuple):
+    """One raw Kafka record: which event model its topic carries (`kind`), where it came from, its value."""
+
     kind: int
     partition: int
     offset: int
     value: bytes | None
+
+
+@dataclass
+class RawBatch:
+    """Raw Kafka records as columns: record i is (kinds[i], partitions[i], offsets[i], values[i]).
+
+    What crosses the pipe to a writer process: four lists pickle (and unpickle) ~4x faster than a tuple
+    object per record, and the consumer fills them by extending lists, not by building records."""
+
+    kinds: list[int] = field(default_factory=list)
+    partitions: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    values: list[bytes | None] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, records: Sequence[RawRecord]) -> RawBatch:
+        """The batch of these records, in their order."""
+        return cls([r.kind for r in records], [r.partition for r in records], [r.offset for r in records],
+                   [r.value for r in records])  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def extend(self, kind: int, partition: int, offsets: list[int], values: list[bytes | None]) -> None:
+        """Append one partition's records (in offset order) of one topic."""
+        self.kinds.extend([kind] * len(offsets))
+        self.partitions.extend([partition] * len(offsets))
+        self.offsets.extend(offsets)
+        self.values.extend(values)
+
+    def slice(self, start: int, stop: int) -> RawBatch:
+        return RawBatch(
+            self.kinds[start:stop], self.partitions[start:stop], self.offsets[start:stop], self.values[start:stop]
+        )
 
 
 class WriterReady(NamedTuple):
@@ -99,29 +146,43 @@ class BatchWriter:
     def close(self) -> None:
         self.store.close()
 
-    def write(self, records: list[RawRecord]) -> WrittenBatch:
+    def write(self, records: RawBatch) -> WrittenBatch:
         started = time.monotonic()
         dead: list[tuple[int, str, str]] = []
         filtered: Tally = Tally()
-        keep: list[tuple[int, Stored]] = []
-        for i, rec in enumerate(records):
-            try:
-                event = parse_record(MODEL_OF_KIND[rec.kind], rec.value, self.cfg.max_event_bytes, self.cfg.variants)
-            except MalformedEvent as e:
-                dead.append((i, e.reason, e.detail))
+        kept: list[tuple[int, AnyQueryLog | AnyFeedback]] = []
+        for i, event in self._parsed(records):
+            if isinstance(event, MalformedEvent):
+                dead.append((i, event.reason, event.detail))
                 continue
             if isinstance(event, (QueryLogEvent, QueryLogRecord)):
                 reason = self.filter.reason(event)
                 if reason is not None:
                     filtered[reason] += 1
                     continue
-                if self.scrub is not None:
-                    event = scrubbed(event, self.scrub)
-            keep.append((i, Stored(event, rec.partition, rec.offset)))
+            kept.append((i, event))
+        if self.scrub is not None:  # the query logs' texts, all at once
+            queries = [j for j, (_, e) in enumerate(kept) if isinstance(e, (QueryLogEvent, QueryLogRecord))]
+            clean = scrubbed_all([cast(AnyQueryLog, kept[j][1]) for j in queries], self.scrub)
+            for j, event in zip(queries, clean, strict=True):
+                kept[j] = (kept[j][0], event)
+        keep = [(i, Stored(event, records.partitions[i], records.offsets[i])) for i, event in kept]
         prepared = time.monotonic()
         result = self._commit_isolating(keep, dead)
         dead.sort()
         return WrittenBatch(result, dead, dict(filtered), prepared - started, time.monotonic() - prepared)
+
+    def _parsed(self, records: RawBatch) -> list[tuple[int, AnyQueryLog | AnyFeedback | MalformedEvent]]:
+        """Each record's index and its event or MalformedEvent (`parse_records` per topic's model), in order."""
+        parsed: list[tuple[int, AnyQueryLog | AnyFeedback | MalformedEvent]] = []
+        for kind, model in MODEL_OF_KIND.items():
+            positions = [i for i, k in enumerate(records.kinds) if k == kind]
+            if positions:
+                values = records.values if len(positions) == len(records) else [records.values[i] for i in positions]
+                events = parse_records(model, values, self.cfg.max_event_bytes, self.cfg.variants)
+                parsed.extend(zip(positions, events, strict=True))
+        parsed.sort(key=itemgetter(0))
+        return parsed
 
     def _commit_isolating(self, keep: list[tuple[int, Stored]], dead: list[tuple[int, str, str]]) -> CommitResult:
         """Commit the records; if a record makes the commit fail, bisect until it is alone, dead-letter it
@@ -161,6 +222,10 @@ def _child_main(conn, store_dir: Path, cfg: IngestConfig, parent_pid: int) -> No
     except DynrubricError as e:
         conn.send(WriterFailure(e.problem, e.fix))
         return
+    # What start-up left (pydantic, pyarrow and the rest, ~10^5 objects) is never garbage: out of the collector's
+    # reach, the full collections a batch's allocations trigger walk the batch's objects, not all of these again
+    gc.collect()
+    gc.freeze()
     conn.send(WriterReady(writer.store.removed_orphans))
     try:
         while (records := conn.recv()) is not None:
@@ -196,11 +261,11 @@ class WriterProcess:
             raise DynrubricError(reply.problem, reply.fix)
         self.removed_orphans: int = reply.removed_orphans
 
-    def write(self, records: list[RawRecord]) -> WrittenBatch:
+    def write(self, records: RawBatch) -> WrittenBatch:
         self.send(records)
         return self.written()
 
-    def send(self, records: list[RawRecord]) -> None:
+    def send(self, records: RawBatch) -> None:
         """Hand the child a batch (`written` then waits for it)."""
         try:
             self._conn.send(records)
@@ -261,11 +326,11 @@ class WriterPool:
             raise
         self.removed_orphans = sum(w.removed_orphans for w in self.writers)
 
-    def write(self, records: list[RawRecord]) -> WrittenBatch:
+    def write(self, records: RawBatch) -> WrittenBatch:
         size = max(1, -(-len(records) // len(self.writers)))
         starts = list(range(0, len(records), size))
         for writer, start in zip(self.writers, starts, strict=False):  # fewer slices than writers for a tiny batch
-            writer.send(records[start : start + size])
+            writer.send(records.slice(start, start + size))
         parts = [(start, writer.written()) for writer, start in zip(self.writers, starts, strict=False)]
         result = CommitResult()
         dead: list[tuple[int, str, str]] = []

@@ -13,7 +13,16 @@ from prometheus_client import CollectorRegistry
 
 from dynrubric.config import IngestConfig
 from dynrubric.errors import DynrubricError
-from streaming.filters import PromptFilter, _ascii_digits, load_scrubber, scrub_pii, scrubbed
+from streaming.filters import (
+    PromptFilter,
+    _ascii_digits,
+    _pii_candidates,
+    load_scrubber,
+    scrub_pii,
+    scrub_texts,
+    scrubbed,
+    scrubbed_all,
+)
 from streaming.ingest import Ingestor, MetricsServer
 from streaming.kafka import Topics, ensure_topics
 from streaming.store import ReplayStore
@@ -50,6 +59,30 @@ def test_the_digit_count_that_spares_the_phone_scan_counts_ascii_digits_only():
         assert _ascii_digits(text) == sum(map(text.count, "0123456789")), text
 
 
+def test_scrubbing_a_batchs_texts_at_once_is_scrubbing_each():
+    """`scrub_texts` scrubs only the texts its two passes over the whole batch pick (an "@", 7+ ASCII digits):
+    the same texts out as `scrub_pii` of each, for texts that scrub and texts that must stay."""
+    rng = random.Random(5)
+    alphabet = "0123456789 ab.@+-()\n\u0663\u00e9\uff10\U0001f600\ud800"
+    pieces = ["jane.doe@mail.example.org", "+44 20 7946 0958", "555-123-4567", "1234567", "2026-11-29", "12345"]
+    texts = []
+    for _ in range(3000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(30)))
+        texts.append(text + rng.choice(pieces) + text[::-1] if rng.random() < 0.5 else text)
+    assert len(_pii_candidates(texts)) < len(texts)  # the pass spared some texts the scrub
+    assert scrub_texts(texts, scrub_pii) == [scrub_pii(t) for t in texts]
+    with_nul = ["call 555-123-4567", "a\x00b 555 123 4567", "x@y.org"]  # a NUL in a text: each is scrubbed
+    assert scrub_texts(with_nul, scrub_pii) == [scrub_pii(t) for t in with_nul]
+    valid = [t for t in texts if "\ud800" not in t]  # an event's text holds no lone surrogate
+    events = [
+        query_event(f"r{i}", messages=[{"role": "user", "content": t}], response=valid[-1 - i])
+        for i, t in enumerate(valid[:50])
+    ]
+    assert [e.model_dump() for e in scrubbed_all(events, scrub_pii)] == [
+        scrubbed(e, scrub_pii).model_dump() for e in events
+    ]
+
+
 def test_scrubber_is_pluggable_and_bad_paths_are_named():
     fn = load_scrubber(IngestConfig(pii_scrubber="tests.integration.test_streaming_ingest_parts:shout"))
     event = scrubbed(query_event("r", messages=[{"role": "user", "content": "hi"}], response="ok"), fn)
@@ -68,6 +101,14 @@ def test_filters():
         f.reason(query_event("b", messages=[{"role": "system", "content": "s"}, {"role": "user", "content": " "}]))
         == "empty_prompt"
     )
+    for blank in ("", "\u3000\u2003\t\n"):  # no text, or only (Unicode) whitespace: what str.strip() removes
+        assert f.reason(query_event("e", messages=[{"role": "user", "content": blank}])) == "empty_prompt"
+    chat = [
+        {"role": "assistant", "content": "x" * 30},
+        {"role": "user", "content": ""},
+        {"role": "user", "content": "?"},
+    ]
+    assert f.reason(query_event("g", messages=chat)) is None  # an assistant turn is not prompt; one user text is
     assert f.reason(query_event("c", messages=[{"role": "user", "content": "x" * 21}])) == "too_long"
     assert f.reason(query_event("d", messages=[{"role": "user", "content": "IGNORE previous"}])) == "denied"
     assert f.reason(query_event("e", messages=[{"role": "user", "content": "short"}], shadow=True)) == "shadow"

@@ -18,8 +18,10 @@ from streaming.events import (
     QueryLogEvent,
     Sampling,
     SamplingRecord,
+    _batch_accepted,
     parse_event,
     parse_record,
+    parse_records,
 )
 from tests.unit.test_streaming_events import ARMS, CLAIMS, FEEDBACK, QUERY, _mutations
 from tests.unit.test_streaming_fuzz import mutate, valid_feedback, valid_query
@@ -123,3 +125,71 @@ def test_the_fast_path_decides_as_the_models_do(arms):
 )
 def test_the_records_have_the_fields_of_the_models(model, record):
     assert set(record.__struct_fields__) == set(model.model_fields)
+
+
+def _batch_outcomes(model, raws: list[bytes | None], arms) -> list[tuple]:
+    """`_outcome` of each record as `parse_records` decides it in one batch."""
+    out = []
+    for event in parse_records(model, raws, MAX_BYTES, arms):
+        if isinstance(event, MalformedEvent):
+            out.append(("dead", event.reason, event.detail))
+        else:
+            values = event.model_dump() if hasattr(event, "model_dump") else msgspec.to_builtins(event)
+            name = type(event).__name__.removesuffix("Event").removesuffix("Record")
+            out.append(("ok", name, json.dumps(values, sort_keys=True)))
+    return out
+
+
+def _twice(doc: dict, key: str, value, *, spelled: str | None = None, space: str = "") -> bytes:
+    """`doc`'s JSON with `key` written a second time (first, before the real one), as `spelled` if given."""
+    body = json.dumps(doc)[1:]
+    return ("{" + json.dumps(spelled or key) + space + ":" + json.dumps(value) + ", " + body).encode()
+
+
+def _renamed(raw: bytes, key: str, to: str) -> bytes:
+    return raw.replace(json.dumps(key).encode(), json.dumps(to).encode())
+
+
+_QUERY_NULLS = {**QUERY, "session_id": None, "experiment_id": None, "pair_id": None, "shadow": False}
+# keys written twice: each level, escaped keys, a space before the colon, colons in strings, explicit nulls
+DUPLICATES: list[tuple[type, bytes]] = [
+    (QueryLogEvent, _twice(QUERY, "request_id", "other")),
+    (QueryLogEvent, _twice(QUERY, "response", "a: b: c")),
+    (QueryLogEvent, _twice(_QUERY_NULLS, "session_id", None)),
+    (QueryLogEvent, _twice(_QUERY_NULLS, "shadow", False)),
+    (QueryLogEvent, _twice({**QUERY, "pair_id": "p:1"}, "pair_id", "p:2")),
+    (QueryLogEvent, _twice(QUERY, "request_id", "x", spelled="request\u005fid")),
+    (QueryLogEvent, _twice(QUERY, "user_key", "u:2", space=" ")),
+    (QueryLogEvent, _twice({**QUERY, "response": 'ends in a quote: "pair_id'}, "ts", 1795000001.0)),
+    (QueryLogEvent, json.dumps(QUERY).replace('"role": "user"', '"role": "user", "role": "user"').encode()),
+    (QueryLogEvent, json.dumps(QUERY).replace('"top_p"', '"top_p": 0.5, "top_p"').encode()),
+    (QueryLogEvent, json.dumps({**QUERY, "response": "a:b"}).replace("a:b", "a\\u003ab").encode()),  # not twice
+    (
+        QueryLogEvent,
+        _renamed(_twice(QUERY, "request_id", "r:9"), "session_id", "pair_id"),
+    ),
+    (QueryLogEvent, _twice({**QUERY, "response": "a:b"}, "request_id", "x").replace(b"a:b", b"a\\u003ab")),
+    (FeedbackEvent, _twice(FEEDBACK, "kind", "copy")),
+    (FeedbackEvent, _twice(FEEDBACK, "value", 3.0, space="\n")),
+]
+
+
+@pytest.mark.parametrize("arms", [None, ARMS])
+def test_a_batch_decides_each_record_as_the_models_do(arms):
+    for model in (QueryLogEvent, FeedbackEvent):
+        raws = [raw for m, raw in CORPUS + DUPLICATES if m is model]
+        valid = [raw for raw in raws if _outcome(parse_event, model, raw, arms)[0] == "ok"]
+        # the whole corpus (records fail the batch's checks: each record on its own), its valid records alone
+        # (one check over the batch), and each duplicate slipped into a batch of valid ones
+        for batch in [raws, valid] + [valid[:50] + [raw] + valid[50:100] for m, raw in DUPLICATES if m is model]:
+            assert _batch_outcomes(model, batch, arms) == [_outcome(parse_event, model, raw, arms) for raw in batch]
+
+
+def test_the_batch_path_itself_accepts_a_batch_of_valid_events():
+    raws = [json.dumps({**_QUERY_NULLS, "request_id": f"r{i}", "response": f"a: {i}"}).encode() for i in range(20)]
+    decoded = parse_records(QueryLogEvent, raws, MAX_BYTES, ARMS)
+    assert all(isinstance(e, RECORD_OF_MODEL[QueryLogEvent]) for e in decoded)
+    assert _batch_accepted(decoded, raws, ARMS)
+    twice = _twice({**_QUERY_NULLS, "request_id": "r19", "response": "a: 19"}, "shadow", False)
+    assert msgspec.json.decode(twice, type=RECORD_OF_MODEL[QueryLogEvent]) == decoded[19]  # msgspec keeps one
+    assert not _batch_accepted(decoded, raws[:19] + [twice], ARMS)

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from dynrubric.config import IngestConfig
 from streaming.events import MAX_FEEDBACK_VALUE, MAX_LATENCY_MS, MAX_TOKENS, TS_MAX, TS_MIN
 from streaming.store import FEEDBACK, QUERY_LOG, ReplayStore
-from streaming.writer_process import FEEDBACK_KIND, QUERY_LOG_KIND, BatchWriter, RawRecord
+from streaming.writer_process import FEEDBACK_KIND, QUERY_LOG_KIND, BatchWriter, RawBatch, RawRecord
 
 STORE_POISON = "STORE-POISON"
 MAX_EVENT_BYTES = 8192
@@ -224,7 +224,7 @@ class Run:
         self.offset = 0
 
     def feed(self, records: list[tuple[int, bytes | None]]) -> None:
-        batch = [RawRecord(kind, 0, self.offset + i, value) for i, (kind, value) in enumerate(records)]
+        batch = RawBatch.of([RawRecord(kind, 0, self.offset + i, value) for i, (kind, value) in enumerate(records)])
         self.offset += len(batch)
         try:
             written = self.writer.write(batch)

@@ -9,7 +9,7 @@ import pytest
 
 from dynrubric.errors import DynrubricError
 from streaming.events import FeedbackEvent
-from streaming.store import FEEDBACK, ReplayStore, Stored, StoreWriter, _date, _query_row
+from streaming.store import FEEDBACK, ReplayStore, Stored, StoreWriter, _columns, _date
 from tests.integration.test_streaming_producer import query_event
 
 
@@ -89,8 +89,10 @@ def test_a_batch_that_raced_another_writer_is_rewritten_without_its_keys(tmp_pat
 
 def test_a_starting_shared_writer_keeps_a_live_writers_files_and_removes_a_dead_ones(tmp_path):
     live, dead = StoreWriter(tmp_path, shared=True), StoreWriter(tmp_path, shared=True)
-    live._write_shard("query_log", "2026-11-29", "v1", [_query_row(q("in-flight"))])  # written, not registered yet
-    dead._write_shard("query_log", "2026-11-29", "v1", [_query_row(q("orphan"))])
+    live._write_shard(
+        "query_log", "2026-11-29", "v1", _columns("query_log", [q("in-flight")])
+    )  # written, not registered yet
+    dead._write_shard("query_log", "2026-11-29", "v1", _columns("query_log", [q("orphan")]))
     dead.db.close()
     import os
 
@@ -108,7 +110,7 @@ def test_unregistered_shards_are_removed_and_never_read(tmp_path):
     w = StoreWriter(tmp_path)
     w.commit([q("a")])
     # what a crash between the shard rename and the index commit leaves behind
-    w._write_shard("query_log", "2026-11-29", "v1", [_query_row(q("ghost"))])
+    w._write_shard("query_log", "2026-11-29", "v1", _columns("query_log", [q("ghost")]))
     w.close()
     assert len(list(tmp_path.rglob("*.parquet"))) == 2
     assert ReplayStore(tmp_path).table()["request_id"].to_pylist() == ["a"]
@@ -213,3 +215,61 @@ def test_every_column_of_a_query_log_shard_holds_its_event_field(tmp_path):
         False,
     )
     assert (row["source_partition"], row["source_offset"]) == (3, 17) and set(row) == set(QUERY_LOG_SCHEMA.names)
+
+
+def test_each_stored_row_is_its_events_values_whichever_parser_made_the_event(tmp_path):
+    """The shard's columns are built column by column (store._columns); row by row they must hold each event's
+    own values: its fields (sampling flattened), its prompt's key and last user message, where it came from."""
+    import msgspec
+
+    from dynrubric.prompt_key import prompt_key
+    from streaming.events import QueryLogEvent, QueryLogRecord, parse_records
+
+    chats = [
+        [
+            {"role": "user", "content": "first"},
+            {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "2nd"},
+        ],
+        [{"role": "system", "content": "only a system prompt"}],
+        [{"role": "user", "content": "x: y"}],
+    ]
+    models = [
+        query_event(
+            f"m{i}", messages=chat, session_id=None if i else "s", pair_id="p" if i == 1 else None, shadow=i == 2
+        )
+        for i, chat in enumerate(chats)
+    ]
+    raws = [e.to_bytes().replace(b'"request_id":"m', b'"request_id":"r') for e in models]
+    records = parse_records(QueryLogEvent, raws, 1 << 20)
+    assert all(isinstance(r, QueryLogRecord) for r in records)  # the batch path's records, not the models
+    feedback = [
+        FeedbackEvent(request_id=f"f{i}", ts=1795000001.0 + i, user_key="u", kind="copy", value=None) for i in range(2)
+    ]
+    events = [*models, *records, *feedback]
+    writer = StoreWriter(tmp_path)
+    writer.commit([Stored(e, i % 3, 100 + i) for i, e in enumerate(events)])  # type: ignore[arg-type]
+    writer.close()
+    store = ReplayStore(tmp_path)
+    rows = {r["request_id"]: r for kind in ("query_log", FEEDBACK) for r in store.table(kind).to_pylist()}
+    assert len(rows) == len(events)
+    for i, event in enumerate(events):
+        values = msgspec.to_builtins(event) if isinstance(event, msgspec.Struct) else event.model_dump()
+        values.pop("schema_version")
+        values.update(values.pop("sampling", {}))
+        if "messages" in values:
+            users = [m["content"] for m in values["messages"] if m["role"] == "user"]
+            values["prompt_key"] = prompt_key((m["role"], m["content"]) for m in values["messages"])
+            values["prompt_text"] = users[-1] if users else ""
+        values.update(source_partition=i % 3, source_offset=100 + i)
+        assert rows[values["request_id"]] == values
+
+
+def test_a_prompts_key_is_the_stores_original_digest():
+    """Replay stores written before keep their keys: blake2b-128 of role US content, the pairs joined by RS."""
+    import hashlib
+
+    from dynrubric.prompt_key import prompt_key
+
+    expected = hashlib.blake2b(b"system\x1fbe brief\x1euser\x1f2+2?", digest_size=16).hexdigest()
+    assert prompt_key([("system", "be brief"), ("user", "2+2?")]) == expected

@@ -18,7 +18,15 @@ import pytest
 from dynrubric.config import IngestConfig
 from dynrubric.errors import DynrubricError
 from streaming.store import ReplayStore, StoreWriter
-from streaming.writer_process import FEEDBACK_KIND, QUERY_LOG_KIND, BatchWriter, RawRecord, WriterPool, WriterProcess
+from streaming.writer_process import (
+    FEEDBACK_KIND,
+    QUERY_LOG_KIND,
+    BatchWriter,
+    RawBatch,
+    RawRecord,
+    WriterPool,
+    WriterProcess,
+)
 from tests.integration.test_streaming_producer import query_event
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,16 +40,20 @@ def test_batch_writer_sorts_a_batch_into_stored_dead_and_filtered(tmp_path):
     writer = BatchWriter(tmp_path, IngestConfig(deny_patterns=["(?i)forbidden"]))
     try:
         written = writer.write(
-            [
-                RawRecord(QUERY_LOG_KIND, 0, 0, raw("a")),
-                RawRecord(QUERY_LOG_KIND, 0, 1, b"{not json"),
-                RawRecord(QUERY_LOG_KIND, 0, 2, raw("b", messages=[{"role": "user", "content": "a Forbidden topic"}])),
-                RawRecord(FEEDBACK_KIND, 1, 7, raw("c")),  # a query log on the feedback topic: the wrong schema
-                RawRecord(QUERY_LOG_KIND, 0, 3, raw("a")),  # a re-send
-                RawRecord(
-                    QUERY_LOG_KIND, 0, 4, raw("d", messages=[{"role": "user", "content": "mail jo@example.org"}])
-                ),
-            ]
+            RawBatch.of(
+                [
+                    RawRecord(QUERY_LOG_KIND, 0, 0, raw("a")),
+                    RawRecord(QUERY_LOG_KIND, 0, 1, b"{not json"),
+                    RawRecord(
+                        QUERY_LOG_KIND, 0, 2, raw("b", messages=[{"role": "user", "content": "a Forbidden topic"}])
+                    ),
+                    RawRecord(FEEDBACK_KIND, 1, 7, raw("c")),  # a query log on the feedback topic: the wrong schema
+                    RawRecord(QUERY_LOG_KIND, 0, 3, raw("a")),  # a re-send
+                    RawRecord(
+                        QUERY_LOG_KIND, 0, 4, raw("d", messages=[{"role": "user", "content": "mail jo@example.org"}])
+                    ),
+                ]
+            )
         )
     finally:
         writer.close()
@@ -65,12 +77,12 @@ def test_a_pool_of_writers_gives_the_batch_the_outcome_one_writer_gives(tmp_path
     cfg = IngestConfig(deny_patterns=["forbidden"])
     pool = WriterPool(tmp_path / "pooled", cfg.model_copy(update={"writers": 3}))
     try:
-        pooled = pool.write(records)
+        pooled = pool.write(RawBatch.of(records))
     finally:
         pool.close()
     single = BatchWriter(tmp_path / "single", cfg)
     try:
-        alone = single.write(records)
+        alone = single.write(RawBatch.of(records))
     finally:
         single.close()
     assert [(i, r) for i, r, _ in pooled.dead] == [(i, r) for i, r, _ in alone.dead] == [(2, "bad_json"), (7, "schema")]
@@ -81,6 +93,14 @@ def test_a_pool_of_writers_gives_the_batch_the_outcome_one_writer_gives(tmp_path
     stored = ReplayStore(tmp_path / "pooled").table()["request_id"].to_pylist()
     assert sorted(stored) == sorted(ReplayStore(tmp_path / "single").table()["request_id"].to_pylist())
     assert len(stored) == len(set(stored)) == 8
+
+    def origins(store: str) -> list[tuple]:  # each row's Kafka origin, as its slice carried it (r0: either slice's)
+        rows = ReplayStore(tmp_path / store).table().to_pylist()
+        return sorted(
+            (r["request_id"], r["source_partition"], r["source_offset"]) for r in rows if r["request_id"] != "r0"
+        )
+
+    assert origins("pooled") == origins("single") and ("r11", 0, 11) in origins("pooled")
 
 
 def test_a_store_held_by_another_writer_is_reported_by_the_parent(tmp_path):
@@ -95,11 +115,11 @@ def test_a_store_held_by_another_writer_is_reported_by_the_parent(tmp_path):
 def test_a_killed_writer_process_is_a_named_error_and_commits_nothing(tmp_path):
     writer = WriterProcess(tmp_path, IngestConfig())
     try:
-        assert writer.write([RawRecord(QUERY_LOG_KIND, 0, 0, raw("a"))]).result.written == {"query_log": 1}
+        assert writer.write(RawBatch.of([RawRecord(QUERY_LOG_KIND, 0, 0, raw("a"))])).result.written == {"query_log": 1}
         os.kill(writer.process.pid, signal.SIGKILL)
         writer.process.join(10)
         with pytest.raises(DynrubricError, match=r"writer process died \(exit code -9\)"):
-            writer.write([RawRecord(QUERY_LOG_KIND, 0, 1, raw("b"))])
+            writer.write(RawBatch.of([RawRecord(QUERY_LOG_KIND, 0, 1, raw("b"))]))
     finally:
         writer.close()
     assert ReplayStore(tmp_path).table()["request_id"].to_pylist() == ["a"]
@@ -113,7 +133,7 @@ def test_a_failing_plugged_in_scrubber_is_a_named_error_and_stores_nothing(tmp_p
     writer = WriterProcess(tmp_path, IngestConfig(pii_scrubber="tests.unit.test_streaming_writer_process:broken_scrub"))
     try:
         with pytest.raises(DynrubricError, match="ingest writer failed: ValueError: scrubber bug"):
-            writer.write([RawRecord(QUERY_LOG_KIND, 0, 0, raw("a"))])
+            writer.write(RawBatch.of([RawRecord(QUERY_LOG_KIND, 0, 0, raw("a"))]))
     finally:
         writer.close()
     assert ReplayStore(tmp_path).table().num_rows == 0
