@@ -104,7 +104,7 @@ def test_the_loop_runtime_leaves_the_loaded_settings_as_they_were():
     ],
 )
 def test_a_renamed_key_is_an_error_naming_its_new_name(tmp_path, old, value, new):
-    """"anchor" named three things (calibration answers, the generator's ranked lists, path resolution); a config
+    """ "anchor" named three things (calibration answers, the generator's ranked lists, path resolution); a config
     written with an old name fails with the new one, in a file and in the environment."""
     data: dict = {}
     *sections, key = old.split(".")
