@@ -4,7 +4,6 @@ development, reports, LoRA or a PostgreSQL registry need; a missing extra is one
 from __future__ import annotations
 
 import ast
-import json
 import os
 import re
 import subprocess
@@ -86,6 +85,8 @@ def test_every_module_scope_import_is_a_core_dependency():
 def test_report_without_matplotlib_is_one_line_naming_the_extra(tmp_path):
     """The shared venv has matplotlib and must keep it, so its absence is simulated: a `matplotlib` on
     PYTHONPATH whose import fails the way a missing package's does."""
+    from tests.run_records import policy_step, round_summary, write_runlog
+
     fake = tmp_path / "without" / "matplotlib"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text(
@@ -93,7 +94,7 @@ def test_report_without_matplotlib_is_one_line_naming_the_extra(tmp_path):
     )
     run_dir = tmp_path / "state" / "train"
     run_dir.mkdir(parents=True)
-    (run_dir / "runlog.jsonl").write_text(json.dumps({"kind": "step", "step": 0, "reward_mean": 0.5}) + "\n")
+    write_runlog(run_dir / "runlog.jsonl", [round_summary(1, [policy_step(0)])])  # a log the report can read
     env = {k: v for k, v in os.environ.items() if not k.startswith("DYNRUBRIC_")}
     env.update(
         PYTHONPATH=os.pathsep.join([str(fake.parent), str(ROOT)]),
