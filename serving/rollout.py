@@ -422,9 +422,8 @@ class Controller:
         self.m_step.set(step)
         self.m_step_started.set(at)
 
-    def gate(self, r: Rollout, router_state: dict[str, Any] | None = None) -> GateResult:
+    def gate(self, r: Rollout) -> GateResult:
         """Evaluate the gate on everything logged so far (thread-safe: the HTTP endpoint calls it too)."""
-        counters = (router_state or self.router.state())["counters"].get(r.id, {})
         with self._online_lock:  # one Kafka consumer, two callers
             self.online.track(r.id, r.step, r.step_started_at)
             self.online.poll()
@@ -434,6 +433,11 @@ class Controller:
                 self.online.add_judged(self.judge.score(pairs))
                 if pairs:
                     self._judge_s_per_pair = (time.monotonic() - started) / len(pairs)
+            # the router's counters read after the log: the router settles a request before it logs the answer,
+            # so every request the log shows is in them. Read before the poll (and the judge's seconds), they
+            # missed a failing canary's errors while the log already held its fallback answers: step 0 passed
+            # on an error rate of 0 over 0 settled requests with its minimum of requests met
+            counters = self.router.state()["counters"].get(r.id, {})
             arms = {
                 v: self.online.arm_stats(
                     v,
@@ -469,7 +473,7 @@ class Controller:
                 status="rolling_back",
                 reason=f"no canary engine answers at step {r.step} (down: {', '.join(down)})",
             )
-        result = self.gate(r, router_state)
+        result = self.gate(r)
         self.m_verdicts.labels(result.verdict.value).inc()
         self.log(f"{r.id} step {r.step} ({r.steps[r.step]:.0%}): {result.verdict.value}: {result.reason}")
         gate = result.model_dump(mode="json")

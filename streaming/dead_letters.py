@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from streaming.kafka import connection_kwargs, consumer_kwargs
 
 log = logging.getLogger(__name__)
 Source = tuple[str, int, int]  # (topic, partition, offset) of the record a letter is about
+SCAN_TIMEOUT_S = 60.0  # the longest the tail scan of the dead-letter topic may take before ingest goes on
 
 
 def scan_window(cfg: IngestConfig) -> int:
@@ -113,11 +115,11 @@ class DeadLetterSender:
             # scan ends at the high watermarks the fetches report
             for tp, end in consumer.end_offsets(tps).items():
                 consumer.seek(tp, max(0, end - window))
-            idle = 0
-            while idle < 2:
-                polled = consumer.poll(timeout_ms=300)
-                idle = 0 if polled else idle + 1
-                for records in polled.values():
+            # the end is the high watermark each fetch response reports (empty ones too): an empty poll on a
+            # loaded machine is not the end, and stopping early would send a redelivered batch's letters twice
+            deadline = time.monotonic() + SCAN_TIMEOUT_S
+            while True:
+                for records in consumer.poll(timeout_ms=300).values():
                     for r in records:
                         h = dict(r.headers or ())
                         topic = h.get("dlq.source.topic", b"").decode("utf-8", "replace")
@@ -126,6 +128,14 @@ class DeadLetterSender:
                 high = [consumer.highwater(tp) for tp in tps]
                 if None not in high and all(consumer.position(tp) >= h for tp, h in zip(tps, high, strict=True)):
                     break  # read up to the end of every partition
+                if time.monotonic() > deadline:
+                    log.warning(
+                        "%s: the scan for sent dead letters did not reach the end in %.0f s; a letter of a "
+                        "redelivered batch may be sent twice",
+                        self.topic,
+                        SCAN_TIMEOUT_S,
+                    )
+                    break
         finally:
             consumer.close(autocommit=False)
             with self._lock:

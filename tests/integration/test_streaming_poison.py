@@ -11,6 +11,7 @@ import hashlib
 import json
 import threading
 import time
+from collections import Counter
 
 from kafka import KafkaProducer
 from prometheus_client import CollectorRegistry
@@ -188,7 +189,9 @@ def test_poison_of_every_class_is_dead_lettered_once_and_ingest_keeps_running(ka
 
     got = sorted((dl.source_topic, dl.reason, source(dl) or b"") for dl in letters)
     want = sorted((topic_of[t], reason, value or b"") for t, reason, value in bad)
-    assert got == want, "exactly the M poison, each with its reason"
+    missing, extra = Counter(want) - Counter(got), Counter(got) - Counter(want)
+    shown = {"missing": [(t, r, v[:80]) for t, r, v in missing], "extra": [(t, r, v[:80]) for t, r, v in extra]}
+    assert got == want, f"exactly the M poison, each with its reason: {shown}"
     assert len({(dl.source_topic, dl.source_partition, dl.source_offset) for dl in letters}) == len(bad)
     for dl in letters:
         original = source(dl)

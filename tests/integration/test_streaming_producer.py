@@ -33,8 +33,9 @@ def query_event(request_id: str, **over) -> QueryLogEvent:
 
 
 def read_all(bootstrap: str, topic: str, timeout_s: float = 60.0) -> list:
-    """Every record in `topic` up to its end offsets at call time: reads until each partition's position
-    reaches its end (an empty poll on a loaded machine is not the end), or fails after `timeout_s`."""
+    """Every record in `topic` up to its end at call time: reads until each partition's position reaches both
+    its end offset and the high watermark the fetches report (Tansu's end_offsets can under-report, and an
+    empty poll on a loaded machine is not the end), or fails after `timeout_s`."""
     consumer = KafkaConsumer(
         bootstrap_servers=bootstrap,
         auto_offset_reset="earliest",
@@ -47,7 +48,12 @@ def read_all(bootstrap: str, topic: str, timeout_s: float = 60.0) -> list:
     end = consumer.end_offsets(tps)
     out = []
     deadline = time.monotonic() + timeout_s
-    while any(consumer.position(tp) < end[tp] for tp in tps):
+
+    def at_end(tp) -> bool:
+        high = consumer.highwater(tp)
+        return high is not None and consumer.position(tp) >= max(end[tp], high)
+
+    while not all(at_end(tp) for tp in tps):
         assert time.monotonic() < deadline, f"{topic}: read {len(out)} records, end offsets {end}"
         for records in consumer.poll(300).values():
             out.extend(records)
