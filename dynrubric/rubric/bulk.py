@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from dynrubric import atomic
 from dynrubric.config import Settings
 from dynrubric.rubric.evaluator import Evaluator, ScoredSet
-from dynrubric.seeds import derive_seed
+from dynrubric.seeds import set_seed
 
 SCORED_SCHEMA = pa.schema(
     [
@@ -44,11 +44,6 @@ SCORED_SCHEMA = pa.schema(
         ("hard_verdict_fallbacks", pa.int64()),
     ]
 )
-
-
-def set_seed(base: int, prompt: str, responses: Sequence[str]) -> int:
-    """A seed block for one set from its content: the seed named by the set under `rubric.seed` (dynrubric/seeds.py)."""
-    return derive_seed(base, "set", json.dumps([prompt, list(responses)], ensure_ascii=False))
 
 
 def scored_row(prompt_key: str | None, s: ScoredSet) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from dynrubric.rubric.generate import GenerationCounts, RubricGenerator, RubricS
 from dynrubric.rubric.items import NON_RANKING_ORIGINS, Rubric
 from dynrubric.rubric.score import aggregate, item_weights
 from dynrubric.rubric.verify import Verifier
-from dynrubric.seeds import derive_seed
+from dynrubric.seeds import judge_call_seed
 
 #: items a model or a vote wrote: calibration answers can overrule them
 OVERRULABLE = frozenset({"generator", "consensus"})
@@ -208,7 +208,7 @@ class Evaluator:
         if any(len(c) == 0 for c in candidate_sets):
             raise ValueError("every candidate set needs at least one response")
         if seed is None:  # a new seed block per call (dynrubric/seeds.py): retries within it add 1, 2, ...
-            seed = derive_seed(self.config.seed, "evaluator-call", self._calls)
+            seed = judge_call_seed(self.config.seed, self._calls)
             self._calls += 1
         generated, counts = self.rubric_generator.generate_many(prompts, candidate_sets, seed)
         self._record_generation(counts)

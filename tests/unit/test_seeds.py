@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import get_args
 
 from dynrubric.config import RubricConfig
-from dynrubric.seeds import SEED_BLOCK, RoundPurpose, derive_seed, round_seed
+from dynrubric.seeds import SEED_BLOCK, RoundPurpose, derive_seed, judge_call_seed, round_seed, set_seed
 
 
 def overlapping_blocks(seeds: dict[str, int]) -> list[tuple[str, str]]:
@@ -31,7 +31,7 @@ def test_no_two_draws_of_a_run_share_a_seed_block():
         for s in range(40)
         for i in range(8 if purpose == "judging" else 1)
     }
-    seeds |= {f"evaluator call {n}": derive_seed(root, "evaluator-call", n) for n in range(500)}
+    seeds |= {f"evaluator call {n}": judge_call_seed(root, n) for n in range(500)}
     seeds |= {f"real sets {i}": derive_seed(root, "real-sets", i) for i in range(0, 400, 8)}
     assert len(seeds) == 3 * (4 * 40 + 40 * 8) + 500 + 50
     assert overlapping_blocks(seeds) == []
@@ -48,3 +48,11 @@ def test_a_seed_is_a_function_of_its_name():
     assert round_seed(7, 2, "judging", 3, 1) == round_seed(7, 2, "judging", 3, 1)
     assert round_seed(7, 2, "judging", 3, 1) != round_seed(8, 2, "judging", 3, 1)
     assert 0 <= derive_seed(7, "x") < 2**62 - SEED_BLOCK
+
+
+def test_the_judges_seeds_are_those_its_benchmark_numbers_were_measured_with():
+    """eval-judge and `score` draw their rubrics from these blocks: a change here changes every judge number in
+    docs/benchmarks.md. The values are those of the code the numbers were measured on."""
+    assert [judge_call_seed(0, n) for n in range(3)] == [0, SEED_BLOCK, 2 * SEED_BLOCK]
+    assert judge_call_seed(17, 4) == 17 + 4 * SEED_BLOCK
+    assert set_seed(17, "What is 2+2?", ["4", "five"]) == 1266210569
