@@ -1,4 +1,4 @@
-"""The calibration anchors' trust rule, side by side: one `eval-judge` run re-weighed under each rule.
+"""The calibration answers' trust rule, side by side: one `eval-judge` run re-weighed under each rule.
 
 `eval_judge.json` keeps every set's rubric and the verifier's raw P(yes) for its candidates and anchors, and
 the rule (`rubric.trust_rule`) only decides which items weigh, so weighing the stored verdicts again
@@ -30,6 +30,13 @@ from dynrubric.rubric.items import Rubric  # noqa: E402
 RULES: tuple[Literal["every", "best"], ...] = ("every", "best")
 
 
+def calibration_verdicts(scored_set: dict[str, Any]) -> list[list[float]]:
+    """M x A verifier P(yes) of the calibration answers; files written before the rename call them anchors."""
+    if "calibration_raw_verdicts" in scored_set:
+        return scored_set["calibration_raw_verdicts"]
+    return scored_set["anchor_raw_verdicts"]
+
+
 def accuracies(sets: list[dict[str, Any]], config: RubricConfig) -> dict[str, tuple[float, float, int, int]]:
     """Per kind (and "all"): (pairwise accuracy, as trained, untrusted sets, sets) of the ordered sets."""
     raw_acc: dict[str, list[float]] = defaultdict(list)
@@ -40,7 +47,7 @@ def accuracies(sets: list[dict[str, Any]], config: RubricConfig) -> dict[str, tu
             continue
         rubric = Rubric.model_validate({"items": s["rubric"]})
         judged = list(s["responses"]) + known_bad_answers(s["prompt"])
-        raw = [list(c) + list(a) for c, a in zip(s["raw_verdicts"], s["anchor_raw_verdicts"], strict=True)]
+        raw = [list(c) + list(a) for c, a in zip(s["raw_verdicts"], calibration_verdicts(s), strict=True)]
         judgement = weigh(rubric, judged, raw, len(s["responses"]), config)
         accuracy = pairwise_accuracy(judgement.scores, s["order"], config.eps)
         for kind in (s["kind"], "all"):

@@ -58,8 +58,8 @@ class ScoredSet:
     generator_raw: str
     verify_seconds: float = 0.0
     raw_verdicts: list[list[float]] | None = None  # M x K verifier P(yes) before checks and calibration
-    anchor_scores: list[float] | None = None  # the calibration answers' scores under the same rubric
-    anchor_raw_verdicts: list[list[float]] | None = None  # M x A verifier P(yes) of the calibration answers
+    calibration_scores: list[float] | None = None  # the calibration answers' scores under the same rubric
+    calibration_raw_verdicts: list[list[float]] | None = None  # M x A verifier P(yes) of the calibration answers
     trusted: bool = True  # False: calibration answers overruled every item but the echo item: no signal left
     overruled_items: int = 0  # items a calibration answer overruled (weight 0 in the scores)
 
@@ -76,8 +76,8 @@ class ScoredSet:
             "generator_raw": self.generator_raw,
             "verify_seconds": self.verify_seconds,
             "raw_verdicts": self.raw_verdicts,
-            "anchor_scores": self.anchor_scores,
-            "anchor_raw_verdicts": self.anchor_raw_verdicts,
+            "calibration_scores": self.calibration_scores,
+            "calibration_raw_verdicts": self.calibration_raw_verdicts,
             "trusted": self.trusted,
             "overruled_items": self.overruled_items,
         }
@@ -89,9 +89,9 @@ class Judgement:
 
     verdicts: list[list[float]]  # M x K, as ScoredSet.verdicts
     raw_verdicts: list[list[float]]  # M x K verifier P(yes); 0.5 where the verifier was not asked
-    anchor_raw_verdicts: list[list[float]]  # M x A, the same for the calibration answers
+    calibration_raw_verdicts: list[list[float]]  # M x A, the same for the calibration answers
     scores: list[float]
-    anchor_scores: list[float]
+    calibration_scores: list[float]
     overruled: list[bool]  # M: items a calibration answer overruled (weight 0 in the scores)
     trusted: bool  # False when calibration answers overruled every item but the echo item (no signal left)
     hard_verdict_fallbacks: int
@@ -229,8 +229,8 @@ class Evaluator:
                 generator_raw=gen.raw,
                 verify_seconds=elapsed,
                 raw_verdicts=judged.raw_verdicts,
-                anchor_scores=judged.anchor_scores,
-                anchor_raw_verdicts=judged.anchor_raw_verdicts,
+                calibration_scores=judged.calibration_scores,
+                calibration_raw_verdicts=judged.calibration_raw_verdicts,
                 trusted=judged.trusted,
                 overruled_items=sum(judged.overruled),
             )
@@ -288,13 +288,13 @@ def weigh(
         [x if item.polarity == 1 else 1.0 - x for x in z] for item, z in zip(rubric.items, oriented, strict=True)
     ]
     all_scores = aggregate(effective, rubric, weights)
-    scores, anchor_scores = all_scores[:k], all_scores[k:]
+    scores, calibration_scores = all_scores[:k], all_scores[k:]
     return Judgement(
         verdicts=[row[:k] for row in effective],
         raw_verdicts=[list(row[:k]) for row in raw],
-        anchor_raw_verdicts=[list(row[k:]) for row in raw],
+        calibration_raw_verdicts=[list(row[k:]) for row in raw],
         scores=scores,
-        anchor_scores=anchor_scores,
+        calibration_scores=calibration_scores,
         overruled=overruled,
         # the echo and floor items alone rank nothing but echoes and empty answers: a set is trusted while
         # another item weighs

@@ -46,10 +46,10 @@ class Record(Part):
 
 # ==================================================================== steps
 class SetScores(Part):
-    """One scored candidate set of a policy step: candidates' and calibration anchors' scores under its rubric."""
+    """One scored candidate set of a policy step: candidates' and calibration answers' scores under its rubric."""
 
     scores: list[float]
-    anchor_scores: list[float] | None
+    calibration_scores: list[float] | None
     trusted: bool
     overruled_items: int
 

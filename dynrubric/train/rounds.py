@@ -623,7 +623,7 @@ class _Round:
         groups = []
         for text, cs, sc in zip(texts, outs, scored, strict=True):
             prompt_ids = tuple(tok.encode(text, add_special_tokens=False))
-            # an untrusted set (a known-bad anchor outranks a candidate) teaches nothing: zero advantage
+            # an untrusted set (a calibration answer outranks a candidate) teaches nothing: zero advantage
             untrusted = None if sc.trusted else tuple(0.0 for _ in cs)
             groups.append(
                 CandidateSet(
@@ -649,11 +649,11 @@ class _Round:
             tie_rate=sum(s.gaps.tie_rate for s in scored) / n,
             nonsplit_share=sum(s.gaps.nonsplit_share for s in scored) / n,
             untrusted_sets=sum(not s.trusted for s in scored),
-            # per set, so that the trust rule can be checked from the run log: candidates' and anchors' scores
+            # per set, the scores of candidates and calibration answers: the trust rule can be checked from the run log
             set_scores=[
                 SetScores(
                     scores=s.scores,
-                    anchor_scores=s.anchor_scores,
+                    calibration_scores=s.calibration_scores,
                     trusted=s.trusted,
                     overruled_items=s.overruled_items,
                 )
@@ -690,7 +690,7 @@ class _Round:
         groups, gstats = generator_groups(
             models.generator_engine,
             evaluator.rubric_generator.set_prompt,
-            # the verdicts the evaluator scores with: checks run, verifier de-biased by the anchors
+            # the verdicts the evaluator scores with: checks run, verifier de-biased by the calibration answers
             lambda q, rs, rubric: evaluator.judge(q, rubric, rs).verdicts,
             evaluator.apply_rubric,
             list(zip(prompts, responses, strict=True)),
@@ -954,7 +954,7 @@ class RoundModels:
             self.generator_engine = executor.engine("generator", writer_dir)
         verifier_dir = modelcache.resolve(settings.paths.resolved_home(), settings.models.verifier)
         self.verifier_engine = executor.engine("verifier", verifier_dir)
-        # the generator step's judge (its verdicts, the anchors' scores); the step's sets go to the judges
+        # the generator step's judge (its verdicts, the calibration answers' scores); the step's sets go to the judges
         self.evaluator = Evaluator(self.generator_engine, self.verifier_engine, settings.rubric, metrics=None)
         self.judges = executor.judges(
             self.generator_engine,

@@ -3,7 +3,7 @@
 Real, all of it: the router (shadowing every answered request to the other arm, after the user's
 answer), two transformers engine servers (stable on SmolLM2-135M, canary on a copy whose matrices
 drown in noise), the broker, `OnlineMetrics` pairing the served and shadow responses, `PairJudge`,
-and the judge itself: `Evaluator.score_sets` on SmolLM2-135M with the calibration anchors and the
+and the judge itself: `Evaluator.score_sets` on SmolLM2-135M with the calibration answers and the
 items the evaluator derives from the question (rubric/derived.py: "What is 7 + 5?" gives a
 final-number item worth 5, decided by a deterministic check), then the controller and the gate.
 

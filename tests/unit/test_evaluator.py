@@ -190,7 +190,7 @@ def test_hard_verdicts_when_logprobs_are_missing_are_counted(engine):
     ev = Evaluator(engine, spy, cfg, EvaluatorMetrics(registry))
     [scored] = ev.score_sets([QUESTION], [RESPONSES[:2]])
     asked = sum(i.check is None for i in scored.rubric.items)  # checked items never reach the verifier
-    judged = 2 + 3  # the two candidates and the three calibration anchors
+    judged = 2 + 3  # the two candidates and the three calibration answers
     assert scored.hard_verdict_fallbacks == asked * judged
     assert all(v in (0.0, 0.5, 1.0) for row in scored.raw_verdicts for v in row)
     assert _metric(registry, "dynrubric_rubric_fallbacks_total", {"kind": "hard_verdict"}) == asked * judged
@@ -220,9 +220,9 @@ class YesToAll(Spy):
         return [{c: (0.0 if c.strip().lower() == "yes" else -9.0) for c in candidates} for _ in prompts]
 
 
-def test_anchors_debias_verdicts_and_overrule_the_generated_items_they_outrank(engine):
-    """A Yes-to-everything verifier is de-biased to zero by the anchors; a generated check the echoed question
-    meets while a real candidate misses it is overruled (weight 0), and a set left with nothing else to
+def test_calibration_answers_debias_verdicts_and_overrule_the_generated_items_they_outrank(engine):
+    """A Yes-to-everything verifier is de-biased to zero by the calibration answers; a generated check the echoed
+    question meets while a real candidate misses it is overruled (weight 0), and a set left with nothing else to
     rank by is untrusted."""
     rubric = Rubric(
         items=[
@@ -244,7 +244,7 @@ def test_anchors_debias_verdicts_and_overrule_the_generated_items_they_outrank(e
     assert not ev.judge(QUESTION, only_b, ["It is 42.", "Well, 42."]).trusted  # nothing left to rank by
 
 
-def test_an_echo_anchor_never_overrules_the_prompts_own_constraint(engine):
+def test_the_echoed_question_never_overrules_the_prompts_own_constraint(engine):
     """Issue 24, point 1: "Include the word X": the echoed question contains X, yet candidates without X still
     rank below candidates with X and the set trains (non-zero advantages). Before, the echo's lead on the
     derived item made the whole set untrusted (zero advantage)."""
@@ -268,7 +268,7 @@ def test_an_echo_anchor_never_overrules_the_prompts_own_constraint(engine):
     with_x = [s for r, s in zip(responses, judged.scores, strict=True) if "blue" in r]
     without_x = [s for r, s in zip(responses, judged.scores, strict=True) if "blue" not in r]
     assert min(with_x) > max(without_x)
-    assert run_check(rubric.items[0].check, question) == 1.0  # the echo anchor does meet the constraint ...
+    assert run_check(rubric.items[0].check, question) == 1.0  # the echoed question does meet the constraint ...
     advantages = group_advantages(judged.scores, 1e-6, cfg.eps)  # ... and the set still trains
     assert advantages is not None and all(
         a > 0 if "blue" in r else a < 0 for r, a in zip(responses, advantages, strict=True)
@@ -282,9 +282,9 @@ def test_an_echo_anchor_never_overrules_the_prompts_own_constraint(engine):
 
 def test_the_floor_item_ranks_an_empty_answer_below_every_attempt_under_the_default_rule(engine):
     """The ordered benchmark's sets hold an empty and an off-topic answer beside the real attempts. An item
-    that any text meets is met by the off-topic anchor better than by the empty candidate, so `every` (the
+    that any text meets is met by the off-topic answer better than by the empty candidate, so `every` (the
     default) overrules it, and the wrong, off-topic and empty answers tied at 0 (arithmetic ranks 3-6 tied in
-    22 of 22 sets). The derived floor item ("says something") is a check no anchor overrules: the empty
+    22 of 22 sets). The derived floor item ("says something") is a check no calibration answer overrules: the empty
     answer ranks last, and a set without one is unchanged by it."""
     from dynrubric.rubric.derived import floor_item
 
@@ -300,7 +300,9 @@ def test_the_floor_item_ranks_an_empty_answer_below_every_attempt_under_the_defa
     responses = ["6 x 7 = 42. It is 42.", "6 x 7 = 43. It is 43.", "Tomatoes like the sun.", ""]
     ev = Evaluator(engine, engine, RubricConfig())
     judged = ev.judge(QUESTION, Rubric(items=[*generated, floor_item()]), responses)
-    assert judged.overruled == [False, True, False, False] and judged.trusted  # b: the anchor beats the empty one
+    assert (
+        judged.overruled == [False, True, False, False] and judged.trusted
+    )  # b: a known-bad answer beats the empty one
     s = judged.scores
     assert s[0] > s[1] > s[2] > s[3] == 0.0, s
     without = ev.judge(QUESTION, Rubric(items=generated), responses).scores
@@ -327,7 +329,7 @@ def test_stored_verdicts_weighed_again_give_the_judges_scores(engine):
     for rule in ("every", "best"):
         cfg = RubricConfig(trust_rule=rule)
         judged = Evaluator(engine, engine, cfg).judge(QUESTION, rubric, responses)
-        raw = [c + a for c, a in zip(judged.raw_verdicts, judged.anchor_raw_verdicts, strict=True)]
+        raw = [c + a for c, a in zip(judged.raw_verdicts, judged.calibration_raw_verdicts, strict=True)]
         again = weigh(rubric, responses + known_bad_answers(QUESTION), raw, len(responses), cfg)
         assert again == dataclasses.replace(judged, hard_verdict_fallbacks=0)
 

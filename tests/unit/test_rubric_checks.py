@@ -1,4 +1,4 @@
-"""Checkable items, items derived from the prompt and the set, calibration anchors, and the judge
+"""Checkable items, items derived from the prompt and the set, calibration answers, and the judge
 benchmark's metrics and command."""
 
 from __future__ import annotations
@@ -215,10 +215,10 @@ def test_consensus_needs_a_clear_plurality():
     assert consensus_items(["no numbers", "at all"]) == []
 
 
-def test_calibration_against_the_anchor_mean_and_the_trust_rule():
-    # 3 real candidates, then 2 anchors with mean 0.4
+def test_calibration_against_the_calibration_answers_mean_and_the_trust_rule():
+    # 3 real candidates, then 2 calibration answers with mean 0.4
     assert calibrate_row([0.7, 0.4, 0.1, 0.3, 0.5], 3) == pytest.approx([0.5, 0.0, 0.0, 0.0, 1 / 6])
-    assert calibrate_row([0.9, 1.0, 1.0], 1) == [0.0, 0.0, 0.0]  # anchors at 1: the item says nothing
+    assert calibrate_row([0.9, 1.0, 1.0], 1) == [0.0, 0.0, 0.0]  # calibration answers at 1: the item says nothing
     assert calibration_outranks([0.5, 0.3], [0.31], eps=0.02) is False  # within the tie threshold
     assert calibration_outranks([0.5, 0.3], [0.45], eps=0.02) is True  # above a weak candidate: untrusted by default
     assert calibration_outranks([0.5, 0.3], [0.45], eps=0.02, rule="best") is False  # the best answer still wins
