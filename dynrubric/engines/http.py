@@ -21,6 +21,7 @@ from typing import Any, Literal
 import httpx
 from pydantic import SecretStr
 
+from dynrubric.config import EngineConfig
 from dynrubric.engines.base import Completion, Engine, GenerationRequest
 from dynrubric.errors import DynrubricError
 
@@ -41,7 +42,7 @@ class OpenAIHTTPEngine(Engine):
         model_dir: Path,
         *,
         api_key: SecretStr | None = None,
-        timeout_s: float = 600.0,
+        timeout_s: float = EngineConfig.model_fields["timeout_s"].default,  # one default: the schema's
         top_logprobs: int = 20,
         exact_missing: bool = False,
         concurrency: int = 16,
