@@ -386,7 +386,7 @@ class IngestConfig(Section):
     )
     batch_max_wait_ms: int = Field(default=1000, ge=1, description="a batch closes after this long")
     max_pending_batches: int = Field(
-        default=2, ge=1, description="batches waiting for the writer before partitions are paused"
+        default=2, ge=1, description="batches waiting for the writer before the consumer stops polling"
     )
     dedupe_capacity: int = Field(default=5_000_000, ge=1, description="request ids remembered (oldest forgotten)")
     store_lock_wait_s: float = Field(

@@ -54,12 +54,6 @@ class Consumer(abc.ABC):
     def assignment(self) -> list[Partition]: ...
 
     @abc.abstractmethod
-    def pause(self, partitions: Sequence[Partition]) -> None: ...
-
-    @abc.abstractmethod
-    def resume(self, partitions: Sequence[Partition]) -> None: ...
-
-    @abc.abstractmethod
     def commit(self, offsets: dict[Partition, int]) -> None:
         """Commit the next offsets to consume, synchronously; raises when the broker refused them."""
 
@@ -118,16 +112,6 @@ class KafkaPythonConsumer(Consumer):
 
     def assignment(self) -> list[Partition]:
         return [(tp.topic, tp.partition) for tp in self._consumer.assignment()]
-
-    def pause(self, partitions: Sequence[Partition]) -> None:
-        from kafka import TopicPartition
-
-        self._consumer.pause(*(TopicPartition(t, p) for t, p in partitions))
-
-    def resume(self, partitions: Sequence[Partition]) -> None:
-        from kafka import TopicPartition
-
-        self._consumer.resume(*(TopicPartition(t, p) for t, p in partitions))
 
     def commit(self, offsets: dict[Partition, int]) -> None:
         from kafka import TopicPartition
@@ -224,12 +208,6 @@ class ConfluentConsumer(Consumer):
 
     def assignment(self) -> list[Partition]:
         return [(tp.topic, tp.partition) for tp in self._consumer.assignment()]
-
-    def pause(self, partitions: Sequence[Partition]) -> None:
-        self._consumer.pause([self._tp(t, p) for t, p in partitions])
-
-    def resume(self, partitions: Sequence[Partition]) -> None:
-        self._consumer.resume([self._tp(t, p) for t, p in partitions])
 
     def commit(self, offsets: dict[Partition, int]) -> None:
         self._consumer.commit(offsets=[self._tp(t, p, off) for (t, p), off in offsets.items()], asynchronous=False)

@@ -8,8 +8,8 @@ raw records into batches; a hand-off thread passes each batch to the writer proc
 why that is exactly-once) and sends the malformed records it names to the dead-letter topic
 (`streaming/dead_letters.py`: cut to a sendable size, never twice for one source record).
 Offsets of a batch are committed only after its shards are durable and its dead letters
-acknowledged. When the writer falls behind by `ingest.max_pending_batches`, the consumer pauses its
-partitions until it catches up.
+acknowledged. When the writer falls behind by `ingest.max_pending_batches`, the consumer stops polling
+until it catches up.
 
 No record stops ingest: each consumed record ends in exactly one of stored, duplicate, filtered or
 dead-lettered (with a reason), `consumed == stored + duplicates + filtered + dead_lettered`. Every
@@ -77,7 +77,7 @@ class IngestMetrics:
         )
         self.pauses = Counter(
             "dynrubric_ingest_backpressure_pauses_total",
-            "times the consumer paused because the writer lagged",
+            "times the consumer stopped polling because the writer lagged",
             registry=registry,
         )
         self.unaccounted = Counter(
@@ -254,17 +254,17 @@ class Ingestor:
         self._batch = None
 
     def _apply_backpressure(self) -> bool:
-        """Pause all partitions while the writer lags; True while paused."""
+        """True while the writer lags by more than `ingest.max_pending_batches`: the loop stops polling.
+
+        Not polling is the pause. The client's own prefetch buffer bounds what is read meanwhile
+        (kafka-python: one fetch response per broker; librdkafka: `queued.max.messages.kbytes`). Pausing
+        the partitions instead made librdkafka drop its prefetched records and fetch them again on resume,
+        which cost more than the writer's work did (docs/benchmarks.md)."""
         lagging = self._in_flight > self.cfg.max_pending_batches
-        assignment = self.consumer.assignment()
-        if lagging and not self._paused and assignment:
-            self.consumer.pause(assignment)
-            self._paused = True
+        if lagging and not self._paused:
             self.metrics.pauses.inc()
-        elif not lagging and self._paused:
-            self.consumer.resume(assignment)
-            self._paused = False
-        return self._paused
+        self._paused = lagging
+        return lagging
 
     def _finish_done(self, block: bool) -> None:
         """Commit the offsets of every batch the writer has made durable (in order)."""

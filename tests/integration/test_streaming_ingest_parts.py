@@ -123,7 +123,7 @@ def slow_scrub(text: str) -> str:
 
 
 @pytest.mark.parametrize("client", ["kafka-python", "confluent"])
-def test_slow_writer_pauses_the_consumer_and_loses_nothing(kafka_broker, tmp_path, client):
+def test_slow_writer_stops_the_consumer_and_loses_nothing(kafka_broker, tmp_path, client):
     # The scrubber runs in the writer process, so a slow one is a real slow writer (no fake needed):
     # 10 records x 3 texts x 5 ms = 150 ms per batch.
     kafka = isolated(kafka_broker)
