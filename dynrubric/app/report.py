@@ -12,6 +12,7 @@ share of tokens whose importance weight was truncated).
 from __future__ import annotations
 
 import json
+import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,12 +247,12 @@ def draw_judged(plot, table, judged: Sequence[JudgedRollout]) -> None:
     table.text(
         0.0,
         1.0,
-        "\n".join(j.line() for j in judged),
+        # matplotlib's wrap=True wraps at the figure's edge, not the panel's: wrap to the panel's width by hand
+        "\n".join(textwrap.fill(j.line(), width=80, subsequent_indent="    ") for j in judged),
         ha="left",
         va="top",
         transform=table.transAxes,
         fontsize=8,
-        wrap=True,
     )
 
 
@@ -521,7 +522,11 @@ def draw(log: RunLog, thresholds: Thresholds, judged: Sequence[JudgedRollout] = 
             ax.set_xlim(-0.5, len(log.steps) - 0.5)
     if ids:
         axes[3][1].set_xticks(ids)  # one tick per round (the locator has no integer to show for a single round)
+    generator_xs = _series(log.generator_steps, "reward_mean")[0]
+    if generator_xs:  # likewise one tick per generator step, with room around the ends
+        axes[3][0].set_xticks(sorted(set(generator_xs)))
+        axes[3][0].set_xlim(min(generator_xs) - 0.5, max(generator_xs) + 0.5)
     draw_stage_times(times, log.rounds)
     draw_judged(axes[5][0], axes[5][1], judged)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.985))  # the top 1.5 % of the figure is the run's title (suptitle)
     return fig

@@ -223,8 +223,9 @@ def test_the_judged_online_check_is_in_the_report(tmp_path):
     [[(_, low), (_, high)]] = bars["judged check: fail"].lines[2][0].get_segments()
     assert (low, high) == pytest.approx((max(failed.lower, 0.0), failed.upper))  # clipped to 0..1
     [table] = p["rollout decisions and the judged check"].texts
-    assert "(r1): rolled_back; judged fail: canary win rate 0.10 over 60 pairs" in table.get_text()
-    assert "(r2): promoted; judged pass: canary win rate 0.55 over 40 pairs" in table.get_text()
+    text = " ".join(table.get_text().split())  # the lines are wrapped to the panel's width
+    assert "(r1): rolled_back; judged fail: canary win rate 0.10 over 60 pairs" in text
+    assert "(r2): promoted; judged pass: canary win rate 0.55 over 40 pairs" in text
     plt.close(fig)
 
     empty = panels(draw(write_log(tmp_path / "other.jsonl", steps=2), THRESHOLDS))
@@ -337,3 +338,22 @@ def test_the_sampler_trainer_mismatch_is_drawn_per_policy_step(tmp_path):
     note = empty["sampler vs trainer: log-prob mismatch per policy step"].texts[0].get_text()
     assert "no policy step carried the sampling engine's log-probs" in note
     plt.close("all")
+
+
+def test_titles_ticks_and_the_rollout_lines_are_legible(tmp_path):
+    from dynrubric.app.report import judged_rollouts
+
+    judged = judged_rollouts(r.to_json() for r in judged_store(tmp_path / "registry.sqlite").list())
+    fig = draw(write_log(tmp_path / "runlog.jsonl", steps=3), THRESHOLDS, judged)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    suptitle = fig._suptitle.get_window_extent(renderer)
+    for ax in fig.axes:
+        title = ax.title.get_window_extent(renderer)
+        assert not suptitle.overlaps(title), f"the run's title covers the panel title {ax.get_title()!r}"
+    generator = panels(fig)["co-evolution: generator reward and the judge's agreement with users"]
+    assert [t.get_text() for t in generator.get_xticklabels()] == ["0"], "one integer tick for one generator step"
+    [table] = panels(fig)["rollout decisions and the judged check"].texts
+    lines = table.get_window_extent(renderer)
+    assert lines.x1 <= fig.bbox.x1, f"the rollout lines run {lines.x1 - fig.bbox.x1:.0f} px past the figure's edge"
+    plt.close(fig)
