@@ -806,6 +806,12 @@ class LoopConfig(Section):
     metrics_port: int = Field(default=8220, ge=0, le=65535, description="the main job's /metrics (restarts); 0 = off")
     health_interval_s: float = Field(default=2.0, gt=0, description="how often children are checked")
     max_restarts: int = Field(default=5, ge=0, description="restarts of one child before the main job gives up")
+    max_failed_rounds: int = Field(
+        default=2,
+        ge=1,
+        description="rounds in a row whose trainer fails before the main job stops; a failed round is the cycle's "
+        "decision ('round failed'), the fleet keeps serving, and the next cycle resumes it from its last finished step",
+    )
     drill_cycle: int | None = Field(
         default=None,
         ge=1,

@@ -9,7 +9,9 @@ Components (one machine, embedded defaults):
     router       in this process (a uvicorn thread): A/B split, logs every request and feedback to Kafka
     users        simulated users (serving/users.py) in a thread: requests and feedback through the router
     trainer      `dynrubric train round`, a supervised job per cycle (restarted when killed by a signal:
-                 the round resumes from its last published step)
+                 the round resumes from its last published step). A round that still fails is the cycle's
+                 decision, `round failed`: the fleet keeps serving and the next cycle resumes the round;
+                 `loop.max_failed_rounds` failures in a row stop the loop
     controller   serving/rollout.py in this process: canary load in place, traffic steps, gate, promote or
                  roll back
 
@@ -66,13 +68,16 @@ TRAINER_KV_CACHE_GIB = 2  # the rounds' vLLM server: 32 candidates of a step, 8 
 GATE_LINE = re.compile(r"^(ro-\S+) step (\d+) \([^)]*\): (pass|fail|inconclusive): ")
 
 
+ROUND_FAILED = "round failed"  # a cycle's decision when its trainer exited with an error
+
+
 @dataclass
 class CycleResult:
     cycle: int
     round: int
     version: str
     round_state: str
-    decision: str  # promoted | rolled_back | failed | not rolled out
+    decision: str  # promoted | rolled_back | failed | not rolled out | no update | round failed
     reason: str
     serving: str
     registered_to_canary_s: float | None
@@ -321,6 +326,7 @@ class ClosedLoop:
 
             cycle = 0
             longest = 0.0
+            failed_in_a_row = 0
             try:
                 while cycles is None or cycle < cycles:
                     if deadline is not None and time.monotonic() + longest > deadline:
@@ -331,8 +337,16 @@ class ClosedLoop:
                         break
                     cycle += 1
                     started = time.monotonic()
-                    self.results.append(self.cycle(cycle, trainer_config, runner, controller, registry))
+                    result = self.cycle(cycle, trainer_config, runner, controller, registry)
+                    self.results.append(result)
                     longest = max(longest, time.monotonic() - started)
+                    failed_in_a_row = failed_in_a_row + 1 if result.decision == ROUND_FAILED else 0
+                    if failed_in_a_row >= s.loop.max_failed_rounds:
+                        raise DynrubricError(
+                            f"{failed_in_a_row} rounds in a row failed; the last: {result.reason}",
+                            f"read {self.supervisor.log_path('trainer')}; `dynrubric up` again resumes the round "
+                            "(loop.max_failed_rounds sets how many failures in a row the loop rides out)",
+                        )
             except KeyboardInterrupt:
                 self.log(
                     "interrupted: stopping users, draining, stopping every component "
@@ -494,6 +508,13 @@ class ClosedLoop:
             traffic.pause()
         try:
             self.supervisor.run_job(ChildSpec("trainer", self._cli(config, "train", "round"), child_env()))
+        except DynrubricError as e:  # the fleet keeps serving; the next cycle resumes the round from its last step
+            stable = registry.stable()
+            serving = stable.version if stable else "-"
+            self.m_cycles.labels(ROUND_FAILED.replace(" ", "_")).inc()
+            self.log(f"cycle {cycle}: round {round_id} failed: {e.problem}")
+            self.log(f"cycle {cycle}: serving policy version {serving}; the next cycle resumes the round")
+            return CycleResult(cycle, round_id, "-", "failed", ROUND_FAILED, e.problem, serving, None)
         finally:
             if pause:
                 traffic.resume()

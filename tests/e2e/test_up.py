@@ -242,6 +242,64 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
     assert page.count("gate power at") == 2  # beside each rollout
 
 
+def run_up_killing_round_1(env: dict[str, str], cwd: Path) -> tuple[int, str]:
+    """`up --cycles 2` with the trainer killed -9 early in round 1 and no restart allowed (`loop.max_restarts`
+    0): a real round that fails. Returns up's exit code and its log."""
+    env = env | {"DYNRUBRIC_LOOP__MAX_RESTARTS": "0"}
+    env.pop("DYNRUBRIC_LOOP__DRILL_CYCLE")
+    logs = Path(env["DYNRUBRIC_PATHS__STATE_DIR"]) / "up" / "logs"
+    up = subprocess.Popen(
+        [str(SCRIPT), "up", "--cycles", "2"],
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    timer = threading.Timer(1200, up.kill)  # a hung loop fails the test instead of hanging CI
+    timer.start()
+    out: list[str] = []
+    try:
+        for line in up.stdout:
+            out.append(line)
+            if line.startswith("cycle 1: training round"):
+                # early in the round: the tiny round takes ~30 s, most of it after loading the models
+                threading.Timer(
+                    random.uniform(2.0, 5.0), lambda: os.kill(int((logs / "trainer.pid").read_text()), signal.SIGKILL)
+                ).start()
+        rc = up.wait()
+    finally:
+        timer.cancel()
+    text = "".join(out)
+    print(text)  # the main job's log, shown with -rP or on failure
+    return rc, text
+
+
+@pytest.mark.slow
+def test_a_failed_round_is_the_cycles_decision_and_the_next_cycle_resumes_it(tiny_model_dir, tmp_path):
+    env = up_env(tiny_model_dir, tmp_path / "var")
+    rc, text = run_up_killing_round_1(env, tmp_path)
+    assert rc == 0, text[-5000:]
+    assert "cycle 1: round 1 failed: trainer failed with exit code -9" in text, text[-5000:]
+    assert "cycle 1: serving policy version base; the next cycle resumes the round" in text, text[-5000:]
+    assert "cycle 2: training round 1 " in text and "cycle 2: rollout of r1: " in text, text[-5000:]
+    assert "failed 0" in text  # the fleet kept answering every user
+    assert "r1" in registry(env)
+    page = (tmp_path / "var" / "report" / "run.html").read_text()
+    assert "round failed" in page and "trainer failed with exit code -9" in page
+
+
+@pytest.mark.slow
+def test_failed_rounds_in_a_row_stop_the_loop_with_the_error(tiny_model_dir, tmp_path):
+    env = up_env(tiny_model_dir, tmp_path / "var") | {"DYNRUBRIC_LOOP__MAX_FAILED_ROUNDS": "1"}
+    rc, text = run_up_killing_round_1(env, tmp_path)
+    assert rc == 2, text[-5000:]
+    assert "cycle 1: round 1 failed: trainer failed with exit code -9" in text, text[-5000:]
+    assert "error: 1 rounds in a row failed; the last: trainer failed with exit code -9" in text, text[-5000:]
+    assert "cycle 2:" not in text
+    assert list(registry(env)) == ["base"]
+
+
 def test_paused_users_send_nothing_until_resumed(tmp_path):
     """The pause of `up` (the demo profile) while a round trains (a stand-in for the users: this tests the thread)."""
     import time
