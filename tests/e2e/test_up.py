@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -88,6 +89,32 @@ def registry(env: dict[str, str]) -> dict[str, dict]:
     return {c["version"]: c for c in map(json.loads, listed.stdout.splitlines())}
 
 
+def run_up(env: dict[str, str], cwd: Path, on_line: Callable[[str], None], timeout_s: float) -> tuple[int, str]:
+    """`dynrubric up --cycles 2` through the console script; `on_line` sees each line as it is printed (to kill
+    components at chosen points). Returns up's exit code and its log, printed for -rP and failures."""
+    up = subprocess.Popen(
+        [str(SCRIPT), "up", "--cycles", "2"],
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    timer = threading.Timer(timeout_s, up.kill)  # a hung loop fails the test instead of hanging CI
+    timer.start()
+    out: list[str] = []
+    try:
+        for line in up.stdout:
+            out.append(line)
+            on_line(line)
+        rc = up.wait()
+    finally:
+        timer.cancel()
+    text = "".join(out)
+    print(text)  # the main job's log, shown with -rP or on failure
+    return rc, text
+
+
 @pytest.mark.slow
 def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model_dir, tmp_path):
     state = tmp_path / "var"
@@ -101,33 +128,17 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
         os.kill(pid, signal.SIGKILL)
         killed[name] = pid
 
-    up = subprocess.Popen(
-        [str(SCRIPT), "up", "--cycles", "2"],
-        env=env,
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    timer = threading.Timer(1500, up.kill)  # a hung loop fails the test instead of hanging CI
-    timer.start()
-    out: list[str] = []
-    try:
-        for line in up.stdout:
-            out.append(line)
-            if line.startswith("cycle 1: waiting for new prompts") and "ingest" not in killed:
-                kill("ingest")
-            elif line.startswith("cycle 1: training round") and "trainer" not in killed:
-                # a random point of the round (the tiny round takes ~30 s)
-                threading.Timer(rng.uniform(3.0, 12.0), kill, ("trainer",)).start()
-                killed["trainer"] = 0
-            elif re.match(r"ro-r2-\S+ step 0 ", line.strip()) and "engine-1" not in killed:  # its first gate look
-                kill("engine-1")
-        rc = up.wait()
-    finally:
-        timer.cancel()
-    text = "".join(out)
-    print(text)  # the main job's log, shown with -rP or on failure
+    def on_line(line: str) -> None:
+        if line.startswith("cycle 1: waiting for new prompts") and "ingest" not in killed:
+            kill("ingest")
+        elif line.startswith("cycle 1: training round") and "trainer" not in killed:
+            # a random point of the round (the tiny round takes ~30 s)
+            threading.Timer(rng.uniform(3.0, 12.0), kill, ("trainer",)).start()
+            killed["trainer"] = 0
+        elif re.match(r"ro-r2-\S+ step 0 ", line.strip()) and "engine-1" not in killed:  # its first gate look
+            kill("engine-1")
+
+    rc, text = run_up(env, tmp_path, on_line, timeout_s=1500)
     assert rc == 0, text[-5000:]
     assert set(killed) == {"ingest", "trainer", "engine-1"} and all(killed.values()), (killed, text[-3000:])
 
@@ -248,31 +259,15 @@ def run_up_killing_round_1(env: dict[str, str], cwd: Path) -> tuple[int, str]:
     env = env | {"DYNRUBRIC_LOOP__MAX_RESTARTS": "0"}
     env.pop("DYNRUBRIC_LOOP__DRILL_CYCLE")
     logs = Path(env["DYNRUBRIC_PATHS__STATE_DIR"]) / "up" / "logs"
-    up = subprocess.Popen(
-        [str(SCRIPT), "up", "--cycles", "2"],
-        env=env,
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    timer = threading.Timer(1200, up.kill)  # a hung loop fails the test instead of hanging CI
-    timer.start()
-    out: list[str] = []
-    try:
-        for line in up.stdout:
-            out.append(line)
-            if line.startswith("cycle 1: training round"):
-                # early in the round: the tiny round takes ~30 s, most of it after loading the models
-                threading.Timer(
-                    random.uniform(2.0, 5.0), lambda: os.kill(int((logs / "trainer.pid").read_text()), signal.SIGKILL)
-                ).start()
-        rc = up.wait()
-    finally:
-        timer.cancel()
-    text = "".join(out)
-    print(text)  # the main job's log, shown with -rP or on failure
-    return rc, text
+
+    def on_line(line: str) -> None:
+        if line.startswith("cycle 1: training round"):
+            # early in the round: the tiny round takes ~30 s, most of it after loading the models
+            threading.Timer(
+                random.uniform(2.0, 5.0), lambda: os.kill(int((logs / "trainer.pid").read_text()), signal.SIGKILL)
+            ).start()
+
+    return run_up(env, cwd, on_line, timeout_s=1200)
 
 
 @pytest.mark.slow
