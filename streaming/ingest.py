@@ -155,7 +155,7 @@ class Ingestor:
         self._done: queue.Queue = queue.Queue()
         self._batch: Batch | None = None  # being filled by the consumer thread
         self._in_flight = 0  # submitted to the writer, not yet committed
-        self._paused = False
+        self._lagging = False  # the writer lags: the loop does not poll
         self._committed: dict[Partition, int] = {}  # last committed offset
 
     # ------------------------------------------------------------ lifecycle
@@ -261,9 +261,9 @@ class Ingestor:
         the partitions instead made librdkafka drop its prefetched records and fetch them again on resume,
         which cost more than the writer's work did (docs/benchmarks.md)."""
         lagging = self._in_flight > self.cfg.max_pending_batches
-        if lagging and not self._paused:
+        if lagging and not self._lagging:  # counted once per stop
             self.metrics.pauses.inc()
-        self._paused = lagging
+        self._lagging = lagging
         return lagging
 
     def _finish_done(self, block: bool) -> None:

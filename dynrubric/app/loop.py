@@ -509,8 +509,7 @@ class ClosedLoop:
         try:
             self.supervisor.run_job(ChildSpec("trainer", self._cli(config, "train", "round"), child_env()))
         except DynrubricError as e:  # the fleet keeps serving; the next cycle resumes the round from its last step
-            stable = registry.stable()
-            serving = stable.version if stable else "-"
+            serving = serving_version(registry)
             self.m_cycles.labels(ROUND_FAILED.replace(" ", "_")).inc()
             self.log(f"cycle {cycle}: round {round_id} failed: {e.problem}")
             self.log(f"cycle {cycle}: serving policy version {serving}; the next cycle resumes the round")
@@ -538,8 +537,7 @@ class ClosedLoop:
             if drill:
                 version = self._drill(cycle, version, registry)
             decision, reason, load_s = self._roll_out(version, controller, registry)
-        stable = registry.stable()
-        serving = stable.version if stable else "-"
+        serving = serving_version(registry)
         result = CycleResult(cycle, summary.round, version, summary.state, decision, reason, serving, load_s)
         self.m_cycles.labels(decision.replace(" ", "_")).inc()
         self.log(f"cycle {cycle}: rollout of {version}: {decision}: {reason}")
@@ -624,6 +622,12 @@ class ClosedLoop:
         reason = final.reason or (final.last_gate or {}).get("reason") or ""
         load_s = loaded["at"] - created if "at" in loaded else None
         return final.status, f"{final.id}: {reason}", load_s
+
+
+def serving_version(registry: Any) -> str:
+    """The registry's stable version ("-" before there is one)."""
+    stable = registry.stable()
+    return stable.version if stable else "-"
 
 
 def damage_nonfinite(model_dir: Path, out: Path, seed: int = 0) -> Path:
