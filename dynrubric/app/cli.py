@@ -12,7 +12,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from typer._click.exceptions import NoArgsIsHelpError, UsageError
@@ -29,6 +29,9 @@ from dynrubric.errors import DynrubricError
 from dynrubric.progress import quiet_model_loading, status
 from serving.commands import register as register_serving
 from streaming.commands import broker_app, ingest, traffic_app
+
+if TYPE_CHECKING:  # `up` imports the loop inside its body: the other commands start without it
+    from dynrubric.app.loop import ClosedLoop
 
 app = typer.Typer(
     name="dynrubric",
@@ -198,7 +201,7 @@ def up(
     """The main job, the closed loop on embedded defaults: broker, ingest, engine fleet (stable + canary),
     router, simulated users; each cycle trains a round on the new logged prompts, rolls the candidate out
     to the canary in place, gates it on live online metrics and promotes it or rolls it back."""
-    from dynrubric.app.loop import ClosedLoop, write_run_page
+    from dynrubric.app.loop import ClosedLoop
 
     settings = settings_of(ctx, profile)
     if engine_server is not None:
@@ -218,11 +221,49 @@ def up(
             f"pass --cycles {settings.loop.drill_cycle} or more, or a smaller --drill-cycle",
         )
     loop = ClosedLoop(settings, log=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
-    results = loop.run(
-        None if forever else cycles,
-        prometheus=prometheus,
-        deadline=None if minutes is None else time.monotonic() + 60.0 * minutes,
-    )
+    try:
+        loop.run(
+            None if forever else cycles,
+            prometheus=prometheus,
+            deadline=None if minutes is None else time.monotonic() + 60.0 * minutes,
+        )
+    except (DynrubricError, KeyboardInterrupt):
+        _summarise_up(settings, loop, stopped=True)  # the cycles that ran still get their report and run page
+        raise
+    _summarise_up(settings, loop, stopped=False)
+
+
+def _summarise_up(settings: Settings, loop: ClosedLoop, stopped: bool) -> None:
+    """The cycles' lines, the restarts and the users' count, the report and the run page of `up`. After an
+    error or Ctrl-C (`stopped`) they cover the cycles that ran, and what cannot be written is only printed:
+    the error that stopped the loop is the one to show. A round killed before its first step leaves no run
+    log: then there is no report to draw, and the run page still shows the cycles."""
+    from dynrubric.app.loop import write_run_page
+
+    if stopped and not loop.results:
+        return  # stopped before a cycle ended: nothing to report
+    _print_up(loop)
+
+    def run_page() -> None:
+        page = write_run_page(settings, loop.results)
+        console.print(f"run page: {page}", markup=False, highlight=False, soft_wrap=True)
+
+    writes = [run_page]
+    if stopped and not (settings.train_run_dir() / "runlog.jsonl").is_file():
+        console.print("report: none drawn, no round has logged a step yet", markup=False, highlight=False)
+    else:
+        writes.insert(0, lambda: _report(settings, out=None))
+    for write in writes:
+        try:
+            write()
+        except Exception as e:  # noqa: BLE001 - after a stop, shown and dropped: the stop's own error follows
+            if not stopped:
+                raise
+            console.print(f"not written: {type(e).__name__}: {e}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _print_up(loop: ClosedLoop) -> None:
+    results = loop.results
     heading(console, f"{len(results)} cycle(s)")
     for r in results:
         took = "" if r.registered_to_canary_s is None else f"; registered -> canary {r.registered_to_canary_s:.1f} s"
@@ -234,15 +275,13 @@ def up(
             soft_wrap=True,
         )
     restarts = ", ".join(f"{k} {v}" for k, v in sorted(loop.supervisor.restart_counts().items())) or "none"
-    assert loop.traffic is not None, "the loop's run started the users' traffic"
+    assert loop.traffic is not None, "a cycle ended, so the loop's run started the users' traffic"
     console.print(
         f"restarts: {restarts}; user requests answered {loop.traffic.answered}, failed {loop.traffic.failed}",
         markup=False,
         highlight=False,
         soft_wrap=True,
     )
-    _report(settings, out=None)
-    console.print(f"run page: {write_run_page(settings, results)}", markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()

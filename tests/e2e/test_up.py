@@ -293,6 +293,12 @@ def test_failed_rounds_in_a_row_stop_the_loop_with_the_error(tiny_model_dir, tmp
     assert "error: 1 rounds in a row failed; the last: trainer failed with exit code -9" in text, text[-5000:]
     assert "cycle 2:" not in text
     assert list(registry(env)) == ["base"]
+    # the cycle that ran still gets its report line (none drawn when the kill came before the round's first
+    # step) and its run page, before the error that stopped the loop
+    assert "report: " in text and "run page: " in text, text[-5000:]
+    assert text.index("run page: ") < text.index("error: 1 rounds in a row failed"), text[-5000:]
+    page = (tmp_path / "var" / "report" / "run.html").read_text()
+    assert "round failed" in page and "trainer failed with exit code -9" in page
 
 
 def test_paused_users_send_nothing_until_resumed(tmp_path):
