@@ -10,7 +10,9 @@ join and the writer process's start are excluded.
     python benchmarks/ingest.py [--quick] [--events N] [--bootstrap HOST:PORT] [--client confluent] [--writers N]
 
 The last lines are `events/s: N` (the pipeline's rate) and `ratio: X.XX` (pipeline rate / raw rate of the
-same client; target >= 0.80).
+same client; target >= 0.80). Before them, "validation alone" times `parse_records` on the same events in
+this process, without Kafka or a store: no pipeline that validates each event can beat that rate, so its
+ratio to raw (`ceiling: X.XX`) bounds the pipeline's.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 
 from dynrubric.config import IngestConfig, KafkaConfig  # noqa: E402
 from streaming.broker import EmbeddedBroker  # noqa: E402
-from streaming.events import QueryLogEvent  # noqa: E402
+from streaming.events import QueryLogEvent, parse_records  # noqa: E402
 from streaming.ingest import Ingestor  # noqa: E402
 from streaming.kafka import Topics, connection_kwargs, ensure_topics  # noqa: E402
 
@@ -154,6 +156,18 @@ def pipeline_rate(
     return n / summary.busy_seconds, summary.busy_seconds, detail
 
 
+def validation_rate(n: int) -> tuple[float, float]:
+    """`parse_records` (the writer's first step: decode and check each event) over the benchmark's n events,
+    in this process: the rate no pipeline that validates every event can exceed, whatever the client."""
+    cfg = IngestConfig()
+    values: list[bytes | None] = [make_event(i) for i in range(n)]
+    started = time.perf_counter()
+    for start in range(0, n, BATCH):
+        parse_records(QueryLogEvent, values[start : start + BATCH], cfg.max_event_bytes, cfg.variants)
+    seconds = time.perf_counter() - started
+    return n / seconds, seconds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer events (CI)")
@@ -188,14 +202,18 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 pipes.append(pipeline_rate(kafka, n, Path(tmp) / "store", args.client, args.writers))
             print(f"run {i + 1}: raw {raws[-1][0]:.0f}/s, pipeline {pipes[-1][0]:.0f}/s ({pipes[-1][2]})")
+        valids = [validation_rate(n) for _ in range(args.repeat)]
     finally:
         if broker:
             broker.stop()
     raw, raw_s = max(raws)
     pipe, pipe_s, _ = max(pipes)
+    valid, valid_s = max(valids)
     print(f"{'consumer (best of ' + str(args.repeat) + ')':<34}{'events':>8}{'seconds':>9}{'events/s':>10}")
     print(f"{'raw ' + args.client + ' poll':<34}{n:>8}{raw_s:>9.2f}{raw:>10.0f}")
     print(f"{f'pipeline ({args.writers} writer processes)':<34}{n:>8}{pipe_s:>9.2f}{pipe:>10.0f}")
+    print(f"{'validation alone (parse_records)':<34}{n:>8}{valid_s:>9.2f}{valid:>10.0f}")
+    print(f"ceiling: {valid / raw:.2f} (validation alone / raw: no validating pipeline's ratio can exceed it)")
     print(f"events/s: {pipe:.0f}")
     print(f"ratio: {pipe / raw:.2f}")
 
