@@ -284,13 +284,17 @@ def draw_learning_curve(ax, rounds: list[RoundLine], line) -> list[int]:
                     zorder=3,
                     label="ground truth: new checkpoint, " + ("accepted" if accepted else "rejected"),
                 )
+        last = max(r.round for r, _ in truth)
         for r, g in truth:
+            # the last round's point is at the axis' right edge: its label goes to the point's left
+            left = r.round == last and len(truth) > 1
             ax.annotate(
                 f"{g.version} {g.vs_base.delta:+.2f} vs base",
                 (r.round, g.pass_rate[g.version]),
                 fontsize=7,
-                xytext=(4, 4),
+                xytext=(-4 if left else 4, 4),
                 textcoords="offset points",
+                ha="right" if left else "left",
             )
     line(
         ax,

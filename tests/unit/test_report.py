@@ -311,6 +311,32 @@ def test_the_learning_curve_plots_ground_truth_beside_the_judges_reward_and_user
     plt.close(fig)
 
 
+def test_each_rounds_ground_truth_label_stays_inside_the_learning_curve(tmp_path):
+    """The last round's point sits at the axis' right edge: its label must not run out of the panel."""
+    from tests.run_records import evaluation, truth
+
+    summaries = [
+        round_summary(
+            n,
+            [policy_step(0)],
+            parent=parent,
+            eval=evaluation(groundtruth=truth(f"r{n}", {f"r{n}": rate, parent: 0.4, "base": 0.2})),
+        )
+        for n, parent, rate in ((1, "base", 0.43), (2, "r1", 0.41), (3, "r2", 0.45))
+    ]
+    fig = draw(read_runlog(write_runlog(tmp_path / "runlog.jsonl", summaries)), THRESHOLDS)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    curve = panels(fig)["learning curve: held-out ground-truth pass rate per round"]
+    box = curve.get_window_extent(renderer)
+    labels = [t for t in curve.texts if "vs base" in t.get_text()]
+    assert [t.get_text() for t in labels] == ["r1 +0.06 vs base", "r2 +0.06 vs base", "r3 +0.06 vs base"]
+    for t in labels:
+        extent = t.get_window_extent(renderer)
+        assert box.x0 <= extent.x0 and extent.x1 <= box.x1, f"{t.get_text()!r} runs out of the panel"
+    plt.close(fig)
+
+
 def test_the_sampler_trainer_mismatch_is_drawn_per_policy_step(tmp_path):
     """The run log's sampler_log_ratio and sampler_capped, per policy step: the mismatch against the |log
     ratio| past which a weight is truncated (log 2 for the band [0.5, 5]), the truncated share on 0..1; a
