@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -27,6 +29,7 @@ from dynrubric.console import heading, make_console
 from dynrubric.context import Context, settings_of
 from dynrubric.errors import DynrubricError
 from dynrubric.progress import quiet_model_loading, status
+from dynrubric.train.records import RUNLOG
 from serving.commands import register as register_serving
 from streaming.commands import broker_app, ingest, traffic_app
 
@@ -243,23 +246,25 @@ def _summarise_up(settings: Settings, loop: ClosedLoop, stopped: bool) -> None:
     if stopped and not loop.results:
         return  # stopped before a cycle ended: nothing to report
     _print_up(loop)
-
-    def run_page() -> None:
+    with _shown_after_stop(stopped):
+        if stopped and not (settings.train_run_dir() / RUNLOG).is_file():
+            console.print("report: none drawn, no round has logged a step yet", markup=False, highlight=False)
+        else:
+            _report(settings, out=None)
+    with _shown_after_stop(stopped):
         page = write_run_page(settings, loop.results)
         console.print(f"run page: {page}", markup=False, highlight=False, soft_wrap=True)
 
-    writes = [run_page]
-    if stopped and not (settings.train_run_dir() / "runlog.jsonl").is_file():
-        console.print("report: none drawn, no round has logged a step yet", markup=False, highlight=False)
-    else:
-        writes.insert(0, lambda: _report(settings, out=None))
-    for write in writes:
-        try:
-            write()
-        except Exception as e:  # noqa: BLE001 - after a stop, shown and dropped: the stop's own error follows
-            if not stopped:
-                raise
-            console.print(f"not written: {type(e).__name__}: {e}", markup=False, highlight=False, soft_wrap=True)
+
+@contextmanager
+def _shown_after_stop(stopped: bool) -> Iterator[None]:
+    """After a stop, an error of the block is printed and dropped (the stop's own error follows); else it raises."""
+    try:
+        yield
+    except Exception as e:
+        if not stopped:
+            raise
+        console.print(f"not written: {type(e).__name__}: {e}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _print_up(loop: ClosedLoop) -> None:
@@ -297,7 +302,7 @@ def report(
 def _report(settings: Settings, out: Path | None) -> None:
     from dynrubric.app.report import Thresholds, judged_rollouts, read_runlog, render
 
-    log = read_runlog(settings.train_run_dir() / "runlog.jsonl")
+    log = read_runlog(settings.train_run_dir() / RUNLOG)
     out = out or settings.paths.resolved_state() / "report" / "run.png"
     r = settings.rubric
     judged = judged_rollouts(rollout_rows(settings))

@@ -351,6 +351,9 @@ def parse_line(doc: Any, where: str) -> RunLogLine:
     return line
 
 
+RUNLOG = "runlog.jsonl"  # under train.run_dir: the trainer appends, the report and the CLI read
+
+
 class RunLogFile:
     """runlog.jsonl: append-only; `append` skips keys already present, so a resumed round never logs a step
     twice. A torn last line (a crash mid-write) is skipped; any other line must be a record of this version."""

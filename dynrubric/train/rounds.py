@@ -77,6 +77,7 @@ from dynrubric.train.prompts import (
     read_prompt_file,
 )
 from dynrubric.train.records import (
+    RUNLOG,
     Collapse,
     Evaluation,
     Fallbacks,
@@ -148,7 +149,7 @@ class RunState:
         self.source = source
         self.heldout_override = list(heldout) if heldout is not None else None
         self.run_dir = run_dir_of(settings)
-        self.runlog = RunLogFile(self.run_dir / "runlog.jsonl")
+        self.runlog = RunLogFile(self.run_dir / RUNLOG)
         self.rollouts = response_history(settings)
 
     def prompt_source(self) -> PromptSource:
