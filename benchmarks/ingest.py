@@ -156,16 +156,19 @@ def pipeline_rate(
     return n / summary.busy_seconds, summary.busy_seconds, detail
 
 
-def validation_rate(n: int) -> tuple[float, float]:
+def validation_rate(n: int, repeat: int) -> tuple[float, float]:
     """`parse_records` (the writer's first step: decode and check each event) over the benchmark's n events,
-    in this process: the rate no pipeline that validates every event can exceed, whatever the client."""
+    in this process, best of `repeat`: the rate no pipeline that validates every event can exceed, whatever
+    the client."""
     cfg = IngestConfig()
     values: list[bytes | None] = [make_event(i) for i in range(n)]
-    started = time.perf_counter()
-    for start in range(0, n, BATCH):
-        parse_records(QueryLogEvent, values[start : start + BATCH], cfg.max_event_bytes, cfg.variants)
-    seconds = time.perf_counter() - started
-    return n / seconds, seconds
+    best = float("inf")
+    for _ in range(repeat):
+        started = time.perf_counter()
+        for start in range(0, n, BATCH):
+            parse_records(QueryLogEvent, values[start : start + BATCH], cfg.max_event_bytes, cfg.variants)
+        best = min(best, time.perf_counter() - started)
+    return n / best, best
 
 
 def main() -> None:
@@ -202,13 +205,12 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 pipes.append(pipeline_rate(kafka, n, Path(tmp) / "store", args.client, args.writers))
             print(f"run {i + 1}: raw {raws[-1][0]:.0f}/s, pipeline {pipes[-1][0]:.0f}/s ({pipes[-1][2]})")
-        valids = [validation_rate(n) for _ in range(args.repeat)]
     finally:
         if broker:
             broker.stop()
     raw, raw_s = max(raws)
     pipe, pipe_s, _ = max(pipes)
-    valid, valid_s = max(valids)
+    valid, valid_s = validation_rate(n, args.repeat)  # no broker: after it stopped
     print(f"{'consumer (best of ' + str(args.repeat) + ')':<34}{'events':>8}{'seconds':>9}{'events/s':>10}")
     print(f"{'raw ' + args.client + ' poll':<34}{n:>8}{raw_s:>9.2f}{raw:>10.0f}")
     print(f"{f'pipeline ({args.writers} writer processes)':<34}{n:>8}{pipe_s:>9.2f}{pipe:>10.0f}")
