@@ -29,7 +29,6 @@ from dynrubric.console import heading, make_console
 from dynrubric.context import Context, settings_of
 from dynrubric.errors import DynrubricError
 from dynrubric.progress import quiet_model_loading, status
-from dynrubric.train.records import RUNLOG
 from serving.commands import register as register_serving
 from streaming.commands import broker_app, ingest, traffic_app
 
@@ -242,6 +241,7 @@ def _summarise_up(settings: Settings, loop: ClosedLoop, stopped: bool) -> None:
     the error that stopped the loop is the one to show. A round killed before its first step leaves no run
     log: then there is no report to draw, and the run page still shows the cycles."""
     from dynrubric.app.loop import write_run_page
+    from dynrubric.train.records import RUNLOG
 
     if stopped and not loop.results:
         return  # stopped before a cycle ended: nothing to report
@@ -301,6 +301,7 @@ def report(
 
 def _report(settings: Settings, out: Path | None) -> None:
     from dynrubric.app.report import Thresholds, judged_rollouts, read_runlog, render
+    from dynrubric.train.records import RUNLOG
 
     log = read_runlog(settings.train_run_dir() / RUNLOG)
     out = out or settings.paths.resolved_state() / "report" / "run.png"
