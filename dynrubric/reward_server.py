@@ -50,6 +50,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from dynrubric import http_clients
 from dynrubric.config import RewardServerConfig
 from dynrubric.errors import DynrubricError
 from dynrubric.rubric.evaluator import Evaluator, EvaluatorMetrics, ScoredSet
@@ -543,7 +544,7 @@ def create_app(
         return JSONResponse({"groups": list(barrier.recent)})
 
     async def open_forward_client() -> None:  # one pooled client for every forward while the app runs
-        app.state.forward_client = httpx.AsyncClient(timeout=config.forward_timeout_s)
+        app.state.forward_client = http_clients.async_client(timeout=config.forward_timeout_s)
 
     async def close_forward_client() -> None:
         await app.state.forward_client.aclose()

@@ -42,7 +42,7 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import SecretStr
 
-from dynrubric import sqlite
+from dynrubric import http_clients, sqlite
 from dynrubric.config import GateConfig, RolloutConfig, Settings
 from dynrubric.errors import DynrubricError
 from dynrubric.registry import Checkpoint, CheckpointState, Registry, open_registry, weights_sha256
@@ -242,7 +242,7 @@ class RouterClient:
 
     def __init__(self, base_url: str, token: SecretStr | None, timeout_s: float = 600.0):
         headers = {"authorization": f"Bearer {token.get_secret_value()}"} if token else {}
-        self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout_s)
+        self._http = http_clients.client(base_url=base_url, headers=headers, timeout=timeout_s)
 
     def _call(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
         try:

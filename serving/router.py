@@ -49,6 +49,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from dynrubric import http_clients
 from dynrubric.service import make_app, require_token
 from serving.routing import ArmAssignment, LeastInflight, ReplicaChoice, StickyHashAssignment, Variant, serving_replicas
 
@@ -678,7 +679,7 @@ class Router:
 
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-            self._client = httpx.AsyncClient(timeout=self.timeout_s, headers=self.engine_headers)
+            self._client = http_clients.async_client(timeout=self.timeout_s, headers=self.engine_headers)
             self._health_task = asyncio.create_task(self._health_loop())
             try:
                 yield

@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from dynrubric import http_clients
 from streaming.prompt_bank import PromptItem, check, load_prompts
 
 
@@ -105,7 +106,7 @@ class SimulatedUsers:
 
     def run(self, requests: int, concurrency: int = 2) -> dict[str, Any]:
         """Send `requests` requests; a summary per variant (requests, checks passed, failures)."""
-        with httpx.Client(timeout=self.timeout_s) as client, ThreadPoolExecutor(concurrency) as pool:
+        with http_clients.client(timeout=self.timeout_s) as client, ThreadPoolExecutor(concurrency) as pool:
             outcomes = list(pool.map(lambda _: self.one(client), range(requests)))
         done = [o for o in outcomes if o is not None]
         by_variant: dict[str, Counter] = {}

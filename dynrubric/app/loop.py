@@ -54,7 +54,7 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from dynrubric import atomic
+from dynrubric import atomic, http_clients
 from dynrubric.app.supervisor import ChildSpec, Supervisor
 from dynrubric.config import Settings
 from dynrubric.config_loader import override, plain_dump
@@ -138,7 +138,7 @@ class UserTraffic:
 
     def _run(self) -> None:
         self.outcomes_path.parent.mkdir(parents=True, exist_ok=True)
-        with httpx.Client(timeout=self.users.timeout_s) as client, open(self.outcomes_path, "a") as out:
+        with http_clients.client(timeout=self.users.timeout_s) as client, open(self.outcomes_path, "a") as out:
             while not self._stop.is_set():
                 self._running.wait()
                 if self._stop.is_set():

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import httpx
 from pydantic import SecretStr
 
+from dynrubric import http_clients
 from dynrubric.config import EngineConfig
 from dynrubric.engines.base import Completion, Engine, GenerationRequest
 from dynrubric.errors import DynrubricError
@@ -58,7 +59,7 @@ class OpenAIHTTPEngine(Engine):
         self.concurrency = concurrency
         self.timeout_s = timeout_s
         headers = {"Authorization": f"Bearer {api_key.get_secret_value()}"} if api_key else {}
-        self._client = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)
+        self._client = http_clients.client(base_url=self.base_url, timeout=timeout_s, headers=headers)
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self._eos_ids = {self._tokenizer.eos_token_id} - {None}
         if (self.model_dir / "generation_config.json").is_file():
