@@ -7,8 +7,10 @@ reads back exactly that from the text; the bank's loader checks it):
   whose checker needs no downloaded data and that a short answer (the demo serves 48 tokens) can meet;
 - arithmetic: "What is A op B? Answer with the number only.", the answer computed.
 
-Which prompts are held out (never trained on, the ground-truth evaluation of versions) is decided by prompt
-key (`train.heldout_share`), not here.
+Every line carries its `base` question and its `split` (train, dev or test: `dynrubric.train.splits.split_of`
+of the base, so no base question is in two splits). The held-out instruction types (`splits.HELDOUT_TYPES`) are
+written only onto dev and test base questions, half of whose instruction prompts carry one (the unseen types
+that test reports apart); training prompts carry only the other types.
 
 Usage: python scripts/make_prompt_bank.py [--out PATH] [--seed N] [--instruction N] [--arithmetic N]
 (deterministic for a seed)
@@ -19,8 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from dynrubric.train.splits import HELDOUT_TYPES, split_of
 
 BASE_QUESTIONS = [
     "Describe a sunset over the sea.",
@@ -219,12 +224,13 @@ NO_SECOND = {
 OPS = [("+", lambda a, b: a + b), ("-", lambda a, b: a - b), ("*", lambda a, b: a * b)]
 
 
-def instruction_prompt(rng: random.Random, first: str, base: str, second: bool) -> dict:
+def instruction_prompt(rng: random.Random, first: str, base: str, second: bool, allowed: Sequence[str]) -> dict:
+    """`base` with the instruction `first` and, when `second`, one more of `allowed`."""
     from if_verifiable.ifeval.instructions_registry import INSTRUCTION_DICT
 
     ids = [first]
     if second and first not in NO_SECOND:
-        others = [i for i in ARGUMENTS if i not in NO_SECOND and i != first and frozenset({first, i}) not in CONFLICTS]
+        others = [i for i in allowed if i not in NO_SECOND and i != first and frozenset({first, i}) not in CONFLICTS]
         ids.append(rng.choice(others))
     parts, instructions = [base], []
     for iid in ids:
@@ -243,16 +249,21 @@ def instruction_prompt(rng: random.Random, first: str, base: str, second: bool) 
         "kind": "instruction",
         "messages": [{"role": "user", "content": " ".join(parts)}],
         "instructions": instructions,
+        "base": base,
+        "split": split_of(base),
     }
 
 
 def arithmetic_prompt(rng: random.Random) -> dict:
     sym, fn = rng.choice(OPS)
     a, b = (rng.randint(2, 12), rng.randint(2, 12)) if sym == "*" else (rng.randint(10, 99), rng.randint(2, 60))
+    base = f"{a} {sym} {b}"
     return {
         "kind": "arithmetic",
-        "messages": [{"role": "user", "content": f"What is {a} {sym} {b}? Answer with the number only."}],
+        "messages": [{"role": "user", "content": f"What is {base}? Answer with the number only."}],
         "answer": float(fn(a, b)),
+        "base": base,
+        "split": split_of(base),
     }
 
 
@@ -260,13 +271,22 @@ def build(seed: int, n_instruction: int, n_arithmetic: int) -> list[dict]:
     rng = random.Random(seed)
     items: list[dict[str, Any]] = []
     seen: set[str] = set()
-    ids = list(ARGUMENTS)
+    seen_ids = [i for i in ARGUMENTS if i not in HELDOUT_TYPES]
+    unseen_ids = [i for i in ARGUMENTS if i in HELDOUT_TYPES]
+    counts = {"train": 0, "held": 0}
     while len(items) < n_instruction:
-        item = instruction_prompt(rng, ids[len(items) % len(ids)], rng.choice(BASE_QUESTIONS), rng.random() < 0.25)
+        base = rng.choice(BASE_QUESTIONS)
+        if split_of(base) == "train":  # seen types only, cycled so that each is trained on
+            first, allowed = seen_ids[counts["train"] % len(seen_ids)], seen_ids
+        else:  # dev and test: half their prompts lead with a held-out type
+            pool = unseen_ids if rng.random() < 0.5 else seen_ids
+            first, allowed = rng.choice(pool), list(ARGUMENTS)
+        item = instruction_prompt(rng, first, base, rng.random() < 0.25, allowed)
         text = item["messages"][0]["content"]
         if text not in seen:
             seen.add(text)
             items.append(item)
+            counts["train" if item["split"] == "train" else "held"] += 1
     arithmetic: list[dict[str, Any]] = []
     while len(arithmetic) < n_arithmetic:
         item = arithmetic_prompt(rng)
@@ -285,8 +305,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "dynrubric/data/prompts.jsonl")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--instruction", type=int, default=840)
-    ap.add_argument("--arithmetic", type=int, default=160)
+    ap.add_argument("--instruction", type=int, default=1000)
+    ap.add_argument("--arithmetic", type=int, default=200)
     args = ap.parse_args()
     lines = [json.dumps(p, ensure_ascii=False) for p in build(args.seed, args.instruction, args.arithmetic)]
     args.out.write_text("\n".join(lines) + "\n")

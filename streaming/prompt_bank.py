@@ -35,6 +35,8 @@ class PromptItem(BaseModel):
     messages: list[ChatMessage] = Field(min_length=1)
     answer: float | None = None
     instructions: list[Instruction] | None = None
+    base: str | None = None  # the base question (dynrubric/train/splits.py)
+    split: Literal["train", "dev", "test"] | None = None  # splits.split_of(base); None: not in a split
 
     @property
     def question(self) -> str:

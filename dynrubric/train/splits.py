@@ -139,3 +139,44 @@ def trainable(key: str, instruction_ids: Iterable[str], bank: BankSplit | None =
     (read off its text by the caller, `groundtruth.derive`)."""
     bank = shipped_split() if bank is None else bank
     return bank.split(key) in (None, "train") and not has_heldout_type(instruction_ids)
+
+
+def _last_user_message(messages: object) -> str:
+    users = (
+        [m.get("content") for m in messages if m.get("role", "user") == "user"] if isinstance(messages, list) else []
+    )
+    return str(users[-1]) if users else ""
+
+
+def violations(lines: Iterable[dict[str, object]]) -> list[str]:
+    """What breaks the split in a bank's lines (empty: it holds), read off each prompt's own text:
+
+    - a line whose `split` is not `split_of(base)`, or whose text does not start from its `base`
+      (instruction prompts start with it; arithmetic prompts state it; open prompts are named by it);
+    - a base question in two splits;
+    - a training prompt whose text asks for a held-out instruction type (`groundtruth.derive`);
+    - a held-out type that no test prompt carries (test could not report unseen types)."""
+    from dynrubric.rubric.groundtruth import derive
+
+    problems: list[str] = []
+    split_of_base: dict[str, str] = {}
+    unseen_in_test: set[str] = set()
+    for line in lines:
+        where, base, split = line.get("id"), str(line.get("base")), line.get("split")
+        question = _last_user_message(line.get("messages"))
+        if split != split_of(base):
+            problems.append(f"{where}: split {split!r} but its base {base!r} belongs to {split_of(base)!r}")
+        kind = line.get("kind")
+        if (kind == "instruction" and not question.startswith(base)) or (kind == "arithmetic" and base not in question):
+            problems.append(f"{where}: its text does not state its base {base!r}")
+        if kind == "open" and base != f"{line.get('source')}:{str(where).split('-', 1)[-1]}":
+            problems.append(f"{where}: an open prompt's base is its source and id, not {base!r}")
+        if split_of_base.setdefault(base, str(split)) != split:
+            problems.append(f"{where}: base {base!r} is in {split_of_base[base]!r} and {split!r}")
+        ids = {i.id for i in derive(question).instructions}
+        if split == "train" and ids & HELDOUT_TYPES:
+            problems.append(f"{where}: a training prompt asks for held-out type(s) {sorted(ids & HELDOUT_TYPES)}")
+        if split == "test":
+            unseen_in_test |= ids & HELDOUT_TYPES
+    problems += [f"held-out type {t} has no test prompt" for t in sorted(HELDOUT_TYPES - unseen_in_test)]
+    return problems
