@@ -638,7 +638,18 @@ class EvaluationConfig(Section):
         description="JSONL prompt bank; its held-out prompts with ground truth are evaluated "
         "(default: the shipped bank, dynrubric/data/prompts.jsonl)",
     )
-    max_prompts: int = Field(default=200, ge=1, description="held-out prompts evaluated per version (first by key)")
+    max_prompts: int = Field(
+        default=200, ge=1, description="dev prompts evaluated per version for the round's guard (first by key)"
+    )
+    report_prompts: int = Field(
+        default=120,
+        ge=1,
+        description="prompts per reported figure (test seen, test unseen, IFEval, IFBench, open; first by key)",
+    )
+    figures: list[Literal["test_seen", "test_unseen", "ifeval", "ifbench", "open"]] = Field(
+        default=["test_seen", "test_unseen", "ifeval", "ifbench", "open"],
+        description="the reported figures of every version (train/policy_eval.py); none of them is decided on",
+    )
     max_tokens: int | None = Field(
         default=None, ge=1, description="serving decode: max tokens of an answer (default: loop.users_max_tokens)"
     )

@@ -11,6 +11,7 @@ from dynrubric.train.records import (
     Comparison,
     Evaluation,
     Fallbacks,
+    Figure,
     GeneratorStep,
     Guard,
     PolicyStep,
@@ -90,6 +91,14 @@ def truth(version: str = "r1", rates: dict[str, float] | None = None) -> TruthEv
         pass_rate_by_kind={v: {"arithmetic": r} for v, r in rates.items()},
         vs_parent=comparison(version),
         vs_base=comparison(version),
+        figures={
+            "test_unseen": Figure(
+                prompts=95,
+                score={version: 0.3, "base": 0.25},
+                vs_parent=comparison(version),
+                vs_base=comparison(version),
+            )
+        },
     )
 
 

@@ -117,7 +117,7 @@ def settings(
             | (rubric or {}),
             "train": train_cfg,
             # the ground-truth evaluation of every version: a few of the bank's held-out prompts, short answers
-            "evaluation": {"max_prompts": 8, "max_tokens": 8},
+            "evaluation": {"max_prompts": 8, "max_tokens": 8, "report_prompts": 4},
             "ray": ray or {},
         }
     )

@@ -502,7 +502,7 @@ def _sample_real_sets(settings: Settings, path: Path, n: int) -> None:
     from dynrubric import atomic
     from dynrubric.engines import build_engine
     from dynrubric.seeds import derive_seed
-    from dynrubric.train.policy_eval import heldout_prompts
+    from dynrubric.train.policy_eval import CheckGrader, heldout_prompts
     from dynrubric.train.rounds import sample_sets
 
     chosen = [
@@ -510,7 +510,7 @@ def _sample_real_sets(settings: Settings, path: Path, n: int) -> None:
         for p in heldout_prompts(
             settings.model_copy(update={"evaluation": settings.evaluation.model_copy(update={"max_prompts": 10**9})})
         )
-        if p.truth.instructions
+        if isinstance(p.grader, CheckGrader) and p.grader.truth.instructions
     ][:n]
     with status(console, f"loading the {settings.engine.kind} policy engine"):
         engine = build_engine(settings, "policy")
@@ -533,7 +533,7 @@ def _sample_real_sets(settings: Settings, path: Path, n: int) -> None:
                         {
                             "prompt": p.prompt.question,
                             "responses": responses,
-                            "passed": [p.truth.passes(r) for r in responses],
+                            "passed": [p.grader.score(r) == 1.0 for r in responses],
                         }
                     )
                 )

@@ -140,6 +140,34 @@ text-align:left}th{background:#eee}img{max-width:100%;border:1px solid #ddd;marg
 white-space:pre-wrap}"""
 
 
+def figures_table(lineage: list[dict[str, Any]]) -> str:
+    """Each evaluated candidate's five reported figures (its checkpoint's `figures` metric): the score of the
+    candidate, its parent and the base, and the paired differences with their 95% CIs."""
+
+    from dynrubric.train.policy_eval import FIGURE_TITLES
+
+    def delta(c: dict[str, Any]) -> str:
+        return f"{c['delta']:+.3f} ({c['low']:+.3f}..{c['high']:+.3f})"
+
+    rows: list[list[str]] = []
+    for ckpt in lineage:
+        for name, f in ((ckpt.get("metrics") or {}).get("figures") or {}).items():
+            v = ckpt["version"]
+            rows.append(
+                [
+                    v,
+                    FIGURE_TITLES.get(name, name),
+                    str(f["prompts"]),
+                    f"{f['score'][v]:.3f}",
+                    f"{f['vs_parent']['reference']}: {delta(f['vs_parent'])}",
+                    f"{f['vs_base']['reference']}: {delta(f['vs_base'])}",
+                ]
+            )
+    if not rows:
+        return "<p>no version evaluated on the test split yet</p>"
+    return _table(["version", "figure", "prompts", "score", "vs parent (95% CI)", "vs base (95% CI)"], rows)
+
+
 def render_html(page: RunPage, out: Path) -> Path:
     """Write `out` (run.html) and the PNGs it embeds beside it (`rollout-<id>.png`)."""
     parts = [
@@ -174,6 +202,8 @@ def render_html(page: RunPage, out: Path) -> Path:
             ],
         )
     )
+    parts.append("<h2>Ground truth per version</h2>")
+    parts.append(figures_table(page.lineage))
     parts.append("<h2>Training</h2>")
     if page.training_png is not None and page.training_png.is_file():
         parts.append(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, cast
 
@@ -263,9 +264,17 @@ def round_report(summary: RoundOutcome, path: Path) -> list[str]:
     if truth:
         rates = ", ".join(f"{v} {p:.3f}" for v, p in truth.pass_rate.items())
         lines.append(
-            f"  ground truth on {truth.prompts} held-out prompts: pass {rates}; "
+            f"  ground truth on {truth.prompts} dev prompts (the guard's): pass {rates}; "
             f"{truth.version} vs parent {_delta(truth.vs_parent)}, vs base {_delta(truth.vs_base)}"
         )
+        from dynrubric.train.policy_eval import FIGURE_TITLES
+
+        for name, f in truth.figures.items():  # reported, never decided on
+            scores = ", ".join(f"{v} {p:.3f}" for v, p in f.score.items())
+            lines.append(
+                f"  {FIGURE_TITLES[name]} ({f.prompts} test prompts): {scores}; "
+                f"vs parent {_delta(f.vs_parent)}, vs base {_delta(f.vs_base)}"
+            )
     if isinstance(summary, EmbeddedOutcome) and summary.stage_seconds:
         lines.append(
             "  time: " + ", ".join(f"{stage} {seconds:.0f}s" for stage, seconds in summary.stage_seconds.items())
@@ -283,14 +292,24 @@ def eval_policy(
     versions: Annotated[list[str], typer.Argument(help="registry versions to evaluate (e.g. base r1 r2)")],
     prompts: Annotated[
         Path | None,
-        typer.Option(help="JSONL of held-out prompts (default: the prompt bank's held-out split, train.heldout_share)"),
+        typer.Option(help="JSONL prompt bank instead of the shipped one (lines without `split`: one evaluation set)"),
     ] = None,
 ) -> None:
-    """Ground truth, no judge: each version answers the held-out prompts at the serving decode settings; the
-    official checkers and computed answers grade it; paired bootstrap CIs against its parent and the base."""
+    """Ground truth, no judge: each version answers the dev split (what guards read) and the five reported
+    figures (test seen types, test unseen types, official IFEval, official IFBench, open quality) at the serving
+    decode settings; paired bootstrap CIs against its parent and the base."""
     from dynrubric.engines import build_engine
     from dynrubric.progress import status
-    from dynrubric.train.policy_eval import compare, decode_params, evaluate_versions, heldout_prompts
+    from dynrubric.train.policy_eval import (
+        FIGURE_TITLES,
+        SUITES,
+        EvalPrompt,
+        Suite,
+        compare,
+        decode_params,
+        evaluate_suites,
+        suite_prompts,
+    )
     from dynrubric.train.rounds import RunState
 
     settings = settings_of(ctx)
@@ -300,7 +319,12 @@ def eval_policy(
     missing = [v for v in versions if v not in known]
     if missing:
         raise DynrubricError(f"unknown version(s) {', '.join(missing)}", "list them with `dynrubric registry list`")
-    chosen = heldout_prompts(settings, prompts)
+    suites: dict[Suite, Sequence[EvalPrompt]] = {}
+    for suite in SUITES:
+        if suite == "dev" or suite in settings.evaluation.figures:
+            chosen = suite_prompts(settings, suite, prompts)
+            if chosen:  # a file of the caller's may have no open prompt, say
+                suites[suite] = chosen
     wanted = list(dict.fromkeys(versions))
     for v in versions:  # each version's parent and base, for the paired differences
         for ref in (known[v].parent, state.base_of(known[v]).version):
@@ -308,38 +332,45 @@ def eval_policy(
                 wanted.append(ref)
     with status(console, f"loading the {settings.engine.kind} policy engine"):
         engine = build_engine(settings, "policy")
+    total = sum(len(p) for p in suites.values())
     bars = Bars(console)
     with bars:
         for v in wanted:
-            bars.start(f"answer {v}", len(chosen))
-        outcomes = evaluate_versions(
+            bars.start(f"answer {v}", total)
+        outcomes = evaluate_suites(
             settings,
             engine,
             [(v, known[v].path) for v in wanted],
+            suites,
             lambda version, n: bars.advance(f"answer {version}", n),
-            chosen,
         )
     engine.close()
     e = settings.evaluation
-    kinds = sorted({k for o in outcomes.values() for k in o.kinds.values()})
     params = decode_params(settings)
     table = Table(
-        title=f"ground truth on {len(chosen)} held-out prompts (temperature {params.temperature:g}, "
-        f"max_tokens {params.max_tokens}; official checkers, computed answers)"
+        title=f"ground truth (temperature {params.temperature:g}, max_tokens {params.max_tokens}; official checkers, "
+        "computed answers; open: closeness to strong answers and expert criteria). dev decides; the rest is reported"
     )
-    for col in ("version", "pass", *kinds, "vs parent (95% CI)", "vs base (95% CI)"):
+    for col in ("version", "figure", "prompts", "score", "vs parent (95% CI)", "vs base (95% CI)"):
         table.add_column(col)
+    lines = []
     for v in versions:
-        o = outcomes[v]
         parent, base = known[v].parent, state.base_of(known[v]).version
-        cells = [
-            _delta(compare(o, outcomes[ref], e.bootstrap_samples, e.confidence))
-            if ref is not None and ref != v
-            else "-"
-            for ref in (parent, base)
-        ]
-        table.add_row(v, f"{o.pass_rate():.3f}", *(f"{o.pass_rate(k):.3f}" for k in kinds), *cells)
+        for suite, by_version in outcomes.items():
+            o = by_version[v]
+            cells = [
+                _delta(compare(o, by_version[ref], e.bootstrap_samples, e.confidence))
+                if ref is not None and ref != v
+                else "-"
+                for ref in (parent, base)
+            ]
+            table.add_row(v, FIGURE_TITLES[suite], str(len(o.scores)), f"{o.pass_rate():.3f}", *cells)
+            lines.append(
+                f"{v} {suite}: {o.pass_rate():.3f} on {len(o.scores)} prompts; vs parent {cells[0]}; vs base {cells[1]}"
+            )
     console.print(table)
+    for line in lines:  # one line a figure, for logs and scripts
+        console.print(line, markup=False, highlight=False)
 
 
 def _delta(c: Comparison) -> str:

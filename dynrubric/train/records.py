@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from dynrubric import atomic
 from dynrubric.errors import DynrubricError
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: TruthEvidence.figures (the five reported figures of the test split and benchmarks)
 
 
 class Part(BaseModel):
@@ -135,16 +135,28 @@ class Comparison(Part):
         return f"{self.delta:+.3f} (95% CI {self.low:+.3f}..{self.high:+.3f}) vs {self.reference}"
 
 
+class Figure(Part):
+    """One reported figure (a test slice or a benchmark) of a candidate, its parent and the base."""
+
+    prompts: int
+    score: dict[str, float]  # version -> mean score (pass rate; open quality for `open`)
+    vs_parent: Comparison
+    vs_base: Comparison
+
+
 class TruthEvidence(Part):
-    """A round's ground truth on the held-out prompts (train/policy_eval.py `round_evidence`): pass rates of the
-    candidate (`version`), its parent and the base, and the candidate's paired differences from both."""
+    """A round's ground truth (train/policy_eval.py `round_evidence`): on the dev split, which the guard reads,
+    pass rates of the candidate (`version`), its parent and the base, and the candidate's paired differences
+    from both; `figures`, the five reported figures (test seen and unseen types, IFEval, IFBench, open quality),
+    which nothing decides on."""
 
     version: str
     prompts: int
-    pass_rate: dict[str, float]  # version -> share of held-out prompts it passes
+    pass_rate: dict[str, float]  # version -> share of dev prompts it passes
     pass_rate_by_kind: dict[str, dict[str, float]]
     vs_parent: Comparison
     vs_base: Comparison
+    figures: dict[str, Figure] = Field(default_factory=dict)
 
 
 class Evaluation(Record):

@@ -57,6 +57,7 @@ from dynrubric.registry import Checkpoint, CheckpointState, Registry
 from dynrubric.rubric.evaluator import Evaluator, EvaluatorMetrics, ScoredSet
 from dynrubric.rubric.gaps import CollapseDetector
 from dynrubric.rubric.generate import RUBRIC_SCHEMA_JSON, GenerationCounts
+from dynrubric.rubric.groundtruth import derive
 from dynrubric.seeds import RoundPurpose, round_seed
 from dynrubric.train import guards
 from dynrubric.train.coevolve import (
@@ -97,6 +98,7 @@ from dynrubric.train.records import (
     write_record,
     write_steps,
 )
+from dynrubric.train.splits import trainable
 
 EngineRole = Literal["policy", "generator", "verifier"]  # EngineConfig.url_for's roles
 PLAN, SUMMARY, EVAL, COLLAPSE, HISTORY = "plan.json", "summary.json", "eval.json", "collapse.json", "history.json"
@@ -249,10 +251,13 @@ class RunState:
                 f"no new prompts since watermark {watermark!r} for round {round_id}",
                 "add prompts to the replay store / prompt file, then run the round again",
             )
+        fresh = len(prompts)
+        prompts = [p for p in prompts if trainable(p.key, [i.id for i in derive(p.question).instructions])]
+        not_trainable = fresh - len(prompts)
         prompts, heldout = self.split_heldout(prompts)
         if not prompts:
             raise DynrubricError(
-                f"round {round_id}: every new prompt is held out, none is left to train on",
+                f"round {round_id}: every new prompt is held out or in the dev/test split, none is left to train on",
                 "add prompts, or set train.heldout_file to a separate held-out set",
             )
         refresh = None
@@ -264,6 +269,8 @@ class RunState:
             "version": f"{self.cfg.version_prefix}{round_id}",
             "prompts": [{"key": p.key, "messages": p.messages} for p in prompts],
             "heldout": [{"key": p.key, "messages": p.messages} for p in heldout],
+            # dev/test prompts of the bank and prompts asking for a held-out type (train/splits.py): never trained
+            "not_trainable": not_trainable,
             "watermark_before": watermark,
             "watermark_after": watermark_after,
             "schedule": self.schedule(round_id, self.cfg.steps_per_round, refresh is not None),
@@ -1190,5 +1197,7 @@ def round_verdict(
             "heldout_vs_parent": truth.vs_parent.model_dump(),
             "heldout_vs_base": truth.vs_base.model_dump(),
             "heldout_truth_prompts": truth.prompts,
+            # the five reported figures (test split, IFEval, IFBench, open quality): shown, never decided on
+            "figures": {name: f.model_dump() for name, f in truth.figures.items()},
         }
     return verdict, metrics

@@ -77,6 +77,7 @@ def up_env(tiny_model_dir: Path, state: Path) -> dict[str, str]:
             "DYNRUBRIC_TRAIN__MAX_REWARD_DROP": "1",
             # the ground-truth evaluation of each version: a few held-out prompts of the bank
             "DYNRUBRIC_EVALUATION__MAX_PROMPTS": "16",
+            "DYNRUBRIC_EVALUATION__REPORT_PROMPTS": "4",  # each of the five reported figures: a few prompts
         }
     )
     return env

@@ -14,7 +14,7 @@ from dynrubric.rubric.evaluator import Evaluator
 from dynrubric.rubric.groundtruth import GroundTruth, answer_matches, derive
 from dynrubric.rubric.instructions import SUPPORTED, Instruction
 from dynrubric.rubric.items import Rubric, RubricItem
-from dynrubric.train.policy_eval import EvalPrompt, decode_params, paired_bootstrap, sample_outcomes
+from dynrubric.train.policy_eval import CheckGrader, EvalPrompt, decode_params, paired_bootstrap, sample_outcomes
 from dynrubric.train.prompts import make_prompt
 from streaming.prompt_bank import PromptItem, check, load_prompts
 
@@ -86,8 +86,8 @@ def test_users_judge_and_evaluation_give_one_verdict_per_constraint(tiny_model_d
             if item.origin == "ground_truth"
         ]
         judge = bool(truth_rows) and all(v == 1.0 for v in truth_rows)
-        prompt = EvalPrompt(prompt=make_prompt(question), truth=derive(question))
-        evaluation = sample_outcomes(engine, "v", [prompt], decode_params(Settings())).passed[prompt.prompt.key]
+        prompt = EvalPrompt(prompt=make_prompt(question), grader=CheckGrader(derive(question)))
+        evaluation = sample_outcomes(engine, "v", [prompt], decode_params(Settings())).scores[prompt.prompt.key] == 1
         assert users == judge == evaluation, (question, response, users, judge, evaluation)
     # the cases themselves: last number, substring (as the official keyword checker), any case
     assert check(

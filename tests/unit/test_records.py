@@ -163,7 +163,9 @@ def test_the_cli_reports_a_round_from_its_summary(tmp_path: Path):
     lines = round_report(summary, tmp_path / "summary.json")
     assert lines[0] == "round 2: r2 candidate (parent base; guard accepted: within bounds)"
     assert "  steps: 1 policy, 1 generator; 8 prompts; 10s" in lines
-    assert "ground truth on 200 held-out prompts: pass r1 0.420, base 0.360" in "\n".join(lines)
+    assert "ground truth on 200 dev prompts (the guard's): pass r1 0.420, base 0.360" in "\n".join(lines)
+    unseen = "  test unseen types (95 test prompts): r1 0.300, base 0.250; vs parent +"
+    assert any(line.startswith(unseen) for line in lines)
     assert f"  refresh: {summary.refresh}" in lines
     openrlhf = OpenRLHFSummary.model_validate(
         {k: v for k, v in summary.model_dump().items() if k in OpenRLHFSummary.model_fields} | {"trainer": "openrlhf"}

@@ -66,3 +66,39 @@ def test_the_trainer_takes_no_dev_or_test_prompt_and_no_held_out_type(bank: list
     free = make_prompt("Describe a kite.")
     assert splits.trainable(free.key, [], split)
     assert not splits.trainable(free.key, ["startend:end_checker"], split)
+
+
+def test_the_guard_reads_dev_and_the_reported_figures_read_test() -> None:
+    from dynrubric.config import Settings
+    from dynrubric.train.policy_eval import bank_suite
+
+    settings = Settings.model_validate({"evaluation": {"max_prompts": 10**6, "report_prompts": 10**6}})
+    split = splits.shipped_split()
+    dev = bank_suite(settings, "dev")
+    assert dev and {split.split(p.prompt.key) for p in dev} == {"dev"}
+    for suite, unseen in (("test_seen", False), ("test_unseen", True)):
+        prompts = bank_suite(settings, suite)
+        assert prompts and {split.split(p.prompt.key) for p in prompts} == {"test"}, suite
+        assert {split.by_key[p.prompt.key].unseen for p in prompts} == {unseen}, suite
+
+
+def test_no_reported_figure_can_reject_a_round() -> None:
+    """The guard decides on dev: a candidate far worse on every test figure, equal on dev, is accepted."""
+    from dynrubric.config import TrainConfig
+    from dynrubric.train.records import Comparison, Figure
+    from dynrubric.train.rounds import check_guards
+    from tests.run_records import evaluation, truth
+
+    worse = Comparison(version="r1", reference="base", prompts=100, delta=-0.5, low=-0.6, high=-0.4)
+    evidence = truth().model_copy(
+        update={
+            "figures": {
+                name: Figure(prompts=100, score={"r1": 0.0, "base": 0.5}, vs_parent=worse, vs_base=worse)
+                for name in ("test_seen", "test_unseen", "ifeval", "ifbench", "open")
+            }
+        }
+    )
+    verdict = check_guards(TrainConfig(), evaluation(groundtruth=evidence), [], truth_guard=True)
+    assert verdict.accepted, verdict
+    dev_worse = evidence.model_copy(update={"vs_parent": worse})
+    assert not check_guards(TrainConfig(), evaluation(groundtruth=dev_worse), [], truth_guard=True).accepted
