@@ -219,11 +219,11 @@ def bank_suite(settings: Settings, suite: Suite, path: Path | None = None) -> li
 
 def official_suite(settings: Settings, benchmark: Literal["ifeval", "ifbench"]) -> list[EvalPrompt]:
     """The official benchmark's gradable prompts, the first `evaluation.report_prompts` by key."""
-    from dynrubric.rubric.official import official_prompts
+    from dynrubric.train.official_prompts import official_prompts
 
     chosen = [
-        EvalPrompt(prompt=make_prompt(text), grader=OfficialGrader(benchmark, truth.passes))
-        for text, truth in official_prompts(benchmark)
+        EvalPrompt(prompt=prompt, grader=OfficialGrader(benchmark, truth.passes))
+        for prompt, truth in official_prompts(benchmark)
     ]
     chosen.sort(key=lambda e: e.prompt.key)
     return chosen[: settings.evaluation.report_prompts]
