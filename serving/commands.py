@@ -204,6 +204,16 @@ def _run_with_gate_endpoint(settings, controller, metrics, fn):
         thread.join(timeout=10)
 
 
+def _run_live(settings, controller, metrics, fn):
+    """Run with the gate endpoint; in a terminal a live status line shows each poll of a step whose state holds
+    (the log prints a state when it changes)."""
+    if not console.is_terminal:
+        return _run_with_gate_endpoint(settings, controller, metrics, fn)
+    with console.status("rollout: starting") as live:
+        controller.progress = live.update
+        return _run_with_gate_endpoint(settings, controller, metrics, fn)
+
+
 @rollout_app.command("start")
 def rollout_start(
     ctx: typer.Context, version: Annotated[str, typer.Argument(help="registry version to roll out")]
@@ -213,7 +223,7 @@ def rollout_start(
     controller, metrics = build_controller(settings)
     rollout = controller.start(version)
     console.print(f"gate: http://{settings.serving.host}:{settings.rollout.port}/gate/{rollout.id}")
-    final = _run_with_gate_endpoint(settings, controller, metrics, lambda: controller.run(rollout.id))
+    final = _run_live(settings, controller, metrics, lambda: controller.run(rollout.id))
     console.print(f"{final.id}: [bold]{final.status}[/] {final.reason or ''}")
     if final.status != "promoted":
         raise typer.Exit(1)
@@ -224,7 +234,7 @@ def rollout_resume(ctx: typer.Context) -> None:
     """Carry on the rollout a stopped controller left in progress."""
     settings = settings_of(ctx)
     controller, metrics = build_controller(settings)
-    final = _run_with_gate_endpoint(settings, controller, metrics, controller.resume)
+    final = _run_live(settings, controller, metrics, controller.resume)
     if final is None:
         console.print("no rollout in progress")
         return

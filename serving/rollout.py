@@ -307,7 +307,11 @@ class Controller:
         sleep: Callable[[float], None] = time.sleep,
         log: Callable[[str], None] = lambda _: None,
         judge: Any = None,
+        progress: Callable[[str], None] | None = None,
     ):
+        """`log`: a line an operator reads, printed when a step's state changes (its verdict and the check that
+        decided it), not at every poll. `progress`: the live status line (a terminal's spinner), told at every
+        poll how long the state has held; None: the polls are counted and summed up when the state changes."""
         if "judged" in gate_cfg.promote_on and judge is None:
             raise DynrubricError(
                 "gate.promote_on names judged, but the controller has no judge: no rollout could ever be promoted",
@@ -322,6 +326,11 @@ class Controller:
         self.gate_cfg = gate_cfg
         self.sleep = sleep
         self.log = log
+        self.progress = progress
+        self._shown: tuple[str, int, str, str] | None = None  # last logged: rollout, step, verdict, check
+        self._polls = 0  # polls of that state so far
+        self._shown_at = 0.0
+        self._last_line = ""
         m = metrics or CollectorRegistry()
         self.m_step = Gauge("dynrubric_rollout_step", "index of the current traffic step (-1 when idle)", registry=m)
         self.m_step_started = Gauge(
@@ -399,6 +408,8 @@ class Controller:
             self.router.traffic(r.steps[r.step], r.id)
         while r.status in ACTIVE:
             r = getattr(self, f"_{r.status}")(r)
+            if r.status != "stepping":
+                self._end_report()
         self.m_step.set(-1)
         return r
 
@@ -475,7 +486,7 @@ class Controller:
             )
         result = self.gate(r)
         self.m_verdicts.labels(result.verdict.value).inc()
-        self.log(f"{r.id} step {r.step} ({r.steps[r.step]:.0%}): {result.verdict.value}: {result.reason}")
+        self._report(r, result)
         gate = result.model_dump(mode="json")
         if result.verdict is Verdict.FAIL:
             return self.store.update(
@@ -506,6 +517,29 @@ class Controller:
         r = self.store.update(r.id, last_gate=gate)
         self.sleep(self.cfg.poll_interval_s)
         return r
+
+    def _report(self, r: Rollout, result: GateResult) -> None:
+        """Log a step's state when it changes: the step, the verdict or the check deciding it (the reason's
+        name; its numbers move at every poll). A state that held over several polls is summed up, with its
+        last numbers, before the next one is logged; meanwhile `progress` shows the polls live."""
+        state = (r.id, r.step, result.verdict.value, result.reason.split(":", 1)[0])
+        line = f"{r.id} step {r.step} ({r.steps[r.step]:.0%}): {result.verdict.value}: {result.reason}"
+        now = time.monotonic()
+        if state == self._shown:
+            self._polls += 1
+            self._last_line = line
+            if self.progress is not None:
+                self.progress(f"{line} [{self._polls} polls, {now - self._shown_at:.0f} s]")
+            return
+        self._end_report()
+        self._shown, self._polls, self._shown_at, self._last_line = state, 1, now, line
+        self.log(line)
+
+    def _end_report(self) -> None:
+        """The steps are over: sum up a state that held over several polls."""
+        if self._shown is not None and self._polls > 1:
+            self.log(f"{self._last_line} [held {self._polls} polls, {time.monotonic() - self._shown_at:.0f} s]")
+        self._shown, self._polls = None, 0
 
     def _promoting(self, r: Rollout) -> Rollout:
         try:
