@@ -568,11 +568,12 @@ class Controller:
 
 
 def build_controller_app(controller: Controller, metrics: CollectorRegistry) -> Any:
-    """/healthz, /metrics and `GET /gate/{rollout_id}` (Argo Rollouts' web metric provider reads it).
+    """/healthz, /metrics, `GET /gate/{rollout_id}` and `GET /gate/version/{version}` (Argo Rollouts' web metric
+    provider reads the latter: the newest rollout of the version its new pods serve).
 
     An active rollout is evaluated afresh; a finished one answers its last verdict (fail when it was
-    rolled back). Argo: `successCondition: result.verdict == "pass"`, `failureCondition:
-    result.verdict == "fail"`.
+    rolled back). Argo (k8s/overlays/prod-argo): `successCondition: result.status == "promoted"`,
+    `failureCondition: result.verdict == "fail"`.
     """
     from fastapi import HTTPException
 
@@ -580,12 +581,7 @@ def build_controller_app(controller: Controller, metrics: CollectorRegistry) -> 
 
     app = make_app("dynrubric rollout controller", metrics)
 
-    @app.get("/gate/{rollout_id}")
-    def gate(rollout_id: str) -> dict[str, Any]:
-        try:
-            r = controller.store.get(rollout_id)
-        except DynrubricError as e:
-            raise HTTPException(404, str(e)) from None
+    def answer(r: Rollout) -> dict[str, Any]:
         body = {
             "rollout_id": r.id,
             "version": r.version,
@@ -603,5 +599,23 @@ def build_controller_app(controller: Controller, metrics: CollectorRegistry) -> 
         else:
             result = {"verdict": "inconclusive", "reason": f"rollout is {r.status}", "checks": []}
         return body | result
+
+    @app.get("/gate/{rollout_id}")
+    def gate(rollout_id: str) -> dict[str, Any]:
+        try:
+            r = controller.store.get(rollout_id)
+        except DynrubricError as e:
+            raise HTTPException(404, str(e)) from None
+        return answer(r)
+
+    @app.get("/gate/version/{version}")
+    def gate_of_version(version: str) -> dict[str, Any]:
+        """The newest rollout of `version` (Argo's blue-green prePromotionAnalysis knows the version its new pods
+        serve, not the id our controller gives the rollout): inconclusive while there is none yet."""
+        rollouts = [r for r in controller.store.list() if r.version == version]
+        if not rollouts:
+            why = f"no rollout of {version} yet: `dynrubric rollout start {version}` (k8s/jobs/rollout-start.yaml)"
+            return {"version": version, "status": "none", "verdict": "inconclusive", "reason": why, "checks": []}
+        return answer(max(rollouts, key=lambda r: r.started_at))
 
     return app

@@ -262,12 +262,19 @@ def reference_problems(objs: list[dict]) -> list[str]:
             if cluster not in names("Kafka"):
                 problems.append(f"{where}: label strimzi.io/cluster={cluster} names no Kafka")
         if o["kind"] == "Rollout":
-            canary = o["spec"].get("strategy", {}).get("canary", {})
-            for key in ("canaryService", "stableService"):
-                if canary.get(key) and canary[key] not in names("Service"):
-                    problems.append(f"{where}: {key} {canary[key]} does not exist")
-            for step in canary.get("steps", []):
-                for t in step.get("analysis", {}).get("templates", []):
+            strategy = o["spec"].get("strategy", {})
+            canary, blue_green = strategy.get("canary", {}), strategy.get("blueGreen", {})
+            for spec, key in [(canary, "canaryService"), (canary, "stableService")] + [
+                (blue_green, "activeService"),
+                (blue_green, "previewService"),
+            ]:
+                if spec.get(key) and spec[key] not in names("Service"):
+                    problems.append(f"{where}: {key} {spec[key]} does not exist")
+            analyses = [step.get("analysis", {}) for step in canary.get("steps", [])] + [
+                blue_green.get(k, {}) for k in ("prePromotionAnalysis", "postPromotionAnalysis")
+            ]
+            for analysis in analyses:
+                for t in analysis.get("templates", []):
                     if t["templateName"] not in names("AnalysisTemplate"):
                         problems.append(f"{where}: analysis template {t['templateName']} does not exist")
         if o["kind"] == "RayJob":

@@ -166,9 +166,9 @@ def _mutations():
             lambda o: find(o, "KafkaTopic")["metadata"]["labels"].update({"strimzi.io/cluster": "other"}),
             "names no Kafka",
         ),
-        "Rollout step typo": (
-            lambda o: find(o, "Rollout")["spec"]["strategy"]["canary"]["steps"].append({"setWeigth": 5}),
-            "setWeigth",
+        "Rollout strategy typo": (
+            lambda o: find(o, "Rollout")["spec"]["strategy"]["blueGreen"].update(previewReplicaCont=1),
+            "previewReplicaCont",
         ),
         "Rollout missing AnalysisTemplate": (
             lambda o: find(o, "AnalysisTemplate")["metadata"].update(name="other"),
@@ -671,18 +671,28 @@ def test_image_and_ray_version_of_the_rayjob_are_settings(tmp_path):
     assert images == {settings.train.openrlhf.image}
 
 
-def test_analysis_template_maps_gate_verdicts():
-    at = find(rendered("prod-argo"), "AnalysisTemplate")
-    metric = at["spec"]["metrics"][0]
-    assert metric["provider"]["web"]["url"] == "{{args.gate-url}}/gate/{{args.rollout-id}}"
-    assert metric["successCondition"] == 'result.verdict == "pass"'
+def test_argo_promotes_the_pods_on_our_controllers_outcome():
+    """prod-argo: the router owns the split (stepped by our controller); Argo owns the pods, blue-green, and
+    its prePromotionAnalysis waits for our controller's outcome for the version the new pods serve."""
+    objs = rendered("prod-argo")
+    metric = find(objs, "AnalysisTemplate")["spec"]["metrics"][0]
+    assert metric["provider"]["web"]["url"] == "{{args.gate-url}}/gate/version/{{args.version}}"
+    assert metric["successCondition"] == 'result.status == "promoted"'
     assert metric["failureCondition"] == 'result.verdict == "fail"'
-    assert metric["failureLimit"] == 0 and metric["inconclusiveLimit"] >= 1  # inconclusive -> pause, not abort
-    steps = find(rendered("prod-argo"), "Rollout")["spec"]["strategy"]["canary"]["steps"]
-    assert [s["setWeight"] for s in steps if "setWeight" in s] == sorted(
-        s["setWeight"] for s in steps if "setWeight" in s
-    )
-    assert sum("analysis" in s for s in steps) == sum("setWeight" in s for s in steps)
+    assert metric["failureLimit"] == 0 and metric["consecutiveSuccessLimit"] == 1
+    rollout = find(objs, "Rollout")
+    strategy = rollout["spec"]["strategy"]
+    assert set(strategy) == {"blueGreen"}, "a canary Rollout without trafficRouting splits by replica counts"
+    bg = strategy["blueGreen"]
+    assert (bg["activeService"], bg["previewService"]) == ("vllm-stable", "vllm-canary")
+    [arg] = bg["prePromotionAnalysis"]["args"]
+    label = re.fullmatch(r"spec\.template\.metadata\.labels\['(.+)'\]", arg["valueFrom"]["fieldRef"]["fieldPath"])
+    assert label and label.group(1) in rollout["spec"]["template"]["metadata"]["labels"]
+    # the longest rollout stays below the inconclusive measurements Argo waits through
+    from dynrubric.config import RolloutConfig
+
+    cfg = RolloutConfig()
+    assert metric["inconclusiveLimit"] * 60 >= len(cfg.steps) * cfg.max_step_s and metric["interval"] == "1m"
 
 
 def test_app_config_in_the_configmap_is_valid_settings():
