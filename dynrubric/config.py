@@ -740,6 +740,15 @@ class ServingConfig(Section):
         description="the router reports requests/s and distinct "
         "users over this window: the traffic each rollout's gate power is planned on",
     )
+    shared_state: bool = Field(
+        default=False,
+        description="keep the router's split (experiment, canary weight, the weights each variant serves) and its "
+        "counters in the registry database, read by every router replica: needed for more than one replica "
+        "(k8s; with a PostgreSQL registry.url)",
+    )
+    sync_interval_s: float = Field(
+        default=1.0, gt=0, description="shared_state: how often a router replica adopts the split and writes counters"
+    )
 
 
 class RolloutConfig(Section):

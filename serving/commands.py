@@ -6,6 +6,7 @@ Machinery is imported inside command bodies so `dynrubric --help` stays fast.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 from pathlib import Path
@@ -113,7 +114,20 @@ def build_router(settings, producer, metrics):
         traffic_window_s=s.traffic_window_s,
         assignment=StickyHashAssignment(),
         replica_choice=LeastInflight(),
+        shared=_shared_split(settings),
+        replica_id=os.environ.get("HOSTNAME", ""),  # the pod's name in k8s
+        sync_interval_s=s.sync_interval_s,
     )
+
+
+def _shared_split(settings):
+    """The split every router replica reads (serving.shared_state), in the registry's database."""
+    if not settings.serving.shared_state:
+        return None
+    from dynrubric.registry import open_registry
+    from serving.shared import SharedSplit
+
+    return SharedSplit(open_registry(settings))
 
 
 def serve_router(ctx: typer.Context) -> None:

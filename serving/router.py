@@ -25,6 +25,11 @@ second and distinct users, `TrafficMeter`): what the rollout controller plans th
 Reads (`/v1/router/state`, `/metrics`) are open; control endpoints (traffic split, weights, drain)
 need the bearer token. The router owns which weights each variant should serve, and reloads an
 engine that comes back after a restart.
+
+Several replicas (`shared`, a `serving.shared.SharedSplit`): the split a control call sets is written to the
+registry's database, and every replica adopts the newest one within `sync_interval_s` (and before it
+serves); each writes its counters there, and the state reports its own plus the others' (serving/shared.py).
+Without `shared`, the split and the counters live in this process alone: one replica only.
 """
 
 from __future__ import annotations
@@ -242,6 +247,9 @@ class Router:
         traffic_window_s: float = 300.0,
         assignment: ArmAssignment | None = None,
         replica_choice: ReplicaChoice | None = None,
+        shared: Any = None,
+        replica_id: str = "",
+        sync_interval_s: float = 1.0,
     ):
         """`producer`: an EventProducer whose metrics are registered in `metrics` (the router's /metrics).
         `engine_api_key`: sent as a bearer token on every call to an engine (vLLM's --api-key).
@@ -249,8 +257,16 @@ class Router:
         sampling is what the engine used (engines' own defaults differ: vLLM's is the rest of the context).
         `traffic_window_s`: the window of the traffic the state reports (`TrafficMeter`).
         `assignment`, `replica_choice`: the routing policy (`serving.routing`); by default today's rules,
-        `StickyHashAssignment` and `LeastInflight`."""
+        `StickyHashAssignment` and `LeastInflight`.
+        `shared`: a `serving.shared.SharedSplit` every router replica reads (the split and the counters of all
+        replicas), synced every `sync_interval_s`; `replica_id` names this replica's counters there."""
         self.state = state
+        self.shared = shared
+        self.replica_id = replica_id or uuid.uuid4().hex[:12]
+        self.sync_interval_s = sync_interval_s
+        self._split_seq = 0  # the shared split this replica has applied
+        self._others: dict[str, dict[str, dict[str, int]]] = {}  # the other replicas' counters
+        self._sync_task: asyncio.Task | None = None
         self.assignment = assignment if assignment is not None else StickyHashAssignment()
         self.replica_choice = replica_choice if replica_choice is not None else LeastInflight()
         self.traffic = TrafficMeter(traffic_window_s)
@@ -647,6 +663,59 @@ class Router:
                         replica.healthy = False
             await asyncio.sleep(self.health_interval_s)
 
+    # ------------------------------------------------------------ shared state (several replicas)
+    def _own_counters(self) -> dict[str, dict[str, dict[str, int]]]:
+        return {
+            e: {v: {"requests": c.requests, "errors": c.errors, "settled": c.settled} for v, c in arms.items()}
+            for e, arms in self.state.counters.items()
+        }
+
+    def _counters(self) -> dict[str, dict[str, dict[str, int]]]:
+        """This replica's live counters plus the other replicas' last written ones."""
+        out = self._own_counters()
+        for e, arms in self._others.items():
+            for v, c in arms.items():
+                mine = out.setdefault(e, {}).setdefault(v, {"requests": 0, "errors": 0, "settled": 0})
+                for k in mine:
+                    mine[k] += c.get(k, 0)
+        return out
+
+    def _desired_json(self) -> dict[str, dict[str, str]]:
+        return {v: {"version": w.version, "path": w.path} for v, w in self.state.desired.items()}
+
+    async def _publish(self) -> None:
+        """Record this replica's split for the others (after a control call changed it)."""
+        if self.shared is not None:
+            s = self.state
+            split = await asyncio.to_thread(self.shared.write, s.experiment, s.canary_weight, self._desired_json())
+            self._split_seq = split.seq
+
+    def apply_shared(self) -> None:
+        """Adopt the newest shared split, write this replica's counters, read the others' (blocking: the sync
+        loop runs it in a thread)."""
+        if self.shared is None:
+            return
+        split = self.shared.read()
+        if split is not None and split.seq > self._split_seq:
+            s = self.state
+            s.experiment, s.canary_weight = split.experiment, split.canary_weight
+            s.desired = {v: Weights(w["version"], w["path"]) for v, w in split.desired.items()}
+            for replica in s.replicas:  # another replica loaded them on the engines (Services shared by all)
+                if replica.variant in s.desired:
+                    replica.policy_version = s.desired[replica.variant].version
+            self._split_seq = split.seq
+            self._set_weight_gauges()
+        self.shared.flush(self.replica_id, self._own_counters())
+        self._others = self.shared.others(self.replica_id)
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.sync_interval_s)
+            try:
+                await asyncio.to_thread(self.apply_shared)
+            except Exception as e:  # a database hiccup: keep serving on the split we have, retry next time
+                log.warning("router %s: shared state sync failed: %s", self.replica_id, e)
+
     def snapshot(self) -> dict[str, Any]:
         s = self.state
         return {
@@ -665,10 +734,7 @@ class Router:
                 }
                 for r in s.replicas
             ],
-            "counters": {
-                e: {v: {"requests": c.requests, "errors": c.errors, "settled": c.settled} for v, c in arms.items()}
-                for e, arms in s.counters.items()
-            },
+            "counters": self._counters(),
             "traffic": self.traffic.snapshot(),
             "shadow_rate": self.shadow_rate,
         }
@@ -680,10 +746,17 @@ class Router:
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI) -> AsyncIterator[None]:
             self._client = http_clients.async_client(timeout=self.timeout_s, headers=self.engine_headers)
+            await asyncio.to_thread(self.apply_shared)  # a replica started mid-rollout serves the rollout's split
             self._health_task = asyncio.create_task(self._health_loop())
+            if self.shared is not None:
+                self._sync_task = asyncio.create_task(self._sync_loop())
             try:
                 yield
             finally:
+                if self._sync_task is not None:
+                    self._sync_task.cancel()
+                    with contextlib.suppress(Exception):
+                        await asyncio.to_thread(self.shared.flush, self.replica_id, self._own_counters())
                 self._health_task.cancel()
                 for task in list(self._shadows):
                     task.cancel()
@@ -731,6 +804,7 @@ class Router:
             self.state.experiment = body.experiment
             self.state.canary_weight = body.canary_weight
             self._set_weight_gauges()
+            await self._publish()
             return self.snapshot()
 
         @app.post("/control/variants/{variant}/weights")
@@ -740,6 +814,7 @@ class Router:
                 raise HTTPException(400, f"weights path {body.path} is not a directory on the router's machine")
             async with self._control:
                 failed = await self.load_variant(variant, Weights(body.version, body.path), body.best_effort)
+                await self._publish()
             return self.snapshot() | {"failed": failed}
 
         @app.post("/control/replicas/{name}/drain")

@@ -389,11 +389,21 @@ RUNTIME_PATHS: dict[str, list[tuple[str, bool]]] = {
     "ingest": [("paths.state_dir", True)],
     "rollout": [("registry", False), ("paths.state_dir", True)],
 }
-# commands whose state lives in the process's memory: they must run as one replica (ARCHITECTURE.md)
+# commands whose state lives in the process's memory: they must run as one replica (docs/ARCHITECTURE.md)
 STATEFUL_COMMANDS = {
     "serve-reward": "a group's requests meet in one process (the reward barrier)",
-    "serve-router": "the experiment, the arm weights and the gate's counters (issue 37, defect 4)",
+    "serve-router": "the experiment, the arm weights and the gate's counters "
+    "(unless serving.shared_state with a PostgreSQL registry.url: then every replica reads them there)",
 }
+
+
+def _in_memory_state(command: str | None, settings) -> str | None:
+    """Why `command` keeps state in its process's memory, or None."""
+    if command == "serve-router" and settings.serving.shared_state and settings.registry.url is not None:
+        return None  # the split and the counters are in the registry's database (serving/shared.py)
+    return STATEFUL_COMMANDS.get(command or "")
+
+
 # a placeholder for a secretKeyRef's value: the settings only need to know it is set
 SECRET_PLACEHOLDERS = {"registry-url": "postgresql://secret@registry/dynrubric"}
 
@@ -485,13 +495,14 @@ def mount_problems(objs: list[dict]) -> list[str]:
 
 def state_problems(objs: list[dict]) -> list[str]:
     """No in-memory state behind an autoscaled Deployment: a command whose state lives in one process's memory
-    (STATEFUL_COMMANDS) must not be the target of an HPA or run as several replicas, or each replica holds its
-    own copy and a caller reaches one at random."""
+    (STATEFUL_COMMANDS, as its settings run it) must not be the target of an HPA or run as several replicas,
+    or each replica holds its own copy and a caller reaches one at random."""
     scaled = {
         o["spec"]["scaleTargetRef"]["name"]: o["spec"].get("maxReplicas", 1)
         for o in objs
         if o["kind"] == "HorizontalPodAutoscaler"
     }
+    config_maps = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ConfigMap"}
     problems = []
     for o in objs:
         if o["kind"] not in {"Deployment", "StatefulSet", "Rollout"}:
@@ -499,7 +510,8 @@ def state_problems(objs: list[dict]) -> list[str]:
         name = o["metadata"]["name"]
         replicas = max(o["spec"].get("replicas", 1), scaled.get(name, 1))
         for c in o["spec"]["template"]["spec"].get("containers", []):
-            why = STATEFUL_COMMANDS.get(_dynrubric_command(c) or "")
+            command = _dynrubric_command(c)
+            why = _in_memory_state(command, _settings(c, config_maps)) if command in STATEFUL_COMMANDS else None
             if why and replicas > 1:
                 problems.append(
                     f"{_name(o)}: {replicas} replicas{' (HPA)' if name in scaled else ''} of "

@@ -282,6 +282,16 @@ def _mutations():
             ),
             "whose state is in memory",
         ),
+        "router replicas without shared state": (
+            lambda o: settings_text(o).update(
+                {
+                    "dynrubric.yaml": settings_text(o)["dynrubric.yaml"].replace(
+                        "shared_state: true", "shared_state: false"
+                    )
+                }
+            ),
+            "Deployment/dynrubric-router: 20 replicas (HPA) of `dynrubric serve-router`, whose state is in memory",
+        ),
         "NetworkPolicy admitting no pod": (
             lambda o: find(o, "NetworkPolicy", "dynrubric-reward-server")["spec"]["ingress"][0]["from"][0][
                 "podSelector"
@@ -353,6 +363,7 @@ def test_the_router_finds_the_engines_by_their_service_names(monkeypatch, tmp_pa
     literal = {e["name"]: e["value"] for e in container["env"] if "value" in e and e["name"] != "DYNRUBRIC_CONFIG"}
     settings = configmap_settings(objs, tmp_path, **literal, DYNRUBRIC_REGISTRY__URL="postgresql://u@db/x")
     monkeypatch.setattr(commands, "_stable_weights", lambda _: ("v1", Path("/models/policy/current")))
+    monkeypatch.setattr(commands, "_shared_split", lambda _: None)  # no PostgreSQL here
     router = commands.build_router(settings, producer=None, metrics=CollectorRegistry())
     namespace = namespace_of(objs)
     urls = {r.variant: r.base_url for r in router.state.replicas}
