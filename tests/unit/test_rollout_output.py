@@ -36,7 +36,8 @@ class ScriptedGate(Controller):
     def __init__(self, results: list[GateResult], **kw: Any):
         self.results = list(results)
         self.store_ = Store(ROLLOUT)
-        super().__init__(None, self.store_, Router(), None, RolloutConfig(steps=[0.05, 0.5]), GateConfig(), **kw)  # type: ignore[arg-type]
+        cfg = RolloutConfig(steps=[0.05, 0.5])
+        super().__init__(None, self.store_, Router(), None, cfg, GateConfig(), **kw)  # type: ignore[arg-type]
         self.sleep = lambda _: None
 
     def gate(self, r: Rollout) -> GateResult:
