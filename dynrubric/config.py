@@ -688,12 +688,20 @@ class FleetEngineConfig(Section):
         "(http://vllm-stable:8000), which the router calls instead of http://127.0.0.1:{port}",
     )
 
+    pods: bool = Field(
+        default=False,
+        description="url names a headless Service: the router finds the pods behind it (DNS, at every health "
+        "check) and treats each as a replica, so a weights call reaches every pod",
+    )
+
     @model_validator(mode="after")
     def _port_or_url(self) -> FleetEngineConfig:
         if (self.port is None) == (self.url is None):
             raise ValueError(
                 f"engine {self.name}: give a port (a local engine the fleet starts) or a url (one it does not)"
             )
+        if self.pods and self.url is None:
+            raise ValueError(f"engine {self.name}: pods needs a url (a headless Service)")
         return self
 
     @property
@@ -740,6 +748,12 @@ class ServingConfig(Section):
         description="the router reports requests/s and distinct "
         "users over this window: the traffic each rollout's gate power is planned on",
     )
+    weights_via: Literal["rpc", "restart"] = Field(
+        default="rpc",
+        description="how a variant gets new weights: rpc, the router reloads every engine through vLLM's "
+        "/collective_rpc (dev mode: the local fleet); restart, the engines are restarted onto the weights' path "
+        "(Argo's new pods, a rolling restart) and the router checks that each serves it (/v1/models root)",
+    )
     shared_state: bool = Field(
         default=False,
         description="keep the router's split (experiment, canary weight, the weights each variant serves) and its "
@@ -773,6 +787,12 @@ class RolloutConfig(Section):
         "answers) where it has one; the rubric judge scores the rest (serving/judged.py)",
     )
     judge_pairs_per_poll: int = Field(default=8, ge=1, description="judge cost cap: pairs scored per gate evaluation")
+    restart_wait_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="serving.weights_via restart: how long loading or promoting waits for the engines to serve the "
+        "weights (pods restarted by Argo or a rolling restart) before it gives up",
+    )
 
 
 class GateSimulationConfig(Section):

@@ -117,6 +117,9 @@ def build_router(settings, producer, metrics):
         shared=_shared_split(settings),
         replica_id=os.environ.get("HOSTNAME", ""),  # the pod's name in k8s
         sync_interval_s=s.sync_interval_s,
+        weights_via=s.weights_via,
+        # headless Services: every pod behind one is a replica (a weights call reaches each)
+        discover=[(e.name, e.variant, e.base_url) for e in s.engines if e.pods],
     )
 
 

@@ -417,9 +417,24 @@ class Controller:
         r = self.store.active()
         return self.run(r.id) if r else None
 
+    def _load(self, variant: str, version: str, path: str) -> dict[str, Any]:
+        """The router's weights call for `variant`; with `rollout.restart_wait_s` (serving.weights_via restart:
+        something else restarts the pods onto the weights, Argo or a rolling restart) retried every poll
+        interval until the engines serve them or the wait is over (then the last refusal is raised)."""
+        deadline = time.monotonic() + self.cfg.restart_wait_s
+        while True:
+            try:
+                return self.router.load(variant, version, path)
+            except DynrubricError as e:
+                if time.monotonic() >= deadline:
+                    raise
+                if self.progress is not None:
+                    self.progress(f"waiting for the {variant} engines to serve {version}: {e.problem}")
+                self.sleep(self.cfg.poll_interval_s)
+
     def _loading(self, r: Rollout) -> Rollout:
         try:
-            self.router.load("canary", r.version, r.version_path)
+            self._load("canary", r.version, r.version_path)
         except DynrubricError as e:  # all or nothing: no canary replica changed, no traffic moved
             return self.store.update(r.id, status="failed", reason=f"loading canary weights failed: {e.problem}")
         if self.registry.get(r.version).state is CheckpointState.candidate:
@@ -544,7 +559,7 @@ class Controller:
     def _promoting(self, r: Rollout) -> Rollout:
         try:
             self.router.traffic(1.0, r.id)  # the canary carries everyone while stable replicas reload
-            self.router.load("stable", r.version, r.version_path)
+            self._load("stable", r.version, r.version_path)
         except DynrubricError as e:  # e.g. the canary died after the last gate: never promote a dead arm
             return self.store.update(r.id, status="rolling_back", reason=f"promotion failed: {e.problem}")
         self.router.traffic(0.0, r.id)

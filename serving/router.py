@@ -40,13 +40,15 @@ import hashlib
 import json
 import logging
 import random
+import socket
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
+from urllib.parse import urlsplit
 
 import httpx
 from fastapi import FastAPI, HTTPException, Request
@@ -164,6 +166,11 @@ class TrafficMeter:
         }
 
 
+def resolve_addresses(host: str, port: int) -> list[str]:
+    """The addresses DNS gives `host` (a headless Service: one per ready pod), sorted, without duplicates."""
+    return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)})
+
+
 def hash_user(user_key: str) -> str:
     return hashlib.sha256(user_key.encode()).hexdigest()[:32]
 
@@ -250,6 +257,9 @@ class Router:
         shared: Any = None,
         replica_id: str = "",
         sync_interval_s: float = 1.0,
+        weights_via: str = "rpc",
+        discover: Sequence[tuple[str, Variant, str]] = (),
+        resolve: Callable[[str, int], list[str]] | None = None,
     ):
         """`producer`: an EventProducer whose metrics are registered in `metrics` (the router's /metrics).
         `engine_api_key`: sent as a bearer token on every call to an engine (vLLM's --api-key).
@@ -259,11 +269,18 @@ class Router:
         `assignment`, `replica_choice`: the routing policy (`serving.routing`); by default today's rules,
         `StickyHashAssignment` and `LeastInflight`.
         `shared`: a `serving.shared.SharedSplit` every router replica reads (the split and the counters of all
-        replicas), synced every `sync_interval_s`; `replica_id` names this replica's counters there."""
+        replicas), synced every `sync_interval_s`; `replica_id` names this replica's counters there.
+        `weights_via`: "rpc" reloads an engine through /collective_rpc (vLLM's dev mode); "restart" only checks
+        that the engine serves the weights' path (/v1/models root): something else restarted it onto them.
+        `discover`: (name, variant, url) of headless Services whose pods are the replicas, resolved by
+        `resolve(host, port)` (DNS by default) at every health check."""
         self.state = state
         self.shared = shared
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self.sync_interval_s = sync_interval_s
+        self.weights_via = weights_via
+        self.discover = list(discover)
+        self.resolve = resolve or resolve_addresses
         self._split_seq = 0  # the shared split this replica has applied
         self._others: dict[str, dict[str, dict[str, int]]] = {}  # the other replicas' counters
         self._sync_task: asyncio.Task | None = None
@@ -597,6 +614,9 @@ class Router:
     # ------------------------------------------------------------ weights and health
     async def _reload(self, replica: Replica, weights: Weights) -> None:
         assert self._client is not None
+        if self.weights_via == "restart":
+            await self._check_serves(replica, weights)
+            return
         try:
             r = await self._client.post(
                 f"{replica.base_url}/collective_rpc",
@@ -610,6 +630,56 @@ class Router:
         if r.status_code != 200:
             raise EngineFailure(f"{replica.name}: HTTP {r.status_code}: {r.text[:300]}")
         replica.policy_version = weights.version
+
+    async def _check_serves(self, replica: Replica, weights: Weights) -> None:
+        """weights_via restart: the engine was restarted onto the weights; it must say so (vLLM's /v1/models
+        `root` is its --model)."""
+        assert self._client is not None
+        try:
+            r = await self._client.get(f"{replica.base_url}/v1/models", timeout=10.0)
+            models = r.json().get("data", []) if r.status_code == 200 else []
+            roots = [str(m.get("root", "")).rstrip("/") for m in models]
+        except (httpx.HTTPError, ValueError, AttributeError) as e:
+            raise EngineFailure(f"{replica.name}: /v1/models: {type(e).__name__}: {e}") from e
+        if weights.path.rstrip("/") not in roots:
+            raise EngineFailure(
+                f"{replica.name} serves {', '.join(roots) or 'nothing'}, not {weights.path}: "
+                f"its pods are not restarted onto {weights.version} yet"
+            )
+        replica.policy_version = weights.version
+
+    def _pods(self, found: dict[str, list[str]]) -> None:
+        """Replace each discovered Service's replicas by its pods' addresses (`found`: name -> addresses; a name
+        that did not resolve keeps what it has). A new pod starts unhealthy: the health check that finds it up
+        gives it its variant's weights (or checks them) before it serves."""
+        for name, variant, url in self.discover:
+            addresses = found.get(name)
+            if not addresses:
+                continue
+            port = urlsplit(url).port or 80
+            wanted = {f"{name}/{a}": f"http://{f'[{a}]' if ':' in a else a}:{port}" for a in addresses}
+            mine = [r for r in self.state.replicas if r.name == name or r.name.startswith(name + "/")]
+            keep = [r for r in mine if r.name in wanted]
+            if len(keep) == len(mine) == len(wanted):
+                continue
+            want = self.state.desired.get(variant)
+            version = want.version if want else (mine[0].policy_version if mine else "")
+            added = [
+                Replica(n, variant, u, version, healthy=False)
+                for n, u in wanted.items()
+                if n not in {r.name for r in keep}
+            ]
+            self.state.replicas = [r for r in self.state.replicas if r not in mine] + keep + added
+
+    def _resolve_all(self) -> dict[str, list[str]]:
+        found = {}
+        for name, _, url in self.discover:
+            parts = urlsplit(url)
+            try:
+                found[name] = self.resolve(parts.hostname or "", parts.port or 80)
+            except OSError as e:  # DNS down or the Service has no ready pod: keep the replicas we have
+                log.info("router: %s does not resolve: %s", url, e)
+        return found
 
     async def load_variant(self, variant: str, weights: Weights, best_effort: bool = False) -> list[str]:
         """Load `weights` on every replica of `variant`, or on none: a failure restores the others.
@@ -632,7 +702,7 @@ class Router:
                     replica.healthy = False
                     failed.append(str(e))
                     continue
-                if previous is not None:
+                if previous is not None and self.weights_via == "rpc":  # a check changed nothing to restore
                     for r in done:
                         try:
                             await self._reload(r, previous)
@@ -647,7 +717,9 @@ class Router:
     async def _health_loop(self) -> None:
         assert self._client is not None
         while True:
-            for replica in self.state.replicas:
+            if self.discover:
+                self._pods(await asyncio.to_thread(self._resolve_all))
+            for replica in list(self.state.replicas):
                 try:
                     ok = (await self._client.get(f"{replica.base_url}/health", timeout=10.0)).status_code == 200
                 except httpx.HTTPError:

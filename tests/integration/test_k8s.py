@@ -378,6 +378,13 @@ def test_the_router_finds_the_engines_by_their_service_names(monkeypatch, tmp_pa
         assert engine["metadata"]["name"] == f"vllm-{variant}"
         served = next(r for r in router.state.replicas if r.variant == variant).served_model
         assert args[args.index("--served-model-name") + 1] == served
+        assert service["spec"]["clusterIP"] == "None"  # headless: the router finds every pod behind it
+    # every pod of each Service is a replica (a weights check reaches each), and no dev mode is needed
+    assert {(name, variant) for name, variant, _ in router.discover} == {
+        ("vllm-stable", "stable"),
+        ("vllm-canary", "canary"),
+    }
+    assert router.weights_via == "restart" and settings.rollout.restart_wait_s > 0
 
 
 def _dynrubric_containers(objs: list[dict]) -> list[tuple[str, list[str]]]:
@@ -688,7 +695,8 @@ def test_argo_promotes_the_pods_on_our_controllers_outcome():
     objs = rendered("prod-argo")
     metric = find(objs, "AnalysisTemplate")["spec"]["metrics"][0]
     assert metric["provider"]["web"]["url"] == "{{args.gate-url}}/gate/version/{{args.version}}"
-    assert metric["successCondition"] == 'result.status == "promoted"'
+    # promoting: the last step passed and our controller waits for vllm-stable to serve the new pods
+    assert metric["successCondition"] == 'result.status == "promoting" || result.status == "promoted"'
     assert metric["failureCondition"] == 'result.verdict == "fail"'
     assert metric["failureLimit"] == 0 and metric["consecutiveSuccessLimit"] == 1
     rollout = find(objs, "Rollout")
