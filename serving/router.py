@@ -78,6 +78,9 @@ class Replica:
     healthy: bool = True
     drained: bool = False
     inflight: int = 0
+    # weights_via restart: up, but serving other weights than its variant's (a pod not restarted onto them yet,
+    # or restarted onto the next version): no traffic until they match
+    stale: bool = False
 
 
 @dataclass
@@ -112,8 +115,12 @@ class RouterState:
         by_variant = self.counters.setdefault(self.experiment, {v: ArmCounters() for v in VARIANTS})
         return by_variant[variant]
 
+    def routable(self) -> list[Replica]:
+        """The replicas the routing policy may pick from: all but those serving the wrong weights."""
+        return [r for r in self.replicas if not r.stale]
+
     def serving(self, variant: str) -> list[Replica]:
-        return serving_replicas(self.replicas, variant)
+        return serving_replicas(self.routable(), variant)
 
 
 class TrafficMeter:
@@ -218,6 +225,10 @@ class DrainBody(BaseModel):
 
 class EngineFailure(Exception):
     """A replica could not answer (connection error, timeout, 5xx, or an answer without text, `_no_text`)."""
+
+
+class WrongWeights(EngineFailure):
+    """weights_via restart: the replica answers, serving other weights than asked (it is `stale`)."""
 
 
 def _no_text(data: Any, chat: bool) -> str | None:
@@ -374,7 +385,7 @@ class Router:
                 self.state.arm("canary").errors += 1
                 self.state.arm("canary").settled += 1
                 self.m_errors.labels("canary").inc()
-            replica = self.replica_choice.choose(self.state.replicas, v, tried)
+            replica = self.replica_choice.choose(self.state.routable(), v, tried)
             if replica is None:
                 continue
             tried.add(replica.name)
@@ -577,7 +588,7 @@ class Router:
 
     async def _run_shadow(self, meta: dict[str, Any], path: str, body: dict[str, Any], chat: bool) -> None:
         other = "stable" if meta["variant"] == "canary" else "canary"
-        replica = self.replica_choice.choose(self.state.replicas, other, set())
+        replica = self.replica_choice.choose(self.state.routable(), other, set())
         started = time.perf_counter()
         try:
             if replica is None:
@@ -615,7 +626,12 @@ class Router:
     async def _reload(self, replica: Replica, weights: Weights) -> None:
         assert self._client is not None
         if self.weights_via == "restart":
-            await self._check_serves(replica, weights)
+            try:
+                await self._check_serves(replica, weights)
+            except WrongWeights:
+                replica.stale = True
+                raise
+            replica.stale = False
             return
         try:
             r = await self._client.post(
@@ -642,7 +658,7 @@ class Router:
         except (httpx.HTTPError, ValueError, AttributeError) as e:
             raise EngineFailure(f"{replica.name}: /v1/models: {type(e).__name__}: {e}") from e
         if weights.path.rstrip("/") not in roots:
-            raise EngineFailure(
+            raise WrongWeights(
                 f"{replica.name} serves {', '.join(roots) or 'nothing'}, not {weights.path}: "
                 f"its pods are not restarted onto {weights.version} yet"
             )
@@ -699,7 +715,8 @@ class Router:
                 done.append(replica)
             except EngineFailure as e:
                 if best_effort:
-                    replica.healthy = False
+                    if not isinstance(e, WrongWeights):  # a stale one is up: it gets no traffic already
+                        replica.healthy = False
                     failed.append(str(e))
                     continue
                 if previous is not None and self.weights_via == "rpc":  # a check changed nothing to restore
@@ -727,10 +744,12 @@ class Router:
                 came_back = ok and not replica.healthy
                 replica.healthy = ok
                 want = self.state.desired.get(replica.variant)
-                if came_back and want is not None:
-                    try:  # a restarted engine serves its start weights: give it its variant's
+                if ok and (came_back or replica.stale) and want is not None:
+                    try:  # a restarted engine serves its start weights: give it its variant's (or check them)
                         async with self._control:
                             await self._reload(replica, want)
+                    except WrongWeights:
+                        pass  # stale: up, no traffic; checked again next time
                     except EngineFailure:
                         replica.healthy = False
             await asyncio.sleep(self.health_interval_s)
@@ -802,6 +821,7 @@ class Router:
                     "policy_version": r.policy_version,
                     "healthy": r.healthy,
                     "drained": r.drained,
+                    "stale": r.stale,
                     "inflight": r.inflight,
                 }
                 for r in s.replicas

@@ -84,6 +84,25 @@ def test_a_variant_takes_a_version_only_when_every_pod_serves_it():
     assert pods.rpc == []  # never a dev-mode call
 
 
+def test_a_pod_serving_other_weights_is_up_but_takes_no_traffic_until_they_match():
+    """The operator restarted the canary onto v2 before the rollout: its pods are up (the controller may start)
+    but stale, with no users, until the rollout's loading makes v2 the canary's weights."""
+    pods = Pods({"10.0.0.1": "/m/v2"})
+    r = discovering(pods)
+    r._pods(r._resolve_all())
+    [pod] = r.state.replicas
+    pod.healthy = True
+    with pytest.raises(HTTPException):
+        asyncio.run(r.load_variant("canary", Weights("v1", "/m/v1")))  # the canary's desired weights: not served
+    assert pod.stale and pod.healthy and r.state.serving("canary") == [] and r.assign("user") == "stable"
+    assert r.snapshot()["replicas"][0]["stale"] is True
+    asyncio.run(r.load_variant("canary", Weights("v2", "/m/v2")))
+    assert not pod.stale and r.state.serving("canary") == [pod]
+    # a rollback to weights the pods do not serve marks them stale, not down
+    assert asyncio.run(r.load_variant("canary", Weights("v1", "/m/v1"), best_effort=True))
+    assert pod.stale and pod.healthy and r.state.serving("canary") == []
+
+
 class Waiting:
     """The router's weights call refused until the pods were restarted (the third call)."""
 
