@@ -787,6 +787,16 @@ class RolloutConfig(Section):
         "answers) where it has one; the rubric judge scores the rest (serving/judged.py)",
     )
     judge_pairs_per_poll: int = Field(default=8, ge=1, description="judge cost cap: pairs scored per gate evaluation")
+    restart: Literal["none", "kubernetes"] = Field(
+        default="none",
+        description="serving.weights_via restart: who restarts a variant's engines onto new weights. none: "
+        "something else (Argo's Rollout, an operator); kubernetes: the controller sets --model of the "
+        "variant's Deployment (rollout.deployments) through the Kubernetes API as its pod's service account",
+    )
+    deployments: dict[str, str] = Field(
+        default_factory=lambda: {"stable": "vllm-stable", "canary": "vllm-canary"},
+        description="restart kubernetes: the engine Deployment of each variant",
+    )
     restart_wait_s: float = Field(
         default=0.0,
         ge=0,

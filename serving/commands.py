@@ -186,6 +186,11 @@ def build_controller(settings, log=console.print):
             Evaluator(generator, verifier, settings.rubric), settings.rubric.eps, ground_truth=r.judge_ground_truth
         )
     registry = open_registry(settings)
+    restarter = None
+    if r.restart == "kubernetes":
+        from serving.kube import DeploymentRestarter
+
+        restarter = DeploymentRestarter.in_cluster()
     controller = Controller(
         registry,
         open_rollout_store(settings, registry),
@@ -196,6 +201,7 @@ def build_controller(settings, log=console.print):
         metrics=metrics,
         log=log,
         judge=judge,
+        restarter=restarter,
     )
     return controller, metrics
 

@@ -308,10 +308,14 @@ class Controller:
         log: Callable[[str], None] = lambda _: None,
         judge: Any = None,
         progress: Callable[[str], None] | None = None,
+        restarter: Any = None,
     ):
         """`log`: a line an operator reads, printed when a step's state changes (its verdict and the check that
         decided it), not at every poll. `progress`: the live status line (a terminal's spinner), told at every
-        poll how long the state has held; None: the polls are counted and summed up when the state changes."""
+        poll how long the state has held; None: the polls are counted and summed up when the state changes.
+        `restarter`: a `serving.kube.DeploymentRestarter` (rollout.restart kubernetes) that restarts a variant's
+        engines onto new weights before the router checks them; None: something else restarts them, or the
+        router reloads them itself (serving.weights_via rpc)."""
         if "judged" in gate_cfg.promote_on and judge is None:
             raise DynrubricError(
                 "gate.promote_on names judged, but the controller has no judge: no rollout could ever be promoted",
@@ -327,6 +331,7 @@ class Controller:
         self.sleep = sleep
         self.log = log
         self.progress = progress
+        self.restarter = restarter
         self._shown: tuple[str, int, str, str] | None = None  # last logged: rollout, step, verdict, check
         self._polls = 0  # polls of that state so far
         self._shown_at = 0.0
@@ -421,6 +426,7 @@ class Controller:
         """The router's weights call for `variant`; with `rollout.restart_wait_s` (serving.weights_via restart:
         something else restarts the pods onto the weights, Argo or a rolling restart) retried every poll
         interval until the engines serve them or the wait is over (then the last refusal is raised)."""
+        self._restart(variant, path)
         deadline = time.monotonic() + self.cfg.restart_wait_s
         while True:
             try:
@@ -431,6 +437,11 @@ class Controller:
                 if self.progress is not None:
                     self.progress(f"waiting for the {variant} engines to serve {version}: {e.problem}")
                 self.sleep(self.cfg.poll_interval_s)
+
+    def _restart(self, variant: str, path: str) -> None:
+        """rollout.restart kubernetes: set the variant's Deployment onto the weights (Kubernetes rolls its pods)."""
+        if self.restarter is not None:
+            self.log(f"{variant}: {self.restarter.set_model(self.cfg.deployments[variant], path)}")
 
     def _loading(self, r: Rollout) -> Rollout:
         try:
@@ -573,6 +584,10 @@ class Controller:
         failed: list[str] = []
         for variant in ("stable", "canary"):  # stable differs only after a failed promotion
             if state["desired"].get(variant, {}).get("version") != r.baseline:
+                try:
+                    self._restart(variant, r.baseline_path)
+                except DynrubricError as e:  # the router's check below marks what still serves the version
+                    failed.append(f"restart of {variant}: {e.problem}")
                 failed += self.router.load(variant, r.baseline, r.baseline_path, best_effort=True)["failed"]
         if self.registry.get(r.version).state is not CheckpointState.rejected:
             self.registry.reject(r.version, r.reason or "rolled back")

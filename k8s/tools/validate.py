@@ -218,6 +218,9 @@ def reference_problems(objs: list[dict]) -> list[str]:
         if o["kind"] == "Secret":
             problems.append(f"{where}: Secrets are never inlined in manifests; reference {SECRET_NAME} (k8s/README.md)")
         for pod in _pod_specs(o):
+            account = pod.get("serviceAccountName")
+            if account and account not in names("ServiceAccount"):
+                problems.append(f"{where}: serviceAccountName {account} does not exist")
             for v in pod.get("volumes", []):
                 if "configMap" in v and v["configMap"]["name"] not in names("ConfigMap"):
                     problems.append(f"{where}: volume {v['name']} uses missing ConfigMap {v['configMap']['name']}")

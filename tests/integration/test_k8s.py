@@ -282,6 +282,10 @@ def _mutations():
             ),
             "whose state is in memory",
         ),
+        "missing ServiceAccount": (
+            lambda o: o.remove(find(o, "ServiceAccount", "dynrubric-rollout")),
+            "serviceAccountName dynrubric-rollout does not exist",
+        ),
         "router replicas without shared state": (
             lambda o: settings_text(o).update(
                 {
@@ -385,6 +389,33 @@ def test_the_router_finds_the_engines_by_their_service_names(monkeypatch, tmp_pa
         ("vllm-canary", "canary"),
     }
     assert router.weights_via == "restart" and settings.rollout.restart_wait_s > 0
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_the_rollout_job_may_restart_the_engine_deployments_and_nothing_else(overlay, tmp_path):
+    """rollout.restart kubernetes: the Job's service account gets and patches exactly the Deployments the
+    settings name, which are the engine Deployments the router's Services select, each with a --model."""
+    objs = deployment_set(overlay)
+    settings = configmap_settings(objs, tmp_path)
+    assert settings.rollout.restart == "kubernetes" and settings.serving.weights_via == "restart"
+    job = find(objs, "Job")["spec"]["template"]["spec"]
+    binding = find(objs, "RoleBinding", "dynrubric-rollout")
+    assert ("ServiceAccount", job["serviceAccountName"], namespace_of(objs)) in {
+        (x["kind"], x["name"], x.get("namespace")) for x in binding["subjects"]
+    }
+    [rule] = find(objs, "Role", binding["roleRef"]["name"])["rules"]
+    assert (rule["apiGroups"], rule["resources"], sorted(rule["verbs"])) == (
+        ["apps"],
+        ["deployments"],
+        ["get", "patch"],
+    )
+    assert sorted(rule["resourceNames"]) == sorted(settings.rollout.deployments.values())
+    for variant, name in settings.rollout.deployments.items():
+        engine = service_deployment(objs, next(e.url for e in settings.serving.engines if e.variant == variant) or "")
+        assert (
+            engine["metadata"]["name"] == name
+            and "--model" in engine["spec"]["template"]["spec"]["containers"][0]["args"]
+        )
 
 
 def _dynrubric_containers(objs: list[dict]) -> list[tuple[str, list[str]]]:

@@ -127,3 +127,62 @@ def test_the_controller_waits_for_the_restart_within_restart_wait_s():
     impatient = Controller(None, None, Waiting(), None, RolloutConfig(), GateConfig())  # type: ignore[arg-type]
     with pytest.raises(DynrubricError, match="serves /m/v1, not /m/v2"):
         impatient._load("canary", "v2", "/m/v2")  # restart_wait_s 0 (rpc): the first refusal is final
+
+
+class ApiServer:
+    """The Kubernetes API's Deployments endpoint as the rollout Job's service account sees it."""
+
+    def __init__(self, deployments: dict[str, list[str]], status: int = 200):
+        self.deployments = deployments
+        self.status = status
+        self.patches: list[tuple[str, str, dict]] = []
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        import json
+
+        name = request.url.path.rsplit("/", 1)[1]
+        assert request.url.path == f"/apis/apps/v1/namespaces/dynrubric/deployments/{name}"
+        assert request.headers["authorization"] == "Bearer sa-token"
+        if self.status != 200:
+            return httpx.Response(self.status, text="deployments.apps is forbidden")
+        if name not in self.deployments:
+            return httpx.Response(404, json={"reason": "NotFound"})
+        if request.method == "GET":
+            containers = [{"name": "vllm", "args": self.deployments[name]}]
+            return httpx.Response(200, json={"spec": {"template": {"spec": {"containers": containers}}}})
+        body = json.loads(request.content)
+        self.patches.append((name, request.headers["content-type"], body))
+        self.deployments[name] = body["spec"]["template"]["spec"]["containers"][0]["args"]
+        return httpx.Response(200, json={})
+
+
+def restarter(api: ApiServer):
+    from serving.kube import DeploymentRestarter
+
+    return DeploymentRestarter("https://api", "dynrubric", "sa-token", transport=httpx.MockTransport(api.handle))
+
+
+def test_the_controller_restarts_the_variants_deployment_onto_the_weights():
+    api = ApiServer({"vllm-canary": ["--model", "/m/v1", "--port", "8000"]})
+    lines: list[str] = []
+    waiting = Waiting()
+    cfg = RolloutConfig(restart_wait_s=60, poll_interval_s=0.01)
+    kube = restarter(api)
+    log = lines.append
+    c = Controller(None, None, waiting, None, cfg, GateConfig(), log=log, restarter=kube)  # type: ignore[arg-type]
+    c.sleep = lambda _: None
+    c._load("canary", "v2", "/m/v2")
+    [(name, kind, patch)] = api.patches
+    assert (name, kind) == ("vllm-canary", "application/strategic-merge-patch+json")
+    assert patch["spec"]["template"]["spec"]["containers"] == [
+        {"name": "vllm", "args": ["--model", "/m/v2", "--port", "8000"]}
+    ]
+    assert lines == ["canary: restarting vllm-canary onto /m/v2"] and waiting.calls == 3
+    assert "already runs /m/v2" in restarter(api).set_model("vllm-canary", "/m/v2") and len(api.patches) == 1
+
+
+def test_a_deployment_that_is_not_there_is_not_restarted_and_a_refusal_names_the_rbac():
+    assert "not restarted" in restarter(ApiServer({})).set_model("vllm-canary", "/m/v2")  # prod-argo: Argo's pods
+    with pytest.raises(DynrubricError, match="HTTP 403") as refused:
+        restarter(ApiServer({}, status=403)).set_model("vllm-canary", "/m/v2")
+    assert "rbac.yaml" in refused.value.fix
