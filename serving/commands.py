@@ -6,6 +6,7 @@ Machinery is imported inside command bodies so `dynrubric --help` stays fast.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 from pathlib import Path
@@ -94,7 +95,8 @@ def build_router(settings, producer, metrics):
     from serving.routing import LeastInflight, StickyHashAssignment
 
     version, path = _stable_weights(settings)
-    replicas = [Replica(e.name, e.variant, f"http://127.0.0.1:{e.port}", version) for e in settings.serving.engines]
+    # a local fleet's loopback port, or a Kubernetes Service by its DNS name (serving.engines[].url)
+    replicas = [Replica(e.name, e.variant, e.base_url, version) for e in settings.serving.engines]
     weights = Weights(version, str(path))
     state = RouterState(replicas, desired={"stable": weights, "canary": weights})
     s = settings.serving
@@ -112,7 +114,23 @@ def build_router(settings, producer, metrics):
         traffic_window_s=s.traffic_window_s,
         assignment=StickyHashAssignment(),
         replica_choice=LeastInflight(),
+        shared=_shared_split(settings),
+        replica_id=os.environ.get("HOSTNAME", ""),  # the pod's name in k8s
+        sync_interval_s=s.sync_interval_s,
+        weights_via=s.weights_via,
+        # headless Services: every pod behind one is a replica (a weights call reaches each)
+        discover=[(e.name, e.variant, e.base_url) for e in s.engines if e.pods],
     )
+
+
+def _shared_split(settings):
+    """The split every router replica reads (serving.shared_state), in the registry's database."""
+    if not settings.serving.shared_state:
+        return None
+    from dynrubric.registry import open_registry
+    from serving.shared import SharedSplit
+
+    return SharedSplit(open_registry(settings))
 
 
 def serve_router(ctx: typer.Context) -> None:
@@ -168,6 +186,11 @@ def build_controller(settings, log=console.print):
             Evaluator(generator, verifier, settings.rubric), settings.rubric.eps, ground_truth=r.judge_ground_truth
         )
     registry = open_registry(settings)
+    restarter = None
+    if r.restart == "kubernetes":
+        from serving.kube import DeploymentRestarter
+
+        restarter = DeploymentRestarter.in_cluster()
     controller = Controller(
         registry,
         open_rollout_store(settings, registry),
@@ -178,6 +201,7 @@ def build_controller(settings, log=console.print):
         metrics=metrics,
         log=log,
         judge=judge,
+        restarter=restarter,
     )
     return controller, metrics
 
@@ -204,6 +228,16 @@ def _run_with_gate_endpoint(settings, controller, metrics, fn):
         thread.join(timeout=10)
 
 
+def _run_live(settings, controller, metrics, fn):
+    """Run with the gate endpoint; in a terminal a live status line shows each poll of a step whose state holds
+    (the log prints a state when it changes)."""
+    if not console.is_terminal:
+        return _run_with_gate_endpoint(settings, controller, metrics, fn)
+    with console.status("rollout: starting") as live:
+        controller.progress = live.update
+        return _run_with_gate_endpoint(settings, controller, metrics, fn)
+
+
 @rollout_app.command("start")
 def rollout_start(
     ctx: typer.Context, version: Annotated[str, typer.Argument(help="registry version to roll out")]
@@ -213,7 +247,7 @@ def rollout_start(
     controller, metrics = build_controller(settings)
     rollout = controller.start(version)
     console.print(f"gate: http://{settings.serving.host}:{settings.rollout.port}/gate/{rollout.id}")
-    final = _run_with_gate_endpoint(settings, controller, metrics, lambda: controller.run(rollout.id))
+    final = _run_live(settings, controller, metrics, lambda: controller.run(rollout.id))
     console.print(f"{final.id}: [bold]{final.status}[/] {final.reason or ''}")
     if final.status != "promoted":
         raise typer.Exit(1)
@@ -224,7 +258,7 @@ def rollout_resume(ctx: typer.Context) -> None:
     """Carry on the rollout a stopped controller left in progress."""
     settings = settings_of(ctx)
     controller, metrics = build_controller(settings)
-    final = _run_with_gate_endpoint(settings, controller, metrics, controller.resume)
+    final = _run_live(settings, controller, metrics, controller.resume)
     if final is None:
         console.print("no rollout in progress")
         return

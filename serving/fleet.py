@@ -89,12 +89,18 @@ def spread_cores(index: int) -> str:
 
 def specs_from_settings(settings: Settings, model_dir: Path, policy_version: str) -> list[EngineSpec]:
     engines: list[FleetEngineConfig] = settings.serving.engines
+    remote = [e.name for e in engines if e.port is None]
+    if remote:
+        raise DynrubricError(
+            f"the fleet starts local engines; {', '.join(remote)} are reached at a url (serving.engines[].url)",
+            "give every engine the fleet should start a port, or run the router alone (`dynrubric serve-router`)",
+        )
     return [
         EngineSpec(
             name=e.name,
             variant=e.variant,
             server=e.server,
-            port=e.port,
+            port=e.port or 0,  # every engine has one (checked above)
             model_dir=model_dir,
             policy_version=policy_version,
             kv_cache_space_gib=settings.vllm.kv_cache_space_gib,

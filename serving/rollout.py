@@ -307,7 +307,15 @@ class Controller:
         sleep: Callable[[float], None] = time.sleep,
         log: Callable[[str], None] = lambda _: None,
         judge: Any = None,
+        progress: Callable[[str], None] | None = None,
+        restarter: Any = None,
     ):
+        """`log`: a line an operator reads, printed when a step's state changes (its verdict and the check that
+        decided it), not at every poll. `progress`: the live status line (a terminal's spinner), told at every
+        poll how long the state has held; None: the polls are counted and summed up when the state changes.
+        `restarter`: a `serving.kube.DeploymentRestarter` (rollout.restart kubernetes) that restarts a variant's
+        engines onto new weights before the router checks them; None: something else restarts them, or the
+        router reloads them itself (serving.weights_via rpc)."""
         if "judged" in gate_cfg.promote_on and judge is None:
             raise DynrubricError(
                 "gate.promote_on names judged, but the controller has no judge: no rollout could ever be promoted",
@@ -322,6 +330,12 @@ class Controller:
         self.gate_cfg = gate_cfg
         self.sleep = sleep
         self.log = log
+        self.progress = progress
+        self.restarter = restarter
+        self._shown: tuple[str, int, str, str] | None = None  # last logged: rollout, step, verdict, check
+        self._polls = 0  # polls of that state so far
+        self._shown_at = 0.0
+        self._last_line = ""
         m = metrics or CollectorRegistry()
         self.m_step = Gauge("dynrubric_rollout_step", "index of the current traffic step (-1 when idle)", registry=m)
         self.m_step_started = Gauge(
@@ -399,6 +413,8 @@ class Controller:
             self.router.traffic(r.steps[r.step], r.id)
         while r.status in ACTIVE:
             r = getattr(self, f"_{r.status}")(r)
+            if r.status != "stepping":
+                self._end_report()
         self.m_step.set(-1)
         return r
 
@@ -406,9 +422,30 @@ class Controller:
         r = self.store.active()
         return self.run(r.id) if r else None
 
+    def _load(self, variant: str, version: str, path: str) -> dict[str, Any]:
+        """The router's weights call for `variant`; with `rollout.restart_wait_s` (serving.weights_via restart:
+        something else restarts the pods onto the weights, Argo or a rolling restart) retried every poll
+        interval until the engines serve them or the wait is over (then the last refusal is raised)."""
+        self._restart(variant, path)
+        deadline = time.monotonic() + self.cfg.restart_wait_s
+        while True:
+            try:
+                return self.router.load(variant, version, path)
+            except DynrubricError as e:
+                if time.monotonic() >= deadline:
+                    raise
+                if self.progress is not None:
+                    self.progress(f"waiting for the {variant} engines to serve {version}: {e.problem}")
+                self.sleep(self.cfg.poll_interval_s)
+
+    def _restart(self, variant: str, path: str) -> None:
+        """rollout.restart kubernetes: set the variant's Deployment onto the weights (Kubernetes rolls its pods)."""
+        if self.restarter is not None:
+            self.log(f"{variant}: {self.restarter.set_model(self.cfg.deployments[variant], path)}")
+
     def _loading(self, r: Rollout) -> Rollout:
         try:
-            self.router.load("canary", r.version, r.version_path)
+            self._load("canary", r.version, r.version_path)
         except DynrubricError as e:  # all or nothing: no canary replica changed, no traffic moved
             return self.store.update(r.id, status="failed", reason=f"loading canary weights failed: {e.problem}")
         if self.registry.get(r.version).state is CheckpointState.candidate:
@@ -475,7 +512,7 @@ class Controller:
             )
         result = self.gate(r)
         self.m_verdicts.labels(result.verdict.value).inc()
-        self.log(f"{r.id} step {r.step} ({r.steps[r.step]:.0%}): {result.verdict.value}: {result.reason}")
+        self._report(r, result)
         gate = result.model_dump(mode="json")
         if result.verdict is Verdict.FAIL:
             return self.store.update(
@@ -507,10 +544,33 @@ class Controller:
         self.sleep(self.cfg.poll_interval_s)
         return r
 
+    def _report(self, r: Rollout, result: GateResult) -> None:
+        """Log a step's state when it changes: the step, the verdict or the check deciding it (the reason's
+        name; its numbers move at every poll). A state that held over several polls is summed up, with its
+        last numbers, before the next one is logged; meanwhile `progress` shows the polls live."""
+        state = (r.id, r.step, result.verdict.value, result.reason.split(":", 1)[0])
+        line = f"{r.id} step {r.step} ({r.steps[r.step]:.0%}): {result.verdict.value}: {result.reason}"
+        now = time.monotonic()
+        if state == self._shown:
+            self._polls += 1
+            self._last_line = line
+            if self.progress is not None:
+                self.progress(f"{line} [{self._polls} polls, {now - self._shown_at:.0f} s]")
+            return
+        self._end_report()
+        self._shown, self._polls, self._shown_at, self._last_line = state, 1, now, line
+        self.log(line)
+
+    def _end_report(self) -> None:
+        """The steps are over: sum up a state that held over several polls."""
+        if self._shown is not None and self._polls > 1:
+            self.log(f"{self._last_line} [held {self._polls} polls, {time.monotonic() - self._shown_at:.0f} s]")
+        self._shown, self._polls = None, 0
+
     def _promoting(self, r: Rollout) -> Rollout:
         try:
             self.router.traffic(1.0, r.id)  # the canary carries everyone while stable replicas reload
-            self.router.load("stable", r.version, r.version_path)
+            self._load("stable", r.version, r.version_path)
         except DynrubricError as e:  # e.g. the canary died after the last gate: never promote a dead arm
             return self.store.update(r.id, status="rolling_back", reason=f"promotion failed: {e.problem}")
         self.router.traffic(0.0, r.id)
@@ -524,6 +584,10 @@ class Controller:
         failed: list[str] = []
         for variant in ("stable", "canary"):  # stable differs only after a failed promotion
             if state["desired"].get(variant, {}).get("version") != r.baseline:
+                try:
+                    self._restart(variant, r.baseline_path)
+                except DynrubricError as e:  # the router's check below marks what still serves the version
+                    failed.append(f"restart of {variant}: {e.problem}")
                 failed += self.router.load(variant, r.baseline, r.baseline_path, best_effort=True)["failed"]
         if self.registry.get(r.version).state is not CheckpointState.rejected:
             self.registry.reject(r.version, r.reason or "rolled back")
@@ -534,11 +598,12 @@ class Controller:
 
 
 def build_controller_app(controller: Controller, metrics: CollectorRegistry) -> Any:
-    """/healthz, /metrics and `GET /gate/{rollout_id}` (Argo Rollouts' web metric provider reads it).
+    """/healthz, /metrics, `GET /gate/{rollout_id}` and `GET /gate/version/{version}` (Argo Rollouts' web metric
+    provider reads the latter: the newest rollout of the version its new pods serve).
 
     An active rollout is evaluated afresh; a finished one answers its last verdict (fail when it was
-    rolled back). Argo: `successCondition: result.verdict == "pass"`, `failureCondition:
-    result.verdict == "fail"`.
+    rolled back). Argo (k8s/overlays/prod-argo): `successCondition: result.status == "promoted"`,
+    `failureCondition: result.verdict == "fail"`.
     """
     from fastapi import HTTPException
 
@@ -546,12 +611,7 @@ def build_controller_app(controller: Controller, metrics: CollectorRegistry) -> 
 
     app = make_app("dynrubric rollout controller", metrics)
 
-    @app.get("/gate/{rollout_id}")
-    def gate(rollout_id: str) -> dict[str, Any]:
-        try:
-            r = controller.store.get(rollout_id)
-        except DynrubricError as e:
-            raise HTTPException(404, str(e)) from None
+    def answer(r: Rollout) -> dict[str, Any]:
         body = {
             "rollout_id": r.id,
             "version": r.version,
@@ -569,5 +629,23 @@ def build_controller_app(controller: Controller, metrics: CollectorRegistry) -> 
         else:
             result = {"verdict": "inconclusive", "reason": f"rollout is {r.status}", "checks": []}
         return body | result
+
+    @app.get("/gate/{rollout_id}")
+    def gate(rollout_id: str) -> dict[str, Any]:
+        try:
+            r = controller.store.get(rollout_id)
+        except DynrubricError as e:
+            raise HTTPException(404, str(e)) from None
+        return answer(r)
+
+    @app.get("/gate/version/{version}")
+    def gate_of_version(version: str) -> dict[str, Any]:
+        """The newest rollout of `version` (Argo's blue-green prePromotionAnalysis knows the version its new pods
+        serve, not the id our controller gives the rollout): inconclusive while there is none yet."""
+        rollouts = [r for r in controller.store.list() if r.version == version]
+        if not rollouts:
+            why = f"no rollout of {version} yet: `dynrubric rollout start {version}` (k8s/jobs/rollout-start.yaml)"
+            return {"version": version, "status": "none", "verdict": "inconclusive", "reason": why, "checks": []}
+        return answer(max(rollouts, key=lambda r: r.started_at))
 
     return app

@@ -25,6 +25,11 @@ second and distinct users, `TrafficMeter`): what the rollout controller plans th
 Reads (`/v1/router/state`, `/metrics`) are open; control endpoints (traffic split, weights, drain)
 need the bearer token. The router owns which weights each variant should serve, and reloads an
 engine that comes back after a restart.
+
+Several replicas (`shared`, a `serving.shared.SharedSplit`): the split a control call sets is written to the
+registry's database, and every replica adopts the newest one within `sync_interval_s` (and before it
+serves); each writes its counters there, and the state reports its own plus the others' (serving/shared.py).
+Without `shared`, the split and the counters live in this process alone: one replica only.
 """
 
 from __future__ import annotations
@@ -35,13 +40,15 @@ import hashlib
 import json
 import logging
 import random
+import socket
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
+from urllib.parse import urlsplit
 
 import httpx
 from fastapi import FastAPI, HTTPException, Request
@@ -71,6 +78,9 @@ class Replica:
     healthy: bool = True
     drained: bool = False
     inflight: int = 0
+    # weights_via restart: up, but serving other weights than its variant's (a pod not restarted onto them yet,
+    # or restarted onto the next version): no traffic until they match
+    stale: bool = False
 
 
 @dataclass
@@ -105,8 +115,12 @@ class RouterState:
         by_variant = self.counters.setdefault(self.experiment, {v: ArmCounters() for v in VARIANTS})
         return by_variant[variant]
 
+    def routable(self) -> list[Replica]:
+        """The replicas the routing policy may pick from: all but those serving the wrong weights."""
+        return [r for r in self.replicas if not r.stale]
+
     def serving(self, variant: str) -> list[Replica]:
-        return serving_replicas(self.replicas, variant)
+        return serving_replicas(self.routable(), variant)
 
 
 class TrafficMeter:
@@ -159,6 +173,11 @@ class TrafficMeter:
         }
 
 
+def resolve_addresses(host: str, port: int) -> list[str]:
+    """The addresses DNS gives `host` (a headless Service: one per ready pod), sorted, without duplicates."""
+    return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)})
+
+
 def hash_user(user_key: str) -> str:
     return hashlib.sha256(user_key.encode()).hexdigest()[:32]
 
@@ -208,6 +227,10 @@ class EngineFailure(Exception):
     """A replica could not answer (connection error, timeout, 5xx, or an answer without text, `_no_text`)."""
 
 
+class WrongWeights(EngineFailure):
+    """weights_via restart: the replica answers, serving other weights than asked (it is `stale`)."""
+
+
 def _no_text(data: Any, chat: bool) -> str | None:
     """Why a 200 answer is a failure: it ran to its token limit and holds no text, so every token it generated
     was a special one. A model whose logits are not finite answers so under vLLM (token 0 every step, skipped
@@ -242,6 +265,12 @@ class Router:
         traffic_window_s: float = 300.0,
         assignment: ArmAssignment | None = None,
         replica_choice: ReplicaChoice | None = None,
+        shared: Any = None,
+        replica_id: str = "",
+        sync_interval_s: float = 1.0,
+        weights_via: str = "rpc",
+        discover: Sequence[tuple[str, Variant, str]] = (),
+        resolve: Callable[[str, int], list[str]] | None = None,
     ):
         """`producer`: an EventProducer whose metrics are registered in `metrics` (the router's /metrics).
         `engine_api_key`: sent as a bearer token on every call to an engine (vLLM's --api-key).
@@ -249,8 +278,23 @@ class Router:
         sampling is what the engine used (engines' own defaults differ: vLLM's is the rest of the context).
         `traffic_window_s`: the window of the traffic the state reports (`TrafficMeter`).
         `assignment`, `replica_choice`: the routing policy (`serving.routing`); by default today's rules,
-        `StickyHashAssignment` and `LeastInflight`."""
+        `StickyHashAssignment` and `LeastInflight`.
+        `shared`: a `serving.shared.SharedSplit` every router replica reads (the split and the counters of all
+        replicas), synced every `sync_interval_s`; `replica_id` names this replica's counters there.
+        `weights_via`: "rpc" reloads an engine through /collective_rpc (vLLM's dev mode); "restart" only checks
+        that the engine serves the weights' path (/v1/models root): something else restarted it onto them.
+        `discover`: (name, variant, url) of headless Services whose pods are the replicas, resolved by
+        `resolve(host, port)` (DNS by default) at every health check."""
         self.state = state
+        self.shared = shared
+        self.replica_id = replica_id or uuid.uuid4().hex[:12]
+        self.sync_interval_s = sync_interval_s
+        self.weights_via = weights_via
+        self.discover = list(discover)
+        self.resolve = resolve or resolve_addresses
+        self._split_seq = 0  # the shared split this replica has applied
+        self._others: dict[str, dict[str, dict[str, int]]] = {}  # the other replicas' counters
+        self._sync_task: asyncio.Task | None = None
         self.assignment = assignment if assignment is not None else StickyHashAssignment()
         self.replica_choice = replica_choice if replica_choice is not None else LeastInflight()
         self.traffic = TrafficMeter(traffic_window_s)
@@ -341,7 +385,7 @@ class Router:
                 self.state.arm("canary").errors += 1
                 self.state.arm("canary").settled += 1
                 self.m_errors.labels("canary").inc()
-            replica = self.replica_choice.choose(self.state.replicas, v, tried)
+            replica = self.replica_choice.choose(self.state.routable(), v, tried)
             if replica is None:
                 continue
             tried.add(replica.name)
@@ -544,7 +588,7 @@ class Router:
 
     async def _run_shadow(self, meta: dict[str, Any], path: str, body: dict[str, Any], chat: bool) -> None:
         other = "stable" if meta["variant"] == "canary" else "canary"
-        replica = self.replica_choice.choose(self.state.replicas, other, set())
+        replica = self.replica_choice.choose(self.state.routable(), other, set())
         started = time.perf_counter()
         try:
             if replica is None:
@@ -581,6 +625,14 @@ class Router:
     # ------------------------------------------------------------ weights and health
     async def _reload(self, replica: Replica, weights: Weights) -> None:
         assert self._client is not None
+        if self.weights_via == "restart":
+            try:
+                await self._check_serves(replica, weights)
+            except WrongWeights:
+                replica.stale = True
+                raise
+            replica.stale = False
+            return
         try:
             r = await self._client.post(
                 f"{replica.base_url}/collective_rpc",
@@ -594,6 +646,56 @@ class Router:
         if r.status_code != 200:
             raise EngineFailure(f"{replica.name}: HTTP {r.status_code}: {r.text[:300]}")
         replica.policy_version = weights.version
+
+    async def _check_serves(self, replica: Replica, weights: Weights) -> None:
+        """weights_via restart: the engine was restarted onto the weights; it must say so (vLLM's /v1/models
+        `root` is its --model)."""
+        assert self._client is not None
+        try:
+            r = await self._client.get(f"{replica.base_url}/v1/models", timeout=10.0)
+            models = r.json().get("data", []) if r.status_code == 200 else []
+            roots = [str(m.get("root", "")).rstrip("/") for m in models]
+        except (httpx.HTTPError, ValueError, AttributeError) as e:
+            raise EngineFailure(f"{replica.name}: /v1/models: {type(e).__name__}: {e}") from e
+        if weights.path.rstrip("/") not in roots:
+            raise WrongWeights(
+                f"{replica.name} serves {', '.join(roots) or 'nothing'}, not {weights.path}: "
+                f"its pods are not restarted onto {weights.version} yet"
+            )
+        replica.policy_version = weights.version
+
+    def _pods(self, found: dict[str, list[str]]) -> None:
+        """Replace each discovered Service's replicas by its pods' addresses (`found`: name -> addresses; a name
+        that did not resolve keeps what it has). A new pod starts unhealthy: the health check that finds it up
+        gives it its variant's weights (or checks them) before it serves."""
+        for name, variant, url in self.discover:
+            addresses = found.get(name)
+            if not addresses:
+                continue
+            port = urlsplit(url).port or 80
+            wanted = {f"{name}/{a}": f"http://{f'[{a}]' if ':' in a else a}:{port}" for a in addresses}
+            mine = [r for r in self.state.replicas if r.name == name or r.name.startswith(name + "/")]
+            keep = [r for r in mine if r.name in wanted]
+            if len(keep) == len(mine) == len(wanted):
+                continue
+            want = self.state.desired.get(variant)
+            version = want.version if want else (mine[0].policy_version if mine else "")
+            added = [
+                Replica(n, variant, u, version, healthy=False)
+                for n, u in wanted.items()
+                if n not in {r.name for r in keep}
+            ]
+            self.state.replicas = [r for r in self.state.replicas if r not in mine] + keep + added
+
+    def _resolve_all(self) -> dict[str, list[str]]:
+        found = {}
+        for name, _, url in self.discover:
+            parts = urlsplit(url)
+            try:
+                found[name] = self.resolve(parts.hostname or "", parts.port or 80)
+            except OSError as e:  # DNS down or the Service has no ready pod: keep the replicas we have
+                log.info("router: %s does not resolve: %s", url, e)
+        return found
 
     async def load_variant(self, variant: str, weights: Weights, best_effort: bool = False) -> list[str]:
         """Load `weights` on every replica of `variant`, or on none: a failure restores the others.
@@ -613,10 +715,11 @@ class Router:
                 done.append(replica)
             except EngineFailure as e:
                 if best_effort:
-                    replica.healthy = False
+                    if not isinstance(e, WrongWeights):  # a stale one is up: it gets no traffic already
+                        replica.healthy = False
                     failed.append(str(e))
                     continue
-                if previous is not None:
+                if previous is not None and self.weights_via == "rpc":  # a check changed nothing to restore
                     for r in done:
                         try:
                             await self._reload(r, previous)
@@ -631,7 +734,9 @@ class Router:
     async def _health_loop(self) -> None:
         assert self._client is not None
         while True:
-            for replica in self.state.replicas:
+            if self.discover:
+                self._pods(await asyncio.to_thread(self._resolve_all))
+            for replica in list(self.state.replicas):
                 try:
                     ok = (await self._client.get(f"{replica.base_url}/health", timeout=10.0)).status_code == 200
                 except httpx.HTTPError:
@@ -639,13 +744,68 @@ class Router:
                 came_back = ok and not replica.healthy
                 replica.healthy = ok
                 want = self.state.desired.get(replica.variant)
-                if came_back and want is not None:
-                    try:  # a restarted engine serves its start weights: give it its variant's
+                if ok and (came_back or replica.stale) and want is not None:
+                    try:  # a restarted engine serves its start weights: give it its variant's (or check them)
                         async with self._control:
                             await self._reload(replica, want)
+                    except WrongWeights:
+                        pass  # stale: up, no traffic; checked again next time
                     except EngineFailure:
                         replica.healthy = False
             await asyncio.sleep(self.health_interval_s)
+
+    # ------------------------------------------------------------ shared state (several replicas)
+    def _own_counters(self) -> dict[str, dict[str, dict[str, int]]]:
+        return {
+            e: {v: {"requests": c.requests, "errors": c.errors, "settled": c.settled} for v, c in arms.items()}
+            for e, arms in self.state.counters.items()
+        }
+
+    def _counters(self) -> dict[str, dict[str, dict[str, int]]]:
+        """This replica's live counters plus the other replicas' last written ones."""
+        out = self._own_counters()
+        for e, arms in self._others.items():
+            for v, c in arms.items():
+                mine = out.setdefault(e, {}).setdefault(v, {"requests": 0, "errors": 0, "settled": 0})
+                for k in mine:
+                    mine[k] += c.get(k, 0)
+        return out
+
+    def _desired_json(self) -> dict[str, dict[str, str]]:
+        return {v: {"version": w.version, "path": w.path} for v, w in self.state.desired.items()}
+
+    async def _publish(self) -> None:
+        """Record this replica's split for the others (after a control call changed it)."""
+        if self.shared is not None:
+            s = self.state
+            split = await asyncio.to_thread(self.shared.write, s.experiment, s.canary_weight, self._desired_json())
+            self._split_seq = split.seq
+
+    def apply_shared(self) -> None:
+        """Adopt the newest shared split, write this replica's counters, read the others' (blocking: the sync
+        loop runs it in a thread)."""
+        if self.shared is None:
+            return
+        split = self.shared.read()
+        if split is not None and split.seq > self._split_seq:
+            s = self.state
+            s.experiment, s.canary_weight = split.experiment, split.canary_weight
+            s.desired = {v: Weights(w["version"], w["path"]) for v, w in split.desired.items()}
+            for replica in s.replicas:  # another replica loaded them on the engines (Services shared by all)
+                if replica.variant in s.desired:
+                    replica.policy_version = s.desired[replica.variant].version
+            self._split_seq = split.seq
+            self._set_weight_gauges()
+        self.shared.flush(self.replica_id, self._own_counters())
+        self._others = self.shared.others(self.replica_id)
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.sync_interval_s)
+            try:
+                await asyncio.to_thread(self.apply_shared)
+            except Exception as e:  # a database hiccup: keep serving on the split we have, retry next time
+                log.warning("router %s: shared state sync failed: %s", self.replica_id, e)
 
     def snapshot(self) -> dict[str, Any]:
         s = self.state
@@ -661,14 +821,12 @@ class Router:
                     "policy_version": r.policy_version,
                     "healthy": r.healthy,
                     "drained": r.drained,
+                    "stale": r.stale,
                     "inflight": r.inflight,
                 }
                 for r in s.replicas
             ],
-            "counters": {
-                e: {v: {"requests": c.requests, "errors": c.errors, "settled": c.settled} for v, c in arms.items()}
-                for e, arms in s.counters.items()
-            },
+            "counters": self._counters(),
             "traffic": self.traffic.snapshot(),
             "shadow_rate": self.shadow_rate,
         }
@@ -680,10 +838,17 @@ class Router:
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI) -> AsyncIterator[None]:
             self._client = http_clients.async_client(timeout=self.timeout_s, headers=self.engine_headers)
+            await asyncio.to_thread(self.apply_shared)  # a replica started mid-rollout serves the rollout's split
             self._health_task = asyncio.create_task(self._health_loop())
+            if self.shared is not None:
+                self._sync_task = asyncio.create_task(self._sync_loop())
             try:
                 yield
             finally:
+                if self._sync_task is not None:
+                    self._sync_task.cancel()
+                    with contextlib.suppress(Exception):
+                        await asyncio.to_thread(self.shared.flush, self.replica_id, self._own_counters())
                 self._health_task.cancel()
                 for task in list(self._shadows):
                     task.cancel()
@@ -731,6 +896,7 @@ class Router:
             self.state.experiment = body.experiment
             self.state.canary_weight = body.canary_weight
             self._set_weight_gauges()
+            await self._publish()
             return self.snapshot()
 
         @app.post("/control/variants/{variant}/weights")
@@ -740,6 +906,7 @@ class Router:
                 raise HTTPException(400, f"weights path {body.path} is not a directory on the router's machine")
             async with self._control:
                 failed = await self.load_variant(variant, Weights(body.version, body.path), body.best_effort)
+                await self._publish()
             return self.snapshot() | {"failed": failed}
 
         @app.post("/control/replicas/{name}/drain")

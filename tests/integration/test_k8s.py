@@ -48,8 +48,17 @@ def rendered(overlay: str) -> list[dict]:
     return copy.deepcopy(_rendered(overlay))
 
 
+def namespace_of(objs: list[dict]) -> str | None:
+    """The overlay's namespace: the one its namespaced objects share, else None."""
+    names = {o["metadata"].get("namespace") for o in objs if o["kind"] not in validate.CLUSTER_SCOPED}
+    return names.pop() if len(names) == 1 else None
+
+
 def deployment_set(overlay: str) -> list[dict]:
-    return rendered(overlay) + [o for j in JOBS for o in render.load_docs(j)]
+    """The overlay plus the per-rollout Job, applied as documented: `kubectl -n NAMESPACE apply -f`."""
+    objs = rendered(overlay)
+    jobs = [o for j in JOBS for o in render.load_docs(j)]
+    return objs + validate.in_namespace(jobs, namespace_of([o for o in objs if o["metadata"].get("namespace")]))
 
 
 def find(objs: list[dict], kind: str, name: str | None = None) -> dict:
@@ -157,9 +166,9 @@ def _mutations():
             lambda o: find(o, "KafkaTopic")["metadata"]["labels"].update({"strimzi.io/cluster": "other"}),
             "names no Kafka",
         ),
-        "Rollout step typo": (
-            lambda o: find(o, "Rollout")["spec"]["strategy"]["canary"]["steps"].append({"setWeigth": 5}),
-            "setWeigth",
+        "Rollout strategy typo": (
+            lambda o: find(o, "Rollout")["spec"]["strategy"]["blueGreen"].update(previewReplicaCont=1),
+            "previewReplicaCont",
         ),
         "Rollout missing AnalysisTemplate": (
             lambda o: find(o, "AnalysisTemplate")["metadata"].update(name="other"),
@@ -218,6 +227,75 @@ def _mutations():
             lambda o: o.remove(find(o, "NetworkPolicy", "dynrubric-ingest")),
             "Deployment/dynrubric-ingest: no NetworkPolicy selects",
         ),
+        "generateName, which apply refuses": (
+            lambda o: find(o, "Service", "dynrubric-ingest")["metadata"].update(name=None, generateName="ingest-"),
+            "`kubectl apply` refuses it",
+        ),
+        "object without a namespace": (
+            lambda o: find(o, "Service", "dynrubric-router")["metadata"].pop("namespace"),
+            "Service/dynrubric-router: no metadata.namespace",
+        ),
+        "short cross-namespace URL": (
+            lambda o: find(o, "AnalysisTemplate")["spec"]["args"][1].update(value="http://dynrubric-rollout:8210"),
+            "is a short name, resolved in the Argo Rollouts controller's namespace",
+        ),
+        "cross-namespace URL to another namespace": (
+            lambda o: find(o, "AnalysisTemplate")["spec"]["args"][1].update(
+                value="http://dynrubric-rollout.default.svc.cluster.local:8210"
+            ),
+            "names Service dynrubric-rollout in namespace default: none there",
+        ),
+        "Rollout splitting by replica counts": (
+            lambda o: find(o, "Rollout")["spec"].update(
+                strategy={"canary": {"steps": [{"setWeight": 5}, {"pause": {"duration": "10m"}}]}}
+            ),
+            "two controllers of one split",
+        ),
+        "a path outside every mount": (
+            lambda o: find(o, "Deployment", "dynrubric-reward-server")["spec"]["template"]["spec"]["containers"][0][
+                "volumeMounts"
+            ].pop(),
+            "uses models.generator /models/judge: no mount",
+        ),
+        "a written path on a read-only mount": (
+            lambda o: find(o, "Deployment", "dynrubric-ingest")["spec"]["template"]["spec"]["containers"][0][
+                "volumeMounts"
+            ][1].update(readOnly=True),
+            "writes paths.state_dir /var/lib/dynrubric: mount /var/lib/dynrubric is read-only",
+        ),
+        "in-memory state behind an autoscaler": (
+            lambda o: o.append(
+                {
+                    "apiVersion": "autoscaling/v2",
+                    "kind": "HorizontalPodAutoscaler",
+                    "metadata": {"name": "dynrubric-reward-server", "namespace": "dynrubric"},
+                    "spec": {
+                        "scaleTargetRef": {
+                            "apiVersion": "apps/v1",
+                            "kind": "Deployment",
+                            "name": "dynrubric-reward-server",
+                        },
+                        "minReplicas": 1,
+                        "maxReplicas": 4,
+                    },
+                }
+            ),
+            "whose state is in memory",
+        ),
+        "missing ServiceAccount": (
+            lambda o: o.remove(find(o, "ServiceAccount", "dynrubric-rollout")),
+            "serviceAccountName dynrubric-rollout does not exist",
+        ),
+        "router replicas without shared state": (
+            lambda o: settings_text(o).update(
+                {
+                    "dynrubric.yaml": settings_text(o)["dynrubric.yaml"].replace(
+                        "shared_state: true", "shared_state: false"
+                    )
+                }
+            ),
+            "Deployment/dynrubric-router: 20 replicas (HPA) of `dynrubric serve-router`, whose state is in memory",
+        ),
         "NetworkPolicy admitting no pod": (
             lambda o: find(o, "NetworkPolicy", "dynrubric-reward-server")["spec"]["ingress"][0]["from"][0][
                 "podSelector"
@@ -234,6 +312,166 @@ def test_broken_manifest_is_caught(case):
     mutate(objs)
     problems = validate.validate(objs)
     assert any(expected in p for p in problems), problems
+
+
+# ---------------------------------------------------------------- what a real cluster would refuse (issue 37)
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_object_that_apply_refuses(overlay):
+    """Defect 5: the rollout Job had only generateName, and `kubectl apply` refuses an object without a name."""
+    assert validate.apply_problems(deployment_set(overlay)) == []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_namespaced_object_has_a_namespace(overlay):
+    """Defect 6: prod-argo's Rollout and AnalysisTemplate rendered without one."""
+    assert validate.namespace_problems(rendered(overlay)) == []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_url_that_crosses_namespaces_is_fully_qualified(overlay):
+    """Defect 6: Argo's controller runs the gate analysis from its own namespace, where `dynrubric-rollout`
+    is no Service."""
+    assert validate.cross_namespace_problems(rendered(overlay)) == []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_one_controller_owns_the_traffic_split(overlay):
+    """Defect 6: a canary Rollout without trafficRouting split by replica counts beside the router's weights."""
+    assert validate.split_problems(rendered(overlay)) == []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_path_a_container_uses_lies_under_its_mounts(overlay):
+    """Defect 2 (and the controller's part of defect 3): the router's registry, the reward server's
+    /models/judge, the rollout Job's /models/checkpoints were on no mount."""
+    assert validate.mount_problems(deployment_set(overlay)) == []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_in_memory_state_behind_an_autoscaled_deployment(overlay):
+    """Defect 4: the router kept the experiment, the arm weights and the gate's counters in memory behind an
+    HPA of 2-10 (3-20) replicas."""
+    assert validate.state_problems(deployment_set(overlay)) == []
+
+
+def test_the_router_finds_the_engines_by_their_service_names(monkeypatch, tmp_path):
+    """Defect 1: the router built engine URLs as http://127.0.0.1:{port}; in a pod nothing listens there.
+    The rendered dev overlay's router (its ConfigMap and env) must reach the engine Services by DNS name,
+    one per variant, each selecting vLLM pods that serve the model name the router sends."""
+    from prometheus_client import CollectorRegistry
+
+    from serving import commands
+
+    objs = rendered("dev")
+    container = find(objs, "Deployment", "dynrubric-router")["spec"]["template"]["spec"]["containers"][0]
+    literal = {e["name"]: e["value"] for e in container["env"] if "value" in e and e["name"] != "DYNRUBRIC_CONFIG"}
+    settings = configmap_settings(objs, tmp_path, **literal, DYNRUBRIC_REGISTRY__URL="postgresql://u@db/x")
+    monkeypatch.setattr(commands, "_stable_weights", lambda _: ("v1", Path("/models/policy/current")))
+    monkeypatch.setattr(commands, "_shared_split", lambda _: None)  # no PostgreSQL here
+    router = commands.build_router(settings, producer=None, metrics=CollectorRegistry())
+    namespace = namespace_of(objs)
+    urls = {r.variant: r.base_url for r in router.state.replicas}
+    assert set(urls) == {"stable", "canary"}, urls
+    for variant, url in urls.items():
+        m = re.fullmatch(r"http://([a-z0-9-]+)(?:\.([a-z0-9-]+)(?:\.svc(?:\.cluster\.local)?)?)?:(\d+)", url)
+        assert m, f"{variant}: {url} is not a Service's DNS name"
+        service = find(objs, "Service", m.group(1))
+        assert m.group(2) in (None, namespace) and int(m.group(3)) in {p["port"] for p in service["spec"]["ports"]}
+        engine = service_deployment(objs, url)
+        args = engine["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert engine["metadata"]["name"] == f"vllm-{variant}"
+        served = next(r for r in router.state.replicas if r.variant == variant).served_model
+        assert args[args.index("--served-model-name") + 1] == served
+        assert service["spec"]["clusterIP"] == "None"  # headless: the router finds every pod behind it
+    # every pod of each Service is a replica (a weights check reaches each), and no dev mode is needed
+    assert {(name, variant) for name, variant, _ in router.discover} == {
+        ("vllm-stable", "stable"),
+        ("vllm-canary", "canary"),
+    }
+    assert router.weights_via == "restart" and settings.rollout.restart_wait_s > 0
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_the_rollout_job_may_restart_the_engine_deployments_and_nothing_else(overlay, tmp_path):
+    """rollout.restart kubernetes: the Job's service account gets and patches exactly the Deployments the
+    settings name, which are the engine Deployments the router's Services select, each with a --model."""
+    objs = deployment_set(overlay)
+    settings = configmap_settings(objs, tmp_path)
+    assert settings.rollout.restart == "kubernetes" and settings.serving.weights_via == "restart"
+    job = find(objs, "Job")["spec"]["template"]["spec"]
+    binding = find(objs, "RoleBinding", "dynrubric-rollout")
+    assert ("ServiceAccount", job["serviceAccountName"], namespace_of(objs)) in {
+        (x["kind"], x["name"], x.get("namespace")) for x in binding["subjects"]
+    }
+    [rule] = find(objs, "Role", binding["roleRef"]["name"])["rules"]
+    assert (rule["apiGroups"], rule["resources"], sorted(rule["verbs"])) == (
+        ["apps"],
+        ["deployments"],
+        ["get", "patch"],
+    )
+    assert sorted(rule["resourceNames"]) == sorted(settings.rollout.deployments.values())
+    for variant, name in settings.rollout.deployments.items():
+        engine = service_deployment(objs, next(e.url for e in settings.serving.engines if e.variant == variant) or "")
+        assert (
+            engine["metadata"]["name"] == name
+            and "--model" in engine["spec"]["template"]["spec"]["containers"][0]["args"]
+        )
+
+
+def _dynrubric_containers(objs: list[dict]) -> list[tuple[str, list[str]]]:
+    """(where, argv) of every container running the dynrubric image's entrypoint, and the RayJob's entrypoint."""
+    out = []
+    for o in objs:
+        for pod in validate._pod_specs(o):
+            for c in pod.get("containers", []):
+                if "/dynrubric:" in c["image"] and c.get("args"):
+                    out.append(
+                        (f"{validate._name(o)}/{c['name']}", ["dynrubric", *c.get("command", [])[1:], *c["args"]])
+                    )
+        if o["kind"] == "RayJob":
+            out.append((validate._name(o), shlex.split(o["spec"]["entrypoint"])))
+    return out
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_command_the_manifests_give_a_container_is_a_real_cli_command(overlay):
+    """Defect 7: every command and option a manifest gives a dynrubric container parses with the image's
+    entrypoint, the `dynrubric` CLI (typer's own parser; a misspelt command or flag fails)."""
+    commands = _dynrubric_containers(deployment_set(overlay))
+    assert {argv[1] for _, argv in commands} >= {"serve-router", "serve-reward", "ingest", "rollout", "train"}
+    for where, argv in commands:
+        try:
+            parse_cli(argv)
+        except Exception as e:  # click's UsageError, or our own assertion
+            raise AssertionError(f"{where}: {shlex.join(argv)}: {e}") from e
+
+
+def test_a_misspelt_command_in_a_manifest_is_caught():
+    with pytest.raises(AssertionError, match="no command 'serve-routr'"):
+        parse_cli(["dynrubric", "serve-routr"])
+
+
+def test_the_images_the_manifests_name_are_built_by_the_dockerfile():
+    """Defect 7: a Dockerfile builds the images the manifests name from the project's own install steps
+    (`pip install -c constraints.txt '.[extras]'`), with `dynrubric` as the entrypoint, uid 1000."""
+    dockerfile = ROOT / "Dockerfile"
+    assert dockerfile.is_file(), "no Dockerfile for the images the manifests name"
+    text = dockerfile.read_text()
+    stages = set(re.findall(r"^FROM \S+ AS (\S+)$", text, re.M))
+    images = {
+        c["image"].rsplit("/", 1)[1].split(":")[0]
+        for overlay in OVERLAYS
+        for o in deployment_set(overlay)
+        for pod in validate._pod_specs(o)
+        for c in pod.get("containers", [])
+        if not c["image"].startswith("vllm/")
+    }
+    assert images == {"dynrubric", "dynrubric-train"}, images
+    for image in images:
+        assert image in stages, f"no build stage named {image} in the Dockerfile"
+    installs = re.findall(r"pip install [^\n]*", text)
+    assert installs and all("-c constraints.txt" in i for i in installs), installs
+    assert re.search(r'^ENTRYPOINT \["dynrubric"\]$', text, re.M) and re.search(r"^USER 1000", text, re.M)
 
 
 # ---------------------------------------------------------------- renderer
@@ -482,18 +720,29 @@ def test_image_and_ray_version_of_the_rayjob_are_settings(tmp_path):
     assert images == {settings.train.openrlhf.image}
 
 
-def test_analysis_template_maps_gate_verdicts():
-    at = find(rendered("prod-argo"), "AnalysisTemplate")
-    metric = at["spec"]["metrics"][0]
-    assert metric["provider"]["web"]["url"] == "{{args.gate-url}}/gate/{{args.rollout-id}}"
-    assert metric["successCondition"] == 'result.verdict == "pass"'
+def test_argo_promotes_the_pods_on_our_controllers_outcome():
+    """prod-argo: the router owns the split (stepped by our controller); Argo owns the pods, blue-green, and
+    its prePromotionAnalysis waits for our controller's outcome for the version the new pods serve."""
+    objs = rendered("prod-argo")
+    metric = find(objs, "AnalysisTemplate")["spec"]["metrics"][0]
+    assert metric["provider"]["web"]["url"] == "{{args.gate-url}}/gate/version/{{args.version}}"
+    # promoting: the last step passed and our controller waits for vllm-stable to serve the new pods
+    assert metric["successCondition"] == 'result.status == "promoting" || result.status == "promoted"'
     assert metric["failureCondition"] == 'result.verdict == "fail"'
-    assert metric["failureLimit"] == 0 and metric["inconclusiveLimit"] >= 1  # inconclusive -> pause, not abort
-    steps = find(rendered("prod-argo"), "Rollout")["spec"]["strategy"]["canary"]["steps"]
-    assert [s["setWeight"] for s in steps if "setWeight" in s] == sorted(
-        s["setWeight"] for s in steps if "setWeight" in s
-    )
-    assert sum("analysis" in s for s in steps) == sum("setWeight" in s for s in steps)
+    assert metric["failureLimit"] == 0 and metric["consecutiveSuccessLimit"] == 1
+    rollout = find(objs, "Rollout")
+    strategy = rollout["spec"]["strategy"]
+    assert set(strategy) == {"blueGreen"}, "a canary Rollout without trafficRouting splits by replica counts"
+    bg = strategy["blueGreen"]
+    assert (bg["activeService"], bg["previewService"]) == ("vllm-stable", "vllm-canary")
+    [arg] = bg["prePromotionAnalysis"]["args"]
+    label = re.fullmatch(r"spec\.template\.metadata\.labels\['(.+)'\]", arg["valueFrom"]["fieldRef"]["fieldPath"])
+    assert label and label.group(1) in rollout["spec"]["template"]["metadata"]["labels"]
+    # the longest rollout stays below the inconclusive measurements Argo waits through
+    from dynrubric.config import RolloutConfig
+
+    cfg = RolloutConfig()
+    assert metric["inconclusiveLimit"] * 60 >= len(cfg.steps) * cfg.max_step_s and metric["interval"] == "1m"
 
 
 def test_app_config_in_the_configmap_is_valid_settings():

@@ -263,3 +263,23 @@ def test_kill_during_register_leaves_no_visible_checkpoint(tmp_path: Path, where
     assert sorted(os.listdir(ckpt.path)) == ["config.json", "model.safetensors", "tokenizer.json"]
     assert weights_sha256(ckpt.path) == weights_sha256(model)
     assert [c.version for c in registry.list()] == ["r1"]
+
+
+def test_a_reader_opens_the_registry_on_a_read_only_weights_mount(tmp_path, monkeypatch):
+    """The router and the rollout Job mount the models volume read-only (k8s): opening the registry must not
+    need to create registry.storage_dir/.staging there; only registering does."""
+    import errno
+
+    writer = Registry(tmp_path / "db" / "registry.sqlite", storage_dir=tmp_path / "weights")
+    writer.register(fake_model(tmp_path / "m", b"w"), None, 0, {}, version="v1")
+    (tmp_path / "weights" / ".staging").rmdir()
+    real_mkdir = Path.mkdir
+
+    def read_only(self: Path, *args, **kwargs):
+        if (tmp_path / "weights") in [self, *self.parents]:
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    reader = Registry(tmp_path / "db" / "registry.sqlite", storage_dir=tmp_path / "weights")
+    assert reader.get("v1").path.is_dir()

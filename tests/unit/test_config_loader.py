@@ -130,3 +130,14 @@ def test_a_fleet_engine_kind_is_an_error_naming_server(tmp_path):
     assert "config key 'serving.engines.0.kind' was renamed to 'serving.engines[].server'" in str(e.value)
     engines[0]["server"] = engines[0].pop("kind")
     assert load_settings(write(tmp_path / "new.yaml", {"serving": {"engines": engines}}), {}).serving.engines[0].server
+
+
+def test_an_engine_has_a_loopback_port_or_a_url():
+    """serving.engines: a local engine the fleet starts (port), or a Service the router calls (url; issue 37)."""
+    from dynrubric.config import FleetEngineConfig
+
+    assert FleetEngineConfig(name="e", port=8301).base_url == "http://127.0.0.1:8301"
+    assert FleetEngineConfig(name="e", url="http://vllm-stable:8000/").base_url == "http://vllm-stable:8000"
+    for both_or_none in ({}, {"port": 8301, "url": "http://vllm-stable:8000"}):
+        with pytest.raises(ValueError, match="give a port .* or a url"):
+            FleetEngineConfig(name="e", **both_or_none)

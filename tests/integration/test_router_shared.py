@@ -1,0 +1,88 @@
+"""Several router replicas share one split and their counters through the registry database (serving/shared.py;
+issue 37, defect 4): the controller's POST reaches one pod, its state read another, and a pod may start or
+die mid-rollout. Here Router objects over one registry database (SQLite, and a real PostgreSQL server as in a
+cluster) stand for the pods."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from dynrubric.registry import Registry
+from serving.router import Replica, Router, RouterState, Weights
+from serving.shared import SharedSplit
+from tests.integration.test_registry import postgres  # noqa: F401  (the fixture)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The registry database every router pod connects to."""
+    if request.param == "sqlite":
+        return str(tmp_path / "registry.sqlite")
+    import psycopg
+
+    base = request.getfixturevalue("postgres")
+    name = f"router_{os.getpid()}_{abs(hash(str(tmp_path))) % 10**9}"
+    with psycopg.connect(f"{base}/postgres", autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return f"{base}/{name}"
+
+
+def pod(db: str, name: str, tmp_path: Path) -> Router:
+    replicas = [
+        Replica("vllm-stable", "stable", "http://vllm-stable:8000", "v1"),
+        Replica("vllm-canary", "canary", "http://vllm-canary:8000", "v1"),
+    ]
+    state = RouterState(replicas, desired={"stable": Weights("v1", "/m/v1"), "canary": Weights("v1", "/m/v1")})
+    shared = SharedSplit(Registry(db, storage_dir=tmp_path / "weights"))  # each pod its own connection
+    return Router(state, None, CollectorRegistry(), token=None, shared=shared, replica_id=name)
+
+
+def control(router: Router, experiment: str, weight: float, canary: Weights | None = None) -> None:
+    """What /control/traffic and /control/variants/canary/weights do to the replica the call reaches."""
+    router.state.experiment, router.state.canary_weight = experiment, weight
+    if canary is not None:
+        router.state.desired["canary"] = canary
+        router.state.replicas[1].policy_version = canary.version
+    asyncio.run(router._publish())
+
+
+def test_every_replica_serves_the_split_one_replica_was_told(db, tmp_path):
+    a, b = pod(db, "router-a", tmp_path), pod(db, "router-b", tmp_path)
+    control(a, "ro-v2", 0.25, Weights("v2", "/m/v2"))
+    b.apply_shared()
+    state = b.snapshot()
+    assert (state["experiment"], state["canary_weight"]) == ("ro-v2", 0.25)
+    assert state["desired"]["canary"] == {"version": "v2", "path": "/m/v2"}
+    assert {r["name"]: r["policy_version"] for r in state["replicas"]} == {"vllm-stable": "v1", "vllm-canary": "v2"}
+    # users get the same arm on both pods (assignment is a hash of the user and the experiment)
+    assert all(a.assign(f"user-{i}") == b.assign(f"user-{i}") for i in range(200))
+    control(b, "ro-v2", 0.5)  # the next step reaches the other pod
+    a.apply_shared()
+    assert a.state.canary_weight == 0.5
+    # a pod started mid-rollout adopts the rollout's split before it serves
+    c = pod(db, "router-c", tmp_path)
+    c.apply_shared()
+    assert (c.state.experiment, c.state.canary_weight, c.state.desired["canary"].version) == ("ro-v2", 0.5, "v2")
+
+
+def test_the_state_reports_the_counters_of_every_replica(db, tmp_path):
+    a, b = pod(db, "router-a", tmp_path), pod(db, "router-b", tmp_path)
+    control(a, "ro-v2", 0.5)
+    b.apply_shared()
+    for router, n in ((a, 3), (b, 2)):
+        router.state.arm("canary").requests += n
+        router.state.arm("canary").settled += n
+        router.state.arm("canary").errors += 1
+    for router in (a, b, a):
+        router.apply_shared()
+    for router in (a, b):
+        assert router.snapshot()["counters"]["ro-v2"]["canary"] == {"requests": 5, "errors": 2, "settled": 5}
+    # a pod that dies keeps its last written counters: what it counted stays counted
+    b.shared = None
+    a.apply_shared()
+    assert a.snapshot()["counters"]["ro-v2"]["canary"]["requests"] == 5
