@@ -232,7 +232,8 @@ def eval_judge(
         typer.Argument(
             help="JSONL of ordered ({prompt, responses, order, kind}) and "
             "equal-quality ({..., collapsed: true}) sets; with --real, of "
-            "{prompt, responses, passed} (default: the shipped file)"
+            "{prompt, responses, passed}; with --open, of {prompt, responses, passed, source[, rubric]} "
+            "(default: the shipped file)"
         ),
     ] = None,
     modes: Annotated[str, typer.Option("--modes", help="comma-separated rubric modes to compare")] = ",".join(MODES),
@@ -240,7 +241,8 @@ def eval_judge(
         "eval-judge"
     ),
     limit: Annotated[
-        int | None, typer.Option("--limit", min=1, help="only the first N sets of each kind and quality")
+        int | None,
+        typer.Option("--limit", min=1, help="only the first N sets of each kind and quality (--open: of each source)"),
     ] = None,
     batch: Annotated[
         int,
@@ -262,9 +264,18 @@ def eval_judge(
             help="with --real: first sample the policy on N held-out instruction prompts and write SETS_FILE",
         ),
     ] = None,
+    open_prompts: Annotated[
+        bool,
+        typer.Option(
+            "--open",
+            help="judge open prompts (Arena-Hard, HealthBench test split): a strong model's answer beside K policy "
+            "answers, against the length-only baseline; HealthBench also under the physicians' rubric",
+        ),
+    ] = False,
 ) -> None:
     """Measure the judge on sets with a known order: pairwise accuracy, Kendall tau, gaps, collapse alarms; with
-    --real, on the policy's own answers to held-out prompts, ordered by the official checkers."""
+    --real, on the policy's own answers to held-out prompts, ordered by the official checkers; with --open, on open
+    prompts where a far stronger model's answer should rank above the policy's."""
     import time
 
     from rich.table import Table
@@ -281,6 +292,11 @@ def eval_judge(
     settings = settings_of(ctx)
     if sample is not None and not real:
         raise DynrubricError("--sample writes real policy output", "pass --real with --sample")
+    if real and open_prompts:
+        raise DynrubricError("--real and --open judge different sets", "pass one of them")
+    if open_prompts:
+        _eval_judge_open(settings, sets_file or shipped("judge_open.jsonl"), wanted, out, batch, limit)
+        return
     if real:
         _eval_judge_real(settings, sets_file or shipped("judge_real.jsonl"), wanted, out, batch, sample)
         return
@@ -494,6 +510,188 @@ def _eval_judge_real(
         share = r.trains_right / r.separated_sets if r.separated_sets else 0.0
         print(f"pairwise_accuracy_real[{mode}]: {r.pairwise_accuracy:.3f}")
         print(f"trains_right_share_real[{mode}]: {share:.3f} ({r.trains_right} of {r.separated_sets} separated sets)")
+
+
+def _eval_judge_open(
+    settings: Settings, path: Path, modes: list[str], out: Path, batch: int, limit: int | None
+) -> None:
+    """`eval-judge --open`: the judge on open prompts, where the strong answer of each set should outrank the K policy
+    answers (the pairs are strong-vs-policy only); beside it the length-only judge on the same pairs, the sets the
+    judge ties, and how many generated items the verifier reads at all. Sets that carry a physicians' rubric
+    (HealthBench) are scored under that rubric by the verifier instead: is the ideal completion first?"""
+    import time
+
+    from rich.table import Table
+
+    from dynrubric import atomic
+    from dynrubric.engines import build_engine
+    from dynrubric.rubric.benchmark import (
+        combine_scores,
+        physician_rubrics,
+        read_open_sets,
+        summarise_open,
+        summarise_physician,
+    )
+    from dynrubric.rubric.evaluator import Evaluator, generated_items_read
+
+    sets = read_open_sets(path)
+    if limit is not None:
+        seen: Counter[str] = Counter()
+        kept = []
+        for s in sets:
+            seen[s.source] += 1
+            if seen[s.source] <= limit:
+                kept.append(s)
+        sets = kept
+    judged = [s for s in sets if not s.rubric]  # ranked by the judge's own rubrics
+    physician = [s for s in sets if s.rubric]  # ranked under the physicians' rubric
+    with status(console, f"loading the {settings.engine.kind} engine"):
+        generator = build_engine(settings, "generator")
+        verifier = (
+            generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
+        )
+    results, per_set, seconds = {}, [], {}
+    physician_scores: list[list[float]] = []
+    with Bars(console) as bars:
+        for mode in modes if judged else []:
+            config = settings.rubric.model_copy(update={"mode": mode})
+            evaluator = Evaluator(generator, verifier, config)
+            phase = f"sets judged ({mode})"
+            bars.start(phase, len(judged))
+            start = time.perf_counter()
+            scored = []
+            for i in range(0, len(judged), batch):
+                chunk = judged[i : i + batch]
+                scored += evaluator.score_sets(
+                    [s.prompt for s in chunk], [s.responses for s in chunk], progress=partial(bars.advance, phase)
+                )
+            seconds[mode] = time.perf_counter() - start
+            results[mode] = summarise_open(
+                judged,
+                [s.scores for s in scored],
+                [s.trusted for s in scored],
+                [generated_items_read(s.rubric, config.check_weight) for s in scored],
+                [s.rubric_source for s in scored],
+                config.eps,
+            )
+            per_set += [
+                {"mode": mode, "source": js.source, "id": js.id, "passed": js.passed, **s.as_dict()}
+                for js, s in zip(judged, scored, strict=True)
+            ]
+        if physician:
+            evaluator = Evaluator(generator, verifier, settings.rubric)
+            phase = "sets under the physicians' rubric"
+            bars.start(phase, len(physician))
+            start = time.perf_counter()
+            for s in physician:
+                parts = [(evaluator.apply_rubric(s.prompt, r, s.responses), w) for r, w in physician_rubrics(s.rubric)]
+                physician_scores.append(combine_scores(parts))
+                bars.advance(phase, 1)
+            seconds["physician"] = time.perf_counter() - start
+            per_set += [
+                {
+                    "mode": "physician",
+                    "source": s.source,
+                    "id": s.id,
+                    "passed": s.passed,
+                    "prompt": s.prompt,
+                    "responses": s.responses,
+                    "scores": x,
+                }
+                for s, x in zip(physician, physician_scores, strict=True)
+            ]
+    generator.close()
+    if verifier is not generator:
+        verifier.close()
+    physician_result = summarise_physician(physician, physician_scores, settings.rubric.eps) if physician else None
+
+    out.mkdir(parents=True, exist_ok=True)
+    atomic.write_text(
+        out / "eval_judge_open.json",
+        json.dumps(
+            {
+                "sets_file": str(path),
+                "results": {m: r.as_dict() for m, r in results.items()},
+                "physician": physician_result.as_dict() if physician_result else None,
+                "seconds": seconds,
+                "sets": per_set,
+            },
+            indent=1,
+        ),
+    )
+    sources = ", ".join(f"{n} {src}" for src, n in sorted(Counter(s.source for s in sets).items()))
+    if results:
+        table = Table(
+            title=f"judge on open prompts: {path} ({sources}; pairs = strong answer vs each policy answer, "
+            f"ties within {settings.rubric.eps:g} = 1/2, CI = 95% bootstrap over sets)"
+        )
+        for col in (
+            "mode",
+            "sets",
+            "pairs",
+            "pairwise acc [CI]",
+            "length only [CI]",
+            "strong first",
+            "tied sets",
+            "untrusted",
+            "generated items read",
+            "rubric sources",
+            "seconds",
+        ):
+            table.add_column(col)
+        for mode, r in results.items():
+            table.add_row(
+                mode,
+                str(r.sets),
+                str(r.pairs),
+                f"{r.pairwise_accuracy:.3f} [{r.accuracy_ci[0]:.3f}, {r.accuracy_ci[1]:.3f}]",
+                f"{r.length_baseline:.3f} [{r.length_ci[0]:.3f}, {r.length_ci[1]:.3f}]",
+                str(r.strong_first),
+                f"{r.tied_sets} ({r.tied_share:.2f})",
+                str(r.untrusted_sets),
+                f"{r.items_read}/{r.generated_items} ({r.items_read_share:.2f})",
+                " ".join(f"{k}={v}" for k, v in r.rubric_sources.items()),
+                f"{seconds[mode]:.0f}",
+            )
+        console.print(table)
+    if physician_result is not None:
+        p = physician_result
+        table = Table(
+            title="the verifier under the physicians' rubric (HealthBench): ideal completion vs policy answers"
+        )
+        for col in ("sets", "criteria", "ideal first [CI]", "pairwise acc [CI]", "length only", "tied sets", "seconds"):
+            table.add_column(col)
+        table.add_row(
+            str(p.sets),
+            str(p.items),
+            f"{p.ideal_first} ({p.ideal_first_rate:.3f}) [{p.ideal_first_ci[0]:.3f}, {p.ideal_first_ci[1]:.3f}]",
+            f"{p.pairwise_accuracy:.3f} [{p.accuracy_ci[0]:.3f}, {p.accuracy_ci[1]:.3f}]",
+            f"{p.length_baseline:.3f}",
+            str(p.tied_sets),
+            f"{seconds['physician']:.0f}",
+        )
+        console.print(table)
+    console.print(f"wrote {out / 'eval_judge_open.json'}", markup=False)
+    for mode, r in results.items():
+        print(
+            f"pairwise_accuracy_open[{mode}]: {r.pairwise_accuracy:.3f} "
+            f"(95% CI {r.accuracy_ci[0]:.3f}-{r.accuracy_ci[1]:.3f}; {r.sets} sets, {r.pairs} pairs)"
+        )
+        print(
+            f"length_baseline_open[{mode}]: {r.length_baseline:.3f} "
+            f"(95% CI {r.length_ci[0]:.3f}-{r.length_ci[1]:.3f}; the same pairs)"
+        )
+        print(f"tied_share_open[{mode}]: {r.tied_share:.3f} ({r.tied_sets} of {r.sets} sets)")
+        print(
+            f"items_read_share_open[{mode}]: {r.items_read_share:.3f} "
+            f"({r.items_read} of {r.generated_items} generated items)"
+        )
+    if physician_result is not None:
+        p = physician_result
+        print(
+            f"ideal_first_rate_physician: {p.ideal_first_rate:.3f} "
+            f"(95% CI {p.ideal_first_ci[0]:.3f}-{p.ideal_first_ci[1]:.3f}; {p.ideal_first} of {p.sets} sets)"
+        )
 
 
 def _sample_real_sets(settings: Settings, path: Path, n: int) -> None:

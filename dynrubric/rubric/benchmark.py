@@ -22,6 +22,8 @@ when there are fewer.
 from __future__ import annotations
 
 import math
+import random
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from itertools import combinations
@@ -30,6 +32,7 @@ from pathlib import Path
 from dynrubric.errors import DynrubricError
 from dynrubric.jsonl import jsonl_lines
 from dynrubric.rubric.gaps import CollapseDetector, GapStats
+from dynrubric.rubric.items import MAX_ITEMS, MAX_TEXT_CHARS, Rubric, RubricItem
 
 
 @dataclass(frozen=True)
@@ -320,6 +323,221 @@ def summarise_real(
         trains_right=int(right),
         trains_wrong=int(wrong),
         no_advantage=int(none),
+    )
+
+
+# ---------------------------------------------------------------- open prompts: a strong answer beside the policy's
+@dataclass(frozen=True)
+class OpenSet:
+    """One open prompt (no checker): a strong answer (`passed` true) beside K policy answers of the same token
+    budget, the policy answers tied among themselves; HealthBench sets carry the physicians' rubric."""
+
+    prompt: str
+    responses: list[str]
+    passed: list[bool]  # exactly one True: the strong answer
+    source: str  # arena-hard | healthbench
+    id: str
+    rubric: list[tuple[str, float]]  # (criterion, points): negative points are a flaw; [] without one
+
+    @property
+    def strong(self) -> int:
+        return self.passed.index(True)
+
+
+def read_open_sets(path: Path) -> list[OpenSet]:
+    """`{prompt, responses, passed, source, id[, rubric]}` per line (scripts/make_open_judge_benchmark.py)."""
+    out = []
+    fix = "regenerate it with scripts/make_open_judge_benchmark.py"
+    for n, obj in jsonl_lines(path, "open-prompt sets file", fix):
+        ok = (
+            isinstance(obj, dict)
+            and isinstance(obj.get("prompt"), str)
+            and isinstance(obj.get("responses"), list)
+            and isinstance(obj.get("passed"), list)
+            and len(obj["passed"]) == len(obj["responses"]) >= 2
+            and sum(p is True for p in obj["passed"]) == 1
+            and isinstance(obj.get("source"), str)
+            and isinstance(obj.get("rubric", []), list)
+        )
+        if not ok:
+            raise DynrubricError(
+                f"{path}:{n} needs 'prompt', 'source', 'responses' (2 or more) and one 'passed' per response, "
+                "exactly one of them true (the strong answer)",
+                fix,
+            )
+        rubric = [(str(r["criterion"]), float(r["points"])) for r in obj.get("rubric", [])]
+        out.append(
+            OpenSet(
+                obj["prompt"],
+                [str(r) for r in obj["responses"]],
+                [p is True for p in obj["passed"]],
+                obj["source"],
+                str(obj.get("id", n)),
+                rubric,
+            )
+        )
+    if not out:
+        raise DynrubricError(f"open-prompt sets file {path} holds no sets", fix)
+    return out
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def strong_pair_outcomes(scores: Sequence[float], passed: Sequence[bool], eps: float) -> list[float]:
+    """Per (strong, policy) pair: 1 when the strong answer scores at least `eps` above, 1/2 within `eps`, else 0."""
+    strong = [j for j, p in enumerate(passed) if p]
+    return [
+        1.0 if scores[a] - scores[b] >= eps else 0.5 if abs(scores[a] - scores[b]) < eps else 0.0
+        for a in strong
+        for b in range(len(passed))
+        if not passed[b]
+    ]
+
+
+def length_pair_outcomes(responses: Sequence[str], passed: Sequence[bool]) -> list[float]:
+    """The length-only judge on the same pairs: the answer with more words wins, equal counts are a tie (1/2)."""
+    return strong_pair_outcomes([float(words(r)) for r in responses], passed, eps=0.5)
+
+
+def strictly_first(scores: Sequence[float], passed: Sequence[bool], eps: float) -> bool:
+    """The strong answer scores at least `eps` above every other answer (a tie within `eps` is not first)."""
+    return all(x == 1.0 for x in strong_pair_outcomes(scores, passed, eps))
+
+
+def bootstrap_ci(
+    values: Sequence[float], samples: int = 2000, confidence: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
+    """The percentile bootstrap interval of the mean of `values` (one value per set: sets are resampled)."""
+    if not values:
+        return (0.0, 0.0)
+    n = len(values)
+    rng = random.Random(seed)
+    means = sorted(sum(values[rng.randrange(n)] for _ in range(n)) / n for _ in range(samples))
+    tail = (1.0 - confidence) / 2.0
+    return means[min(samples - 1, int(tail * samples))], means[min(samples - 1, int((1.0 - tail) * samples))]
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+@dataclass(frozen=True)
+class OpenResult:
+    """The judge's own rubrics on open sets: does it rank the strong answer above the policy's, and does it beat
+    "the longer answer wins" on the same pairs? CIs: percentile bootstrap over sets (each set's mean over its pairs)."""
+
+    sets: int
+    pairs: int
+    pairwise_accuracy: float  # (strong, policy) pairs: 1 when s_strong - s_policy >= eps, 1/2 within eps
+    accuracy_ci: tuple[float, float]
+    length_baseline: float  # the same pairs, more words wins, equal = 1/2
+    length_ci: tuple[float, float]
+    strong_first: int  # sets where the strong answer is strictly above all policy answers
+    tied_sets: int  # all answers within eps: the judge ranked nothing
+    tied_share: float
+    untrusted_sets: int
+    generated_items: int  # items the rubric generator wrote (origin "generator")
+    items_read: int  # ... whose verdict the verifier's P(yes) enters (not decided by a check alone)
+    items_read_share: float
+    rubric_sources: dict[str, int]
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def summarise_open(
+    sets: Sequence[OpenSet],
+    scores: Sequence[Sequence[float]],
+    trusted: Sequence[bool],
+    read: Sequence[tuple[int, int]],
+    rubric_sources: Sequence[str],
+    eps: float,
+) -> OpenResult:
+    """`read[i]`: (generated items the verifier read, generated items) of set i's rubric."""
+    acc = [strong_pair_outcomes(scores[i], s.passed, eps) for i, s in enumerate(sets)]
+    length = [length_pair_outcomes(s.responses, s.passed) for s in sets]
+    tied = sum(all_tied(x, eps) for x in scores)
+    n_read, n_generated = sum(r for r, _ in read), sum(g for _, g in read)
+    return OpenResult(
+        sets=len(sets),
+        pairs=sum(len(a) for a in acc),
+        pairwise_accuracy=_mean([x for a in acc for x in a]),
+        accuracy_ci=bootstrap_ci([_mean(a) for a in acc]),
+        length_baseline=_mean([x for a in length for x in a]),
+        length_ci=bootstrap_ci([_mean(a) for a in length]),
+        strong_first=sum(strictly_first(scores[i], s.passed, eps) for i, s in enumerate(sets)),
+        tied_sets=tied,
+        tied_share=tied / len(sets) if sets else 0.0,
+        untrusted_sets=sum(not t for t in trusted),
+        generated_items=n_generated,
+        items_read=n_read,
+        items_read_share=n_read / n_generated if n_generated else 0.0,
+        rubric_sources=dict(sorted(Counter(rubric_sources).items())),
+    )
+
+
+def physician_rubrics(criteria: Sequence[tuple[str, float]]) -> list[tuple[Rubric, float]]:
+    """The physicians' criteria as rubrics of at most MAX_ITEMS items, each with its total weight: weight = |points|
+    rounded and clamped into 1..5 (the parser's rule for a weight out of range), polarity = the sign of the points,
+    origin "ground_truth" (written by no model: no calibration answer overrules it); 0-point criteria are left out.
+    A set's score is the weight-averaged score over its rubrics (`combine_scores`), what one rubric of all the
+    criteria would give (every item weighs its own weight, independently of the others)."""
+    items = [
+        RubricItem(
+            id=f"physician-{n}",
+            text=text[:MAX_TEXT_CHARS],
+            weight=min(5, max(1, round(abs(points)))),
+            polarity=1 if points > 0 else -1,
+            origin="ground_truth",
+        )
+        for n, (text, points) in enumerate(criteria)
+        if points != 0
+    ]
+    chunks = [items[i : i + MAX_ITEMS] for i in range(0, len(items), MAX_ITEMS)]
+    return [(Rubric(items=chunk), float(sum(i.weight for i in chunk))) for chunk in chunks]
+
+
+def combine_scores(parts: Sequence[tuple[Sequence[float], float]]) -> list[float]:
+    """Scores of one set under several rubrics, `(scores, total weight)` each, as one weight-averaged score."""
+    total = sum(w for _, w in parts)
+    k = len(parts[0][0]) if parts else 0
+    return [sum(s[j] * w for s, w in parts) / total if total else 0.0 for j in range(k)]
+
+
+@dataclass(frozen=True)
+class PhysicianResult:
+    """The verifier under the physicians' rubric (HealthBench): how often it puts the ideal completion strictly
+    first among its set, and its (ideal, policy) pairwise accuracy; the length-only judge beside it."""
+
+    sets: int
+    items: int  # physician criteria judged, over all sets
+    ideal_first: int
+    ideal_first_rate: float
+    ideal_first_ci: tuple[float, float]
+    pairwise_accuracy: float
+    accuracy_ci: tuple[float, float]
+    length_baseline: float
+    tied_sets: int
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def summarise_physician(sets: Sequence[OpenSet], scores: Sequence[Sequence[float]], eps: float) -> PhysicianResult:
+    first = [1.0 if strictly_first(scores[i], s.passed, eps) else 0.0 for i, s in enumerate(sets)]
+    acc = [strong_pair_outcomes(scores[i], s.passed, eps) for i, s in enumerate(sets)]
+    return PhysicianResult(
+        sets=len(sets),
+        items=sum(len(s.rubric) for s in sets),
+        ideal_first=int(sum(first)),
+        ideal_first_rate=_mean(first),
+        ideal_first_ci=bootstrap_ci(first),
+        pairwise_accuracy=_mean([x for a in acc for x in a]),
+        accuracy_ci=bootstrap_ci([_mean(a) for a in acc]),
+        length_baseline=_mean([x for s in sets for x in length_pair_outcomes(s.responses, s.passed)]),
+        tied_sets=sum(all_tied(x, eps) for x in scores),
     )
 
 

@@ -31,7 +31,7 @@ from dynrubric.rubric.calibrate import calibrate_row, calibration_outranks, know
 from dynrubric.rubric.checks import run_check
 from dynrubric.rubric.gaps import CollapseDetector, GapStats, gap_stats
 from dynrubric.rubric.generate import GenerationCounts, RubricGenerator, RubricSource
-from dynrubric.rubric.items import NON_RANKING_ORIGINS, Rubric
+from dynrubric.rubric.items import NON_RANKING_ORIGINS, Rubric, RubricItem
 from dynrubric.rubric.score import aggregate, item_weights
 from dynrubric.rubric.verify import Verifier
 from dynrubric.seeds import judge_call_seed
@@ -41,6 +41,19 @@ OVERRULABLE = frozenset({"generator", "consensus"})
 
 GAP_BUCKETS = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 SHARE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+def verifier_reads(item: RubricItem, check_weight: float) -> bool:
+    """Does the verifier's P(yes) enter the item's verdict (`Evaluator.judge` asks it exactly for these)? Not for an
+    item with a deterministic check while checks are not blended (`rubric.check_weight` 1): the check decides it."""
+    return item.check is None or check_weight < 1.0
+
+
+def generated_items_read(rubric: Rubric, check_weight: float) -> tuple[int, int]:
+    """(generated items the verifier reads, generated items) of a rubric: a judge whose generator attaches a check to
+    every item never reads its verifier on them (ARCHITECTURE.md section 2)."""
+    generated = [i for i in rubric.items if i.origin == "generator"]
+    return sum(verifier_reads(i, check_weight) for i in generated), len(generated)
 
 
 @dataclass(frozen=True)
@@ -185,7 +198,7 @@ class Evaluator:
         judged = list(responses) + (known_bad_answers(prompt) if self.config.calibration_answers else [])
         cw = self.config.check_weight
         # items the verifier answers: those without a check, and all of them when checks are blended
-        asked = [m for m, item in enumerate(rubric.items) if item.check is None or cw < 1.0]
+        asked = [m for m, item in enumerate(rubric.items) if verifier_reads(item, cw)]
         raw: list[list[float]] = [[0.5] * len(judged) for _ in rubric.items]
         hard = 0
         if asked:
