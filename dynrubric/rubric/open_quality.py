@@ -7,8 +7,8 @@ bank's open lines (scripts/open_prompts.py: Arena-Hard's o3-mini and Gemini answ
 completions and physician criteria, WritingBench's checklists); the judge never sees them.
 
 Formula. `W(t)` is the content-word set of a text: lower-cased runs of letters and digits, tokens of one
-character that are not digits dropped, a small inline English stopword list dropped, a trailing plural
-"s" cut from words of five or more letters (not "ss"). With `P = W(prompt)`:
+character that are not digits dropped, a small inline English stopword list dropped, a crude plural cut
+from words of five or more letters ("ies" -> "y", else a final "s" but not "ss"). With `P = W(prompt)`:
 
     R          = W(response) - P                        (echoing the prompt earns nothing)
     T_i        = W(first max_words words of reference i) - P
@@ -62,7 +62,10 @@ _TOKEN = re.compile(r"[^\W_]+")
 
 
 def _norm(token: str) -> str:
-    return token[:-1] if len(token) >= 5 and token.endswith("s") and not token.endswith("ss") else token
+    """A crude plural: words of five or more letters lose "ies" -> "y" or a final "s" (not "ss")."""
+    if len(token) < 5 or not token.endswith("s") or token.endswith("ss"):
+        return token
+    return token[:-3] + "y" if token.endswith("ies") else token[:-1]
 
 
 def content_words(text: str, max_words: int | None = None) -> set[str]:
