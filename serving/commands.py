@@ -411,11 +411,11 @@ def users_run(
     seed: Annotated[int, typer.Option()] = 0,
     prompts: Annotated[Path | None, typer.Option(help="prompt file (default: the shipped one)")] = None,
 ) -> None:
-    """Send prompts from the shipped prompt file through the router; feedback from a checkable signal plus noise."""
-    from serving.users import SimulatedUsers, load_checkable
+    """Send the bank's train prompts through the router; feedback from the users' preference (serving/users.py)."""
+    from serving.users import SimulatedUsers, load_served
 
     settings = settings_of(ctx)
-    sim = SimulatedUsers(_router_url(settings), load_checkable(prompts), n_users=users, seed=seed)
+    sim = SimulatedUsers(_router_url(settings), load_served(prompts), n_users=users, seed=seed)
     summary = sim.run(requests, concurrency=concurrency)
     summary.pop("outcomes")
     console.print(json.dumps(summary, indent=2))

@@ -230,7 +230,7 @@ class ClosedLoop:
         from dynrubric.train.rounds import RoundRunner
         from serving.commands import build_controller, build_router
         from serving.fleet import Fleet, specs_from_settings
-        from serving.users import SimulatedUsers, load_checkable
+        from serving.users import SimulatedUsers, load_served
         from streaming.broker import EmbeddedBroker
         from streaming.producer import EventProducer
 
@@ -307,7 +307,7 @@ class ClosedLoop:
                 self._start_prometheus(stack, s)
             users = SimulatedUsers(
                 f"http://{s.serving.host}:{s.serving.port}",
-                load_checkable(),
+                load_served(),
                 n_users=s.loop.users,
                 max_tokens=s.loop.users_max_tokens,
                 seed=int(time.time()),

@@ -197,7 +197,7 @@ def bank_suite(settings: Settings, suite: Suite, path: Path | None = None) -> li
             refs = obj.get("references") or []
             crit = obj.get("criteria") or []
             grader = OpenGrader(
-                p.question,
+                "\n".join(content for _, content in p.messages),  # the whole conversation, as the users read it
                 tuple(str(r) for r in refs),
                 tuple((str(c["text"]), int(c.get("points", 1))) for c in crit),
             )
