@@ -5,7 +5,9 @@ reads back exactly that from the text; the bank's loader checks it):
 - instruction: a base question followed by one or two official IFEval instructions, their text written by
   the official `build_description` (PyPI `if-verifiable`) with arguments drawn here, from the instructions
   whose checker needs no downloaded data and that a short answer (the demo serves 48 tokens) can meet;
-- arithmetic: "What is A op B? Answer with the number only.", the answer computed.
+- arithmetic: "What is A op B? Answer with the number only.", the answer computed;
+- open: real user questions no checker grades (Arena-Hard v2.0, WritingBench in English, HealthBench), with the
+  strong models' answers and the experts' criteria they are measured against (scripts/open_prompts.py).
 
 Every line carries its `base` question and its `split` (train, dev or test: `dynrubric.train.splits.split_of`
 of the base, so no base question is in two splits). The held-out instruction types (`splits.HELDOUT_TYPES`) are
@@ -307,8 +309,17 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--instruction", type=int, default=1000)
     ap.add_argument("--arithmetic", type=int, default=200)
+    ap.add_argument(
+        "--open-max-chars",
+        type=int,
+        default=1500,
+        help="open prompts up to this many characters (most then fit train.max_prompt_tokens, 512)",
+    )
     args = ap.parse_args()
-    lines = [json.dumps(p, ensure_ascii=False) for p in build(args.seed, args.instruction, args.arithmetic)]
+    from open_prompts import build_open  # scripts/open_prompts.py, beside this script
+
+    prompts = build(args.seed, args.instruction, args.arithmetic) + build_open(args.open_max_chars)
+    lines = [json.dumps(p) for p in prompts]  # ASCII: no raw U+2028 for str.splitlines to cut a line at
     args.out.write_text("\n".join(lines) + "\n")
     print(f"wrote {len(lines)} prompts to {args.out}")
 

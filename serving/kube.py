@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from dynrubric import http_clients
 from dynrubric.errors import DynrubricError
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -30,7 +31,7 @@ class DeploymentRestarter:
 
     def __init__(self, api_url: str, namespace: str, token: str, verify: Any = True, transport: Any = None):
         self.namespace = namespace
-        self._http = httpx.Client(
+        self._http = http_clients.client(
             base_url=api_url,
             headers={"authorization": f"Bearer {token}"},
             verify=verify,

@@ -3,8 +3,10 @@
 Each user has a fixed key (so the router's sticky assignment applies) and sends prompts drawn from the
 shipped prompt bank (`dynrubric/data/prompts.jsonl`), only its `split == "train"` lines (a line without a
 split, from a bank that predates it, counts as train): dev and test prompts are never served, so never
-logged, so never trained on. Users rate only a share of responses (`rated_share`) and ask to regenerate an
-answer they did not like with probability `regenerate_p`. What they like depends on the prompt:
+logged, so never trained on. A request goes to an open prompt with probability `open_share` (0.5) when the
+bank has both kinds, so the traffic is half open whatever the sources yield. Users rate only a share of
+responses (`rated_share`) and ask to regenerate an answer they did not like with probability `regenerate_p`.
+What they like depends on the prompt:
 
 - a checkable prompt (instruction, arithmetic): the response is checked against the prompt's ground truth
   (`streaming.prompt_bank.check`: the official IFEval checkers for the instructions it states, the computed
@@ -50,6 +52,8 @@ from streaming.prompt_bank import PromptItem, check, load_prompts
 OPEN_SIGMA = 0.05
 #: mean P(thumbs up) 0.50 on base SmolLM2-135M's answers to 32 train-split open prompts (module docstring)
 OPEN_THRESHOLD = 0.045
+#: production traffic is mostly open: half the requests go to open prompts when the bank has both kinds
+OPEN_SHARE = 0.5
 
 
 def served(p: PromptItem) -> bool:
@@ -100,6 +104,7 @@ class SimulatedUsers:
         max_tokens: int = 48,
         seed: int = 0,
         timeout_s: float = 300.0,
+        open_share: float = OPEN_SHARE,
     ):
         if not prompts:
             raise ValueError("simulated users need at least one prompt")
@@ -107,8 +112,15 @@ class SimulatedUsers:
             raise ValueError("simulated users send only train prompts of the bank (dev and test are never served)")
         if open_sigma < 0:
             raise ValueError("open_sigma must be >= 0")
+        if not 0 <= open_share <= 1:
+            raise ValueError("open_share must be in [0, 1]")
         self.router_url = router_url.rstrip("/")
         self.prompts = list(prompts)
+        # the traffic's mix: a request goes to an open prompt with probability open_share when the bank has both
+        # kinds (the bank's own counts would make the mix whatever the sources yield)
+        self.open_prompts = [p for p in self.prompts if p.kind == "open"]
+        self.checkable_prompts = [p for p in self.prompts if p.kind != "open"]
+        self.open_share = open_share
         self.users = [f"sim-user-{seed}-{i}" for i in range(n_users)]
         self.noise = noise
         self.open_sigma = open_sigma
@@ -123,7 +135,12 @@ class SimulatedUsers:
     def _draw(self) -> tuple[str, PromptItem, float, float, float]:
         with self._lock:  # one seeded stream of choices, whatever the thread interleaving
             r = self._rng
-            return r.choice(self.users), r.choice(self.prompts), r.random(), r.random(), r.random()
+            user = r.choice(self.users)
+            if self.open_prompts and self.checkable_prompts:
+                prompt = r.choice(self.open_prompts if r.random() < self.open_share else self.checkable_prompts)
+            else:
+                prompt = r.choice(self.prompts)
+            return user, prompt, r.random(), r.random(), r.random()
 
     def one(self, client: httpx.Client) -> Outcome | None:
         user, prompt, u_rate, u_noise, u_regen = self._draw()

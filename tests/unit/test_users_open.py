@@ -126,3 +126,16 @@ def test_only_open_lines_carry_references():
         PromptItem(
             id="a", kind="arithmetic", messages=[{"role": "user", "content": "What is 2 + 3?"}], references=["5"]
         )
+
+
+def test_the_traffic_is_half_open_whatever_the_banks_counts():
+    """Two checkable prompts beside many open ones: about half the requests still go to open prompts."""
+    from serving.users import SimulatedUsers, load_served
+
+    bank = load_served()
+    prompts = [p for p in bank if p.kind == "open"][:200] + [p for p in bank if p.kind != "open"][:2]
+    users = SimulatedUsers("http://127.0.0.1:9", prompts, seed=3)
+    drawn = [users._draw()[1].kind == "open" for _ in range(2000)]
+    assert 0.45 < sum(drawn) / len(drawn) < 0.55
+    only_open = SimulatedUsers("http://127.0.0.1:9", prompts[:5], seed=3)
+    assert all(only_open._draw()[1].kind == "open" for _ in range(50))
