@@ -387,7 +387,7 @@ class TrainMetrics:
         )
         for outcome in ("completed", "failed"):
             self.rounds.labels(outcome=outcome)
-        for reason in ("kl", "kl_to_base", "reward_drop", "nonfinite", "heldout_regression"):
+        for reason in ("kl", "kl_to_base", "reward_drop", "nonfinite", "heldout_regression", "kind_regression"):
             self.guard_rejections.labels(reason=reason)
 
 
