@@ -617,12 +617,18 @@ class TrainConfig(Section):
         default="r", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="round N registers version <prefix>N"
     )
     run_dir: Path | None = Field(default=None, description="round state, summaries, run log; default <state_dir>/train")
-    max_kl: float = Field(default=0.05, gt=0, description="guard: per-token KL(new || parent) on held-out samples")
+    max_kl: float = Field(
+        default=0.05,
+        gt=0,
+        description="guard's trust region: reject when the per-token KL(new || parent) on held-out samples exceeds "
+        "this and the dev split's ground truth does not show the candidate better (train/guards.py); size it from "
+        "the KL at which ground truth fell (the demo profile cites docs/benchmarks.md)",
+    )
     max_kl_to_base: float = Field(
         default=0.5,
         gt=0,
-        description="guard: per-token KL(new || base of the lineage) on held-out samples: the total drift the "
-        "rounds may add up to (10x max_kl)",
+        description="guard's trust region on the per-token KL(new || base of the lineage) on held-out samples: the "
+        "total drift the rounds may add up to, decided on as max_kl",
     )
     max_reward_drop: float = Field(
         default=0.05, ge=0, description="guard: reject when held-out reward falls more than this below the parent's"
@@ -658,8 +664,18 @@ class EvaluationConfig(Section):
     confidence: float = Field(default=0.95, gt=0.5, lt=1.0, description="two-sided level of the CIs")
     guard: bool = Field(
         default=True,
-        description="reject a candidate whose pass rate is significantly below its parent's "
-        "(the CI of the difference lies below 0)",
+        description="the round's guard decides on the dev split's ground truth first: reject a candidate "
+        "significantly below its parent (the CI of the difference lies below 0), in total or on a kind of prompt; "
+        "accept one significantly above it (train/guards.py)",
+    )
+    # 20: the dev suite's smallest kind (arithmetic, 30 of the 200 dev prompts) decides; a kind of fewer prompts
+    # would be decided by a handful of answers (a percentile bootstrap CI of under 20 paired 0/1 outcomes is too
+    # narrow), and each kind tested is one more chance of rejecting a good round by noise
+    min_kind_prompts: int = Field(
+        default=20,
+        ge=1,
+        description="a kind of dev prompt (arithmetic, instruction, ...) with at least this many prompts rejects a "
+        "candidate significantly worse on it than its parent, whatever the total; fewer: shown, not decided on",
     )
 
 

@@ -74,7 +74,7 @@ class Thresholds:
     collapse_min_mean_gap: float
     collapse_max_nonsplit_share: float
     collapse_window: int  # sets the collapse detector needs before it can fire
-    max_kl: float  # the round guard's limit on held-out KL(new || parent)
+    max_kl: float  # the round guard's trust region on held-out KL(new || parent) (decides when dev cannot)
     tis_low: float  # the importance weight's truncation (grpo.tis_low, grpo.tis_high)
     tis_high: float
 
@@ -407,7 +407,7 @@ def draw(log: RunLog, thresholds: Thresholds, judged: Sequence[JudgedRollout] = 
     ax = axes[0][1]
     xs, kl = _series(log.steps, "kl")
     line(ax, xs, kl, color="tab:red", label="k3 KL to the reference (training batch)")
-    ax.axhline(t.max_kl, label=f"guard: held-out KL to parent > {t.max_kl} rejects", **THRESHOLD)
+    ax.axhline(t.max_kl, label=f"guard's trust region: held-out KL to parent {t.max_kl}", **THRESHOLD)
     top = max([t.max_kl, *kl]) * 1.15
     ax.set(
         title="KL per policy step (per token), axis from 0 to the guard",

@@ -1,34 +1,55 @@
-"""Guards: reasons to reject a round's checkpoint (the parent stays the policy to build on).
+"""Guards: whether a round's checkpoint is accepted (else the parent stays the policy to build on), and why.
 
-- `nonfinite`: a step's loss or gradient norm was NaN/inf (that step applied no update, but the
-  round is suspect);
-- `kl`: the per-token KL(new || parent) on held-out samples exceeds `train.max_kl`;
-- `kl_to_base`: the per-token KL(new || base), base = the root of the lineage, exceeds
-  `train.max_kl_to_base`: the drift the rounds add up to is bounded, not only each round's step;
-- `reward_drop`: the held-out reward of the new policy is more than `train.max_reward_drop` below
-  the parent's, both judged in one candidate set per prompt (parent and new samples together, one
-  rubric), so the comparison is paired rather than across differently-conditioned rubrics. The judge
-  is the frozen verifier with the PREVIOUS rubric generator (the parent's weights in single-model
-  mode), on held-out prompts no round trained on, so the candidate never grades itself;
-- `heldout_regression`: on the held-out prompts with ground truth (official checkers, computed answers;
-  no judge), the candidate's pass rate is significantly below its parent's: the whole paired-bootstrap
-  CI of the difference lies below 0 (`evaluation.guard`).
+Ground truth decides first; the proxies (KL, the judge's reward) decide only where ground truth cannot tell. In
+this order, the first rule that applies decides:
+
+1. `nonfinite`: a step's loss or gradient norm was NaN/inf (that step applied no update, but the round is
+   suspect); and a KL that is not finite (a broken measurement) rejects as `kl` / `kl_to_base`.
+2. `heldout_regression`: on the dev split's prompts with ground truth (official checkers, computed answers; no
+   judge), the candidate's pass rate is significantly below its parent's: the whole paired-bootstrap CI of the
+   difference lies below 0. Rejected whatever the KL (`evaluation.guard`).
+3. `kind_regression`: the same on one kind of dev prompt (arithmetic, instruction, ...) with at least
+   `evaluation.min_kind_prompts` prompts: a slice that collapsed is not hidden by a total that rose. A kind
+   with fewer prompts is shown, never decides.
+4. accepted: the candidate is significantly better than its parent on dev (the whole CI above 0). The proxies
+   below are shown in the detail and do not reject it (a KL beyond the trust region is named there).
+5. `kl`: the per-token KL(new || parent) on held-out samples exceeds `train.max_kl`, a trust region sized from
+   measured harm (the KL at which ground truth fell in the learning benchmark's runs, docs/benchmarks.md; the
+   demo profile cites its number). It decides only when dev ground truth does not show the candidate better.
+6. `kl_to_base`: the per-token KL(new || base), base = the root of the lineage, exceeds
+   `train.max_kl_to_base`: the drift the rounds add up to, bounded the same way.
+7. `reward_drop`: the held-out reward of the new policy is more than `train.max_reward_drop` below the
+   parent's, both judged in one candidate set per prompt (parent and new samples together, one rubric), so the
+   comparison is paired rather than across differently-conditioned rubrics. The judge is the frozen verifier
+   with the PREVIOUS rubric generator (the parent's weights in single-model mode), on held-out prompts no round
+   trained on, so the candidate never grades itself.
+
+Without ground truth (`evaluation.guard` off, or a trainer that does not evaluate it) rules 2-4 are skipped.
+The reported test figures (`TruthEvidence.figures`) are never an input here.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+DEFAULT_MIN_KIND_PROMPTS = 20  # mirrors evaluation.min_kind_prompts' default (config.py says why)
 
 
 @dataclass(frozen=True)
 class GuardVerdict:
-    reason: str | None  # None: accepted; else "nonfinite" | "kl" | "kl_to_base" | "reward_drop" | "heldout_regression"
+    # None: accepted; else "nonfinite" | "heldout_regression" | "kind_regression" | "kl" | "kl_to_base" | "reward_drop"
+    reason: str | None
     detail: str
 
     @property
     def accepted(self) -> bool:
         return self.reason is None
+
+
+def _ci(c: Mapping[str, float]) -> str:
+    return f"{c['delta']:+.3f} (95% CI {c['low']:+.3f}..{c['high']:+.3f})"
 
 
 def check(
@@ -41,32 +62,73 @@ def check(
     reward_parent: float,
     reward_new: float,
     max_reward_drop: float,
-    groundtruth_vs_parent: dict[str, float] | None = None,
+    groundtruth_vs_parent: Mapping[str, float] | None = None,
+    groundtruth_by_kind: Mapping[str, Mapping[str, float]] | None = None,
+    min_kind_prompts: int = DEFAULT_MIN_KIND_PROMPTS,
 ) -> GuardVerdict:
+    """The verdict on a candidate (module docstring: the rules, in order). `groundtruth_vs_parent`: the dev
+    split's paired comparison with the parent (`delta`, `low`, `high`); `groundtruth_by_kind`: the same per kind
+    of dev prompt, each with its `prompts`."""
     if nonfinite_steps:
         return GuardVerdict("nonfinite", f"non-finite loss or gradient at step(s) {nonfinite_steps}")
-    if not math.isfinite(kl) or kl > max_kl:
-        return GuardVerdict("kl", f"KL to parent {kl:.5f} per token > bound {max_kl}")
-    if not math.isfinite(kl_to_base) or kl_to_base > max_kl_to_base:
-        return GuardVerdict("kl_to_base", f"KL to the base {kl_to_base:.5f} per token > bound {max_kl_to_base}")
+    if not math.isfinite(kl):
+        return GuardVerdict("kl", f"KL to parent is {kl} (not a measurement)")
+    if not math.isfinite(kl_to_base):
+        return GuardVerdict("kl_to_base", f"KL to the base is {kl_to_base} (not a measurement)")
+    proxies = (
+        f"KL to parent {kl:.5f} (trust region {max_kl}); KL to base {kl_to_base:.5f} (trust region "
+        f"{max_kl_to_base}); judge's reward {reward_parent:.4f} -> {reward_new:.4f}"
+    )
+    truth = ""
+    if groundtruth_vs_parent is not None:
+        total = _ci(groundtruth_vs_parent)
+        if groundtruth_vs_parent["high"] < 0:
+            return GuardVerdict(
+                "heldout_regression",
+                f"dev ground truth decided: pass rate {total} vs the parent, all below 0; rejected whatever "
+                f"the KL ({proxies})",
+            )
+        kinds = groundtruth_by_kind or {}
+        for kind in sorted(kinds):
+            c = kinds[kind]
+            if c["prompts"] >= min_kind_prompts and c["high"] < 0:
+                return GuardVerdict(
+                    "kind_regression",
+                    f"dev ground truth decided: {kind} prompts {_ci(c)} vs the parent over {int(c['prompts'])} "
+                    f"prompts, all below 0, whatever the total ({total}); rejected ({proxies})",
+                )
+        shown = [
+            f"{kind} {_ci(c)} over {int(c['prompts'])}"
+            + ("" if c["prompts"] >= min_kind_prompts else f" (under {min_kind_prompts} prompts: not decided on)")
+            for kind, c in sorted(kinds.items())
+        ]
+        by_kind = f"; by kind: {', '.join(shown)}" if shown else ""
+        if groundtruth_vs_parent["low"] > 0:
+            beyond = (
+                "; beyond the trust region, accepted on ground truth"
+                if kl > max_kl or kl_to_base > max_kl_to_base
+                else ""
+            )
+            return GuardVerdict(
+                None,
+                f"dev ground truth decided: better than the parent, {total}, all above 0{by_kind}; {proxies}{beyond}",
+            )
+        truth = f"dev ground truth {total}: not shown better{by_kind}; "
+    if kl > max_kl:
+        return GuardVerdict("kl", f"{truth}KL to parent {kl:.5f} per token > trust region {max_kl}")
+    if kl_to_base > max_kl_to_base:
+        return GuardVerdict(
+            "kl_to_base", f"{truth}KL to the base {kl_to_base:.5f} per token > trust region {max_kl_to_base}"
+        )
     drop = reward_parent - reward_new
     if not math.isfinite(drop) or drop > max_reward_drop:
         return GuardVerdict(
             "reward_drop",
-            f"held-out reward fell {drop:.4f} ({reward_parent:.4f} -> {reward_new:.4f}) > bound {max_reward_drop}",
+            f"{truth}held-out reward fell {drop:.4f} ({reward_parent:.4f} -> {reward_new:.4f}) "
+            f"> bound {max_reward_drop}",
         )
-    truth = ""
-    if groundtruth_vs_parent is not None:
-        d, lo, hi = groundtruth_vs_parent["delta"], groundtruth_vs_parent["low"], groundtruth_vs_parent["high"]
-        if hi < 0:
-            return GuardVerdict(
-                "heldout_regression",
-                f"held-out ground-truth pass rate fell {d:+.3f} vs the parent "
-                f"(95% CI {lo:+.3f}..{hi:+.3f}, all below 0)",
-            )
-        truth = f"; ground truth {d:+.3f} (CI {lo:+.3f}..{hi:+.3f})"
     return GuardVerdict(
         None,
-        f"KL {kl:.5f} <= {max_kl}; KL to base {kl_to_base:.5f} <= {max_kl_to_base}; "
-        f"reward {reward_parent:.4f} -> {reward_new:.4f}{truth}",
+        f"{truth}within the trust region: KL {kl:.5f} <= {max_kl}; KL to base {kl_to_base:.5f} <= {max_kl_to_base}; "
+        f"reward {reward_parent:.4f} -> {reward_new:.4f}",
     )

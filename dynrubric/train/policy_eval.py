@@ -307,13 +307,17 @@ def paired_bootstrap(
     return sum(d) / n, low, high
 
 
-def compare(version: VersionOutcomes, reference: VersionOutcomes, samples: int, confidence: float) -> Comparison:
+def compare(
+    version: VersionOutcomes, reference: VersionOutcomes, samples: int, confidence: float, kind: str | None = None
+) -> Comparison:
+    """`version` against `reference`, paired by prompt: on all prompts, or on those of `kind` (arithmetic,
+    instruction, ...)."""
     if version.eval_key != reference.eval_key:
         raise DynrubricError(
             f"{version.version} and {reference.version} were evaluated on different prompts or decode settings",
             "evaluate both again with the same evaluation settings",
         )
-    keys = sorted(version.scores)
+    keys = sorted(k for k in version.scores if kind is None or version.kinds[k] == kind)
     delta, low, high = paired_bootstrap(
         [version.scores[k] for k in keys], [reference.scores[k] for k in keys], samples, confidence
     )
@@ -409,7 +413,8 @@ def round_evidence(
     settings: Settings, engine: Engine, candidate: tuple[str, Path], parent: tuple[str, Path], base: tuple[str, Path]
 ) -> TruthEvidence:
     """A round's ground-truth evidence (eval.json's `groundtruth`): on the dev split (what the guard reads),
-    pass rates of the candidate, its parent and the base, and the candidate's paired differences from both;
+    pass rates of the candidate, its parent and the base, and the candidate's paired differences from both (and
+    from the parent per kind of prompt);
     and the five reported figures (`figures`), which nothing decides on."""
     suites: dict[Suite, Sequence[EvalPrompt]] = {"dev": heldout_prompts(settings), **report_suites(settings)}
     versions = list(dict.fromkeys([candidate, parent, base]))
@@ -424,6 +429,10 @@ def round_evidence(
         pass_rate_by_kind={v: o.by_kind() for v, o in dev.items()},
         vs_parent=compare(new, dev[parent[0]], e.bootstrap_samples, e.confidence),
         vs_base=compare(new, dev[base[0]], e.bootstrap_samples, e.confidence),
+        vs_parent_by_kind={
+            kind: compare(new, dev[parent[0]], e.bootstrap_samples, e.confidence, kind)
+            for kind in sorted(set(new.kinds.values()))
+        },
         figures={
             suite: figure(outcomes[suite], candidate[0], parent[0], base[0], settings)
             for suite in suites

@@ -10,8 +10,10 @@
 Each file's record carries `schema_version` (`RECORD_VERSION`; the steps inside a history or a summary are
 versioned by it). Records are written with `model_dump` and read back with `read_record` / `parse_line`:
 unknown fields are rejected, so a record of another version, or one with a field missing, renamed or of the
-wrong type, is a `DynrubricError` naming the file (and line), the field and what to do. A change to a
-record's fields is a new `RECORD_VERSION`.
+wrong type, is a `DynrubricError` naming the file (and line), the field and what to do. A change that records
+already written cannot be read under (a field removed, renamed, retyped, or added without a default) is a new
+`RECORD_VERSION`; a field added with a default that means "not recorded" keeps the version, so older records of
+it still read (`TruthEvidence.vs_parent_by_kind`).
 
 This module imports no torch: `dynrubric report` reads the run log without it.
 """
@@ -147,8 +149,9 @@ class Figure(Part):
 class TruthEvidence(Part):
     """A round's ground truth (train/policy_eval.py `round_evidence`): on the dev split, which the guard reads,
     pass rates of the candidate (`version`), its parent and the base, and the candidate's paired differences
-    from both; `figures`, the five reported figures (test seen and unseen types, IFEval, IFBench, open quality),
-    which nothing decides on."""
+    from both, in total and per kind of prompt (`vs_parent_by_kind`: arithmetic, instruction, ...; empty in
+    records written before it, which the guard then reads as "not measured"); `figures`, the five reported
+    figures (test seen and unseen types, IFEval, IFBench, open quality), which nothing decides on."""
 
     version: str
     prompts: int
@@ -157,6 +160,7 @@ class TruthEvidence(Part):
     vs_parent: Comparison
     vs_base: Comparison
     figures: dict[str, Figure] = Field(default_factory=dict)
+    vs_parent_by_kind: dict[str, Comparison] = Field(default_factory=dict)
 
 
 class Evaluation(Record):

@@ -387,7 +387,7 @@ class TrainMetrics:
         )
         for outcome in ("completed", "failed"):
             self.rounds.labels(outcome=outcome)
-        for reason in ("kl", "kl_to_base", "reward_drop", "nonfinite", "heldout_regression"):
+        for reason in ("kl", "kl_to_base", "reward_drop", "nonfinite", "heldout_regression", "kind_regression"):
             self.guard_rejections.labels(reason=reason)
 
 
@@ -829,7 +829,13 @@ class _Round:
     def finish(self, evaluation: Evaluation, started: float) -> RoundSummary:
         """The guards' verdict on the evidence; the candidate registered (candidate or rejected) with its metrics."""
         t0 = time.perf_counter()
-        verdict, metrics = round_verdict(self.cfg, self.history, evaluation, self.settings.evaluation.guard)
+        verdict, metrics = round_verdict(
+            self.cfg,
+            self.history,
+            evaluation,
+            self.settings.evaluation.guard,
+            self.settings.evaluation.min_kind_prompts,
+        )
         final = self.latest_step()
         state = CheckpointState.candidate if verdict.accepted else CheckpointState.rejected
         ckpt = self.state.registry.register(
@@ -1145,11 +1151,16 @@ def evaluate_candidate(
 
 # ==================================================================== the guards' verdict
 def check_guards(
-    cfg: TrainConfig, evaluation: Evaluation, nonfinite_steps: list[int], truth_guard: bool
+    cfg: TrainConfig,
+    evaluation: Evaluation,
+    nonfinite_steps: list[int],
+    truth_guard: bool,
+    min_kind_prompts: int = guards.DEFAULT_MIN_KIND_PROMPTS,
 ) -> guards.GuardVerdict:
     """The guards (train/guards.py) on a candidate's evidence, at the bounds of `cfg`. `truth_guard`: whether
-    the ground-truth comparison with the parent can reject."""
-    truth = evaluation.groundtruth
+    the dev split's ground truth decides first (in total, and per kind of at least `min_kind_prompts` prompts);
+    the reported test figures are never read."""
+    truth = evaluation.groundtruth if truth_guard else None
     return guards.check(
         nonfinite_steps=nonfinite_steps,
         kl=evaluation.kl_to_parent,
@@ -1159,7 +1170,9 @@ def check_guards(
         reward_parent=evaluation.reward_parent,
         reward_new=evaluation.reward_new,
         max_reward_drop=cfg.max_reward_drop,
-        groundtruth_vs_parent=truth.vs_parent.model_dump() if truth and truth_guard else None,
+        groundtruth_vs_parent=truth.vs_parent.model_dump() if truth else None,
+        groundtruth_by_kind={k: c.model_dump() for k, c in truth.vs_parent_by_kind.items()} if truth else None,
+        min_kind_prompts=min_kind_prompts,
     )
 
 
@@ -1168,12 +1181,14 @@ def round_verdict(
     history: Sequence[PolicyStep | GeneratorStep],
     evaluation: Evaluation,
     truth_guard: bool = True,
+    min_kind_prompts: int = guards.DEFAULT_MIN_KIND_PROMPTS,
 ) -> tuple[guards.GuardVerdict, dict[str, Any]]:
     """(the guards' verdict, the checkpoint's metrics) of a round with steps `history`. `truth_guard`:
-    whether the ground-truth comparison with the parent can reject (`evaluation.guard`)."""
+    whether the dev split's ground truth decides first (`evaluation.guard`); `min_kind_prompts`: the fewest
+    prompts of a kind that decides (`evaluation.min_kind_prompts`)."""
     policy_steps = [h for h in history if isinstance(h, PolicyStep)]
     truth = evaluation.groundtruth
-    verdict = check_guards(cfg, evaluation, [h.step for h in history if h.nonfinite], truth_guard)
+    verdict = check_guards(cfg, evaluation, [h.step for h in history if h.nonfinite], truth_guard, min_kind_prompts)
 
     def mean(values: Sequence[float]) -> float | None:
         return sum(values) / len(values) if values else None
@@ -1195,6 +1210,7 @@ def round_verdict(
             "heldout_pass": truth.pass_rate[truth.version],
             "heldout_pass_by_kind": truth.pass_rate_by_kind[truth.version],
             "heldout_vs_parent": truth.vs_parent.model_dump(),
+            "heldout_vs_parent_by_kind": {k: c.model_dump() for k, c in truth.vs_parent_by_kind.items()},
             "heldout_vs_base": truth.vs_base.model_dump(),
             "heldout_truth_prompts": truth.prompts,
             # the five reported figures (test split, IFEval, IFBench, open quality): shown, never decided on

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -231,3 +232,73 @@ def test_the_rollouts_judged_check_decides_a_pair_by_ground_truth_where_the_prom
     assert PairJudge(judge, eps=0.02).score(pairs) == [1.0, 0.5, 0.0, 1.0]
     assert judge.asked == ["Tell me a story."]
     assert PairJudge(judge, eps=0.02, ground_truth=False).score(pairs[:1]) == [0.5]  # the stub judge ties them
+
+
+def collapse_evidence(tiny_model_dir, tmp_path):
+    """Issue 38's round trained on the judge alone, scripted on 200 dev prompts: instruction prompts rose 0.200 ->
+    0.306 (34 -> 52 of 170), arithmetic fell 0.233 -> 0.033 (7 -> 1 of 30), the total rose +0.060."""
+    from transformers import AutoTokenizer
+
+    from dynrubric.train.policy_eval import round_evidence
+
+    lines = [
+        json.dumps({"prompt": f"What is {a} + {a + 1}? Answer with the number only.", "split": "dev"})
+        for a in range(2, 32)
+    ]
+    lines += [
+        json.dumps({"prompt": f"Describe thing {i}. Include the word 'blue'.", "split": "dev"}) for i in range(170)
+    ]
+    bank = tmp_path / "dev.jsonl"
+    bank.write_text("\n".join(lines) + "\n")
+
+    def answers(arithmetic_right: int, instruction_right: int):
+        def answer(question: str) -> str:
+            n = int(re.findall(r"(?:What is|Describe thing) (\d+)", question)[0])
+            truth = derive(question)
+            if truth.answer is not None:
+                return f"{truth.answer:g}" if n < 2 + arithmetic_right else "It is a number."
+            return "It is blue." if n < instruction_right else "It is red."
+
+        return answer
+
+    engine = ScriptedVersions(
+        AutoTokenizer.from_pretrained(tiny_model_dir), {"base": answers(7, 34), "r1": answers(1, 52)}
+    )
+    settings = Settings.model_validate(
+        {"paths": {"state_dir": str(tmp_path / "state")}, "evaluation": {"prompts_file": str(bank), "figures": []}}
+    )
+    return round_evidence(settings, engine, ("r1", tmp_path), ("base", tmp_path), ("base", tmp_path))
+
+
+def test_the_guard_rejects_a_candidate_that_collapsed_on_one_kind_whatever_the_total(tiny_model_dir, tmp_path):
+    """Every slice protected: the total rose significantly, arithmetic fell significantly on 30 prompts (at least
+    `evaluation.min_kind_prompts`), so the round is rejected, naming the kind; with a threshold above 30 prompts
+    arithmetic is shown and does not decide."""
+    from dynrubric.config import TrainConfig
+    from dynrubric.train.rounds import round_verdict
+    from tests.run_records import evaluation, policy_step
+
+    evidence = collapse_evidence(tiny_model_dir, tmp_path)
+    assert evidence.pass_rate_by_kind["base"] == pytest.approx({"arithmetic": 7 / 30, "instruction": 34 / 170})
+    assert evidence.pass_rate_by_kind["r1"] == pytest.approx({"arithmetic": 1 / 30, "instruction": 52 / 170})
+    assert evidence.vs_parent.delta == pytest.approx(0.06) and evidence.vs_parent.low > 0  # the total rose
+    arithmetic = evidence.vs_parent_by_kind["arithmetic"]
+    assert arithmetic.prompts == 30 and arithmetic.delta == pytest.approx(-0.2) and arithmetic.high < 0
+    assert evidence.vs_parent_by_kind["instruction"].prompts == 170
+
+    def verdict(min_kind_prompts: int):
+        return round_verdict(
+            TrainConfig(max_kl=0.45, max_kl_to_base=0.45),
+            [policy_step(0)],
+            evaluation(kl_to_parent=0.1, kl_to_base=0.1, groundtruth=evidence),
+            min_kind_prompts=min_kind_prompts,
+        )
+
+    rejected, metrics = verdict(20)
+    assert rejected.reason == "kind_regression", rejected
+    assert "arithmetic prompts -0.200" in rejected.detail and "over 30 prompts" in rejected.detail
+    assert metrics["heldout_vs_parent_by_kind"]["arithmetic"]["delta"] == pytest.approx(-0.2)
+    # a kind with too few prompts does not decide: the significant total gain accepts the round
+    accepted, _ = verdict(31)
+    assert accepted.accepted, accepted
+    assert "arithmetic -0.200" in accepted.detail and "under 31 prompts: not decided on" in accepted.detail

@@ -171,3 +171,15 @@ def test_the_cli_reports_a_round_from_its_summary(tmp_path: Path):
         {k: v for k, v in summary.model_dump().items() if k in OpenRLHFSummary.model_fields} | {"trainer": "openrlhf"}
     )
     assert round_report(openrlhf, tmp_path / "summary.json")[0] == lines[0]
+
+
+def test_an_evaluation_written_before_the_per_kind_comparisons_still_reads(tmp_path: Path):
+    """`TruthEvidence.vs_parent_by_kind` was added with a default in version 2: an eval.json of version 2 without
+    it reads back, with no per-kind comparison (the guard then decides on the total alone)."""
+    path = tmp_path / "eval.json"
+    write_record(path, evaluation())
+    edited(path, lambda d: d["groundtruth"].pop("vs_parent_by_kind"))
+    assert "vs_parent_by_kind" not in json.loads(path.read_text())["groundtruth"]
+    old = read_record(path, Evaluation)
+    assert old.groundtruth is not None and old.groundtruth.vs_parent_by_kind == {}
+    assert old == evaluation()
