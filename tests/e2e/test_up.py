@@ -161,6 +161,10 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
     )
     assert drill, text[-5000:]
     assert "cycle 2: rollout of r2: rolled_back" in text, text[-5000:]
+    # every cycle's round shows the five reported figures (a few prompts each here), against parent and base
+    for figure in ("test seen types", "test unseen types", "IFEval", "IFBench", "open quality"):
+        shown_figure = rf"^cycle 1:\s+{figure} \(4 test prompts\): r1 [\d.]+, base [\d.]+; vs parent [+-]"
+        assert re.search(shown_figure, text, re.M), (figure, text[-5000:])
     assert "restarts: engine-1 1, ingest 1, trainer 1;" in text, text[-3000:]
     # the demo profile: the round gets the machine's cores while it trains
     assert text.count("users paused while the round trains") == 2, text[-5000:]
