@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
     from dynrubric.config import Settings
     from dynrubric.engines.base import Completion, Engine, GenerationRequest
+    from dynrubric.rubric.evaluator import Evaluator, ScoredSet
 
 console = make_console()
 
@@ -95,7 +96,6 @@ def score(
     from rich.table import Table
 
     from dynrubric import atomic
-    from dynrubric.engines import build_engine
     from dynrubric.rubric.evaluator import Evaluator
 
     options = {"engine": {"kind": engine}} if engine is not None else {}
@@ -117,11 +117,7 @@ def score(
         )
     sets = read_sets(sets_file)
     out = out or Path(sets_file.stem + ".scored.jsonl")  # in the working directory, not beside the input
-    with status(console, f"loading the {settings.engine.kind} engine"):
-        generator = build_engine(settings, "generator")
-        verifier = (
-            generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
-        )
+    generator, verifier = _judge_engines(settings)
     scored = []
     # one set per call, so progress moves per set (a rubric, then its verdicts) instead of once after
     # the batched rubric generation of every set; the collapse detector still sees every set in order
@@ -281,7 +277,6 @@ def eval_judge(
     from rich.table import Table
 
     from dynrubric import atomic
-    from dynrubric.engines import build_engine
     from dynrubric.rubric.benchmark import plot, read_judge_sets, summarise_mode
     from dynrubric.rubric.evaluator import Evaluator
 
@@ -311,11 +306,7 @@ def eval_judge(
             if seen[key] <= limit:
                 kept.append(s)
         sets = kept
-    with status(console, f"loading the {settings.engine.kind} engine"):
-        generator = build_engine(settings, "generator")
-        verifier = (
-            generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
-        )
+    generator, verifier = _judge_engines(settings)
     results, per_set = [], []
     with Bars(console) as bars:
         for mode in wanted:
@@ -324,12 +315,7 @@ def eval_judge(
             phase = f"sets judged ({mode})"
             bars.start(phase, len(sets))
             start = time.perf_counter()
-            scored = []
-            for i in range(0, len(sets), batch):
-                chunk = sets[i : i + batch]
-                scored += evaluator.score_sets(
-                    [s.prompt for s in chunk], [s.responses for s in chunk], progress=partial(bars.advance, phase)
-                )
+            scored = _score_in_batches(evaluator, sets, batch, partial(bars.advance, phase))
             c = evaluator.counts
             sources = {src: sum(s.rubric_source == src for s in scored) for src in MODES}
             generated = sources["set"] + sources["prompt_only"] if mode != "generic" else 0
@@ -445,7 +431,6 @@ def _eval_judge_real(
     from rich.table import Table
 
     from dynrubric import atomic
-    from dynrubric.engines import build_engine
     from dynrubric.rubric.benchmark import read_real_sets, summarise_real
     from dynrubric.rubric.evaluator import Evaluator
     from dynrubric.train.grpo import group_advantages
@@ -454,11 +439,7 @@ def _eval_judge_real(
         _sample_real_sets(settings, path, sample)
     sets = read_real_sets(path)
     judged_sets = [s for s in sets if s.separated]  # the others have no order to recover: not judged
-    with status(console, f"loading the {settings.engine.kind} engine"):
-        generator = build_engine(settings, "generator")
-        verifier = (
-            generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
-        )
+    generator, verifier = _judge_engines(settings)
     results, per_set = {}, []
     with Bars(console) as bars:
         for mode in modes:
@@ -466,12 +447,7 @@ def _eval_judge_real(
             evaluator = Evaluator(generator, verifier, config)
             phase = f"sets judged ({mode})"
             bars.start(phase, len(judged_sets))
-            scored = []
-            for i in range(0, len(judged_sets), batch):
-                chunk = judged_sets[i : i + batch]
-                scored += evaluator.score_sets(
-                    [s.prompt for s in chunk], [s.responses for s in chunk], progress=partial(bars.advance, phase)
-                )
+            scored = _score_in_batches(evaluator, judged_sets, batch, partial(bars.advance, phase))
             result = summarise_real(
                 judged_sets,
                 [s.scores for s in scored],
@@ -524,7 +500,6 @@ def _eval_judge_open(
     from rich.table import Table
 
     from dynrubric import atomic
-    from dynrubric.engines import build_engine
     from dynrubric.rubric.benchmark import (
         combine_scores,
         physician_rubrics,
@@ -545,11 +520,7 @@ def _eval_judge_open(
         sets = kept
     judged = [s for s in sets if not s.rubric]  # ranked by the judge's own rubrics
     physician = [s for s in sets if s.rubric]  # ranked under the physicians' rubric
-    with status(console, f"loading the {settings.engine.kind} engine"):
-        generator = build_engine(settings, "generator")
-        verifier = (
-            generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
-        )
+    generator, verifier = _judge_engines(settings)
     results, per_set, seconds = {}, [], {}
     physician_scores: list[list[float]] = []
     with Bars(console) as bars:
@@ -559,12 +530,7 @@ def _eval_judge_open(
             phase = f"sets judged ({mode})"
             bars.start(phase, len(judged))
             start = time.perf_counter()
-            scored = []
-            for i in range(0, len(judged), batch):
-                chunk = judged[i : i + batch]
-                scored += evaluator.score_sets(
-                    [s.prompt for s in chunk], [s.responses for s in chunk], progress=partial(bars.advance, phase)
-                )
+            scored = _score_in_batches(evaluator, judged, batch, partial(bars.advance, phase))
             seconds[mode] = time.perf_counter() - start
             results[mode] = summarise_open(
                 judged,
@@ -766,3 +732,26 @@ def serve_reward(
         soft_wrap=True,
     )
     serve(app, host, port)
+
+
+def _judge_engines(settings: Settings) -> tuple[Engine, Engine]:
+    """(rubric generator, verifier): one engine when both roles use the same model."""
+    from dynrubric.engines import build_engine
+
+    with status(console, f"loading the {settings.engine.kind} engine"):
+        generator = build_engine(settings, "generator")
+        verifier = (
+            generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
+        )
+    return generator, verifier
+
+
+def _score_in_batches(
+    evaluator: Evaluator, sets: Sequence[Any], batch: int, progress: Callable[[int], None]
+) -> list[ScoredSet]:
+    """`evaluator.score_sets` over `sets` (each with `prompt` and `responses`), `batch` sets a call."""
+    scored: list[ScoredSet] = []
+    for i in range(0, len(sets), batch):
+        chunk = sets[i : i + batch]
+        scored += evaluator.score_sets([s.prompt for s in chunk], [s.responses for s in chunk], progress=progress)
+    return scored
