@@ -252,18 +252,23 @@ class RealSet:
         return any(self.passed) and not all(self.passed)
 
 
+def _graded_set(obj: object) -> bool:
+    """A line of a graded sets file: `prompt`, two or more `responses`, one `passed` flag per response."""
+    return (
+        isinstance(obj, dict)
+        and isinstance(obj.get("prompt"), str)
+        and isinstance(obj.get("responses"), list)
+        and isinstance(obj.get("passed"), list)
+        and len(obj["passed"]) == len(obj["responses"]) >= 2
+    )
+
+
 def read_real_sets(path: Path) -> list[RealSet]:
     """`{prompt, responses, passed}` per line (written by `dynrubric eval-judge --real --sample N`)."""
     out = []
     fix = "pass a JSONL file of {prompt, responses, passed} per line, or write one with --real --sample N"
     for n, obj in jsonl_lines(path, "real-output sets file", fix):
-        ok = (
-            isinstance(obj, dict)
-            and isinstance(obj.get("prompt"), str)
-            and isinstance(obj.get("responses"), list)
-            and isinstance(obj.get("passed"), list)
-            and len(obj["passed"]) == len(obj["responses"]) >= 2
-        )
+        ok = _graded_set(obj)
         if not ok:
             raise DynrubricError(
                 f"{path}:{n} needs 'prompt', 'responses' (2 or more) and one 'passed' per response", "fix that line"
@@ -350,11 +355,7 @@ def read_open_sets(path: Path) -> list[OpenSet]:
     fix = "regenerate it with scripts/make_open_judge_benchmark.py"
     for n, obj in jsonl_lines(path, "open-prompt sets file", fix):
         ok = (
-            isinstance(obj, dict)
-            and isinstance(obj.get("prompt"), str)
-            and isinstance(obj.get("responses"), list)
-            and isinstance(obj.get("passed"), list)
-            and len(obj["passed"]) == len(obj["responses"]) >= 2
+            _graded_set(obj)
             and sum(p is True for p in obj["passed"]) == 1
             and isinstance(obj.get("source"), str)
             and isinstance(obj.get("rubric", []), list)
