@@ -179,10 +179,12 @@ class RubricConfig(Section):
     prompt_only_retries: int = Field(
         default=0, ge=0, le=20, description="extra prompt-only tries before the generic rubric"
     )
-    mode: Literal["set", "prompt_only", "generic"] = Field(
+    mode: Literal["set", "prompt_only", "generic", "checks"] = Field(
         default="set",
         description=(
-            "'prompt_only' skips the candidates in the generator prompt, 'generic' the generator (for comparison)"
+            "'prompt_only' skips the candidates in the generator prompt, 'generic' the generator (for comparison); "
+            "'checks' is no judge at all: the prompt's own checked ground truth alone (rubric.prompt_constraints), "
+            "so a prompt without any gives no signal (the ground-truth arm of benchmarks/supervision.py)"
         ),
     )
     constrained: bool = Field(
@@ -201,6 +203,11 @@ class RubricConfig(Section):
         ge=0.0,
         le=1.0,
         description="checked items: 1 = the check alone; below 1 blends check*w + P(yes)*(1-w)",
+    )
+    stated_checks_only: bool = Field(
+        default=False,
+        description="a generated item keeps its check only where its text states what the check verifies "
+        "(rubric/items.py: check_is_stated); the verifier answers every other item",
     )
     calibration_answers: bool = Field(
         default=True,
@@ -239,6 +246,15 @@ class RubricConfig(Section):
         default=0.8, ge=0.0, le=1.0, description="collapse when the window's mean non-splitting item share exceeds this"
     )
     seed: int = Field(default=0, description="base seed of the generator; retries add to it")
+
+    @model_validator(mode="after")
+    def _checks_need_constraints(self) -> RubricConfig:
+        if self.mode == "checks" and not self.prompt_constraints:
+            raise ValueError(
+                "rubric.mode 'checks' scores with the prompt's own checked constraints alone: "
+                "it needs rubric.prompt_constraints true"
+            )
+        return self
 
 
 class RewardServerConfig(Section):

@@ -233,6 +233,7 @@ def train_round(
 
 def round_report(summary: RoundOutcome, path: Path) -> list[str]:
     """The end-of-round lines: verdict, where the rubrics came from, what fell back, collapse, timing."""
+    from dynrubric.rubric.generate import RUBRIC_SOURCES
     from dynrubric.train.records import EmbeddedOutcome, PolicyStep, RoundSummary
 
     guard = summary.guard
@@ -256,7 +257,7 @@ def round_report(summary: RoundOutcome, path: Path) -> list[str]:
             f"  steps: {summary.phases['policy']} policy, {summary.phases['generator']} generator; "
             f"{summary.prompts} prompts; {summary.seconds:.0f}s",
             f"  rubrics of {sets} scored sets: "
-            + ", ".join(f"{k} {sources[k]}" for k in ("set", "prompt_only", "generic")),
+            + ", ".join(f"{k} {sources[k]}" for k in RUBRIC_SOURCES if sources[k] or k != "checks"),
             f"  fallbacks: {fallbacks['parse_failures']} failed generator tries; sets falling back to prompt-only "
             f"{fallbacks['prompt_only']}, to the generic rubric {fallbacks['generic']}; "
             f"hard verdicts {fallbacks['hard_verdict']}",

@@ -3,7 +3,10 @@
 Ladder per set (every step counted by the caller): set-conditioned tries (1 + `retries`, each with a
 new seed) -> prompt-only tries (1 + `prompt_only_retries`) -> the configured generic rubric. With
 `mode="prompt_only"` the first rung is skipped (the comparison baseline of the paper); `mode="generic"`
-uses the generic rubric alone (the floor every generated rubric must beat). Tries of many sets run as one
+uses the generic rubric alone (the floor every generated rubric must beat); `mode="checks"` writes no rubric at all:
+the items derived from the prompt's own ground truth are the whole rubric (no judge; a prompt without a checkable
+constraint or answer gets only the echo veto and the floor item, which rank nothing: its set is untrusted, no
+signal). Tries of many sets run as one
 batched `generate` call per rung and attempt, decoded under the rubric's JSON Schema (`rubric_schema`).
 Every rubric, whatever its rung, is then joined by the items derived without a model (derived.py).
 """
@@ -13,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from dynrubric.config import RubricConfig
 from dynrubric.engines.base import Engine, GenerationRequest, SamplingParams
@@ -30,7 +33,8 @@ from dynrubric.rubric.items import (
 )
 from dynrubric.rubric.verify import truncate_tokens
 
-RubricSource = Literal["set", "prompt_only", "generic"]
+RubricSource = Literal["set", "prompt_only", "generic", "checks"]
+RUBRIC_SOURCES: tuple[RubricSource, ...] = get_args(RubricSource)
 
 GENERATED_ITEMS = (2, 4)  # items the generator writes; derived items (derived.py) join them
 ITEM_TEXT_CHARS = (8, 80)
@@ -189,7 +193,7 @@ class RubricGenerator:
             raw = completions[0].text if completions else ""
             notes: list[str] = []
             try:
-                rubric = parse_rubric(raw, self.config.max_items, notes)
+                rubric = parse_rubric(raw, self.config.max_items, notes, self.config.stated_checks_only)
             except RubricParseError as e:
                 out.append((None, raw, e.reason, notes))
                 continue
@@ -225,6 +229,8 @@ class RubricGenerator:
         """One rubric per set. Attempt `a` samples with seed `seed + a` for every set still without a
         rubric: equal sampling parameters keep the sets of one attempt in one engine batch."""
         counts = GenerationCounts()
+        if self.config.mode == "checks":  # no model: the prompt's checked ground truth, echo veto and floor item
+            return [GeneratedRubric(Rubric(items=prompt_items(q)), "checks", "") for q in questions], counts
         result: list[GeneratedRubric | None] = [None] * len(questions)
         last_raw = [""] * len(questions)
         rungs: list[tuple[RubricSource, int]] = []

@@ -56,7 +56,7 @@ from dynrubric.errors import DynrubricError
 from dynrubric.registry import Checkpoint, CheckpointState, Registry
 from dynrubric.rubric.evaluator import Evaluator, EvaluatorMetrics, ScoredSet
 from dynrubric.rubric.gaps import CollapseDetector
-from dynrubric.rubric.generate import RUBRIC_SCHEMA_JSON, GenerationCounts
+from dynrubric.rubric.generate import RUBRIC_SCHEMA_JSON, RUBRIC_SOURCES, GenerationCounts
 from dynrubric.rubric.groundtruth import derive
 from dynrubric.seeds import RoundPurpose, round_seed
 from dynrubric.train import guards
@@ -668,7 +668,7 @@ class _Round:
                 for s in scored
             ],
             rubric_sources={
-                src: sum(s.rubric_source == src for s in scored) for src in ("set", "prompt_only", "generic")
+                src: sum(s.rubric_source == src for s in scored) for src in RUBRIC_SOURCES
             },
             fallbacks=Fallbacks(
                 parse_failures=counts.parse_failures,
@@ -709,6 +709,7 @@ class _Round:
             settings.rubric.eps,
             self.seed("rubrics", step),
             RUBRIC_SCHEMA_JSON if settings.rubric.constrained else None,
+            settings.rubric.stated_checks_only,
         )
         t2 = time.perf_counter()
         stats = models.trainers.step("generator", groups)

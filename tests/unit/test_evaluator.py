@@ -183,6 +183,25 @@ def test_prompt_only_mode_never_shows_candidates(engine):
     assert QUESTION in prompt and "[Candidate" not in prompt and RESPONSES[1] not in prompt
 
 
+def test_checks_mode_scores_with_the_prompts_own_ground_truth_alone(engine):
+    """The ground-truth arm: no generator call, no verifier call; a prompt without a checkable constraint or answer
+    gives an untrusted set (no signal), whatever its answers."""
+    spy, verifier = Spy(engine), Spy(engine)
+    ev = Evaluator(spy, verifier, RubricConfig(mode="checks"))
+    [arith, open_prompt] = ev.score_sets([QUESTION, "Tell me about rivers."], [RESPONSES, ["Rivers flow.", ""]])
+    assert spy.generate_requests == [] and verifier.score_calls == []
+    assert arith.rubric_source == "checks" and arith.trusted
+    assert {i.origin for i in arith.rubric.items} == {"ground_truth", "echo", "floor"}
+    # "The answer is 4." misses the computed answer 42; the three others state it
+    assert arith.scores[1] < min(arith.scores[0], arith.scores[2], arith.scores[3])
+    assert not open_prompt.trusted and {i.origin for i in open_prompt.rubric.items} == {"echo", "floor"}
+
+
+def test_checks_mode_needs_the_prompts_constraints():
+    with pytest.raises(ValueError, match="prompt_constraints"):
+        RubricConfig(mode="checks", prompt_constraints=False)
+
+
 def test_hard_verdicts_when_logprobs_are_missing_are_counted(engine):
     registry = CollectorRegistry()
     spy = Spy(engine, no_logprobs=True)
