@@ -225,10 +225,43 @@ def _text(entry: dict[Any, Any]) -> str:
 
 RawItem = tuple[str, str, int, Literal[1, -1], Check | None]  # id, text, weight, polarity, check
 
+# what an item's text must say for a check of each kind to be the check of that text (besides the check's value)
+_STATED_WORDS: dict[str, tuple[str, ...]] = {
+    "max_words": ("word",),
+    "min_words": ("word",),
+    "bullet_count": ("bullet", "point", "list", "item"),
+    "no_commas": ("comma",),
+    "lowercase": ("lowercase", "lower case", "lower-case", "capital", "uppercase", "upper case"),
+    "starts_with": ("start", "begin", "open", "first"),
+    "ends_with": ("end", "finish", "close", "last", "conclude"),
+}
 
-def _raw_item(entry: Any, index: int, notes: list[str]) -> RawItem | None:
+
+def check_is_stated(text: str, check: Check) -> bool:
+    """Does an item's text state what its check verifies? A phrase check (contains, not_contains, starts_with,
+    ends_with) needs its phrase in the text; a count (max_words, min_words, bullet_count) and final_number need the
+    number; every kind but the phrase containment ones needs a word that names what is counted or where (words,
+    bullets, commas, lower case, start, end); a regex is never stated in words. Otherwise the check judges something
+    the item does not say: "The response is a garden." checked as `max_words 1` (issue 36), which every answer meets
+    or misses alike; the item is then the verifier's to answer."""
+    said = " ".join(text.lower().split())
+    kind, value = check.kind, check.value
+    if kind == "regex":
+        return False
+    if kind in ("contains", "not_contains", "starts_with", "ends_with") and " ".join(str(value).lower().split()) not in said:
+        return False
+    if kind in ("max_words", "min_words", "bullet_count", "final_number"):
+        numbers = {float(n.replace(",", "")) for n in re.findall(r"\d[\d,]*(?:\.\d+)?", said)}
+        if float(value) not in numbers:  # type: ignore[arg-type]
+            return False
+    words = _STATED_WORDS.get(kind)
+    return words is None or any(w in said for w in words)
+
+
+def _raw_item(entry: Any, index: int, notes: list[str], stated_checks_only: bool = False) -> RawItem | None:
     """(id, text, weight, polarity, check) or None when the entry is not a usable item. A malformed
-    check is dropped (its reason appended to `notes`) and the item kept without it."""
+    check is dropped (its reason appended to `notes`) and the item kept without it; with `stated_checks_only`, so is a
+    check its text does not state (`check_is_stated`)."""
     if isinstance(entry, str):
         text = _clean(entry, MAX_TEXT_CHARS)
         return (f"i{index + 1}", text, 1, 1, None) if text else None
@@ -247,6 +280,9 @@ def _raw_item(entry: Any, index: int, notes: list[str]) -> RawItem | None:
             check = parse_check(entry["check"])
         except CheckError as e:
             notes.append(f"check dropped: {e.reason}")
+    if check is not None and stated_checks_only and not check_is_stated(text, check):
+        notes.append(f"check dropped: the item's text does not state {check.describe()}")
+        check = None
     return (item_id or f"i{index + 1}", text, weight, polarity, check)
 
 
@@ -307,16 +343,19 @@ def merge_items(raw: list[RawItem], max_items: int = MAX_ITEMS) -> list[RubricIt
     return items
 
 
-def parse_rubric(raw_text: str, max_items: int = MAX_ITEMS, notes: list[str] | None = None) -> Rubric:
+def parse_rubric(
+    raw_text: str, max_items: int = MAX_ITEMS, notes: list[str] | None = None, stated_checks_only: bool = False
+) -> Rubric:
     """The rubric in a generator's raw output, or RubricParseError saying why there is none.
-    Reasons for dropped checks are appended to `notes` when given."""
+    Reasons for dropped checks are appended to `notes` when given; `stated_checks_only` drops every check its item's
+    text does not state (`check_is_stated`)."""
     if not isinstance(raw_text, str):
         raise RubricParseError(f"generator output is {type(raw_text).__name__}, not text")
     if not raw_text.strip():
         raise RubricParseError("generator output is empty")
     entries = _find_items(raw_text)
     dropped: list[str] = []
-    raw = [r for n, e in enumerate(entries) if (r := _raw_item(e, n, dropped)) is not None]
+    raw = [r for n, e in enumerate(entries) if (r := _raw_item(e, n, dropped, stated_checks_only)) is not None]
     if not raw:
         raise RubricParseError(f"none of the {len(entries)} entries is a valid item (text, weight 1..5, polarity)")
     try:

@@ -211,6 +211,7 @@ def generator_groups(
     tie_eps: float,
     seed: int,
     json_schema: str | None = None,
+    stated_checks_only: bool = False,
 ) -> tuple[list[CandidateSet], GeneratorBatchStats]:
     """Sample `rubric_samples` rubrics per set at `temperature` (decoded under `json_schema` when
     given, as the evaluator decodes them), reward them, and return GRPO groups for the generator
@@ -219,7 +220,8 @@ def generator_groups(
 
     Under a grammar the sampled tokens come from the masked distribution while the loss takes the
     model's unmasked log-probs (as vLLM-sampled structured outputs are trained elsewhere): masked-out
-    tokens are never sampled, so the update only reweights choices the grammar allowed."""
+    tokens are never sampled, so the update only reweights choices the grammar allowed. `stated_checks_only`: a
+    sampled rubric is read as the evaluator reads it (`rubric.stated_checks_only`)."""
     prompts = [set_prompt(p.question, responses) for p, responses in sets]
     params = SamplingParams(
         max_tokens=config.generator_max_tokens,
@@ -242,7 +244,7 @@ def generator_groups(
         user_sets += int(anchor is not None and anchor.source == "users")
         for c in completions:
             try:
-                rubric = parse_rubric(c.text, max_items)
+                rubric = parse_rubric(c.text, max_items, stated_checks_only=stated_checks_only)
             except RubricParseError:
                 disc.append(0.0)
                 anch.append(None)

@@ -259,3 +259,32 @@ def test_an_item_written_four_times_is_a_one_item_rubric():
     item = {"text": "The response gives the final answer 42.", "weight": 3, "polarity": 1}
     rubric = parse_rubric(json.dumps({"items": [item] * 4}))
     assert [(i.text, i.weight) for i in rubric.items] == [(item["text"], 3)]
+
+
+@pytest.mark.parametrize(
+    ("text", "check", "stated"),
+    [
+        ("The response is a garden.", {"kind": "max_words", "value": 1}, False),
+        ("The response has some issues.", {"kind": "max_words", "value": 1}, False),
+        ("The response is at most 50 words long.", {"kind": "max_words", "value": 50}, True),
+        ("The response is at most 50 words long.", {"kind": "max_words", "value": 40}, False),
+        ("The response mentions Paris.", {"kind": "contains", "value": "paris"}, True),
+        ("The response that satisfies the requirements.", {"kind": "not_contains", "value": "True"}, False),
+        ("The response uses no commas.", {"kind": "no_commas"}, True),
+        ("The response is polite.", {"kind": "no_commas"}, False),
+        ("The response lists 3 bullet points.", {"kind": "bullet_count", "value": 3}, True),
+        ("The response's final number is 42.", {"kind": "final_number", "value": 42}, True),
+        ("The response starts with 'Dear Sir'.", {"kind": "starts_with", "value": "Dear Sir"}, True),
+        ("The response is formal, Dear Sir.", {"kind": "starts_with", "value": "Dear Sir"}, False),
+        ("The response matches a date.", {"kind": "regex", "value": r"\d+"}, False),
+    ],
+)
+def test_a_check_is_kept_only_where_its_items_text_states_it(text, check, stated):
+    raw = json.dumps(
+        {"items": [{"text": text, "weight": 2, "check": check}, {"text": "The response is kind.", "weight": 1}]}
+    )
+    notes: list[str] = []
+    kept = parse_rubric(raw, stated_checks_only=True, notes=notes).items[0]
+    assert (kept.check is not None) == stated
+    assert bool(notes) == (not stated)
+    assert parse_rubric(raw).items[0].check is not None  # off: every well-formed check stands, as before
