@@ -1,0 +1,135 @@
+"""The judge's levers on open prompts, side by side: one `eval-judge --open` run weighed again under each.
+
+Run `eval-judge --open` once with `rubric.check_weight 0`, so that the verifier answers every item, checked or not,
+and `eval_judge_open.json` keeps each set's rubric (with the checks the generator wrote) and the verifier's raw
+P(yes) for its candidates and calibration answers. Each lever below only changes how those verdicts are weighed
+(`rubric.evaluator.weigh`), so weighing them again gives what a run under the lever scores, the rubrics and P(yes)
+being the same (the generator does not read the weighing rules):
+
+    shipped          every check decides its item (check_weight 1), calibration de-bias, trust rule `every`
+    stated checks    a check decides its item only where the item's text states it (`rubric.stated_checks_only`);
+                     the verifier's P(yes) answers the rest
+    + no de-bias     stated checks, the verifier's P(yes) as it is (no calibration answers' floor subtracted)
+    + trust best     stated checks, de-bias, an item overruled only when a calibration answer beats the set's best
+    raw P(yes)       no check at all: sum w z / sum w of the verifier's oriented P(yes), no de-bias, no overrule
+
+Per lever: the pairwise accuracy of the strong answer over the policy's (ties within `rubric.eps` = 1/2) with a
+bootstrap 95 % CI over sets, the sets it ties, the untrusted sets; beside it the length-only judge on the same pairs.
+The last line: `best lever: NAME accuracy X (length Y)`.
+
+    python benchmarks/open_judge_levers.py OUT/eval_judge_open.json   (OUT: `DYNRUBRIC_RUBRIC__CHECK_WEIGHT=0
+                                                                       dynrubric eval-judge --open --modes set -o OUT`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dynrubric.config import RubricConfig  # noqa: E402
+from dynrubric.rubric.benchmark import (  # noqa: E402
+    all_tied,
+    bootstrap_ci,
+    length_pair_outcomes,
+    strong_pair_outcomes,
+)
+from dynrubric.rubric.calibrate import known_bad_answers  # noqa: E402
+from dynrubric.rubric.checks import Check  # noqa: E402
+from dynrubric.rubric.evaluator import weigh  # noqa: E402
+from dynrubric.rubric.items import Rubric, check_is_stated  # noqa: E402
+
+
+def stated_only(rubric: Rubric) -> Rubric:
+    """The rubric as `rubric.stated_checks_only` parses it: a generated item keeps its check only where stated."""
+    return Rubric(
+        items=[
+            i.model_copy(update={"check": None})
+            if i.origin == "generator" and i.check is not None and not check_is_stated(i.text, i.check)
+            else i
+            for i in rubric.items
+        ]
+    )
+
+
+def no_checks(rubric: Rubric) -> Rubric:
+    return Rubric(items=[i.model_copy(update={"check": None}) if i.origin == "generator" else i for i in rubric.items])
+
+
+Lever = tuple[Callable[[Rubric], Rubric], RubricConfig]
+LEVERS: dict[str, Lever] = {
+    "shipped": (lambda r: r, RubricConfig()),
+    "stated checks": (stated_only, RubricConfig()),
+    "+ no de-bias": (stated_only, RubricConfig(calibration_answers=False)),
+    "+ trust best": (stated_only, RubricConfig(trust_rule="best")),
+    "raw P(yes)": (no_checks, RubricConfig(calibration_answers=False)),
+}
+
+
+def weigh_set(s: dict[str, Any], lever: Lever) -> tuple[list[float], bool]:
+    reshape, config = lever
+    rubric = reshape(Rubric.model_validate({"items": s["rubric"]}))
+    k = len(s["responses"])
+    if config.calibration_answers:
+        judged = list(s["responses"]) + known_bad_answers(s["prompt"])
+        raw = [list(c) + list(a) for c, a in zip(s["raw_verdicts"], s["calibration_raw_verdicts"], strict=True)]
+    else:
+        judged, raw = list(s["responses"]), [list(c) for c in s["raw_verdicts"]]
+    j = weigh(rubric, judged, raw, k, config)
+    return j.scores, j.trusted
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("eval_judge_open_json", type=Path)
+    ap.add_argument("--mode", default="set")
+    args = ap.parse_args()
+    run = json.loads(args.eval_judge_open_json.read_text())
+    sets = [s for s in run["sets"] if s["mode"] == args.mode]
+    unread = sum(
+        i["origin"] == "generator" and all(v == 0.5 for v in row)
+        for s in sets
+        for i, row in zip(s["rubric"], s["raw_verdicts"], strict=True)
+    )
+    if unread:
+        print(f"note: {unread} generated items were not read by the verifier (0.5): run with rubric.check_weight 0")
+    eps = RubricConfig().eps
+    generated = [i for s in sets for i in s["rubric"] if i["origin"] == "generator"]
+    checked = [i for i in generated if i.get("check")]
+    stated = [i for i in checked if check_is_stated(i["text"], Check.model_validate(i["check"]))]
+    print(
+        f"{len(sets)} sets ({args.mode}); generated items {len(generated)}, with a check {len(checked)}, "
+        f"whose text states it {len(stated)}"
+    )
+    for source in ("arena-hard", "healthbench", "all"):
+        chosen = [s for s in sets if source == "all" or s["source"] == source]
+        if not chosen:
+            continue
+        length = [length_pair_outcomes(s["responses"], s["passed"]) for s in chosen]
+        length_acc = sum(x for a in length for x in a) / sum(len(a) for a in length)
+        best = ("", 0.0)
+        for name, lever in LEVERS.items():
+            outcomes, tied, untrusted = [], 0, 0
+            for s in chosen:
+                scores, trusted = weigh_set(s, lever)
+                outcomes.append(strong_pair_outcomes(scores, s["passed"], eps))
+                tied += all_tied(scores, eps)
+                untrusted += not trusted
+            acc = sum(x for a in outcomes for x in a) / sum(len(a) for a in outcomes)
+            lo, hi = bootstrap_ci([sum(a) / len(a) for a in outcomes])
+            print(
+                f"{source:11} {name:15} pairwise {acc:.3f} (95% CI {lo:.3f}-{hi:.3f})  tied {tied:2}/{len(chosen)}  "
+                f"untrusted {untrusted:2}  length {length_acc:.3f}"
+            )
+            if source == "all" and acc > best[1]:
+                best = (name, acc)
+    print(f"best lever: {best[0]} accuracy {best[1]:.3f} (length {length_acc:.3f})")
+
+
+if __name__ == "__main__":
+    main()
