@@ -1,7 +1,8 @@
-"""The judge's levers on open prompts, side by side: one `eval-judge --open` run weighed again under each.
+"""The judge's levers, side by side: one `eval-judge --open` (or `--real`) run weighed again under each.
 
-Run `eval-judge --open` once with `rubric.check_weight 0`, so that the verifier answers every item, checked or not,
-and `eval_judge_open.json` keeps each set's rubric (with the checks the generator wrote) and the verifier's raw
+Run `eval-judge --open` (open prompts: a strong model's answer beside the policy's) or `eval-judge --real` (the
+policy's answers graded by the official checkers) once with `rubric.check_weight 0`, so that the verifier answers
+every item, checked or not, and `eval_judge_open.json` (`eval_judge_real.json`) keeps each set's rubric (with the checks the generator wrote) and the verifier's raw
 P(yes) for its candidates and calibration answers. Each lever below only changes how those verdicts are weighed
 (`rubric.evaluator.weigh`), so weighing them again gives what a run under the lever scores, the rubrics and P(yes)
 being the same (the generator does not read the weighing rules):
@@ -11,14 +12,17 @@ being the same (the generator does not read the weighing rules):
                      the verifier's P(yes) answers the rest
     + no de-bias     stated checks, the verifier's P(yes) as it is (no calibration answers' floor subtracted)
     + trust best     stated checks, de-bias, an item overruled only when a calibration answer beats the set's best
+    + never overrule stated checks, de-bias, no item overruled
+    trust best only  every check decides its item (as shipped), trust rule `best`
     raw P(yes)       no check at all: sum w z / sum w of the verifier's oriented P(yes), no de-bias, no overrule
 
-Per lever: the pairwise accuracy of the strong answer over the policy's (ties within `rubric.eps` = 1/2) with a
-bootstrap 95 % CI over sets, the sets it ties, the untrusted sets; beside it the length-only judge on the same pairs.
+Per lever: the pairwise accuracy of the strong (passing) answer over the policy's (failing) one (ties within
+`rubric.eps` = 1/2) with a bootstrap 95 % CI over sets, the sets it ties, the untrusted sets; beside it the
+length-only judge on the same pairs. A --real run counts the sets the checker separates.
 The last line: `best lever: NAME accuracy X (length Y)`.
 
-    python benchmarks/open_judge_levers.py OUT/eval_judge_open.json   (OUT: `DYNRUBRIC_RUBRIC__CHECK_WEIGHT=0
-                                                                       dynrubric eval-judge --open --modes set -o OUT`)
+    python benchmarks/judge_levers.py OUT/eval_judge_open.json   (OUT: `DYNRUBRIC_RUBRIC__CHECK_WEIGHT=0
+                                                                  dynrubric eval-judge --open --modes set -o OUT`)
 """
 
 from __future__ import annotations
@@ -67,6 +71,9 @@ LEVERS: dict[str, Lever] = {
     "stated checks": (stated_only, RubricConfig()),
     "+ no de-bias": (stated_only, RubricConfig(calibration_answers=False)),
     "+ trust best": (stated_only, RubricConfig(trust_rule="best")),
+    # eps is the overrule margin inside `weigh` only (the pairs below take the default): no item is ever overruled
+    "+ never overrule": (stated_only, RubricConfig(eps=0.99)),
+    "trust best only": (lambda r: r, RubricConfig(trust_rule="best")),
     "raw P(yes)": (no_checks, RubricConfig(calibration_answers=False)),
 }
 
@@ -90,7 +97,12 @@ def main() -> None:
     ap.add_argument("--mode", default="set")
     args = ap.parse_args()
     run = json.loads(args.eval_judge_open_json.read_text())
-    sets = [s for s in run["sets"] if s["mode"] == args.mode]
+    # an open run's sets have a source; a --real run's are one source, its checker-graded sets: those it separates
+    sets = [
+        s | {"source": s.get("source", "real")}
+        for s in run["sets"]
+        if s["mode"] == args.mode and any(s["passed"]) and not all(s["passed"])
+    ]
     unread = sum(
         i["origin"] == "generator" and all(v == 0.5 for v in row)
         for s in sets
@@ -106,7 +118,7 @@ def main() -> None:
         f"{len(sets)} sets ({args.mode}); generated items {len(generated)}, with a check {len(checked)}, "
         f"whose text states it {len(stated)}"
     )
-    for source in ("arena-hard", "healthbench", "all"):
+    for source in sorted({s["source"] for s in sets}) + ["all"]:
         chosen = [s for s in sets if source == "all" or s["source"] == source]
         if not chosen:
             continue
