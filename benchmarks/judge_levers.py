@@ -2,10 +2,10 @@
 
 Run `eval-judge --open` (open prompts: a strong model's answer beside the policy's) or `eval-judge --real` (the
 policy's answers graded by the official checkers) once with `rubric.check_weight 0`, so that the verifier answers
-every item, checked or not, and `eval_judge_open.json` (`eval_judge_real.json`) keeps each set's rubric (with the checks the generator wrote) and the verifier's raw
-P(yes) for its candidates and calibration answers. Each lever below only changes how those verdicts are weighed
-(`rubric.evaluator.weigh`), so weighing them again gives what a run under the lever scores, the rubrics and P(yes)
-being the same (the generator does not read the weighing rules):
+every item, checked or not, and `eval_judge_open.json` (`eval_judge_real.json`) keeps each set's rubric (with the
+checks the generator wrote) and the verifier's raw P(yes) for its candidates and calibration answers. Each lever
+below only changes how those verdicts are weighed (`rubric.evaluator.weigh`), so weighing them again gives what a
+run under the lever scores, the rubrics and P(yes) being the same (the generator does not read the weighing rules):
 
     shipped          every check decides its item (check_weight 1), calibration de-bias, trust rule `every`
     stated checks    a check decides its item only where the item's text states it (`rubric.stated_checks_only`);
