@@ -13,6 +13,9 @@ prompt-only rubric, a fixed generic rubric or no judge. Every arm is a configura
     full               the shipped default: derived ground-truth items (75 % of a checkable prompt's score) + the
                        set-conditioned judge + the consensus item
 
+and, named with --arms, `judge:set+levers`: judge:set with the levers benchmarks/judge_levers.py measured on open
+prompts (a check only where its item's text states it; trust rule `best`).
+
 Each arm and seed trains from the base model on the same training prompts (the bank's train split, half checkable
 and half open, as the demo's users send them), with the same round shape and seeds (`train.seed` = the seed), in
 the loop's own round code (`RoundRunner`: candidates, rubrics, verdicts, GRPO, the generator's co-evolution steps,
@@ -29,7 +32,8 @@ reward orders the same way, a tie counting 1/2); the seconds per run. The last l
 
     arm judge:set: seen +0.050 (95% CI +0.010..+0.090); unseen ...; ifbench ...; open ...
 
-    python benchmarks/supervision.py [--seeds 3] [--rounds 1] [--arms full judge:set ...] [--out DIR] [--quick]
+    python benchmarks/supervision.py [--seeds 3] [--seed-start 0] [--rounds 1] [--arms full judge:set ...] [--out DIR]
+                                     [--quick] [--report]
 """
 
 from __future__ import annotations
@@ -72,7 +76,12 @@ ARMS: dict[str, dict[str, Any]] = {
     "judge:prompt_only": {"rubric": {"mode": "prompt_only", **JUDGE_ALONE}},
     "judge:generic": {"rubric": {"mode": "generic", **JUDGE_ALONE}, "train": NO_GENERATOR},
     "full": {},
+    # judge:set with the levers of benchmarks/judge_levers.py: checks only where the item's text states them, the
+    # verifier answers the rest, and an item overruled only when a calibration answer beats the set's best answer
+    "judge:set+levers": {"rubric": {"mode": "set", **JUDGE_ALONE, "stated_checks_only": True, "trust_rule": "best"}},
 }
+#: the arms run when none is named: the five of the issue
+DEFAULT_ARMS = ["ground_truth", "judge:set", "judge:prompt_only", "judge:generic", "full"]
 
 #: the benchmark's round over the demo profile: 5 policy steps of 8 sets x 4 candidates and 1 generator step (the
 #: demo: 10 + 1); figures of 80 prompts; the dev check (the guard's) on 40
@@ -294,7 +303,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(ARMS))
+    ap.add_argument("--seed-start", type=int, default=0, help="the first seed (seeds seed-start .. seed-start+seeds-1)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/dynrubric-supervision"))
     ap.add_argument("--quick", action="store_true", help="a tiny round and figures: does it run end to end")
     ap.add_argument("--report", action="store_true", help="train nothing: the table of the runs under --out so far")
@@ -329,7 +339,7 @@ def main() -> None:
         t0 = time.monotonic()
         evaluate_base(base_run)
         print(f"base evaluated ({time.monotonic() - t0:.0f}s)", flush=True)
-        for seed in range(args.seeds):
+        for seed in range(args.seed_start, args.seed_start + args.seeds):
             for arm in args.arms:
                 run = out / f"{arm.replace(':', '-')}-s{seed}"
                 shutil.rmtree(run, ignore_errors=True)
