@@ -339,8 +339,14 @@ def main() -> None:
         t0 = time.monotonic()
         evaluate_base(base_run)
         print(f"base evaluated ({time.monotonic() - t0:.0f}s)", flush=True)
+        record = out / "results.jsonl"
+        recorded = record.read_text().splitlines() if record.is_file() else []
+        done = {(r["arm"], r["seed"]) for r in map(json.loads, recorded)}
         for seed in range(args.seed_start, args.seed_start + args.seeds):
             for arm in args.arms:
+                if (arm, seed) in done:  # a run of an earlier invocation that finished: its record stands
+                    print(f"  {arm} seed {seed}: done before ({record})", flush=True)
+                    continue
                 run = out / f"{arm.replace(':', '-')}-s{seed}"
                 shutil.rmtree(run, ignore_errors=True)
                 settings = run_settings(base_settings, arm, seed, run, prompts_file, server.base_url)
@@ -361,7 +367,7 @@ def main() -> None:
                     + ", ".join(f"{SHOWN[s]} {o.pass_rate():.3f}" for s, o in result.outcomes.items()),
                     flush=True,
                 )
-                (out / "results.jsonl").open("a").write(
+                record.open("a").write(
                     json.dumps(
                         {
                             "arm": arm,
