@@ -423,6 +423,19 @@ class GRPOConfig(Section):
     clip_high: float = Field(default=0.2, gt=0, le=1, description="ratio clipped above at 1 + clip_high (0.28: DAPO)")
     kl_beta: float = Field(default=1e-3, ge=0, description="weight of the k3 KL to the frozen reference; 0 = off")
     adv_eps: float = Field(default=1e-6, gt=0, description="advantage = (E - mean) / (std + adv_eps)")
+    advantages: Literal["normalised", "centred"] = Field(
+        default="normalised",
+        description="a set's advantages: normalised = (E - mean) / (std + adv_eps) (GRPO, OpenRLHF's group_norm); "
+        "centred = E - mean, no division by the set's std (Dr GRPO, OpenRLHF's dr_grpo), so a set that spreads "
+        "by 0.03 moves the policy by 0.03's worth, not a unit's (not measured against normalised yet)",
+    )
+    min_spread: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="a set gives a gradient only when its score spread (max - min) reaches this and rubric.eps; "
+        "below it the set is tied (zero advantage, left out of the batch and counted); 0 = rubric.eps alone",
+    )
     updates_per_batch: int = Field(
         default=1,
         ge=1,

@@ -17,9 +17,11 @@ from dynrubric.train.grpo import (
     clipped_surrogate,
     collate,
     group_advantages,
+    has_signal,
     k3,
     load_policy,
     load_reference,
+    min_set_spread,
     response_logprobs,
     token_logprobs,
     truncated_importance_weights,
@@ -187,6 +189,41 @@ def test_the_second_update_clips_against_the_sampling_policy_like_openrlhf(tiny_
     _, clipped = clipped_surrogate(lp.detach(), old, adv, 0.2, 0.28)
     assert s_two.clip_ratio == pytest.approx(float((clipped * mask).sum() / mask.sum()), abs=1e-6)
     assert s_two.clip_ratio > 0  # the clip really acted on the path the trainer runs
+
+
+def test_centred_advantages_keep_the_sets_spread_and_the_trainer_takes_them_from_the_config(
+    tiny_model_dir: Path,
+) -> None:
+    """`grpo.advantages: centred` (Dr GRPO): A = E - mean, no division by the set's std. A set whose scores spread
+    by 0.03 gets advantages of +-0.015, where std normalisation makes +-0.87 of it. The trainer uses the kind its
+    config names: on update 1 the ratio is 1, so the surrogate is -sum_i A_i |y_i| / sum_i |y_i|."""
+    small = (0.50, 0.50, 0.53, 0.53)
+    assert group_advantages(small, 1e-6, TIE, "centred") == pytest.approx([-0.015, -0.015, 0.015, 0.015])
+    assert group_advantages(small, 1e-6, TIE) == pytest.approx([-0.866, -0.866, 0.866, 0.866], abs=1e-3)
+    [g] = groups(9, n_sets=1)
+    lengths = [len(r.response_ids) for r in g.rollouts]
+    for kind in ("normalised", "centred"):
+        stats = make_trainer(tiny_model_dir, kl_beta=0.0, advantages=kind).accumulate([CandidateSet(g.rollouts, small)])
+        adv = group_advantages(small, 1e-6, TIE, kind)
+        expected = -sum(a * n for a, n in zip(adv, lengths, strict=True)) / sum(lengths)
+        assert stats.pg_loss == pytest.approx(expected, rel=1e-4, abs=1e-7), kind
+
+
+def test_a_set_below_the_minimum_spread_is_tied_and_gives_no_gradient(tiny_model_dir: Path) -> None:
+    """`grpo.min_spread`: a set whose scores spread by 0.05 (above the rubric's tie threshold 0.02: the judge's part of
+    a set tied on ground truth) trains by default and is a counted tie at min_spread 0.1, as the round's dynamic
+    sampling decides it (`has_signal` at `min_set_spread`)."""
+    g1, g2 = groups(10, n_sets=2)
+    narrow = CandidateSet(g1.rollouts, (0.50, 0.52, 0.55, 0.50))
+    wide = CandidateSet(g2.rollouts, (0.0, 1.0, 0.5, 0.25))
+    default = make_trainer(tiny_model_dir).accumulate([narrow, wide])
+    assert default.no_gradient_sets == 0 and default.samples == 8
+    strict = make_trainer(tiny_model_dir, min_spread=0.1)
+    stats = strict.accumulate([narrow, wide])
+    assert stats.no_gradient_sets == 1 and stats.samples == 4
+    threshold = min_set_spread(TIE, strict.config)
+    assert threshold == 0.1 and not has_signal(narrow.scores, threshold) and has_signal(wide.scores, threshold)
+    assert min_set_spread(TIE, GRPOConfig(min_spread=0.01)) == TIE  # never below the rubric's tie threshold
 
 
 def test_gradient_accumulation_equals_the_full_batch(tiny_model_dir: Path) -> None:
