@@ -444,6 +444,25 @@ class GRPOConfig(Section):
         "clip_low/clip_high bound the step",
     )
     max_grad_norm: float = Field(default=1.0, gt=0)
+    warmup_updates: int = Field(
+        default=0,
+        ge=0,
+        description="the learning rate rises linearly, lr (t + 1) / N, over AdamW's first N updates t (its own step "
+        "counter: with optimizer_across_rounds fresh every round warms up, with carry the lineage warms up once); "
+        "0 = none",
+    )
+    optimizer_across_rounds: Literal["fresh", "carry"] = Field(
+        default="fresh",
+        description="fresh: a new AdamW each round; carry: the AdamW state (moments and step counter) the round that "
+        "made the parent ended with goes on (kept as rounds/NNNN/policy_optimizer.pt under train.run_dir for the "
+        "accepted rounds the next one may build on: about twice the policy's weights each); not with LoRA",
+    )
+    kl_reference: Literal["base", "parent"] = Field(
+        default="base",
+        description="the KL penalty's reference (kl_beta): the lineage's base (bounds the drift the rounds add up) or "
+        "the round's parent (a trust region per round; the guard still bounds the KL to base); with LoRA it is the "
+        "adapter-free parent either way",
+    )
     micro_batch_size: int = Field(default=8, ge=1, description="responses per forward/backward (grad accumulation)")
     lora_rank: int = Field(default=0, ge=0, description="0 = full fine-tuning; >0 = LoRA (peft) of this rank")
     lora_alpha: int = Field(default=16, ge=1)
@@ -467,6 +486,15 @@ class GRPOConfig(Section):
         description="the LM head's float32 logits are computed this many MiB at a time: bounds the trainer's "
         "memory (the full batch x tokens x vocabulary is never built), not its result",
     )
+
+    @model_validator(mode="after")
+    def _carry_needs_full_weights(self) -> GRPOConfig:
+        if self.optimizer_across_rounds == "carry" and self.lora_rank > 0:
+            raise ValueError(
+                "optimizer_across_rounds: carry needs full fine-tuning (lora_rank 0): each round trains a new LoRA "
+                "adapter on the merged parent, so the carried AdamW moments would belong to other parameters"
+            )
+        return self
 
 
 class CoevolveConfig(Section):

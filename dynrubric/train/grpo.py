@@ -94,6 +94,7 @@ class StepStats:
     sampler_tokens: int = 0
     sampler_log_ratio: float | None = None  # mean |log pi_old - log mu| per token
     sampler_capped: float | None = None  # share of those tokens whose importance weight was truncated
+    lr: float | None = None  # the learning rate of the batch's last update (None: no update was applied)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -459,6 +460,13 @@ class GRPOTrainer:
                     return int(state["step"])
         return 0
 
+    def learning_rate(self) -> float:
+        """The next update's learning rate: `lr_t = lr min(1, (t + 1) / N)`, N = `grpo.warmup_updates`, t = the
+        updates applied so far (AdamW's step counter, saved with its state: a resumed or carried optimiser goes on
+        where it was)."""
+        n = self.config.warmup_updates
+        return self.config.lr if n <= 0 else self.config.lr * min(1.0, (self.updates + 1) / n)
+
     def _batch(self, groups: Sequence[CandidateSet]) -> tuple[list[_Micro], int, int, int]:
         """(micro-batches, tied sets, samples, response tokens) of the non-tied sets."""
         cfg = self.config
@@ -579,7 +587,7 @@ class GRPOTrainer:
             self.model.train()  # the same mode as the gradient forward: on update 1 the ratio is exactly 1
             with torch.no_grad(), self._autocast():
                 old = [micro_logprobs(self.model, m, cfg.logprob_chunk_mib) for m in micros]
-        applied, nonfinite, grad_norm = 0, False, 0.0
+        applied, nonfinite, grad_norm, lr = 0, False, 0.0, None
         stats = self._stats(groups, tied, samples, tokens, _Sums())
         for _ in range(cfg.updates_per_batch):
             stats = self._stats(groups, tied, samples, tokens, self._backward(micros, tokens, old, ref))
@@ -587,10 +595,13 @@ class GRPOTrainer:
             nonfinite = stats.nonfinite or not math.isfinite(grad_norm)
             if nonfinite:
                 break
+            lr = self.learning_rate()
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
             self.optimizer.step()
             applied += 1
         self.optimizer.zero_grad(set_to_none=True)
-        return replace(stats, grad_norm=grad_norm, nonfinite=nonfinite, updated=applied > 0, updates=applied)
+        return replace(stats, grad_norm=grad_norm, nonfinite=nonfinite, updated=applied > 0, updates=applied, lr=lr)
 
     # ------------------------------------------------------------ persistence
     def save(self, directory: Path) -> None:
@@ -602,7 +613,15 @@ class GRPOTrainer:
             self.model.save_pretrained(directory / "adapter")
 
     def load_optimizer(self, path: Path) -> None:
+        """AdamW's state (moments, step counter) from `path`: a resumed round's last step, or the round that made
+        the parent (`grpo.optimizer_across_rounds: carry`). The hyperparameters stay this config's (a state saved
+        under another config keeps its moments, not its betas or decay); the learning rate is set per update."""
+        cfg = self.config
         self.optimizer.load_state_dict(torch.load(path, weights_only=True))
+        for group in self.optimizer.param_groups:
+            group.update(
+                lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+            )
 
 
 def is_lora(model: torch.nn.Module) -> TypeGuard[LoraPolicy]:

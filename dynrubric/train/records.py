@@ -85,6 +85,7 @@ class StepBase(Part):
     sampler_tokens: int
     sampler_log_ratio: float | None
     sampler_capped: float | None
+    lr: float | None = None  # the learning rate of the step's last update (None: none applied, or not recorded)
 
 
 class PolicyStep(StepBase):

@@ -25,15 +25,17 @@ evaluation. A resumed step draws exactly what the interrupted one drew.
 Layout under `train.run_dir` (default `<state_dir>/train`):
 
     rounds/NNNN/plan.json  steps/NNNN/{policy/, generator/, history.json, collapse.json}  eval.json
-                 summary.json
+                 summary.json  [policy_optimizer.pt]
     runlog.jsonl     one record per step and per round (deduplicated by key on resume)
     rollouts.jsonl   responses sampled per prompt and policy version (temporal-contrast anchors)
     collapse.json    the collapse detector's window of sets, carried from round to round
     generator/       the generator's weights between rounds (two-model mode)
 
 A round builds on the last ACCEPTED version (promoted, or a candidate that passed the guards), its KL
-penalty pulls toward the base of the lineage, and the guards bound both the round's KL to its parent
-and the total KL to the base. Held-out prompts are split off by prompt key and never trained on.
+penalty pulls toward the base of the lineage (or the parent: `grpo.kl_reference`), its AdamW starts fresh
+(or goes on from the parent's round: `grpo.optimizer_across_rounds`, kept as
+`rounds/NNNN/policy_optimizer.pt`), and the guards bound both the round's KL to its parent and the total KL to
+the base. Held-out prompts are split off by prompt key and never trained on.
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ from dynrubric.train.splits import trainable
 
 EngineRole = Literal["policy", "generator", "verifier"]  # EngineConfig.url_for's roles
 PLAN, SUMMARY, EVAL, COLLAPSE, HISTORY = "plan.json", "summary.json", "eval.json", "collapse.json", "history.json"
+OPTIMIZER = "policy_optimizer.pt"  # an accepted round's last AdamW state (grpo.optimizer_across_rounds: carry)
 GUARDED = "guard"  # metrics key: "accepted" on a candidate whose round passed the guards
 
 
@@ -219,6 +222,35 @@ class RunState:
             seen.add(ckpt.version)
         return ckpt
 
+    def kl_reference(self, parent: Checkpoint) -> Checkpoint:
+        """The KL penalty's reference for a round on `parent` (`grpo.kl_reference`): the lineage's base, or the
+        parent itself."""
+        return parent if self.cfg.grpo.kl_reference == "parent" else self.base_of(parent)
+
+    def carried_optimizer(self, parent: Checkpoint) -> Path | None:
+        """The AdamW state a round on `parent` starts from with `grpo.optimizer_across_rounds: carry`: the one the
+        round that made the parent ended with (`keep_optimizer`). None: fresh (the option is off, the parent is
+        the base or was registered by hand, or its round ran without carry)."""
+        if self.cfg.grpo.optimizer_across_rounds != "carry" or parent.round is None:
+            return None
+        path = self.round_dir(parent.round) / OPTIMIZER
+        return path if path.is_file() else None
+
+    def keep_optimizer(self, round_id: int, final_step: Path, parent: Checkpoint) -> None:
+        """With `grpo.optimizer_across_rounds: carry`, an accepted round keeps its last AdamW state for the round
+        that builds on it. Only this round's and its parent's are kept (the parent's: if the gate rolls this one
+        back, the next round builds on the parent again): each is about twice the policy's weights."""
+        if self.cfg.grpo.optimizer_across_rounds != "carry":
+            return
+        target = self.round_dir(round_id) / OPTIMIZER
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(".tmp")
+        shutil.copyfile(final_step / "policy" / "optimizer.pt", tmp)
+        tmp.replace(target)  # whole or absent: a crash never leaves half a state to carry
+        for old in (self.run_dir / "rounds").glob(f"*/{OPTIMIZER}"):
+            if old.parent.name not in {f"{round_id:04d}", f"{parent.round or 0:04d}"}:
+                old.unlink(missing_ok=True)
+
     # ------------------------------------------------------------ plan
     def schedule(self, round_id: int, steps: int, refresh: bool) -> list[str]:
         """The phase of each of a round's steps: `k_alt` policy steps, then `k_alt_generator` generator steps,
@@ -263,10 +295,14 @@ class RunState:
         refresh = None
         if last and last.collapse.fired and self.cfg.coevolve.enabled:
             refresh = f"collapse detected in round {last.round}: starting with a generator phase"
+        carried = self.carried_optimizer(parent)
         plan = {
             "round": round_id,
             "parent": parent.version,
             "version": f"{self.cfg.version_prefix}{round_id}",
+            # what the trainer starts from besides the parent's weights (grpo.kl_reference, optimizer_across_rounds)
+            "kl_reference": self.kl_reference(parent).version,
+            "optimizer_from": str(carried) if carried else None,
             "prompts": [{"key": p.key, "messages": p.messages} for p in prompts],
             "heldout": [{"key": p.key, "messages": p.messages} for p in heldout],
             # dev/test prompts of the bank and prompts asking for a held-out type (train/splits.py): never trained
@@ -553,14 +589,18 @@ class _Round:
         self.single = self.cfg.coevolve.single_model
         latest = self.latest_step()
         self.history: list[PolicyStep | GeneratorStep] = read_steps(latest / HISTORY) if latest else []
+        # plans written before these keys: the base, a fresh optimiser (what those rounds ran with)
+        reference = self.state.registry.get(self.plan.get("kl_reference") or self.state.base_of(self.parent).version)
+        optimizer = self.plan.get("optimizer_from")
         self.models = RoundModels(
             self.settings,
             self.executor,
             self.parent,
-            self.state.base_of(self.parent),
+            reference,
             self.state.generator_dir(),
             latest,
             self.evaluator_metrics,
+            Path(optimizer) if optimizer else None,
         )
         # the collapse window spans rounds: continue from this round's last step, else the last round
         window = latest / COLLAPSE if latest and (latest / COLLAPSE).is_file() else self.state.run_dir / COLLAPSE
@@ -908,6 +948,9 @@ class _Round:
     def publish(self, summary: RoundSummary) -> RoundSummary:
         """The round's summary, written last: from here on the round is complete and never runs again."""
         write_json(self.state.run_dir / COLLAPSE, self.loaded().collapse.state())
+        final = self.latest_step()
+        if summary.state == CheckpointState.candidate.value and final is not None:
+            self.state.keep_optimizer(self.id, final, self.parent)  # before the steps go: the next round may carry it
         write_record(self.dir / SUMMARY, summary)
         self.state.runlog.append([round_line(summary)])
         shutil.rmtree(self.steps_dir, ignore_errors=True)  # the weights now live in the registry (or nowhere)
@@ -939,18 +982,20 @@ class _Round:
 # ==================================================================== the round's models and judges
 class RoundModels:
     """The trainers, engines and judges of one round, built by `executor` from step dir `latest`
-    (None: the parent). `collapse` is the round's collapse detector: the judges' sets update it in
-    order, whichever judge scored them."""
+    (None: the parent, and the AdamW state `optimizer` or a fresh one). `reference`: the KL penalty's reference.
+    `collapse` is the round's collapse detector: the judges' sets update it in order, whichever judge scored
+    them."""
 
     def __init__(
         self,
         settings: Settings,
         executor: Any,
         parent: Checkpoint,
-        base: Checkpoint,
+        reference: Checkpoint,
         generator_base: Path,
         latest: Path | None,
         metrics: EvaluatorMetrics | None,
+        optimizer: Path | None = None,
     ):
         self.settings = settings
         self.single = settings.train.coevolve.single_model
@@ -958,7 +1003,9 @@ class RoundModels:
         self.metrics = metrics
         r = settings.rubric
         self.collapse = CollapseDetector(r.collapse_window, r.collapse_min_mean_gap, r.collapse_max_nonsplit_share)
-        self.trainers = executor.trainers(TrainerSpec(settings, parent.path, base.path, generator_base, latest))
+        self.trainers = executor.trainers(
+            TrainerSpec(settings, parent.path, reference.path, generator_base, latest, optimizer)
+        )
         policy_dir = latest / "policy" / "model" if latest else parent.path
         self.policy_engine = executor.engine("policy", policy_dir)
         self.generator_engine = self.policy_engine

@@ -226,6 +226,27 @@ def test_a_set_below_the_minimum_spread_is_tied_and_gives_no_gradient(tiny_model
     assert min_set_spread(TIE, GRPOConfig(min_spread=0.01)) == TIE  # never below the rubric's tie threshold
 
 
+def test_the_learning_rate_warms_up_over_adamws_first_updates_and_a_loaded_state_goes_on(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`grpo.warmup_updates` N: update t (AdamW's step counter) runs at lr (t + 1) / N until N. The counter is saved
+    with the state, so a state loaded into the next round's trainer (`optimizer_across_rounds: carry`) goes on at the
+    full rate, and keeps its moments under the new trainer's hyperparameters."""
+    trainer = make_trainer(tiny_model_dir, warmup_updates=4)
+    lrs = [trainer.step(groups(11 + i)).lr for i in range(5)]
+    assert lrs == pytest.approx([1e-3 / 4, 1e-3 / 2, 3e-3 / 4, 1e-3, 1e-3])
+    trainer.save(tmp_path)
+    carried = make_trainer(tiny_model_dir, warmup_updates=4, adam_beta2=0.9)
+    carried.load_optimizer(tmp_path / "optimizer.pt")
+    assert carried.updates == 5 and carried.optimizer.param_groups[0]["betas"] == (0.9, 0.9)
+    first = next(iter(trainer.optimizer.state.values()))["exp_avg"]
+    assert torch.equal(next(iter(carried.optimizer.state.values()))["exp_avg"], first)
+    assert carried.step(groups(20)).lr == pytest.approx(1e-3) and carried.updates == 6
+    fresh = make_trainer(tiny_model_dir, warmup_updates=4)
+    assert fresh.step(groups(20)).lr == pytest.approx(1e-3 / 4)  # a fresh AdamW warms up again
+    assert make_trainer(tiny_model_dir).step(groups(20)).lr == pytest.approx(1e-3)  # warmup_updates 0: none
+
+
 def test_gradient_accumulation_equals_the_full_batch(tiny_model_dir: Path) -> None:
     batch = groups(1)
     full = make_trainer(tiny_model_dir, micro_batch_size=64)
