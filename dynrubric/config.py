@@ -601,11 +601,28 @@ class RayConfig(Section):
         raise ValueError("expected unset (a local Ray), 'auto', 'ray://host:port' or 'host:port'")
 
 
+class DynamicSamplingConfig(Section):
+    """DAPO's dynamic sampling of a policy step (train/rounds.py `_Round.policy_step`): the step's batch is filled
+    with candidate sets that carry a gradient."""
+
+    oversample: float = Field(
+        default=1.0,
+        ge=1.0,
+        le=8.0,
+        description="a policy step draws candidate sets until prompts_per_step of them have a real spread (trusted, "
+        "spread >= grpo.min_spread and rubric.eps) and trains on those alone, drawing at most ceil(oversample x "
+        "prompts_per_step) sets in all: the budget (each set costs K candidates, a rubric and K verdicts); a draw "
+        "after the first is sized by the share kept so far; 1 = off: one draw of prompts_per_step sets, whose tied "
+        "sets give no gradient",
+    )
+
+
 class TrainConfig(Section):
     """Training rounds (dynrubric/train/rounds.py)."""
 
     grpo: GRPOConfig = GRPOConfig()
     coevolve: CoevolveConfig = CoevolveConfig()
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     openrlhf: OpenRLHFConfig = OpenRLHFConfig()
     executor: Literal["inprocess", "ray"] = Field(
         default="inprocess",

@@ -261,6 +261,14 @@ def round_report(summary: RoundOutcome, path: Path) -> list[str]:
             f"{fallbacks['prompt_only']}, to the generic rubric {fallbacks['generic']}; "
             f"hard verdicts {fallbacks['hard_verdict']}",
         ]
+        kept = [(s.sets_kept, s.sets_drawn) for s in policy if s.sets_kept is not None and s.sets_drawn]
+        if kept:  # train.dynamic_sampling: what each policy step drew and kept
+            drawn = sum(d for _, d in kept)
+            lines.append(
+                "  sets kept (a real spread, trusted) of sets drawn, per policy step: "
+                + ", ".join(f"{k}/{d}" for k, d in kept)
+                + f"; {sum(k for k, _ in kept) / drawn:.0%} of {drawn}"
+            )
     truth = summary.eval.groundtruth if summary.eval else None
     if truth:
         rates = ", ".join(f"{v} {p:.3f}" for v, p in truth.pass_rate.items())

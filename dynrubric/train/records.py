@@ -100,6 +100,12 @@ class PolicyStep(StepBase):
     rubric_sources: dict[str, int]
     fallbacks: Fallbacks
     collapse: bool
+    # the step's draws of candidate sets (train.dynamic_sampling; None: not recorded, a record from before them):
+    # the set fields above cover every set drawn, the GRPO fields (sets, no_gradient_sets, ...) the batch trained
+    draws: int | None = None
+    sets_drawn: int | None = None
+    sets_kept: int | None = None  # sets with a real spread (trusted, not tied) in the batch
+    kept_share: float | None = None  # sets_kept / sets_drawn
 
 
 class GeneratorStep(StepBase):

@@ -41,10 +41,12 @@ the base. Held-out prompts are split off by prompt key and never trained on.
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -345,6 +347,9 @@ class Progress(Protocol):
 
     def advance(self, phase: str, n: int) -> None: ...
 
+    def note(self, text: str) -> None:
+        """A line about the round: its plan, each policy step's draws."""
+
 
 class Quiet:
     """A `Progress` that reports nothing (tests, benchmarks)."""
@@ -354,6 +359,9 @@ class Quiet:
 
     def advance(self, phase: str, n: int) -> None:
         """Nothing to draw."""
+
+    def note(self, text: str) -> None:
+        """Nothing to say."""
 
 
 def check_frozen_judges(settings: Settings) -> None:
@@ -555,7 +563,6 @@ class _Round:
                 phase = schedule[step]
                 record: PolicyStep | GeneratorStep
                 if phase == "policy":
-                    self.progress.start("score sets", self.cfg.prompts_per_step)
                     record = self.policy_step(step)
                 else:
                     record = self.generator_step(step)
@@ -641,35 +648,71 @@ class _Round:
         start = step * n
         return [self.prompts[(start + i) % len(self.prompts)] for i in range(n)]
 
-    def policy_step(self, step: int) -> PolicyStep:
-        """One GRPO batch of the policy: K candidates per prompt, each set scored under one rubric (judging
-        chunk j drawn with seed `("judging", step, j)`), the update. Returns the step's record; the sampled
-        responses go to the rollouts log (the temporal-contrast anchors of later rounds)."""
-        from dynrubric.train.grpo import CandidateSet
+    def policy_cursor(self, step: int) -> int:
+        """Where policy step `step` starts drawing in the round's prompts: `step x prompts_per_step` (as without
+        dynamic sampling), moved on by the sets earlier policy steps drew beyond their batch, so no two draws of
+        a round repeat a prompt before all have been drawn. A pure function of the published history: a resumed
+        step draws what the interrupted one drew."""
+        n = self.cfg.prompts_per_step
+        extra = sum((h.sets_drawn or n) - n for h in self.history if isinstance(h, PolicyStep) and h.step < step)
+        return step * n + extra
 
-        started = time.time()
-        cfg = self.cfg
-        models = self.loaded()
-        prompts = self.batch(step, cfg.prompts_per_step)
-        tok = models.policy_engine.tokenizer
+    def draw_sets(self, step: int, draw: int, prompts: Sequence[TrainPrompt]) -> DrawnSets:
+        """Draw `draw` of policy step `step`: K candidates per prompt (seed `("candidates", step, draw)`), each set
+        scored under one rubric (judging chunk j with seed `("judging", step, JUDGING_SEEDS_PER_DRAW x draw + j)`;
+        draw 0's seeds are those of a step without dynamic sampling)."""
+        cfg, models = self.cfg, self.loaded()
+        self.progress.start("score sets", len(prompts))
         t0 = time.perf_counter()
         texts, outs = sample_sets(
-            self.settings, models.policy_engine, prompts, cfg.candidates, self.seed("candidates", step)
+            self.settings, models.policy_engine, prompts, cfg.candidates, self.seed("candidates", step, draw)
         )
-        responses = [[c.text for c in cs] for cs in outs]
         t1 = time.perf_counter()
+        responses = [[c.text for c in cs] for cs in outs]
         n = len(prompts)
         size = -(-n // min(cfg.judge_chunks, n))
         chunks = [
             ScoreChunk(
-                [p.question for p in prompts[i : i + size]], responses[i : i + size], self.seed("judging", step, j)
+                [p.question for p in prompts[i : i + size]],
+                responses[i : i + size],
+                self.seed("judging", step, JUDGING_SEEDS_PER_DRAW * draw + j),
             )
             for j, i in enumerate(range(0, n, size))
         ]
         scored, counts, judging = models.score(chunks, self.progress)
+        return DrawnSets(list(prompts), texts, outs, scored, counts, {"candidates": t1 - t0, **judging})
+
+    def policy_step(self, step: int) -> PolicyStep:
+        """One GRPO batch of the policy: candidate sets drawn (`draw_sets`), the update. With dynamic sampling
+        (`train.dynamic_sampling.oversample` > 1) the step draws until `prompts_per_step` sets have a real spread
+        (trusted, spread >= `min_set_spread`) or its budget of sets is spent, and trains on those sets alone;
+        without, it trains on its one draw, whose tied sets give no gradient. Returns the step's record (the set
+        fields cover every set drawn, the GRPO fields the batch); every sampled response goes to the rollouts log
+        (the temporal-contrast anchors of later rounds)."""
+        from dynrubric.train.grpo import CandidateSet, has_signal, min_set_spread
+
+        started = time.time()
+        cfg = self.cfg
+        models = self.loaded()
+        target, budget = cfg.prompts_per_step, sets_budget(cfg)
+        min_spread = min_set_spread(self.settings.rubric.eps, cfg.grpo)
+        cursor, size, draws = self.policy_cursor(step), target, 0
+        drawn: list[DrawnSets] = []
+        while size > 0:
+            prompts = [self.prompts[(cursor + i) % len(self.prompts)] for i in range(size)]
+            drawn.append(self.draw_sets(step, draws, prompts))
+            cursor, draws = cursor + size, draws + 1
+            kept = sum(s.trusted and has_signal(s.scores, min_spread) for d in drawn for s in d.scored)
+            size = next_draw_size(target, kept, sum(len(d.scored) for d in drawn), budget) if budget > target else 0
         t2 = time.perf_counter()
+        tok = models.policy_engine.tokenizer
+        sets = [(text, cs, sc) for d in drawn for text, cs, sc in zip(d.texts, d.outs, d.scored, strict=True)]
+        scored = [sc for _, _, sc in sets]
+        signal = [sc.trusted and has_signal(sc.scores, min_spread) for sc in scored]
+        # with dynamic sampling the batch is the first `target` sets with a spread; without, the one draw whole
+        batch = [x for x, ok in zip(sets, signal, strict=True) if ok][:target] if budget > target else sets
         groups = []
-        for text, cs, sc in zip(texts, outs, scored, strict=True):
+        for text, cs, sc in batch:
             prompt_ids = tuple(tok.encode(text, add_special_tokens=False))
             # an untrusted set (a calibration answer outranks a candidate) teaches nothing: zero advantage
             untrusted = None if sc.trusted else tuple(0.0 for _ in cs)
@@ -682,16 +725,29 @@ class _Round:
                 )
             )
         stats = models.trainers.step("policy", groups)
+        n = len(scored)
+        # the mean score of every set drawn: what the policy earns on the round's prompts, not on the sets kept
+        stats["reward_mean"] = sum(sum(sc.scores) / len(sc.scores) for sc in scored) / n
+        kept = min(sum(signal), target) if budget > target else sum(signal)
         self.collapse_fired = self.collapse_fired or models.collapse.collapsed
         self.state.rollouts.append(
-            [(p.key, self.parent.version, rs) for p, rs in zip(prompts, responses, strict=True)],
+            [
+                (p.key, self.parent.version, [c.text for c in cs])
+                for d in drawn
+                for p, cs in zip(d.prompts, d.outs, strict=True)
+            ],
             origin=f"round/{self.id}/step/{step}",
+        )
+        seconds = {k: sum(d.seconds.get(k, 0.0) for d in drawn) for k in ("candidates", "rubrics", "verdicts")}
+        self.progress.note(
+            f"step {step}: {kept} of {n} sets drawn kept ({kept / n:.0%}; a real spread, trusted) in {draws} "
+            f"draw(s); batch {len(groups)} sets" + (f" of {target} (budget {budget} sets)" if budget > target else "")
         )
         return PolicyStep(
             step=step,
             time=started,
-            # candidates, their rubrics and verdicts, the update; rubrics + verdicts is the judging's wall time
-            stage_seconds={"candidates": t1 - t0, **judging, "update": time.perf_counter() - t2},
+            # candidates, their rubrics and verdicts (every draw), the update; rubrics + verdicts is the judging's
+            stage_seconds={**seconds, "update": time.perf_counter() - t2},
             **stats,
             mean_gap=sum(s.gaps.mean_abs_gap for s in scored) / n,
             tie_rate=sum(s.gaps.tie_rate for s in scored) / n,
@@ -711,12 +767,16 @@ class _Round:
                 src: sum(s.rubric_source == src for s in scored) for src in ("set", "prompt_only", "generic")
             },
             fallbacks=Fallbacks(
-                parse_failures=counts.parse_failures,
-                prompt_only=counts.prompt_only_fallbacks,
-                generic=counts.generic_fallbacks,
+                parse_failures=sum(d.counts.parse_failures for d in drawn),
+                prompt_only=sum(d.counts.prompt_only_fallbacks for d in drawn),
+                generic=sum(d.counts.generic_fallbacks for d in drawn),
                 hard_verdict=sum(s.hard_verdict_fallbacks for s in scored),
             ),
             collapse=models.collapse.collapsed,
+            draws=draws,
+            sets_drawn=n,
+            sets_kept=kept,
+            kept_share=kept / n,
         )
 
     def generator_step(self, step: int) -> GeneratorStep:
@@ -808,7 +868,10 @@ class _Round:
         if isinstance(record, PolicyStep):
             self.metrics.reward_mean.set(record.reward_mean)
             self.metrics.kl.set(record.kl)
-            self.metrics.no_gradient_sets.inc(record.no_gradient_sets)
+            # sets dynamic sampling left out of the batch gave no gradient either
+            self.metrics.no_gradient_sets.inc(
+                record.no_gradient_sets + (record.sets_drawn or record.sets) - record.sets
+            )
             if record.sampler_log_ratio is not None:  # the sampling engine returned log-probs
                 self.metrics.sampler_log_ratio.set(record.sampler_log_ratio)
                 self.metrics.sampler_capped.set(record.sampler_capped or 0.0)
@@ -823,10 +886,11 @@ class _Round:
 
         policy = [h for h in self.history if isinstance(h, PolicyStep)]
         if not any(h.updated for h in policy):
-            tied = sum(h.no_gradient_sets for h in policy)
+            drawn = sum(h.sets_drawn or h.sets for h in policy)
+            tied = drawn - sum(h.sets - h.no_gradient_sets for h in policy)  # those dynamic sampling left out too
             return (
-                f"no policy update in {len(policy)} policy step(s) ({tied} of "
-                f"{sum(h.sets for h in policy)} sets tied or untrusted): nothing to roll out"
+                f"no policy update in {len(policy)} policy step(s) ({tied} of {drawn} sets tied or untrusted): "
+                "nothing to roll out"
             )
         final = self.latest_step()
         if final is not None and weights_sha256(final / "policy" / "model") == self.parent.weights_sha256:
@@ -1076,6 +1140,43 @@ def judge_stages(wall: float, busy: float, verifying: float) -> dict[str, float]
     in their proportion."""
     share = min(verifying / busy, 1.0) if busy > 0 else 0.0
     return {"rubrics": wall * (1.0 - share), "verdicts": wall * share}
+
+
+# ==================================================================== a policy step's draws
+JUDGING_SEEDS_PER_DRAW = 1000  # judging chunk j of draw d has seed index 1000 d + j (train.judge_chunks < 1000)
+
+
+@dataclass(frozen=True)
+class DrawnSets:
+    """One draw of a policy step: its prompts, their rendered texts, K completions each, the scored sets, the
+    rubric ladder's counts and the seconds of its stages (candidates, rubrics, verdicts)."""
+
+    prompts: list[TrainPrompt]
+    texts: list[str]
+    outs: list[list[Completion]]
+    scored: list[ScoredSet]
+    counts: GenerationCounts
+    seconds: dict[str, float]
+
+
+def sets_budget(cfg: TrainConfig) -> int:
+    """The candidate sets one policy step may draw: `ceil(dynamic_sampling.oversample x prompts_per_step)`
+    (`prompts_per_step` when dynamic sampling is off)."""
+    return math.ceil(cfg.dynamic_sampling.oversample * cfg.prompts_per_step - 1e-9)  # 1.0 x 8 is 8, not 9
+
+
+def next_draw_size(target: int, kept: int, drawn: int, budget: int) -> int:
+    """How many sets a policy step under dynamic sampling draws next: none once `target` sets with a spread are
+    kept or `budget` sets are drawn; else the sets still missing over the share kept so far,
+    `ceil((target - kept) x drawn / kept)`, at most the budget left; with none kept yet (the share is unknown),
+    `target` sets. Drawing what is expected to fill the batch, in one batch, costs fewer sets than another full
+    draw and fewer engine round trips than one set at a time."""
+    missing, left = target - kept, budget - drawn
+    if missing <= 0 or left <= 0:
+        return 0
+    if kept == 0:
+        return min(target, left)
+    return min(left, math.ceil(missing * drawn / kept))
 
 
 # ==================================================================== the candidate's evaluation
