@@ -661,6 +661,15 @@ class TrainConfig(Section):
     prompts_per_step: int = Field(default=8, ge=1, description="candidate sets per policy step")
     steps_per_round: int = Field(default=4, ge=1)
     max_prompts_per_round: int = Field(default=256, ge=1, description="new prompts taken per round")
+    min_new_prompts_per_set: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="a round trains on at least this many distinct new prompts (logged since the last round, after "
+        "the held-out and dev/test ones are split off) per set of its batches: prompts_per_step x its policy steps x "
+        "this; with fewer its plan is refused (`dynrubric up` waits for them); 0.5 = the sets per step x steps / 2 "
+        "of issue 38 (the demo's); 0 = any number",
+    )
     max_new_tokens: int = Field(default=128, ge=1)
     max_prompt_tokens: int = Field(default=512, ge=8, description="longer prompts are skipped (counted)")
     temperature: float = Field(default=1.0, gt=0)

@@ -252,9 +252,14 @@ def round_report(summary: RoundOutcome, path: Path) -> list[str]:
         )
     lines = [head]
     if isinstance(summary, EmbeddedOutcome):
+        needed = (
+            f" (new since the last round; at least {summary.prompts_needed} distinct needed)"
+            if summary.prompts_needed
+            else ""
+        )
         lines += [
             f"  steps: {summary.phases['policy']} policy, {summary.phases['generator']} generator; "
-            f"{summary.prompts} prompts; {summary.seconds:.0f}s",
+            f"{summary.prompts} prompts{needed}; {summary.seconds:.0f}s",
             f"  rubrics of {sets} scored sets: "
             + ", ".join(f"{k} {sources[k]}" for k in ("set", "prompt_only", "generic")),
             f"  fallbacks: {fallbacks['parse_failures']} failed generator tries; sets falling back to prompt-only "

@@ -220,6 +220,7 @@ class EmbeddedOutcome(RoundOutcome):
     phases: dict[str, int]  # steps per phase
     seconds: float
     stage_seconds: dict[str, float]  # where the round's time went, in the order it is spent
+    prompts_needed: int | None = None  # distinct new prompts the round needed (train.min_new_prompts_per_set)
 
 
 class RoundSummary(EmbeddedOutcome):

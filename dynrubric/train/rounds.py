@@ -271,32 +271,66 @@ class RunState:
         offset = (round_id - 1) * steps
         return [phase(offset + s) for s in range(steps)]
 
+    def prompts_needed(self, sets: int) -> int:
+        """The distinct new prompts a round whose policy batches hold `sets` sets needs to train on:
+        `train.min_new_prompts_per_set` x `sets` (rounded up), at least 1."""
+        return max(1, math.ceil(self.cfg.min_new_prompts_per_set * sets - 1e-9))
+
+    def new_prompts(self, round_id: int, source: PromptSource | None = None) -> NewPrompts:
+        """What round `round_id` would train on if planned now: the prompts `source` (default the run's) logged
+        since the last round's watermark, up to `train.max_prompts_per_round`, less those not trainable and the
+        held-out ones; its schedule, and how many distinct prompts it needs (`prompts_needed`)."""
+        last = self.last_summary()
+        watermark = last.watermark_after if last else None
+        taken, watermark_after = (source or self.prompt_source()).new_prompts(watermark, self.cfg.max_prompts_per_round)
+        prompts = [p for p in taken if trainable(p.key, [i.id for i in derive(p.question).instructions])]
+        train, heldout = self.split_heldout(prompts)
+        refresh = None
+        if last and last.collapse.fired and self.cfg.coevolve.enabled:
+            refresh = f"collapse detected in round {last.round}: starting with a generator phase"
+        schedule = self.schedule(round_id, self.cfg.steps_per_round, refresh is not None)
+        sets = self.cfg.prompts_per_step * schedule.count("policy")
+        return NewPrompts(
+            train,
+            heldout,
+            len(taken),
+            len(taken) - len(prompts),
+            watermark,
+            watermark_after,
+            schedule,
+            refresh,
+            sets,
+            self.prompts_needed(sets),
+        )
+
     def make_plan(self, round_id: int) -> dict[str, Any]:
         path = self.round_dir(round_id) / PLAN
         if path.is_file():
             plan: dict[str, Any] = read_json(path)
             return plan
         parent = self.head()
-        last = self.last_summary()
-        watermark = last.watermark_after if last else None
-        prompts, watermark_after = self.prompt_source().new_prompts(watermark, self.cfg.max_prompts_per_round)
-        if not prompts:
+        new = self.new_prompts(round_id)
+        if not new.taken:
             raise DynrubricError(
-                f"no new prompts since watermark {watermark!r} for round {round_id}",
+                f"no new prompts since watermark {new.watermark_before!r} for round {round_id}",
                 "add prompts to the replay store / prompt file, then run the round again",
             )
-        fresh = len(prompts)
-        prompts = [p for p in prompts if trainable(p.key, [i.id for i in derive(p.question).instructions])]
-        not_trainable = fresh - len(prompts)
-        prompts, heldout = self.split_heldout(prompts)
-        if not prompts:
+        if not new.train:
             raise DynrubricError(
                 f"round {round_id}: every new prompt is held out or in the dev/test split, none is left to train on",
                 "add prompts, or set train.heldout_file to a separate held-out set",
             )
-        refresh = None
-        if last and last.collapse.fired and self.cfg.coevolve.enabled:
-            refresh = f"collapse detected in round {last.round}: starting with a generator phase"
+        if not new.enough:
+            # refused, not waited for: here nothing would bring more prompts (the loop waits for them before a round)
+            raise DynrubricError(
+                f"round {round_id}: {new.distinct} distinct new prompts to train on since watermark "
+                f"{new.watermark_before!r} ({new.taken} taken, {len(new.heldout)} held out, {new.not_trainable} in "
+                f"the dev/test split), fewer than the {new.needed} its {new.sets} sets need "
+                f"(train.min_new_prompts_per_set {self.cfg.min_new_prompts_per_set}): its steps would re-train a few "
+                "prompts",
+                "let more prompts arrive (`dynrubric up` waits for them), raise train.max_prompts_per_round if it is "
+                "below that, or lower train.min_new_prompts_per_set",
+            )
         carried = self.carried_optimizer(parent)
         plan = {
             "round": round_id,
@@ -305,14 +339,17 @@ class RunState:
             # what the trainer starts from besides the parent's weights (grpo.kl_reference, optimizer_across_rounds)
             "kl_reference": self.kl_reference(parent).version,
             "optimizer_from": str(carried) if carried else None,
-            "prompts": [{"key": p.key, "messages": p.messages} for p in prompts],
-            "heldout": [{"key": p.key, "messages": p.messages} for p in heldout],
+            "prompts": [{"key": p.key, "messages": p.messages} for p in new.train],
+            "heldout": [{"key": p.key, "messages": p.messages} for p in new.heldout],
+            # distinct training prompts, and how many the round needed (train.min_new_prompts_per_set)
+            "new_prompts": new.distinct,
+            "new_prompts_needed": new.needed,
             # dev/test prompts of the bank and prompts asking for a held-out type (train/splits.py): never trained
-            "not_trainable": not_trainable,
-            "watermark_before": watermark,
-            "watermark_after": watermark_after,
-            "schedule": self.schedule(round_id, self.cfg.steps_per_round, refresh is not None),
-            "refresh": refresh,
+            "not_trainable": new.not_trainable,
+            "watermark_before": new.watermark_before,
+            "watermark_after": new.watermark_after,
+            "schedule": new.schedule,
+            "refresh": new.refresh,
             "started_at": time.time(),
         }
         write_json(path, plan)
@@ -337,6 +374,46 @@ class RunState:
         keys = {p.key for p in held}
         unique = list({p.key: p for p in held}.values())
         return [p for p in prompts if p.key not in keys], unique[:n]
+
+
+@dataclass(frozen=True)
+class NewPrompts:
+    """What the next round would train on (`RunState.new_prompts`)."""
+
+    train: list[TrainPrompt]
+    heldout: list[TrainPrompt]
+    taken: int  # prompts taken from the source since the watermark
+    not_trainable: int  # of them, in the dev/test split or asking for a held-out type
+    watermark_before: str | None
+    watermark_after: str | None
+    schedule: list[str]
+    refresh: str | None
+    sets: int  # the sets its policy batches hold: prompts_per_step x its policy steps
+    needed: int  # distinct training prompts the round needs
+
+    @property
+    def distinct(self) -> int:
+        return len({p.key for p in self.train})
+
+    @property
+    def enough(self) -> bool:
+        return self.distinct >= self.needed
+
+
+def plan_line(plan: dict[str, Any]) -> str:
+    """A round's plan as one line: what it builds on, the new prompts it trains on (and needed), what it starts
+    from besides the parent's weights."""
+    held, steps = len(plan["heldout"]), plan["schedule"]
+    # plans written before these keys: the base, a fresh AdamW, no count needed
+    distinct = plan.get("new_prompts", len({p["key"] for p in plan["prompts"]}))
+    needed = f" (at least {plan['new_prompts_needed']})" if plan.get("new_prompts_needed") else ""
+    carried = plan.get("optimizer_from")
+    return (
+        f"round {plan['round']}: {plan['version']} on {plan['parent']}; {distinct} distinct new prompts to train on"
+        f"{needed}, {held} held out, {plan.get('not_trainable', 0)} not trainable; {steps.count('policy')} policy and "
+        f"{steps.count('generator')} generator steps; KL reference {plan.get('kl_reference', 'base')}; AdamW "
+        + (f"carried from {carried}" if carried else "fresh")
+    )
 
 
 # ==================================================================== rounds, retried when a worker dies
@@ -589,6 +666,7 @@ class _Round:
     def setup(self) -> None:
         """The round's plan (written now if new), its step history so far, its models and anchors."""
         self.plan = self.state.make_plan(self.id)
+        self.progress.note(plan_line(self.plan))
         self.prompts = prompts_of(self.plan["prompts"])
         self.heldout = prompts_of(self.plan["heldout"])
         self.parent = self.state.registry.get(self.plan["parent"])
@@ -1003,6 +1081,7 @@ class _Round:
                 ),
             ),
             prompts=len(self.prompts),
+            prompts_needed=self.plan.get("new_prompts_needed"),
             watermark_before=self.plan["watermark_before"],
             watermark_after=self.plan["watermark_after"],
             seconds=time.time() - started,

@@ -10,7 +10,7 @@ import torch
 
 from dynrubric.train.executor import InProcess
 from dynrubric.train.grpo import CandidateSet, GRPOTrainer, SampledResponse, load_policy, load_reference
-from dynrubric.train.rounds import OPTIMIZER, Quiet, RoundRunner, _Round
+from dynrubric.train.rounds import OPTIMIZER, Quiet, RoundRunner, _Round, plan_line
 from tests.tinymodel import build_tiny_model
 from tests.train_harness import engines, runner, write_prompts
 
@@ -116,3 +116,81 @@ def test_carrying_adamw_across_rounds_is_refused_with_lora() -> None:
     with pytest.raises(ValidationError, match="lora_rank 0"):
         GRPOConfig(optimizer_across_rounds="carry", lora_rank=4)
     assert GRPOConfig(optimizer_across_rounds="carry").lora_rank == 0
+
+
+def test_a_round_needs_distinct_new_prompts_for_half_its_sets_and_is_refused_with_fewer(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """`train.min_new_prompts_per_set` 0.5 (the demo's): a round of 4 policy steps x 4 sets needs 8 distinct new
+    training prompts (held-out and dev/test ones do not count). With fewer its plan is refused, naming the count and
+    the keys, and nothing is consumed; once enough are logged the plan records the count, the report prints it."""
+    import json
+
+    import pytest
+
+    from dynrubric.errors import DynrubricError
+
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 6)
+    train = {"prompts_per_step": 4, "steps_per_round": 4, "heldout_share": 0.2, "min_new_prompts_per_set": 0.5}
+    r = runner(tmp_path / "state", tiny_model_dir, prompts, **train)
+    r.ensure_base()
+    short = r.new_prompts(1)
+    assert short.needed == 8 and short.sets == 16 and short.distinct < 8 and not short.enough
+    with pytest.raises(DynrubricError, match=rf"{short.distinct} distinct new prompts .* fewer than the 8") as e:
+        r.make_plan(1)
+    assert "min_new_prompts_per_set" in e.value.problem + e.value.fix
+    assert not (r.round_dir(1) / "plan.json").exists()
+    # the same prompt logged twice counts once
+    lines = prompts.read_text().splitlines()
+    prompts.write_text(
+        "\n".join([*lines, lines[-1], *(json.dumps({"prompt": f"Name a colour (#{i})."}) for i in range(8))])
+    )
+    plan = r.make_plan(1)
+    assert plan["new_prompts"] == len({p["key"] for p in plan["prompts"]}) >= 8 and plan["new_prompts_needed"] == 8
+    assert "distinct new prompts to train on (at least 8)" in plan_line(plan)
+    # off (the default): any number will do
+    assert runner(tmp_path / "other", tiny_model_dir, prompts, prompts_per_step=4).new_prompts(1).needed == 1
+
+
+def test_the_loop_waits_until_the_round_has_the_distinct_prompts_it_needs(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch
+) -> None:
+    """`dynrubric up` waits (users keep sending prompts), where a round planned on too few would be refused: past
+    loop.min_new_prompts raw prompts it waits on the round's own count, and says so."""
+    from types import SimpleNamespace
+
+    import streaming.store
+    from dynrubric.app.loop import ClosedLoop
+    from dynrubric.train.prompts import JsonlPromptSource, ResponseHistory
+
+    prompts = tmp_path / "prompts.jsonl"
+    train = {"prompts_per_step": 4, "steps_per_round": 4, "heldout_share": 0.2, "min_new_prompts_per_set": 0.5}
+    r = runner(tmp_path / "state", tiny_model_dir, prompts, **train)
+    logged = [0]
+
+    def arrive(n: int) -> None:  # the users' traffic: n more distinct prompts logged
+        logged[0] += n
+        write_prompts(prompts, logged[0])
+
+    arrive(4)
+    monkeypatch.setattr(
+        streaming.store, "replay_prompt_source", lambda s: JsonlPromptSource(prompts, ResponseHistory(tmp_path / "h"))
+    )
+
+    def wait(seconds: float) -> None:
+        assert logged[0] < 40, "still waiting with 40 distinct prompts logged"
+        arrive(3)
+
+    monkeypatch.setattr("dynrubric.app.loop.time.sleep", wait)
+    lines: list[str] = []
+    loop = SimpleNamespace(
+        settings=r.settings.model_copy(update={"loop": r.settings.loop.model_copy(update={"min_new_prompts": 4})}),
+        supervisor=SimpleNamespace(check_alive=lambda: None),
+        log=lines.append,
+        dir=tmp_path,
+    )
+    ClosedLoop._wait_for_prompts(loop, r, 1)  # type: ignore[arg-type]
+    assert r.new_prompts(1).enough and lines[-1].startswith("cycle 1: ")
+    assert lines[-1].endswith("the round needs 8") and "distinct to train on" in lines[-1]
+    assert any(line.startswith("cycle 1: waiting for new prompts (") and "the round needs 8" in line for line in lines)
