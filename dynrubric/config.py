@@ -439,6 +439,19 @@ class GRPOConfig(Section):
     clip_high: float = Field(default=0.2, gt=0, le=1, description="ratio clipped above at 1 + clip_high (0.28: DAPO)")
     kl_beta: float = Field(default=1e-3, ge=0, description="weight of the k3 KL to the frozen reference; 0 = off")
     adv_eps: float = Field(default=1e-6, gt=0, description="advantage = (E - mean) / (std + adv_eps)")
+    advantages: Literal["normalised", "centred"] = Field(
+        default="normalised",
+        description="a set's advantages: normalised = (E - mean) / (std + adv_eps) (GRPO, OpenRLHF's group_norm); "
+        "centred = E - mean, no division by the set's std (Dr GRPO, OpenRLHF's dr_grpo), so a set that spreads "
+        "by 0.03 moves the policy by 0.03's worth, not a unit's (not measured against normalised yet)",
+    )
+    min_spread: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="a set gives a gradient only when its score spread (max - min) reaches this and rubric.eps; "
+        "below it the set is tied (zero advantage, left out of the batch and counted); 0 = rubric.eps alone",
+    )
     updates_per_batch: int = Field(
         default=1,
         ge=1,
@@ -447,6 +460,25 @@ class GRPOConfig(Section):
         "clip_low/clip_high bound the step",
     )
     max_grad_norm: float = Field(default=1.0, gt=0)
+    warmup_updates: int = Field(
+        default=0,
+        ge=0,
+        description="the learning rate rises linearly, lr (t + 1) / N, over AdamW's first N updates t (its own step "
+        "counter: with optimizer_across_rounds fresh every round warms up, with carry the lineage warms up once); "
+        "0 = none",
+    )
+    optimizer_across_rounds: Literal["fresh", "carry"] = Field(
+        default="fresh",
+        description="fresh: a new AdamW each round; carry: the AdamW state (moments and step counter) the round that "
+        "made the parent ended with goes on (kept as rounds/NNNN/policy_optimizer.pt under train.run_dir for the "
+        "accepted rounds the next one may build on: about twice the policy's weights each); not with LoRA",
+    )
+    kl_reference: Literal["base", "parent"] = Field(
+        default="base",
+        description="the KL penalty's reference (kl_beta): the lineage's base (bounds the drift the rounds add up) or "
+        "the round's parent (a trust region per round; the guard still bounds the KL to base); with LoRA it is the "
+        "adapter-free parent either way",
+    )
     micro_batch_size: int = Field(default=8, ge=1, description="responses per forward/backward (grad accumulation)")
     lora_rank: int = Field(default=0, ge=0, description="0 = full fine-tuning; >0 = LoRA (peft) of this rank")
     lora_alpha: int = Field(default=16, ge=1)
@@ -470,6 +502,15 @@ class GRPOConfig(Section):
         description="the LM head's float32 logits are computed this many MiB at a time: bounds the trainer's "
         "memory (the full batch x tokens x vocabulary is never built), not its result",
     )
+
+    @model_validator(mode="after")
+    def _carry_needs_full_weights(self) -> GRPOConfig:
+        if self.optimizer_across_rounds == "carry" and self.lora_rank > 0:
+            raise ValueError(
+                "optimizer_across_rounds: carry needs full fine-tuning (lora_rank 0): each round trains a new LoRA "
+                "adapter on the merged parent, so the carried AdamW moments would belong to other parameters"
+            )
+        return self
 
 
 class CoevolveConfig(Section):
@@ -576,11 +617,28 @@ class RayConfig(Section):
         raise ValueError("expected unset (a local Ray), 'auto', 'ray://host:port' or 'host:port'")
 
 
+class DynamicSamplingConfig(Section):
+    """DAPO's dynamic sampling of a policy step (train/rounds.py `_Round.policy_step`): the step's batch is filled
+    with candidate sets that carry a gradient."""
+
+    oversample: float = Field(
+        default=1.0,
+        ge=1.0,
+        le=8.0,
+        description="a policy step draws candidate sets until prompts_per_step of them have a real spread (trusted, "
+        "spread >= grpo.min_spread and rubric.eps) and trains on those alone, drawing at most ceil(oversample x "
+        "prompts_per_step) sets in all: the budget (each set costs K candidates, a rubric and K verdicts); a draw "
+        "after the first is sized by the share kept so far; 1 = off: one draw of prompts_per_step sets, whose tied "
+        "sets give no gradient",
+    )
+
+
 class TrainConfig(Section):
     """Training rounds (dynrubric/train/rounds.py)."""
 
     grpo: GRPOConfig = GRPOConfig()
     coevolve: CoevolveConfig = CoevolveConfig()
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     openrlhf: OpenRLHFConfig = OpenRLHFConfig()
     executor: Literal["inprocess", "ray"] = Field(
         default="inprocess",
@@ -619,6 +677,15 @@ class TrainConfig(Section):
     prompts_per_step: int = Field(default=8, ge=1, description="candidate sets per policy step")
     steps_per_round: int = Field(default=4, ge=1)
     max_prompts_per_round: int = Field(default=256, ge=1, description="new prompts taken per round")
+    min_new_prompts_per_set: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="a round trains on at least this many distinct new prompts (logged since the last round, after "
+        "the held-out and dev/test ones are split off) per set of its batches: prompts_per_step x its policy steps x "
+        "this; with fewer its plan is refused (`dynrubric up` waits for them); 0.5 = the sets per step x steps / 2 "
+        "of issue 38 (the demo's); 0 = any number",
+    )
     max_new_tokens: int = Field(default=128, ge=1)
     max_prompt_tokens: int = Field(default=512, ge=8, description="longer prompts are skipped (counted)")
     temperature: float = Field(default=1.0, gt=0)

@@ -166,6 +166,10 @@ class PrintedPhases:
     def advance(phase: str, n: int) -> None:
         pass
 
+    @staticmethod
+    def note(text: str) -> None:
+        print(text, flush=True)
+
 
 def keyword_rate(model_dir: Path, prompts: Sequence[str], n: int, seed: int) -> float:
     """Share of sampled responses (n per prompt, temperature 1) that contain the keyword."""

@@ -472,22 +472,31 @@ class ClosedLoop:
         watermark = last.watermark_after if last else None
         need = self.settings.loop.min_new_prompts
         deadline = time.monotonic() + self.settings.loop.wait_timeout_s
-        seen, said_at = -1, 0.0
+        seen, said, said_at, to_train = -1, "", 0.0, ""
         while True:
             self.supervisor.check_alive()
+            new = None
             try:
-                prompts, _ = replay_prompt_source(self.settings).new_prompts(watermark, need)
+                source = replay_prompt_source(self.settings)
+                prompts, _ = source.new_prompts(watermark, need)
+                if len(prompts) >= need:
+                    # the round's own count: distinct prompts left to train on, and what its sets need
+                    # (train.min_new_prompts_per_set); the loop waits for them, a round planned on fewer is refused
+                    new = runner.new_prompts(runner.next_round(), source)
             except DynrubricError:  # ingest creates the store with its first shard
                 prompts = []
-            if len(prompts) >= need:
-                self.log(f"cycle {cycle}: {len(prompts)} new prompts since watermark {watermark!r}")
-                return
-            if len(prompts) != seen and (seen < 0 or time.monotonic() - said_at >= 15.0):  # a line every 15 s at most
-                seen, said_at = len(prompts), time.monotonic()
-                self.log(f"cycle {cycle}: waiting for new prompts ({seen}/{need})")
+            if new is not None:
+                to_train = f"; {new.distinct} distinct to train on, the round needs {new.needed}"
+                if new.enough:
+                    self.log(f"cycle {cycle}: {len(prompts)} new prompts since watermark {watermark!r}{to_train}")
+                    return
+            line = f"cycle {cycle}: waiting for new prompts ({len(prompts)}/{need}{to_train})"
+            if line != said and (seen < 0 or time.monotonic() - said_at >= 15.0):  # a line every 15 s at most
+                seen, said, said_at = len(prompts), line, time.monotonic()
+                self.log(line)
             if time.monotonic() > deadline:
                 raise DynrubricError(
-                    f"only {seen} new prompts arrived in {self.settings.loop.wait_timeout_s:.0f} s",
+                    f"only {seen} new prompts arrived in {self.settings.loop.wait_timeout_s:.0f} s{to_train}",
                     "check the router, ingest and users logs in " + str(self.dir / "logs"),
                 )
             time.sleep(2.0)

@@ -253,15 +253,28 @@ def round_report(summary: RoundOutcome, path: Path) -> list[str]:
         )
     lines = [head]
     if isinstance(summary, EmbeddedOutcome):
+        needed = (
+            f" (new since the last round; at least {summary.prompts_needed} distinct needed)"
+            if summary.prompts_needed
+            else ""
+        )
         lines += [
             f"  steps: {summary.phases['policy']} policy, {summary.phases['generator']} generator; "
-            f"{summary.prompts} prompts; {summary.seconds:.0f}s",
+            f"{summary.prompts} prompts{needed}; {summary.seconds:.0f}s",
             f"  rubrics of {sets} scored sets: "
             + ", ".join(f"{k} {sources[k]}" for k in RUBRIC_SOURCES if sources[k] or k != "checks"),
             f"  fallbacks: {fallbacks['parse_failures']} failed generator tries; sets falling back to prompt-only "
             f"{fallbacks['prompt_only']}, to the generic rubric {fallbacks['generic']}; "
             f"hard verdicts {fallbacks['hard_verdict']}",
         ]
+        kept = [(s.sets_kept, s.sets_drawn) for s in policy if s.sets_kept is not None and s.sets_drawn]
+        if kept:  # train.dynamic_sampling: what each policy step drew and kept
+            drawn = sum(d for _, d in kept)
+            lines.append(
+                "  sets kept (a real spread, trusted) of sets drawn, per policy step: "
+                + ", ".join(f"{k}/{d}" for k, d in kept)
+                + f"; {sum(k for k, _ in kept) / drawn:.0%} of {drawn}"
+            )
     truth = summary.eval.groundtruth if summary.eval else None
     if truth:
         rates = ", ".join(f"{v} {p:.3f}" for v, p in truth.pass_rate.items())

@@ -44,15 +44,17 @@ def pad_id(tok: Any) -> int:
 
 @dataclass(frozen=True)
 class TrainerSpec:
-    """Where a round's trainers start: step dir `latest` (None: the parent's weights, a fresh optimiser).
-    `base`: the lineage's root, the KL penalty's reference; `generator_base`: the generator's weights
-    before the round (two-model mode). Plain paths, so a trainer actor can build from it."""
+    """Where a round's trainers start: step dir `latest` (None: the parent's weights, and the AdamW state
+    `optimizer`, or a fresh one when that is None). `reference`: the KL penalty's reference (the lineage's base,
+    or the parent: `grpo.kl_reference`); `generator_base`: the generator's weights before the round (two-model
+    mode). Plain paths, so a trainer actor can build from it."""
 
     settings: Settings
     parent: Path
-    base: Path
+    reference: Path
     generator_base: Path
     latest: Path | None
+    optimizer: Path | None = None  # grpo.optimizer_across_rounds: carry: the state the parent's round ended with
 
 
 class Trainers:
@@ -70,11 +72,14 @@ class Trainers:
         adapter = policy_dir / "adapter" if policy_dir and gcfg.lora_rank > 0 else None
         model = load_policy(policy_dir / "model" if policy_dir and adapter is None else spec.parent, gcfg, adapter)
         self.tokenizer = load_tokenizer(spec.parent)
-        # the KL penalty pulls toward the base of the lineage, not the parent, so that it bounds the drift
-        # the rounds add up (with LoRA the reference is the adapter-free parent; the guard still bounds it)
-        self.policy = GRPOTrainer(model, load_reference(spec.base, gcfg), gcfg, pad_id(self.tokenizer), tie_eps)
+        # the KL penalty pulls toward the reference the round planned (grpo.kl_reference): by default the base of
+        # the lineage, so that it bounds the drift the rounds add up; or the parent, a trust region per round
+        # (with LoRA the reference is the adapter-free parent either way; the guard still bounds the drift)
+        self.policy = GRPOTrainer(model, load_reference(spec.reference, gcfg), gcfg, pad_id(self.tokenizer), tie_eps)
         if policy_dir:
             self.policy.load_optimizer(policy_dir / "optimizer.pt")
+        elif spec.optimizer is not None:  # optimizer_across_rounds carry: AdamW goes on from the parent's round
+            self.policy.load_optimizer(spec.optimizer)
         self.pad_token_id = self.policy.pad_token_id
         self.generator = self.policy
         if not self.single:

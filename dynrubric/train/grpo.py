@@ -4,7 +4,10 @@ One `GRPOTrainer.step(groups)` is `grpo.updates_per_batch` optimiser updates ove
 sets:
 
     A_i      = (E_i - mean_C E) / (std_C E + eps)          per set C (std with Bessel's correction, as
-                                                           OpenRLHF's group_norm and TRL do)
+                                                           OpenRLHF's group_norm and TRL do): grpo.advantages
+                                                           `normalised`, the default
+    A_i      = E_i - mean_C E                              `centred` (Dr GRPO, OpenRLHF's dr_grpo): no
+                                                           division by the set's std
     log pi   = log_softmax(logits / T)                     T = the temperature the rollouts were sampled
                                                            at (as OpenRLHF); top_p is not applied, as in
                                                            OpenRLHF: the loss sees the tempered full
@@ -24,9 +27,11 @@ sets:
 The token-level mean is taken over the whole batch, so gradient accumulation over micro-batches gives
 exactly the gradient of the full batch. Log-probs come from the LM head a chunk of tokens at a time
 (`response_logprobs`), never from a whole B x T x V distribution. A set whose score spread
-(max - min) is below the rubric's tie threshold `rubric.eps` is a tie: two such scores are the same
-verdict up to engine noise, and normalising noise by its own std would make unit-size advantages out
-of it. Tied sets are left out of the batch and counted. The values and gradients of
+(max - min) is below the rubric's tie threshold `rubric.eps` (or `grpo.min_spread`, the higher) is a
+tie: two such scores are the same verdict up to engine noise, and normalising noise by its own std
+would make unit-size advantages out of it. Tied sets are left out of the batch and counted. The
+learning rate warms up linearly over AdamW's first `grpo.warmup_updates` updates (its own step
+counter, so a state carried across rounds does not warm up again). The values and gradients of
 `clipped_surrogate`, `truncated_importance_weights` and `k3` match OpenRLHF's `PolicyLoss` (its TIS
 too) and `compute_approx_kl` (tested, also on the trainer's second update).
 """
@@ -38,7 +43,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol, TypeGuard, cast
+from typing import Any, Literal, Protocol, TypeGuard, cast
 
 import torch
 
@@ -89,20 +94,49 @@ class StepStats:
     sampler_tokens: int = 0
     sampler_log_ratio: float | None = None  # mean |log pi_old - log mu| per token
     sampler_capped: float | None = None  # share of those tokens whose importance weight was truncated
+    lr: float | None = None  # the learning rate of the batch's last update (None: no update was applied)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def group_advantages(scores: Sequence[float], eps: float, tie_eps: float) -> list[float] | None:
-    """`(E - mean) / (std + eps)` within one set, or None when the set is tied: its spread
-    `max E - min E` is below `tie_eps` (the rubric's tie threshold), or a score is not finite."""
+AdvantageKind = Literal["normalised", "centred"]  # grpo.advantages
+
+
+def min_set_spread(tie_eps: float, config: GRPOConfig) -> float:
+    """The score spread a set needs to give a gradient: the rubric's tie threshold, or `grpo.min_spread` when
+    that is higher (the trainer and the round's dynamic sampling decide with the same number)."""
+    return max(tie_eps, config.min_spread)
+
+
+def has_signal(scores: Sequence[float], min_spread: float) -> bool:
+    """Whether a set gives a gradient: at least two scores, all finite, spread `max E - min E >= min_spread`."""
+    if len(scores) < 2 or not all(math.isfinite(x) for x in scores):
+        return False
+    return max(scores) - min(scores) >= min_spread
+
+
+def normalised_advantages(scores: Sequence[float], eps: float) -> list[float]:
+    """`A_i = (E_i - mean E) / (std E + eps)`, std with Bessel's correction (GRPO; OpenRLHF's group_norm)."""
     s = torch.tensor(list(scores), dtype=torch.float64)
-    if s.numel() < 2 or not bool(torch.isfinite(s).all()):
+    return ((s - s.mean()) / (s.std() + eps)).tolist()
+
+
+def centred_advantages(scores: Sequence[float]) -> list[float]:
+    """`A_i = E_i - mean E` (Dr GRPO; OpenRLHF's dr_grpo): the set's spread is kept, so a set whose scores
+    differ by judge noise gives a gradient of that size, not a unit-size one."""
+    s = torch.tensor(list(scores), dtype=torch.float64)
+    return (s - s.mean()).tolist()
+
+
+def group_advantages(
+    scores: Sequence[float], eps: float, tie_eps: float, kind: AdvantageKind = "normalised"
+) -> list[float] | None:
+    """The advantages of one set (`normalised_advantages` or `centred_advantages`), or None when the set is
+    tied: its spread `max E - min E` is below `tie_eps` (`min_set_spread`), or a score is not finite."""
+    if not has_signal(scores, tie_eps):
         return None
-    if float(s.max() - s.min()) < tie_eps:
-        return None
-    return ((s - s.mean()) / (s.std() + eps)).tolist()  # Bessel-corrected std, as OpenRLHF's group_norm
+    return centred_advantages(scores) if kind == "centred" else normalised_advantages(scores, eps)
 
 
 def clipped_surrogate(
@@ -384,7 +418,8 @@ class _Sums:
 class GRPOTrainer:
     """Owns the trainable policy, the frozen reference and the AdamW state.
 
-    `tie_eps` is the rubric's tie threshold (`rubric.eps`): a set whose score spread is below it is tied."""
+    `tie_eps` is the rubric's tie threshold (`rubric.eps`): a set whose score spread is below it (or below
+    `grpo.min_spread`, the higher of the two) is tied."""
 
     def __init__(
         self,
@@ -399,6 +434,7 @@ class GRPOTrainer:
         self.config = config
         self.pad_token_id = pad_token_id
         self.tie_eps = tie_eps
+        self.min_spread = min_set_spread(tie_eps, config)
         if ref_model is not None:
             ref_model.eval()
             ref_model.requires_grad_(False)
@@ -424,6 +460,13 @@ class GRPOTrainer:
                     return int(state["step"])
         return 0
 
+    def learning_rate(self) -> float:
+        """The next update's learning rate: `lr_t = lr min(1, (t + 1) / N)`, N = `grpo.warmup_updates`, t = the
+        updates applied so far (AdamW's step counter, saved with its state: a resumed or carried optimiser goes on
+        where it was)."""
+        n = self.config.warmup_updates
+        return self.config.lr if n <= 0 else self.config.lr * min(1.0, (self.updates + 1) / n)
+
     def _batch(self, groups: Sequence[CandidateSet]) -> tuple[list[_Micro], int, int, int]:
         """(micro-batches, tied sets, samples, response tokens) of the non-tied sets."""
         cfg = self.config
@@ -433,7 +476,7 @@ class GRPOTrainer:
             if g.advantages is not None:
                 adv = list(g.advantages) if any(abs(a) > 1e-12 for a in g.advantages) else None
             else:
-                adv = group_advantages(g.scores, cfg.adv_eps, self.tie_eps)
+                adv = group_advantages(g.scores, cfg.adv_eps, self.min_spread, cfg.advantages)
             if adv is None:
                 tied += 1
                 continue
@@ -544,7 +587,7 @@ class GRPOTrainer:
             self.model.train()  # the same mode as the gradient forward: on update 1 the ratio is exactly 1
             with torch.no_grad(), self._autocast():
                 old = [micro_logprobs(self.model, m, cfg.logprob_chunk_mib) for m in micros]
-        applied, nonfinite, grad_norm = 0, False, 0.0
+        applied, nonfinite, grad_norm, lr = 0, False, 0.0, None
         stats = self._stats(groups, tied, samples, tokens, _Sums())
         for _ in range(cfg.updates_per_batch):
             stats = self._stats(groups, tied, samples, tokens, self._backward(micros, tokens, old, ref))
@@ -552,10 +595,13 @@ class GRPOTrainer:
             nonfinite = stats.nonfinite or not math.isfinite(grad_norm)
             if nonfinite:
                 break
+            lr = self.learning_rate()
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
             self.optimizer.step()
             applied += 1
         self.optimizer.zero_grad(set_to_none=True)
-        return replace(stats, grad_norm=grad_norm, nonfinite=nonfinite, updated=applied > 0, updates=applied)
+        return replace(stats, grad_norm=grad_norm, nonfinite=nonfinite, updated=applied > 0, updates=applied, lr=lr)
 
     # ------------------------------------------------------------ persistence
     def save(self, directory: Path) -> None:
@@ -567,7 +613,15 @@ class GRPOTrainer:
             self.model.save_pretrained(directory / "adapter")
 
     def load_optimizer(self, path: Path) -> None:
+        """AdamW's state (moments, step counter) from `path`: a resumed round's last step, or the round that made
+        the parent (`grpo.optimizer_across_rounds: carry`). The hyperparameters stay this config's (a state saved
+        under another config keeps its moments, not its betas or decay); the learning rate is set per update."""
+        cfg = self.config
         self.optimizer.load_state_dict(torch.load(path, weights_only=True))
+        for group in self.optimizer.param_groups:
+            group.update(
+                lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+            )
 
 
 def is_lora(model: torch.nn.Module) -> TypeGuard[LoraPolicy]:

@@ -85,6 +85,7 @@ class StepBase(Part):
     sampler_tokens: int
     sampler_log_ratio: float | None
     sampler_capped: float | None
+    lr: float | None = None  # the learning rate of the step's last update (None: none applied, or not recorded)
 
 
 class PolicyStep(StepBase):
@@ -99,6 +100,12 @@ class PolicyStep(StepBase):
     rubric_sources: dict[str, int]
     fallbacks: Fallbacks
     collapse: bool
+    # the step's draws of candidate sets (train.dynamic_sampling; None: not recorded, a record from before them):
+    # the set fields above cover every set drawn, the GRPO fields (sets, no_gradient_sets, ...) the batch trained
+    draws: int | None = None
+    sets_drawn: int | None = None
+    sets_kept: int | None = None  # sets with a real spread (trusted, not tied) in the batch
+    kept_share: float | None = None  # sets_kept / sets_drawn
 
 
 class GeneratorStep(StepBase):
@@ -213,6 +220,7 @@ class EmbeddedOutcome(RoundOutcome):
     phases: dict[str, int]  # steps per phase
     seconds: float
     stage_seconds: dict[str, float]  # where the round's time went, in the order it is spent
+    prompts_needed: int | None = None  # distinct new prompts the round needed (train.min_new_prompts_per_set)
 
 
 class RoundSummary(EmbeddedOutcome):

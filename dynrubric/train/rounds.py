@@ -25,24 +25,28 @@ evaluation. A resumed step draws exactly what the interrupted one drew.
 Layout under `train.run_dir` (default `<state_dir>/train`):
 
     rounds/NNNN/plan.json  steps/NNNN/{policy/, generator/, history.json, collapse.json}  eval.json
-                 summary.json
+                 summary.json  [policy_optimizer.pt]
     runlog.jsonl     one record per step and per round (deduplicated by key on resume)
     rollouts.jsonl   responses sampled per prompt and policy version (temporal-contrast anchors)
     collapse.json    the collapse detector's window of sets, carried from round to round
     generator/       the generator's weights between rounds (two-model mode)
 
 A round builds on the last ACCEPTED version (promoted, or a candidate that passed the guards), its KL
-penalty pulls toward the base of the lineage, and the guards bound both the round's KL to its parent
-and the total KL to the base. Held-out prompts are split off by prompt key and never trained on.
+penalty pulls toward the base of the lineage (or the parent: `grpo.kl_reference`), its AdamW starts fresh
+(or goes on from the parent's round: `grpo.optimizer_across_rounds`, kept as
+`rounds/NNNN/policy_optimizer.pt`), and the guards bound both the round's KL to its parent and the total KL to
+the base. Held-out prompts are split off by prompt key and never trained on.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -102,6 +106,7 @@ from dynrubric.train.splits import trainable
 
 EngineRole = Literal["policy", "generator", "verifier"]  # EngineConfig.url_for's roles
 PLAN, SUMMARY, EVAL, COLLAPSE, HISTORY = "plan.json", "summary.json", "eval.json", "collapse.json", "history.json"
+OPTIMIZER = "policy_optimizer.pt"  # an accepted round's last AdamW state (grpo.optimizer_across_rounds: carry)
 GUARDED = "guard"  # metrics key: "accepted" on a candidate whose round passed the guards
 
 
@@ -219,6 +224,35 @@ class RunState:
             seen.add(ckpt.version)
         return ckpt
 
+    def kl_reference(self, parent: Checkpoint) -> Checkpoint:
+        """The KL penalty's reference for a round on `parent` (`grpo.kl_reference`): the lineage's base, or the
+        parent itself."""
+        return parent if self.cfg.grpo.kl_reference == "parent" else self.base_of(parent)
+
+    def carried_optimizer(self, parent: Checkpoint) -> Path | None:
+        """The AdamW state a round on `parent` starts from with `grpo.optimizer_across_rounds: carry`: the one the
+        round that made the parent ended with (`keep_optimizer`). None: fresh (the option is off, the parent is
+        the base or was registered by hand, or its round ran without carry)."""
+        if self.cfg.grpo.optimizer_across_rounds != "carry" or parent.round is None:
+            return None
+        path = self.round_dir(parent.round) / OPTIMIZER
+        return path if path.is_file() else None
+
+    def keep_optimizer(self, round_id: int, final_step: Path, parent: Checkpoint) -> None:
+        """With `grpo.optimizer_across_rounds: carry`, an accepted round keeps its last AdamW state for the round
+        that builds on it. Only this round's and its parent's are kept (the parent's: if the gate rolls this one
+        back, the next round builds on the parent again): each is about twice the policy's weights."""
+        if self.cfg.grpo.optimizer_across_rounds != "carry":
+            return
+        target = self.round_dir(round_id) / OPTIMIZER
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(".tmp")
+        shutil.copyfile(final_step / "policy" / "optimizer.pt", tmp)
+        tmp.replace(target)  # whole or absent: a crash never leaves half a state to carry
+        for old in (self.run_dir / "rounds").glob(f"*/{OPTIMIZER}"):
+            if old.parent.name not in {f"{round_id:04d}", f"{parent.round or 0:04d}"}:
+                old.unlink(missing_ok=True)
+
     # ------------------------------------------------------------ plan
     def schedule(self, round_id: int, steps: int, refresh: bool) -> list[str]:
         """The phase of each of a round's steps: `k_alt` policy steps, then `k_alt_generator` generator steps,
@@ -237,44 +271,85 @@ class RunState:
         offset = (round_id - 1) * steps
         return [phase(offset + s) for s in range(steps)]
 
+    def prompts_needed(self, sets: int) -> int:
+        """The distinct new prompts a round whose policy batches hold `sets` sets needs to train on:
+        `train.min_new_prompts_per_set` x `sets` (rounded up), at least 1."""
+        return max(1, math.ceil(self.cfg.min_new_prompts_per_set * sets - 1e-9))
+
+    def new_prompts(self, round_id: int, source: PromptSource | None = None) -> NewPrompts:
+        """What round `round_id` would train on if planned now: the prompts `source` (default the run's) logged
+        since the last round's watermark, up to `train.max_prompts_per_round`, less those not trainable and the
+        held-out ones; its schedule, and how many distinct prompts it needs (`prompts_needed`)."""
+        last = self.last_summary()
+        watermark = last.watermark_after if last else None
+        taken, watermark_after = (source or self.prompt_source()).new_prompts(watermark, self.cfg.max_prompts_per_round)
+        prompts = [p for p in taken if trainable(p.key, [i.id for i in derive(p.question).instructions])]
+        train, heldout = self.split_heldout(prompts)
+        refresh = None
+        if last and last.collapse.fired and self.cfg.coevolve.enabled:
+            refresh = f"collapse detected in round {last.round}: starting with a generator phase"
+        schedule = self.schedule(round_id, self.cfg.steps_per_round, refresh is not None)
+        sets = self.cfg.prompts_per_step * schedule.count("policy")
+        return NewPrompts(
+            train,
+            heldout,
+            len(taken),
+            len(taken) - len(prompts),
+            watermark,
+            watermark_after,
+            schedule,
+            refresh,
+            sets,
+            self.prompts_needed(sets),
+        )
+
     def make_plan(self, round_id: int) -> dict[str, Any]:
         path = self.round_dir(round_id) / PLAN
         if path.is_file():
             plan: dict[str, Any] = read_json(path)
             return plan
         parent = self.head()
-        last = self.last_summary()
-        watermark = last.watermark_after if last else None
-        prompts, watermark_after = self.prompt_source().new_prompts(watermark, self.cfg.max_prompts_per_round)
-        if not prompts:
+        new = self.new_prompts(round_id)
+        if not new.taken:
             raise DynrubricError(
-                f"no new prompts since watermark {watermark!r} for round {round_id}",
+                f"no new prompts since watermark {new.watermark_before!r} for round {round_id}",
                 "add prompts to the replay store / prompt file, then run the round again",
             )
-        fresh = len(prompts)
-        prompts = [p for p in prompts if trainable(p.key, [i.id for i in derive(p.question).instructions])]
-        not_trainable = fresh - len(prompts)
-        prompts, heldout = self.split_heldout(prompts)
-        if not prompts:
+        if not new.train:
             raise DynrubricError(
                 f"round {round_id}: every new prompt is held out or in the dev/test split, none is left to train on",
                 "add prompts, or set train.heldout_file to a separate held-out set",
             )
-        refresh = None
-        if last and last.collapse.fired and self.cfg.coevolve.enabled:
-            refresh = f"collapse detected in round {last.round}: starting with a generator phase"
+        if not new.enough:
+            # refused, not waited for: here nothing would bring more prompts (the loop waits for them before a round)
+            raise DynrubricError(
+                f"round {round_id}: {new.distinct} distinct new prompts to train on since watermark "
+                f"{new.watermark_before!r} ({new.taken} taken, {len(new.heldout)} held out, {new.not_trainable} in "
+                f"the dev/test split), fewer than the {new.needed} its {new.sets} sets need "
+                f"(train.min_new_prompts_per_set {self.cfg.min_new_prompts_per_set}): its steps would re-train a few "
+                "prompts",
+                "let more prompts arrive (`dynrubric up` waits for them), raise train.max_prompts_per_round if it is "
+                "below that, or lower train.min_new_prompts_per_set",
+            )
+        carried = self.carried_optimizer(parent)
         plan = {
             "round": round_id,
             "parent": parent.version,
             "version": f"{self.cfg.version_prefix}{round_id}",
-            "prompts": [{"key": p.key, "messages": p.messages} for p in prompts],
-            "heldout": [{"key": p.key, "messages": p.messages} for p in heldout],
+            # what the trainer starts from besides the parent's weights (grpo.kl_reference, optimizer_across_rounds)
+            "kl_reference": self.kl_reference(parent).version,
+            "optimizer_from": str(carried) if carried else None,
+            "prompts": [{"key": p.key, "messages": p.messages} for p in new.train],
+            "heldout": [{"key": p.key, "messages": p.messages} for p in new.heldout],
+            # distinct training prompts, and how many the round needed (train.min_new_prompts_per_set)
+            "new_prompts": new.distinct,
+            "new_prompts_needed": new.needed,
             # dev/test prompts of the bank and prompts asking for a held-out type (train/splits.py): never trained
-            "not_trainable": not_trainable,
-            "watermark_before": watermark,
-            "watermark_after": watermark_after,
-            "schedule": self.schedule(round_id, self.cfg.steps_per_round, refresh is not None),
-            "refresh": refresh,
+            "not_trainable": new.not_trainable,
+            "watermark_before": new.watermark_before,
+            "watermark_after": new.watermark_after,
+            "schedule": new.schedule,
+            "refresh": new.refresh,
             "started_at": time.time(),
         }
         write_json(path, plan)
@@ -301,6 +376,46 @@ class RunState:
         return [p for p in prompts if p.key not in keys], unique[:n]
 
 
+@dataclass(frozen=True)
+class NewPrompts:
+    """What the next round would train on (`RunState.new_prompts`)."""
+
+    train: list[TrainPrompt]
+    heldout: list[TrainPrompt]
+    taken: int  # prompts taken from the source since the watermark
+    not_trainable: int  # of them, in the dev/test split or asking for a held-out type
+    watermark_before: str | None
+    watermark_after: str | None
+    schedule: list[str]
+    refresh: str | None
+    sets: int  # the sets its policy batches hold: prompts_per_step x its policy steps
+    needed: int  # distinct training prompts the round needs
+
+    @property
+    def distinct(self) -> int:
+        return len({p.key for p in self.train})
+
+    @property
+    def enough(self) -> bool:
+        return self.distinct >= self.needed
+
+
+def plan_line(plan: dict[str, Any]) -> str:
+    """A round's plan as one line: what it builds on, the new prompts it trains on (and needed), what it starts
+    from besides the parent's weights."""
+    held, steps = len(plan["heldout"]), plan["schedule"]
+    # plans written before these keys: the base, a fresh AdamW, no count needed
+    distinct = plan.get("new_prompts", len({p["key"] for p in plan["prompts"]}))
+    needed = f" (at least {plan['new_prompts_needed']})" if plan.get("new_prompts_needed") else ""
+    carried = plan.get("optimizer_from")
+    return (
+        f"round {plan['round']}: {plan['version']} on {plan['parent']}; {distinct} distinct new prompts to train on"
+        f"{needed}, {held} held out, {plan.get('not_trainable', 0)} not trainable; {steps.count('policy')} policy and "
+        f"{steps.count('generator')} generator steps; KL reference {plan.get('kl_reference', 'base')}; AdamW "
+        + (f"carried from {carried}" if carried else "fresh")
+    )
+
+
 # ==================================================================== rounds, retried when a worker dies
 class Progress(Protocol):
     """What a round reports as it goes (the CLI's rich bars implement it)."""
@@ -308,6 +423,9 @@ class Progress(Protocol):
     def start(self, phase: str, total: int) -> None: ...
 
     def advance(self, phase: str, n: int) -> None: ...
+
+    def note(self, text: str) -> None:
+        """A line about the round: its plan, each policy step's draws."""
 
 
 class Quiet:
@@ -318,6 +436,9 @@ class Quiet:
 
     def advance(self, phase: str, n: int) -> None:
         """Nothing to draw."""
+
+    def note(self, text: str) -> None:
+        """Nothing to say."""
 
 
 def check_frozen_judges(settings: Settings) -> None:
@@ -519,7 +640,6 @@ class _Round:
                 phase = schedule[step]
                 record: PolicyStep | GeneratorStep
                 if phase == "policy":
-                    self.progress.start("score sets", self.cfg.prompts_per_step)
                     record = self.policy_step(step)
                 else:
                     record = self.generator_step(step)
@@ -546,6 +666,7 @@ class _Round:
     def setup(self) -> None:
         """The round's plan (written now if new), its step history so far, its models and anchors."""
         self.plan = self.state.make_plan(self.id)
+        self.progress.note(plan_line(self.plan))
         self.prompts = prompts_of(self.plan["prompts"])
         self.heldout = prompts_of(self.plan["heldout"])
         self.parent = self.state.registry.get(self.plan["parent"])
@@ -553,14 +674,18 @@ class _Round:
         self.single = self.cfg.coevolve.single_model
         latest = self.latest_step()
         self.history: list[PolicyStep | GeneratorStep] = read_steps(latest / HISTORY) if latest else []
+        # plans written before these keys: the base, a fresh optimiser (what those rounds ran with)
+        reference = self.state.registry.get(self.plan.get("kl_reference") or self.state.base_of(self.parent).version)
+        optimizer = self.plan.get("optimizer_from")
         self.models = RoundModels(
             self.settings,
             self.executor,
             self.parent,
-            self.state.base_of(self.parent),
+            reference,
             self.state.generator_dir(),
             latest,
             self.evaluator_metrics,
+            Path(optimizer) if optimizer else None,
         )
         # the collapse window spans rounds: continue from this round's last step, else the last round
         window = latest / COLLAPSE if latest and (latest / COLLAPSE).is_file() else self.state.run_dir / COLLAPSE
@@ -601,35 +726,71 @@ class _Round:
         start = step * n
         return [self.prompts[(start + i) % len(self.prompts)] for i in range(n)]
 
-    def policy_step(self, step: int) -> PolicyStep:
-        """One GRPO batch of the policy: K candidates per prompt, each set scored under one rubric (judging
-        chunk j drawn with seed `("judging", step, j)`), the update. Returns the step's record; the sampled
-        responses go to the rollouts log (the temporal-contrast anchors of later rounds)."""
-        from dynrubric.train.grpo import CandidateSet
+    def policy_cursor(self, step: int) -> int:
+        """Where policy step `step` starts drawing in the round's prompts: `step x prompts_per_step` (as without
+        dynamic sampling), moved on by the sets earlier policy steps drew beyond their batch, so no two draws of
+        a round repeat a prompt before all have been drawn. A pure function of the published history: a resumed
+        step draws what the interrupted one drew."""
+        n = self.cfg.prompts_per_step
+        extra = sum((h.sets_drawn or n) - n for h in self.history if isinstance(h, PolicyStep) and h.step < step)
+        return step * n + extra
 
-        started = time.time()
-        cfg = self.cfg
-        models = self.loaded()
-        prompts = self.batch(step, cfg.prompts_per_step)
-        tok = models.policy_engine.tokenizer
+    def draw_sets(self, step: int, draw: int, prompts: Sequence[TrainPrompt]) -> DrawnSets:
+        """Draw `draw` of policy step `step`: K candidates per prompt (seed `("candidates", step, draw)`), each set
+        scored under one rubric (judging chunk j with seed `("judging", step, JUDGING_SEEDS_PER_DRAW x draw + j)`;
+        draw 0's seeds are those of a step without dynamic sampling)."""
+        cfg, models = self.cfg, self.loaded()
+        self.progress.start("score sets", len(prompts))
         t0 = time.perf_counter()
         texts, outs = sample_sets(
-            self.settings, models.policy_engine, prompts, cfg.candidates, self.seed("candidates", step)
+            self.settings, models.policy_engine, prompts, cfg.candidates, self.seed("candidates", step, draw)
         )
-        responses = [[c.text for c in cs] for cs in outs]
         t1 = time.perf_counter()
+        responses = [[c.text for c in cs] for cs in outs]
         n = len(prompts)
         size = -(-n // min(cfg.judge_chunks, n))
         chunks = [
             ScoreChunk(
-                [p.question for p in prompts[i : i + size]], responses[i : i + size], self.seed("judging", step, j)
+                [p.question for p in prompts[i : i + size]],
+                responses[i : i + size],
+                self.seed("judging", step, JUDGING_SEEDS_PER_DRAW * draw + j),
             )
             for j, i in enumerate(range(0, n, size))
         ]
         scored, counts, judging = models.score(chunks, self.progress)
+        return DrawnSets(list(prompts), texts, outs, scored, counts, {"candidates": t1 - t0, **judging})
+
+    def policy_step(self, step: int) -> PolicyStep:
+        """One GRPO batch of the policy: candidate sets drawn (`draw_sets`), the update. With dynamic sampling
+        (`train.dynamic_sampling.oversample` > 1) the step draws until `prompts_per_step` sets have a real spread
+        (trusted, spread >= `min_set_spread`) or its budget of sets is spent, and trains on those sets alone;
+        without, it trains on its one draw, whose tied sets give no gradient. Returns the step's record (the set
+        fields cover every set drawn, the GRPO fields the batch); every sampled response goes to the rollouts log
+        (the temporal-contrast anchors of later rounds)."""
+        from dynrubric.train.grpo import CandidateSet, has_signal, min_set_spread
+
+        started = time.time()
+        cfg = self.cfg
+        models = self.loaded()
+        target, budget = cfg.prompts_per_step, sets_budget(cfg)
+        min_spread = min_set_spread(self.settings.rubric.eps, cfg.grpo)
+        cursor, size, draws = self.policy_cursor(step), target, 0
+        drawn: list[DrawnSets] = []
+        while size > 0:
+            prompts = [self.prompts[(cursor + i) % len(self.prompts)] for i in range(size)]
+            drawn.append(self.draw_sets(step, draws, prompts))
+            cursor, draws = cursor + size, draws + 1
+            kept = sum(s.trusted and has_signal(s.scores, min_spread) for d in drawn for s in d.scored)
+            size = next_draw_size(target, kept, sum(len(d.scored) for d in drawn), budget) if budget > target else 0
         t2 = time.perf_counter()
+        tok = models.policy_engine.tokenizer
+        sets = [(text, cs, sc) for d in drawn for text, cs, sc in zip(d.texts, d.outs, d.scored, strict=True)]
+        scored = [sc for _, _, sc in sets]
+        signal = [sc.trusted and has_signal(sc.scores, min_spread) for sc in scored]
+        # with dynamic sampling the batch is the first `target` sets with a spread; without, the one draw whole
+        batch = [x for x, ok in zip(sets, signal, strict=True) if ok][:target] if budget > target else sets
         groups = []
-        for text, cs, sc in zip(texts, outs, scored, strict=True):
+        for text, cs, sc in batch:
             prompt_ids = tuple(tok.encode(text, add_special_tokens=False))
             # an untrusted set (a calibration answer outranks a candidate) teaches nothing: zero advantage
             untrusted = None if sc.trusted else tuple(0.0 for _ in cs)
@@ -642,16 +803,29 @@ class _Round:
                 )
             )
         stats = models.trainers.step("policy", groups)
+        n = len(scored)
+        # the mean score of every set drawn: what the policy earns on the round's prompts, not on the sets kept
+        stats["reward_mean"] = sum(sum(sc.scores) / len(sc.scores) for sc in scored) / n
+        kept = min(sum(signal), target) if budget > target else sum(signal)
         self.collapse_fired = self.collapse_fired or models.collapse.collapsed
         self.state.rollouts.append(
-            [(p.key, self.parent.version, rs) for p, rs in zip(prompts, responses, strict=True)],
+            [
+                (p.key, self.parent.version, [c.text for c in cs])
+                for d in drawn
+                for p, cs in zip(d.prompts, d.outs, strict=True)
+            ],
             origin=f"round/{self.id}/step/{step}",
+        )
+        seconds = {k: sum(d.seconds.get(k, 0.0) for d in drawn) for k in ("candidates", "rubrics", "verdicts")}
+        self.progress.note(
+            f"step {step}: {kept} of {n} sets drawn kept ({kept / n:.0%}; a real spread, trusted) in {draws} "
+            f"draw(s); batch {len(groups)} sets" + (f" of {target} (budget {budget} sets)" if budget > target else "")
         )
         return PolicyStep(
             step=step,
             time=started,
-            # candidates, their rubrics and verdicts, the update; rubrics + verdicts is the judging's wall time
-            stage_seconds={"candidates": t1 - t0, **judging, "update": time.perf_counter() - t2},
+            # candidates, their rubrics and verdicts (every draw), the update; rubrics + verdicts is the judging's
+            stage_seconds={**seconds, "update": time.perf_counter() - t2},
             **stats,
             mean_gap=sum(s.gaps.mean_abs_gap for s in scored) / n,
             tie_rate=sum(s.gaps.tie_rate for s in scored) / n,
@@ -671,12 +845,16 @@ class _Round:
                 src: sum(s.rubric_source == src for s in scored) for src in RUBRIC_SOURCES
             },
             fallbacks=Fallbacks(
-                parse_failures=counts.parse_failures,
-                prompt_only=counts.prompt_only_fallbacks,
-                generic=counts.generic_fallbacks,
+                parse_failures=sum(d.counts.parse_failures for d in drawn),
+                prompt_only=sum(d.counts.prompt_only_fallbacks for d in drawn),
+                generic=sum(d.counts.generic_fallbacks for d in drawn),
                 hard_verdict=sum(s.hard_verdict_fallbacks for s in scored),
             ),
             collapse=models.collapse.collapsed,
+            draws=draws,
+            sets_drawn=n,
+            sets_kept=kept,
+            kept_share=kept / n,
         )
 
     def generator_step(self, step: int) -> GeneratorStep:
@@ -769,7 +947,10 @@ class _Round:
         if isinstance(record, PolicyStep):
             self.metrics.reward_mean.set(record.reward_mean)
             self.metrics.kl.set(record.kl)
-            self.metrics.no_gradient_sets.inc(record.no_gradient_sets)
+            # sets dynamic sampling left out of the batch gave no gradient either
+            self.metrics.no_gradient_sets.inc(
+                record.no_gradient_sets + (record.sets_drawn or record.sets) - record.sets
+            )
             if record.sampler_log_ratio is not None:  # the sampling engine returned log-probs
                 self.metrics.sampler_log_ratio.set(record.sampler_log_ratio)
                 self.metrics.sampler_capped.set(record.sampler_capped or 0.0)
@@ -784,10 +965,11 @@ class _Round:
 
         policy = [h for h in self.history if isinstance(h, PolicyStep)]
         if not any(h.updated for h in policy):
-            tied = sum(h.no_gradient_sets for h in policy)
+            drawn = sum(h.sets_drawn or h.sets for h in policy)
+            tied = drawn - sum(h.sets - h.no_gradient_sets for h in policy)  # those dynamic sampling left out too
             return (
-                f"no policy update in {len(policy)} policy step(s) ({tied} of "
-                f"{sum(h.sets for h in policy)} sets tied or untrusted): nothing to roll out"
+                f"no policy update in {len(policy)} policy step(s) ({tied} of {drawn} sets tied or untrusted): "
+                "nothing to roll out"
             )
         final = self.latest_step()
         if final is not None and weights_sha256(final / "policy" / "model") == self.parent.weights_sha256:
@@ -900,6 +1082,7 @@ class _Round:
                 ),
             ),
             prompts=len(self.prompts),
+            prompts_needed=self.plan.get("new_prompts_needed"),
             watermark_before=self.plan["watermark_before"],
             watermark_after=self.plan["watermark_after"],
             seconds=time.time() - started,
@@ -909,6 +1092,9 @@ class _Round:
     def publish(self, summary: RoundSummary) -> RoundSummary:
         """The round's summary, written last: from here on the round is complete and never runs again."""
         write_json(self.state.run_dir / COLLAPSE, self.loaded().collapse.state())
+        final = self.latest_step()
+        if summary.state == CheckpointState.candidate.value and final is not None:
+            self.state.keep_optimizer(self.id, final, self.parent)  # before the steps go: the next round may carry it
         write_record(self.dir / SUMMARY, summary)
         self.state.runlog.append([round_line(summary)])
         shutil.rmtree(self.steps_dir, ignore_errors=True)  # the weights now live in the registry (or nowhere)
@@ -940,18 +1126,20 @@ class _Round:
 # ==================================================================== the round's models and judges
 class RoundModels:
     """The trainers, engines and judges of one round, built by `executor` from step dir `latest`
-    (None: the parent). `collapse` is the round's collapse detector: the judges' sets update it in
-    order, whichever judge scored them."""
+    (None: the parent, and the AdamW state `optimizer` or a fresh one). `reference`: the KL penalty's reference.
+    `collapse` is the round's collapse detector: the judges' sets update it in order, whichever judge scored
+    them."""
 
     def __init__(
         self,
         settings: Settings,
         executor: Any,
         parent: Checkpoint,
-        base: Checkpoint,
+        reference: Checkpoint,
         generator_base: Path,
         latest: Path | None,
         metrics: EvaluatorMetrics | None,
+        optimizer: Path | None = None,
     ):
         self.settings = settings
         self.single = settings.train.coevolve.single_model
@@ -959,7 +1147,9 @@ class RoundModels:
         self.metrics = metrics
         r = settings.rubric
         self.collapse = CollapseDetector(r.collapse_window, r.collapse_min_mean_gap, r.collapse_max_nonsplit_share)
-        self.trainers = executor.trainers(TrainerSpec(settings, parent.path, base.path, generator_base, latest))
+        self.trainers = executor.trainers(
+            TrainerSpec(settings, parent.path, reference.path, generator_base, latest, optimizer)
+        )
         policy_dir = latest / "policy" / "model" if latest else parent.path
         self.policy_engine = executor.engine("policy", policy_dir)
         self.generator_engine = self.policy_engine
@@ -1030,6 +1220,43 @@ def judge_stages(wall: float, busy: float, verifying: float) -> dict[str, float]
     in their proportion."""
     share = min(verifying / busy, 1.0) if busy > 0 else 0.0
     return {"rubrics": wall * (1.0 - share), "verdicts": wall * share}
+
+
+# ==================================================================== a policy step's draws
+JUDGING_SEEDS_PER_DRAW = 1000  # judging chunk j of draw d has seed index 1000 d + j (train.judge_chunks < 1000)
+
+
+@dataclass(frozen=True)
+class DrawnSets:
+    """One draw of a policy step: its prompts, their rendered texts, K completions each, the scored sets, the
+    rubric ladder's counts and the seconds of its stages (candidates, rubrics, verdicts)."""
+
+    prompts: list[TrainPrompt]
+    texts: list[str]
+    outs: list[list[Completion]]
+    scored: list[ScoredSet]
+    counts: GenerationCounts
+    seconds: dict[str, float]
+
+
+def sets_budget(cfg: TrainConfig) -> int:
+    """The candidate sets one policy step may draw: `ceil(dynamic_sampling.oversample x prompts_per_step)`
+    (`prompts_per_step` when dynamic sampling is off)."""
+    return math.ceil(cfg.dynamic_sampling.oversample * cfg.prompts_per_step - 1e-9)  # 1.0 x 8 is 8, not 9
+
+
+def next_draw_size(target: int, kept: int, drawn: int, budget: int) -> int:
+    """How many sets a policy step under dynamic sampling draws next: none once `target` sets with a spread are
+    kept or `budget` sets are drawn; else the sets still missing over the share kept so far,
+    `ceil((target - kept) x drawn / kept)`, at most the budget left; with none kept yet (the share is unknown),
+    `target` sets. Drawing what is expected to fill the batch, in one batch, costs fewer sets than another full
+    draw and fewer engine round trips than one set at a time."""
+    missing, left = target - kept, budget - drawn
+    if missing <= 0 or left <= 0:
+        return 0
+    if kept == 0:
+        return min(target, left)
+    return min(left, math.ceil(missing * drawn / kept))
 
 
 # ==================================================================== the candidate's evaluation

@@ -315,3 +315,45 @@ def test_every_seed_of_a_run_is_its_own():
     assert min(b - a for a, b in zip(blocks, blocks[1:], strict=False)) >= 10  # no two blocks of 10 overlap
     assert round_seed(7, 1, "judging", 3, 2) == round_seed(7, 1, "judging", 3, 2)  # a pure function of the name
     assert len({round_seed(root, 1, "judging", 3, 2) for root in range(100)}) == 100  # train.seed reseeds all
+
+
+@pytest.mark.slow
+def test_two_rounds_carry_adamw_hold_to_the_parent_and_fill_their_batches_with_sets_that_spread(
+    tmp_path: Path, tiny_model_dir: Path
+):
+    """Issue 38's options together, as rounds run them: dynamic sampling records what each step drew and kept, an
+    accepted round keeps its AdamW state, and the next round goes on from it (the step counter continues) and takes
+    its parent as the KL reference; the fresh-prompt rule holds for both plans."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 40)
+    r = runner(
+        tmp_path / "state",
+        tiny_model_dir,
+        prompts,
+        candidates=4,
+        prompts_per_step=4,
+        steps_per_round=2,
+        max_prompts_per_round=20,
+        heldout_prompts=2,
+        min_new_prompts_per_set=0.5,
+        max_kl=10.0,
+        max_kl_to_base=10.0,
+        max_reward_drop=1.0,
+        dynamic_sampling={"oversample": 2.0},
+        grpo={"optimizer_across_rounds": "carry", "kl_reference": "parent", "warmup_updates": 2},
+    )
+    first = r.run()
+    assert first.guard.accepted, first.guard
+    steps = [s for s in first.steps if s.phase == "policy"]
+    assert all(s.sets_drawn >= 4 and s.sets_kept <= 4 and s.draws >= 1 for s in steps)
+    # the batch is the sets kept: no tied set reaches the trainer
+    assert all(s.sets == s.sets_kept and s.kept_share == s.sets_kept / s.sets_drawn for s in steps)
+    assert (r.round_dir(1) / "policy_optimizer.pt").is_file() and not (r.round_dir(1) / "steps").exists()
+    second = r.run()
+    plan = json.loads((r.round_dir(2) / "plan.json").read_text())
+    assert plan["parent"] == "r1" and plan["kl_reference"] == "r1"
+    assert plan["optimizer_from"] == str(r.round_dir(1) / "policy_optimizer.pt")
+    assert plan["new_prompts"] >= plan["new_prompts_needed"] == 4
+    before = steps[-1].updates
+    after = [s.updates for s in second.steps if s.phase == "policy"]
+    assert after[0] == before + (1 if second.steps[0].updated else 0) and before >= 1
+    assert second.prompts_needed == 4

@@ -17,9 +17,11 @@ from dynrubric.train.grpo import (
     clipped_surrogate,
     collate,
     group_advantages,
+    has_signal,
     k3,
     load_policy,
     load_reference,
+    min_set_spread,
     response_logprobs,
     token_logprobs,
     truncated_importance_weights,
@@ -187,6 +189,62 @@ def test_the_second_update_clips_against_the_sampling_policy_like_openrlhf(tiny_
     _, clipped = clipped_surrogate(lp.detach(), old, adv, 0.2, 0.28)
     assert s_two.clip_ratio == pytest.approx(float((clipped * mask).sum() / mask.sum()), abs=1e-6)
     assert s_two.clip_ratio > 0  # the clip really acted on the path the trainer runs
+
+
+def test_centred_advantages_keep_the_sets_spread_and_the_trainer_takes_them_from_the_config(
+    tiny_model_dir: Path,
+) -> None:
+    """`grpo.advantages: centred` (Dr GRPO): A = E - mean, no division by the set's std. A set whose scores spread
+    by 0.03 gets advantages of +-0.015, where std normalisation makes +-0.87 of it. The trainer uses the kind its
+    config names: on update 1 the ratio is 1, so the surrogate is -sum_i A_i |y_i| / sum_i |y_i|."""
+    small = (0.50, 0.50, 0.53, 0.53)
+    assert group_advantages(small, 1e-6, TIE, "centred") == pytest.approx([-0.015, -0.015, 0.015, 0.015])
+    assert group_advantages(small, 1e-6, TIE) == pytest.approx([-0.866, -0.866, 0.866, 0.866], abs=1e-3)
+    [g] = groups(9, n_sets=1)
+    lengths = [len(r.response_ids) for r in g.rollouts]
+    for kind in ("normalised", "centred"):
+        stats = make_trainer(tiny_model_dir, kl_beta=0.0, advantages=kind).accumulate([CandidateSet(g.rollouts, small)])
+        adv = group_advantages(small, 1e-6, TIE, kind)
+        expected = -sum(a * n for a, n in zip(adv, lengths, strict=True)) / sum(lengths)
+        assert stats.pg_loss == pytest.approx(expected, rel=1e-4, abs=1e-7), kind
+
+
+def test_a_set_below_the_minimum_spread_is_tied_and_gives_no_gradient(tiny_model_dir: Path) -> None:
+    """`grpo.min_spread`: a set whose scores spread by 0.05 (above the rubric's tie threshold 0.02: the judge's part of
+    a set tied on ground truth) trains by default and is a counted tie at min_spread 0.1, as the round's dynamic
+    sampling decides it (`has_signal` at `min_set_spread`)."""
+    g1, g2 = groups(10, n_sets=2)
+    narrow = CandidateSet(g1.rollouts, (0.50, 0.52, 0.55, 0.50))
+    wide = CandidateSet(g2.rollouts, (0.0, 1.0, 0.5, 0.25))
+    default = make_trainer(tiny_model_dir).accumulate([narrow, wide])
+    assert default.no_gradient_sets == 0 and default.samples == 8
+    strict = make_trainer(tiny_model_dir, min_spread=0.1)
+    stats = strict.accumulate([narrow, wide])
+    assert stats.no_gradient_sets == 1 and stats.samples == 4
+    threshold = min_set_spread(TIE, strict.config)
+    assert threshold == 0.1 and not has_signal(narrow.scores, threshold) and has_signal(wide.scores, threshold)
+    assert min_set_spread(TIE, GRPOConfig(min_spread=0.01)) == TIE  # never below the rubric's tie threshold
+
+
+def test_the_learning_rate_warms_up_over_adamws_first_updates_and_a_loaded_state_goes_on(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`grpo.warmup_updates` N: update t (AdamW's step counter) runs at lr (t + 1) / N until N. The counter is saved
+    with the state, so a state loaded into the next round's trainer (`optimizer_across_rounds: carry`) goes on at the
+    full rate, and keeps its moments under the new trainer's hyperparameters."""
+    trainer = make_trainer(tiny_model_dir, warmup_updates=4)
+    lrs = [trainer.step(groups(11 + i)).lr for i in range(5)]
+    assert lrs == pytest.approx([1e-3 / 4, 1e-3 / 2, 3e-3 / 4, 1e-3, 1e-3])
+    trainer.save(tmp_path)
+    carried = make_trainer(tiny_model_dir, warmup_updates=4, adam_beta2=0.9)
+    carried.load_optimizer(tmp_path / "optimizer.pt")
+    assert carried.updates == 5 and carried.optimizer.param_groups[0]["betas"] == (0.9, 0.9)
+    first = next(iter(trainer.optimizer.state.values()))["exp_avg"]
+    assert torch.equal(next(iter(carried.optimizer.state.values()))["exp_avg"], first)
+    assert carried.step(groups(20)).lr == pytest.approx(1e-3) and carried.updates == 6
+    fresh = make_trainer(tiny_model_dir, warmup_updates=4)
+    assert fresh.step(groups(20)).lr == pytest.approx(1e-3 / 4)  # a fresh AdamW warms up again
+    assert make_trainer(tiny_model_dir).step(groups(20)).lr == pytest.approx(1e-3)  # warmup_updates 0: none
 
 
 def test_gradient_accumulation_equals_the_full_batch(tiny_model_dir: Path) -> None:
