@@ -248,7 +248,8 @@ def check_is_stated(text: str, check: Check) -> bool:
     kind, value = check.kind, check.value
     if kind == "regex":
         return False
-    if kind in ("contains", "not_contains", "starts_with", "ends_with") and " ".join(str(value).lower().split()) not in said:
+    phrase = " ".join(str(value).lower().split())
+    if kind in ("contains", "not_contains", "starts_with", "ends_with") and phrase not in said:
         return False
     if kind in ("max_words", "min_words", "bullet_count", "final_number"):
         numbers = {float(n.replace(",", "")) for n in re.findall(r"\d[\d,]*(?:\.\d+)?", said)}
