@@ -841,9 +841,7 @@ class _Round:
                 )
                 for s in scored
             ],
-            rubric_sources={
-                src: sum(s.rubric_source == src for s in scored) for src in RUBRIC_SOURCES
-            },
+            rubric_sources={src: sum(s.rubric_source == src for s in scored) for src in RUBRIC_SOURCES},
             fallbacks=Fallbacks(
                 parse_failures=sum(d.counts.parse_failures for d in drawn),
                 prompt_only=sum(d.counts.prompt_only_fallbacks for d in drawn),
