@@ -18,8 +18,9 @@ once by `open_rollout_store`, which then renames that file `rollouts.sqlite.migr
 The controller talks to the router's control endpoints (bearer token), reads online metrics from
 the query-log and feedback topics (`OnlineMetrics`, tracking this rollout's experiment id), and the
 router's counters for the experiment. With a `PairJudge`, each gate evaluation first has the judge
-score up to `rollout.judge_pairs_per_poll` new shadow pairs; the judged win rate and its bounds are
-in the gate's checks and in `dynrubric_rollout_judge_*`.
+score up to `rollout.judge_pairs_per_poll` of the shadow pairs read so far, then reads the log and the
+counters, so its verdict is on the traffic up to now however long the judge took; the judged win rate
+and its bounds are in the gate's checks and in `dynrubric_rollout_judge_*`.
 
 At the start of each rollout the controller logs what its gate can detect (`serving.power`): the
 smallest harm per metric it catches with 80 % power within a step, and when an equal canary would be
@@ -463,13 +464,15 @@ class Controller:
         """Evaluate the gate on everything logged so far (thread-safe: the HTTP endpoint calls it too)."""
         with self._online_lock:  # one Kafka consumer, two callers
             self.online.track(r.id, r.step, r.step_started_at)
-            self.online.poll()
             if self.judge is not None:
                 pairs = self.online.take_pairs(self.cfg.judge_pairs_per_poll)
                 started = time.monotonic()
                 self.online.add_judged(self.judge.score(pairs))
                 if pairs:
                     self._judge_s_per_pair = (time.monotonic() - started) / len(pairs)
+            # the log read after the judge: the verdict is on the traffic up to now, not up to before the judge's
+            # seconds (minutes for open pairs on a slow judge: a step timed out on "0 requests this step" so)
+            self.online.poll()
             # the router's counters read after the log: the router settles a request before it logs the answer,
             # so every request the log shows is in them. Read before the poll (and the judge's seconds), they
             # missed a failing canary's errors while the log already held its fallback answers: step 0 passed
