@@ -148,7 +148,10 @@ def serve_router(ctx: typer.Context) -> None:
 
 
 # ---------------------------------------------------------------- rollout
-def build_controller(settings, log=console.print):
+def build_controller(settings, log=console.print, judge=None):
+    """The rollout controller and its metrics registry. `judge`: the judged check's `serving.judged.PairJudge`
+    (`dynrubric up` passes one on the rounds' vLLM server); None: with `rollout.judge`, one on the engines that
+    `settings.engine` and `settings.models` configure."""
     from prometheus_client import CollectorRegistry
 
     from dynrubric.registry import open_registry
@@ -172,8 +175,9 @@ def build_controller(settings, log=console.print):
         feedback_window_s=r.feedback_window_s,
         max_message_bytes=settings.kafka.max_message_bytes,
     )
-    judge = None
-    if r.judge:
+    if not r.judge:
+        judge = None
+    elif judge is None:
         from dynrubric.engines import build_engine
         from dynrubric.rubric.evaluator import Evaluator
         from serving.judged import PairJudge
