@@ -19,8 +19,9 @@ The controller talks to the router's control endpoints (bearer token), reads onl
 the query-log and feedback topics (`OnlineMetrics`, tracking this rollout's experiment id), and the
 router's counters for the experiment. With a `PairJudge`, each gate evaluation first has the judge
 score up to `rollout.judge_pairs_per_poll` of the shadow pairs read so far, then reads the log and the
-counters, so its verdict is on the traffic up to now however long the judge took; the judged win rate
-and its bounds are in the gate's checks and in `dynrubric_rollout_judge_*`.
+counters, so its verdict is on the traffic up to now however long the judge took (a judge that fails
+leaves its pairs for the next evaluation); the judged win rate and its bounds are in the gate's checks
+and in `dynrubric_rollout_judge_*`.
 
 At the start of each rollout the controller logs what its gate can detect (`serving.power`): the
 smallest harm per metric it catches with 80 % power within a step, and when an equal canary would be
@@ -354,6 +355,7 @@ class Controller:
         self.m_step.set(-1)
         self._online_lock = threading.Lock()
         self._judge_s_per_pair: float | None = None  # measured: the judge's time per shadow pair
+        self._judge_failing: str | None = None  # the judge's last failure, until it answers again
 
     # ------------------------------------------------------------ start
     def start(self, version: str) -> Rollout:
@@ -465,11 +467,7 @@ class Controller:
         with self._online_lock:  # one Kafka consumer, two callers
             self.online.track(r.id, r.step, r.step_started_at)
             if self.judge is not None:
-                pairs = self.online.take_pairs(self.cfg.judge_pairs_per_poll)
-                started = time.monotonic()
-                self.online.add_judged(self.judge.score(pairs))
-                if pairs:
-                    self._judge_s_per_pair = (time.monotonic() - started) / len(pairs)
+                self._judge_pairs()
             # the log read after the judge: the verdict is on the traffic up to now, not up to before the judge's
             # seconds (minutes for open pairs on a slow judge: a step timed out on "0 requests this step" so)
             self.online.poll()
@@ -503,6 +501,29 @@ class Controller:
             judge=judged,
             experiment_id=r.id,
         )
+
+    def _judge_pairs(self) -> None:
+        """Judge up to `judge_pairs_per_poll` of the shadow pairs read so far, timing the judge. A judge that fails
+        (its engine's server down or restarting: `up`'s judge borrows the rounds' supervised vLLM server) leaves
+        the pairs for the next poll and the gate going on what it has; the failure is logged once, and the
+        recovery."""
+        pairs = self.online.take_pairs(self.cfg.judge_pairs_per_poll)
+        if not pairs:
+            return
+        started = time.monotonic()
+        try:
+            scores = self.judge.score(pairs)
+        except DynrubricError as e:
+            self.online.put_back(pairs)
+            if self._judge_failing is None:
+                self.log(f"the judge failed ({e.problem}); its {len(pairs)} pairs wait for the next poll")
+            self._judge_failing = e.problem
+            return
+        if self._judge_failing is not None:
+            self.log(f"the judge answers again (it failed: {self._judge_failing})")
+            self._judge_failing = None
+        self.online.add_judged(scores)
+        self._judge_s_per_pair = (time.monotonic() - started) / len(pairs)
 
     def _stepping(self, r: Rollout) -> Rollout:
         router_state = self.router.state()
