@@ -361,15 +361,16 @@ def gate_plan(
     g, r = settings.gate, settings.rollout
     plans = []
     for rate, n in zip(rps, users * len(rps) if len(users) == 1 else users, strict=True):
-        pairs = judged_pairs_per_s(rate, settings.serving.shadow_rate, r, None) if r.judge else 0.0
+        pairs = judged_pairs_per_s(rate, settings.serving.shadow_rate, r, r.judge_s_per_pair) if r.judge else 0.0
         plans.append(
             plan(
                 Traffic(rps=rate, users=n, pairs_per_s=pairs, source="planned"), Population.assumed(g.simulation), g, r
             )
         )
+    judge = f"; judge {r.judge_s_per_pair:g} s a shadow pair (rollout.judge_s_per_pair)" if r.judge else ""
     table = Table(
         title=f"gate plan: smallest harm caught with 80% power within one step of {r.max_step_s:.0f} s; "
-        f"promote on {' + '.join(g.promote_on)}; {plans[0].population}"
+        f"promote on {' + '.join(g.promote_on)}{judge}; {plans[0].population}"
     )
     for col in (
         "req/s",

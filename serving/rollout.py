@@ -354,7 +354,8 @@ class Controller:
         self.m_judge_pairs = Gauge("dynrubric_rollout_judge_pairs", "shadow pairs the judge scored", registry=m)
         self.m_step.set(-1)
         self._online_lock = threading.Lock()
-        self._judge_s_per_pair: float | None = None  # measured: the judge's time per shadow pair
+        self._judge_seconds = 0.0  # measured: the judge's time over the pairs it judged (judge_s_per_pair)
+        self._judged_pairs = 0
         self._judge_failing: str | None = None  # the judge's last failure, until it answers again
 
     # ------------------------------------------------------------ start
@@ -387,18 +388,23 @@ class Controller:
 
     def power(self, router_state: dict[str, Any]) -> GatePlan:
         """What this gate can detect at the traffic the router measured (`serving.power`), the feedback rates
-        assumed (`gate.simulation`): the judge's throughput is the one measured in earlier rollouts, if any."""
+        assumed (`gate.simulation`): the judge's time per pair is the one measured over the pairs this controller
+        judged so far, before any the one `rollout.judge_s_per_pair` assumes."""
         meter = router_state.get("traffic") or {}
         rps = float(meter.get("rps", 0.0))
+        measured = self.judge_s_per_pair
+        s_per_pair = self.cfg.judge_s_per_pair if measured is None else measured
         pairs = (
             0.0
             if self.judge is None
-            else judged_pairs_per_s(rps, float(router_state.get("shadow_rate", 0.0)), self.cfg, self._judge_s_per_pair)
+            else judged_pairs_per_s(rps, float(router_state.get("shadow_rate", 0.0)), self.cfg, s_per_pair)
         )
         judge_speed = (
             ""
-            if self.judge is None or self._judge_s_per_pair is None
-            else f", judge {self._judge_s_per_pair:.1f} s a pair"
+            if self.judge is None
+            else f", judge {s_per_pair:.1f} s a pair ("
+            + ("assumed: rollout.judge_s_per_pair" if measured is None else f"measured over {self._judged_pairs}")
+            + ")"
         )
         traffic = Traffic(
             rps=rps,
@@ -523,7 +529,14 @@ class Controller:
             self.log(f"the judge answers again (it failed: {self._judge_failing})")
             self._judge_failing = None
         self.online.add_judged(scores)
-        self._judge_s_per_pair = (time.monotonic() - started) / len(pairs)
+        self._judge_seconds += time.monotonic() - started
+        self._judged_pairs += len(pairs)
+
+    @property
+    def judge_s_per_pair(self) -> float | None:
+        """The judge's measured seconds per shadow pair, over every pair it judged (ground-truth pairs cost ~0,
+        open ones a rubric and its verdicts: the mean is what the traffic's mix costs); None before any."""
+        return self._judge_seconds / self._judged_pairs if self._judged_pairs else None
 
     def _stepping(self, r: Rollout) -> Rollout:
         router_state = self.router.state()

@@ -1,13 +1,17 @@
-"""The rollout controller's judge (serving/rollout.py): what a failing judge leaves the gate."""
+"""The rollout controller's judge (serving/rollout.py): what a failing judge leaves the gate, and the judge's time
+per pair that the gate's power plan reads (serving/power.py), measured and assumed."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+import pytest
+
 from dynrubric.config import GateConfig, RolloutConfig
 from dynrubric.errors import DynrubricError
 from serving.online import OnlineMetrics, ShadowPair
+from serving.power import judged_pairs_per_s
 from serving.rollout import Controller, Rollout
 
 ROLLOUT = Rollout(
@@ -88,3 +92,22 @@ def test_a_failing_judge_leaves_its_pairs_for_the_next_poll_and_the_gate_going()
     c.gate(ROLLOUT)
     assert online.judge.pairs == 6 and not online.pairs
     assert [line.split(" (")[0] for line in lines] == ["the judge failed", "the judge answers again"]
+    assert c.judge_s_per_pair is not None  # the failed call is not timed
+
+
+def test_the_plan_reads_the_judges_time_over_every_pair_and_assumes_one_before():
+    """Before the controller judged anything the plan assumes `rollout.judge_s_per_pair`, not an instant judge;
+    then the judge's time over every pair so far, not the last poll's (a poll of ground-truth pairs costs ~0)."""
+    judge, online, lines = Judge(), QuietLog(pairs=8), []
+    c = controller(judge, online, lines, judge_s_per_pair=3.5, poll_interval_s=2.0)
+    before = c.power(Router().state())
+    assert before.traffic.pairs_per_s == pytest.approx(judged_pairs_per_s(1.0, 0.5, c.cfg, 3.5))
+    assert before.traffic.pairs_per_s < 0.5  # an instant judge would keep up with the shadows
+    assert "judge 3.5 s a pair (assumed: rollout.judge_s_per_pair)" in before.traffic.source
+    judge.seconds = [0.8, 0.0]  # four open pairs, then four decided by ground truth
+    c.gate(ROLLOUT)
+    c.gate(ROLLOUT)
+    assert c.judge_s_per_pair is not None and 0.1 <= c.judge_s_per_pair < 0.5
+    after = c.power(Router().state())
+    assert "measured over 8" in after.traffic.source
+    assert after.traffic.pairs_per_s == pytest.approx(judged_pairs_per_s(1.0, 0.5, c.cfg, c.judge_s_per_pair))
