@@ -897,6 +897,13 @@ class RolloutConfig(Section):
         "answers) where it has one; the rubric judge scores the rest (serving/judged.py)",
     )
     judge_pairs_per_poll: int = Field(default=8, ge=1, description="judge cost cap: pairs scored per gate evaluation")
+    judge_s_per_pair: float = Field(
+        default=0.0,
+        ge=0,
+        description="the judge's seconds per shadow pair that the gate's power plan assumes (`gate plan`, and a "
+        "rollout's until its controller has measured its own): a ground-truth pair costs ~0, an open one a rubric "
+        "and its verdicts, so the traffic's mix sets it; 0: an instant judge",
+    )
     restart: Literal["none", "kubernetes"] = Field(
         default="none",
         description="serving.weights_via restart: who restarts a variant's engines onto new weights. none: "

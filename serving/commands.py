@@ -148,7 +148,10 @@ def serve_router(ctx: typer.Context) -> None:
 
 
 # ---------------------------------------------------------------- rollout
-def build_controller(settings, log=console.print):
+def build_controller(settings, log=console.print, judge=None):
+    """The rollout controller and its metrics registry. `judge`: the judged check's `serving.judged.PairJudge`
+    (`dynrubric up` passes one on the rounds' vLLM server); None: with `rollout.judge`, one on the engines that
+    `settings.engine` and `settings.models` configure."""
     from prometheus_client import CollectorRegistry
 
     from dynrubric.registry import open_registry
@@ -172,8 +175,9 @@ def build_controller(settings, log=console.print):
         feedback_window_s=r.feedback_window_s,
         max_message_bytes=settings.kafka.max_message_bytes,
     )
-    judge = None
-    if r.judge:
+    if not r.judge:
+        judge = None
+    elif judge is None:
         from dynrubric.engines import build_engine
         from dynrubric.rubric.evaluator import Evaluator
         from serving.judged import PairJudge
@@ -357,15 +361,16 @@ def gate_plan(
     g, r = settings.gate, settings.rollout
     plans = []
     for rate, n in zip(rps, users * len(rps) if len(users) == 1 else users, strict=True):
-        pairs = judged_pairs_per_s(rate, settings.serving.shadow_rate, r, None) if r.judge else 0.0
+        pairs = judged_pairs_per_s(rate, settings.serving.shadow_rate, r, r.judge_s_per_pair) if r.judge else 0.0
         plans.append(
             plan(
                 Traffic(rps=rate, users=n, pairs_per_s=pairs, source="planned"), Population.assumed(g.simulation), g, r
             )
         )
+    judge = f"; judge {r.judge_s_per_pair:g} s a shadow pair (rollout.judge_s_per_pair)" if r.judge else ""
     table = Table(
         title=f"gate plan: smallest harm caught with 80% power within one step of {r.max_step_s:.0f} s; "
-        f"promote on {' + '.join(g.promote_on)}; {plans[0].population}"
+        f"promote on {' + '.join(g.promote_on)}{judge}; {plans[0].population}"
     )
     for col in (
         "req/s",

@@ -10,22 +10,39 @@ canary passes, 0 when only stable does, 1/2 when both or neither do; no model ru
 lower, 1/2 for a tie. The gate's sequential test runs on the mean (`serving.gate.JudgeStats`). The two
 responses are shown to the judge in a random order per pair, so a judge with a position bias adds noise,
 not bias.
+
+The evaluator's engines may run on a server that another process also reloads (in `up`, the rounds' own vLLM
+server, which the trainer reloads with the policy's and the generator's weights while a round runs and leaves
+idle while a rollout runs): such servers are `shared_servers`, forgotten before every batch the model judges,
+so the judge's engines reload their own weights first (engines/http.py: SharedServer).
 """
 
 from __future__ import annotations
 
 import random
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from dynrubric.rubric.groundtruth import derive
 from serving.online import ShadowPair
 
+if TYPE_CHECKING:
+    from dynrubric.engines.http import SharedServer
+
 
 class PairJudge:
-    def __init__(self, evaluator: Any, eps: float, seed: int = 0, ground_truth: bool = True):
+    def __init__(
+        self,
+        evaluator: Any,
+        eps: float,
+        seed: int = 0,
+        ground_truth: bool = True,
+        shared_servers: Sequence[SharedServer] = (),
+    ):
         self.evaluator = evaluator
         self.eps = eps
         self.ground_truth = ground_truth
+        self.shared_servers = list(shared_servers)
         self._rng = random.Random(seed)
 
     def score(self, pairs: list[ShadowPair]) -> list[float]:
@@ -33,6 +50,8 @@ class PairJudge:
         out: list[float | None] = [self._by_ground_truth(p) if self.ground_truth else None for p in pairs]
         rest = [i for i, verdict in enumerate(out) if verdict is None]
         if rest:
+            for server in self.shared_servers:  # another process may have reloaded it since the last batch
+                server.forget()
             canary_first = [self._rng.random() < 0.5 for _ in rest]
             sets = [
                 [pairs[i].canary, pairs[i].stable] if first else [pairs[i].stable, pairs[i].canary]

@@ -305,6 +305,10 @@ class OnlineMetrics:
         """Up to `n` complete shadow pairs for the judge (oldest first)."""
         return [self.pairs.popleft() for _ in range(min(n, len(self.pairs)))]
 
+    def put_back(self, pairs: list[ShadowPair]) -> None:
+        """Pairs taken but not judged (the judge failed): first in line again, in their order."""
+        self.pairs.extendleft(reversed(pairs))
+
     def add_judged(self, canary_scores: list[float]) -> None:
         self.judge = JudgeStats(self.judge.pairs + len(canary_scores), self.judge.canary_score + sum(canary_scores))
 

@@ -18,8 +18,10 @@ once by `open_rollout_store`, which then renames that file `rollouts.sqlite.migr
 The controller talks to the router's control endpoints (bearer token), reads online metrics from
 the query-log and feedback topics (`OnlineMetrics`, tracking this rollout's experiment id), and the
 router's counters for the experiment. With a `PairJudge`, each gate evaluation first has the judge
-score up to `rollout.judge_pairs_per_poll` new shadow pairs; the judged win rate and its bounds are
-in the gate's checks and in `dynrubric_rollout_judge_*`.
+score up to `rollout.judge_pairs_per_poll` of the shadow pairs read so far, then reads the log and the
+counters, so its verdict is on the traffic up to now however long the judge took (a judge that fails
+leaves its pairs for the next evaluation); the judged win rate and its bounds are in the gate's checks
+and in `dynrubric_rollout_judge_*`.
 
 At the start of each rollout the controller logs what its gate can detect (`serving.power`): the
 smallest harm per metric it catches with 80 % power within a step, and when an equal canary would be
@@ -352,7 +354,9 @@ class Controller:
         self.m_judge_pairs = Gauge("dynrubric_rollout_judge_pairs", "shadow pairs the judge scored", registry=m)
         self.m_step.set(-1)
         self._online_lock = threading.Lock()
-        self._judge_s_per_pair: float | None = None  # measured: the judge's time per shadow pair
+        self._judge_seconds = 0.0  # measured: the judge's time over the pairs it judged (judge_s_per_pair)
+        self._judged_pairs = 0
+        self._judge_failing: str | None = None  # the judge's last failure, until it answers again
 
     # ------------------------------------------------------------ start
     def start(self, version: str) -> Rollout:
@@ -384,18 +388,23 @@ class Controller:
 
     def power(self, router_state: dict[str, Any]) -> GatePlan:
         """What this gate can detect at the traffic the router measured (`serving.power`), the feedback rates
-        assumed (`gate.simulation`): the judge's throughput is the one measured in earlier rollouts, if any."""
+        assumed (`gate.simulation`): the judge's time per pair is the one measured over the pairs this controller
+        judged so far, before any the one `rollout.judge_s_per_pair` assumes."""
         meter = router_state.get("traffic") or {}
         rps = float(meter.get("rps", 0.0))
+        measured = self.judge_s_per_pair
+        s_per_pair = self.cfg.judge_s_per_pair if measured is None else measured
         pairs = (
             0.0
             if self.judge is None
-            else judged_pairs_per_s(rps, float(router_state.get("shadow_rate", 0.0)), self.cfg, self._judge_s_per_pair)
+            else judged_pairs_per_s(rps, float(router_state.get("shadow_rate", 0.0)), self.cfg, s_per_pair)
         )
         judge_speed = (
             ""
-            if self.judge is None or self._judge_s_per_pair is None
-            else f", judge {self._judge_s_per_pair:.1f} s a pair"
+            if self.judge is None
+            else f", judge {s_per_pair:.1f} s a pair ("
+            + ("assumed: rollout.judge_s_per_pair" if measured is None else f"measured over {self._judged_pairs}")
+            + ")"
         )
         traffic = Traffic(
             rps=rps,
@@ -463,13 +472,11 @@ class Controller:
         """Evaluate the gate on everything logged so far (thread-safe: the HTTP endpoint calls it too)."""
         with self._online_lock:  # one Kafka consumer, two callers
             self.online.track(r.id, r.step, r.step_started_at)
-            self.online.poll()
             if self.judge is not None:
-                pairs = self.online.take_pairs(self.cfg.judge_pairs_per_poll)
-                started = time.monotonic()
-                self.online.add_judged(self.judge.score(pairs))
-                if pairs:
-                    self._judge_s_per_pair = (time.monotonic() - started) / len(pairs)
+                self._judge_pairs()
+            # the log read after the judge: the verdict is on the traffic up to now, not up to before the judge's
+            # seconds (minutes for open pairs on a slow judge: a step timed out on "0 requests this step" so)
+            self.online.poll()
             # the router's counters read after the log: the router settles a request before it logs the answer,
             # so every request the log shows is in them. Read before the poll (and the judge's seconds), they
             # missed a failing canary's errors while the log already held its fallback answers: step 0 passed
@@ -500,6 +507,36 @@ class Controller:
             judge=judged,
             experiment_id=r.id,
         )
+
+    def _judge_pairs(self) -> None:
+        """Judge up to `judge_pairs_per_poll` of the shadow pairs read so far, timing the judge. A judge that fails
+        (its engine's server down or restarting: `up`'s judge borrows the rounds' supervised vLLM server) leaves
+        the pairs for the next poll and the gate going on what it has; the failure is logged once, and the
+        recovery."""
+        pairs = self.online.take_pairs(self.cfg.judge_pairs_per_poll)
+        if not pairs:
+            return
+        started = time.monotonic()
+        try:
+            scores = self.judge.score(pairs)
+        except DynrubricError as e:
+            self.online.put_back(pairs)
+            if self._judge_failing is None:
+                self.log(f"the judge failed ({e.problem}); its {len(pairs)} pairs wait for the next poll")
+            self._judge_failing = e.problem
+            return
+        if self._judge_failing is not None:
+            self.log(f"the judge answers again (it failed: {self._judge_failing})")
+            self._judge_failing = None
+        self.online.add_judged(scores)
+        self._judge_seconds += time.monotonic() - started
+        self._judged_pairs += len(pairs)
+
+    @property
+    def judge_s_per_pair(self) -> float | None:
+        """The judge's measured seconds per shadow pair, over every pair it judged (ground-truth pairs cost ~0,
+        open ones a rubric and its verdicts: the mean is what the traffic's mix costs); None before any."""
+        return self._judge_seconds / self._judged_pairs if self._judged_pairs else None
 
     def _stepping(self, r: Rollout) -> Rollout:
         router_state = self.router.state()

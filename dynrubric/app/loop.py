@@ -209,6 +209,8 @@ class ClosedLoop:
         )
         self.results: list[CycleResult] = []
         self.traffic: UserTraffic | None = None
+        self.runner: Any = None  # the RoundRunner that answers which round is next (run())
+        self.judge_writer: Any = None  # the rollout judge's rubric writer on the rounds' vLLM server (_judge_on)
 
     # ------------------------------------------------------------ start-up
     def _write_config(self, settings: Settings, name: str = "config.yaml") -> Path:
@@ -266,7 +268,7 @@ class ClosedLoop:
 
             # the rounds run in the trainer child; here the runner only answers which round is next and
             # registers the base version, so it needs no prompt source
-            runner = RoundRunner(s, registry, None, engine_factory(s))
+            runner = self.runner = RoundRunner(s, registry, None, engine_factory(s))
             stable = registry.stable() or runner.ensure_base()
             specs = specs_from_settings(s, stable.path, stable.version)
             fleet = Fleet(
@@ -287,7 +289,8 @@ class ClosedLoop:
             for spec in specs:
                 self.supervisor.record_pid(spec.name, fleet.process(spec.name).pid)
             # the rounds read their own copy of the settings: on a vLLM fleet it names their own vLLM server
-            trainer_config = self._start_trainer_engine(s) if all(spec.server == "vllm" for spec in specs) else config
+            trainer = self._start_trainer_engine(s) if all(spec.server == "vllm" for spec in specs) else None
+            trainer_config = config if trainer is None else self._write_config(trainer, "trainer.yaml")
 
             router_metrics = CollectorRegistry()  # the router's own /metrics, scraped as dynrubric-router
             producer = EventProducer(s.kafka, router_metrics)
@@ -296,7 +299,10 @@ class ClosedLoop:
             stack.enter_context(thread_server(self.router.app, s.serving.host, s.serving.port))
             self.log(f"router at http://{s.serving.host}:{s.serving.port}")
 
-            controller, controller_metrics = build_controller(s, log=self._controller_log)
+            # the rollout judge on the rounds' vLLM server, which is idle while a rollout runs; else on the engines
+            # the settings configure (in this process by default)
+            judge = None if trainer is None or not s.rollout.judge else self._judge_on(trainer, runner)
+            controller, controller_metrics = build_controller(s, log=self._controller_log, judge=judge)
             if s.rollout.port:
                 from serving.rollout import build_controller_app
 
@@ -355,12 +361,12 @@ class ClosedLoop:
                 raise
         return self.results
 
-    def _start_trainer_engine(self, settings: Settings) -> Path:
+    def _start_trainer_engine(self, settings: Settings) -> Settings:
         """The rounds' own vLLM server (a supervised child on every core): the policy samples its candidate sets and
         the held-out answers there, and the rubric generator writes its rubrics there, the two taking turns with
         their own weights (`engine.shared_servers`); the verifier, which only scores, stays in the trainer process.
-        The serving fleet is left to the users. Returns the rounds' config file (`up/trainer.yaml`), which says so;
-        `settings`, and the rollout judge built from them, keep their own engines."""
+        The serving fleet is left to the users. Returns the rounds' settings (written to `up/trainer.yaml`), which
+        say so; `settings` keep their own engines. The rollout judge borrows the server between rounds (`_judge_on`)."""
         from dynrubric import modelcache
         from dynrubric.engines.vllm_server import VllmServer
 
@@ -380,8 +386,37 @@ class ClosedLoop:
             "in_process": ["verifier"],
         }
         trainer = override(s, {"engine": engine | dict.fromkeys(("policy_url", "generator_url", "verifier_url"))})
-        self.log(f"trainer engine (vLLM, policy and rubric generator) at {server.base_url}")
-        return self._write_config(trainer, "trainer.yaml")
+        self.log(f"trainer engine (vLLM: policy and rubric generator, the rollout judge between) at {server.base_url}")
+        return trainer
+
+    def _judge_on(self, trainer: Settings, runner: Any) -> Any:
+        """The rollout judge (`serving.judged.PairJudge`) on the rounds' vLLM server: a cycle trains its round, then
+        rolls the candidate out, so the server is idle while the judge works. Both of the judge's roles run there,
+        taking turns with their own weights: the rubric writer is the run's co-evolved generator
+        (`RunState.generator_dir`, pointed at again before every rollout: `_roll_out`), the verifier the configured,
+        frozen one. The trainer, another process, reloads the server between rollouts (and the supervisor may
+        restart it onto its `--model`), so the judge forgets what the server holds before every batch it judges and
+        reloads its own weights: two reloads a poll with open pairs. Why the verifier is there too, and not in this
+        process as in the rounds: docs/benchmarks.md, the rollout judge's seconds per open pair."""
+        from dynrubric import modelcache
+        from dynrubric.app.train_commands import engine_factory
+        from dynrubric.engines.http import OpenAIHTTPEngine
+        from dynrubric.rubric.evaluator import Evaluator
+        from serving.judged import PairJudge
+
+        make = engine_factory(override(trainer, {"engine": {"in_process": []}}))
+        writer = make("generator", runner.generator_dir())
+        verifier = make("verifier", modelcache.resolve(trainer.paths.resolved_home(), trainer.models.verifier))
+        assert isinstance(writer, OpenAIHTTPEngine) and isinstance(verifier, OpenAIHTTPEngine), "both on the server"
+        assert writer.shared is not None and writer.shared is verifier.shared, "one SharedServer for the one URL"
+        self.judge_writer = writer
+        self.log(f"rollout judge (rubric writer: the run's generator; verifier: frozen) at {trainer.engine.base_url}")
+        return PairJudge(
+            Evaluator(writer, verifier, trainer.rubric),
+            trainer.rubric.eps,
+            ground_truth=trainer.rollout.judge_ground_truth,
+            shared_servers=[writer.shared],
+        )
 
     def _start_prometheus(self, stack: ExitStack, s: Settings) -> None:
         """Debian's Prometheus scraping this run's services, with the shipped rules (alerts fire during the run)."""
@@ -617,6 +652,9 @@ class ClosedLoop:
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
+        if self.judge_writer is not None and self.runner is not None:
+            # the generator as the candidate's round left it (kept when the guard accepted the candidate)
+            self.judge_writer.use_weights(self.runner.generator_dir(), f"{version}-generator")
         try:
             rollout = controller.start(version)
         except DynrubricError as e:  # e.g. no healthy canary: the candidate cannot be judged, so it is rejected

@@ -146,13 +146,19 @@ def prompt_source(settings: Settings) -> PromptSource:
 
 
 def engine_factory(settings: Settings) -> EngineFactory:
-    """Engines by role over a model dir, as configured (in-process transformers or OpenAI HTTP). An HTTP engine of a
-    role the round trains (policy, generator) is made to serve the model dir's weights; with
-    `engine.shared_servers` the engines on one URL take turns on it (engines/http.py: SharedServer)."""
+    """Engines by role over a model dir, as configured (in-process transformers or OpenAI HTTP). With
+    `engine.shared_servers` the engines on one URL take turns on it (engines/http.py: SharedServer), each made to
+    serve its model dir's weights, a verifier on the server of a trained role included: loading none, it would score
+    with whatever weights the policy or the generator left there, and no longer be frozen."""
     from dynrubric.engines.http import SharedServer
 
     cfg = settings.engine
     servers: dict[str, SharedServer] = {}
+    # servers a trained role's engine reloads: a verifier there must reload its own weights before its calls (a
+    # verifier alone on its server keeps the weights it was started with, and needs no dev-mode reload endpoint)
+    reloaded = {
+        cfg.url_for(r) for r in ("policy", "generator") if cfg.kind != "transformers" and r not in cfg.in_process
+    }
 
     def make(role: str, model_dir: Path) -> Engine:
         if cfg.kind == "transformers" or role in cfg.in_process:
@@ -166,7 +172,7 @@ def engine_factory(settings: Settings) -> EngineFactory:
         url = cfg.url_for(cast("EngineRole", role))  # the rounds ask for policy, generator or verifier
         shared = servers.setdefault(url, SharedServer()) if cfg.shared_servers else None
         engine = OpenAIHTTPEngine(url, model_dir, api_key=cfg.api_key, timeout_s=cfg.timeout_s, shared=shared)
-        if shared is not None and role != "verifier":
+        if shared is not None and (role != "verifier" or url in reloaded):
             engine.load_weights(model_dir, Path(model_dir).name)
         return engine
 

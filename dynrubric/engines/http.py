@@ -30,10 +30,19 @@ from dynrubric.errors import DynrubricError
 class SharedServer:
     """One server that several engines take turns on: before its calls, an engine whose weights the server does
     not hold reloads them (`OpenAIHTTPEngine.load_weights`), so a policy and a rubric generator can share one
-    vLLM server and neither ever generates with the other's weights."""
+    vLLM server and neither ever generates with the other's weights.
+
+    What the server holds is known only to the engines of this object, in this process. Where another process
+    reloads the server too (the rounds' trainer, whose server `up`'s rollout judge borrows between rounds), or the
+    server may have restarted onto its `--model`, `forget` before a batch of calls: the next engine to call then
+    reloads its own weights."""
 
     def __init__(self) -> None:
         self.holder: tuple[str, str] | None = None  # (weights dir, version) the server holds now
+
+    def forget(self) -> None:
+        """The server may hold any weights now: every engine reloads its own before its next call."""
+        self.holder = None
 
 
 class OpenAIHTTPEngine(Engine):
@@ -220,6 +229,15 @@ class OpenAIHTTPEngine(Engine):
         return out
 
     # ------------------------------------------------------------------ weights
+    def use_weights(self, path: Path, version: str) -> None:
+        """Serve the weights under `path` from now on: on a shared server they are reloaded at this engine's next
+        call (its turn), not now; elsewhere `load_weights` reloads them now."""
+        if self.shared is None:
+            self.load_weights(path, version)
+            return
+        self.weights = (str(path), version)
+        self.policy_version = version
+
     def load_weights(self, path: Path, version: str) -> None:
         self._request(
             "POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}}

@@ -12,7 +12,7 @@ import pytest
 
 from dynrubric.config import GateConfig, RolloutConfig, Settings
 from serving.gate import JudgeStats, UserRates, judge_interval, ratio_difference
-from serving.power import Population, Traffic, plan
+from serving.power import Population, Traffic, judged_pairs_per_s, plan
 from serving.router import TrafficMeter
 
 SCRIPT = Path(sys.executable).parent / "dynrubric"
@@ -174,3 +174,24 @@ def test_traffic_meter_rates_the_time_traffic_flowed():
     assert snap["requests"] == 60 and snap["users"] == 5
     clock.now += 400  # nothing for longer than the window
     assert meter.snapshot() | {"active_s": 0} == {"window_s": 300, "requests": 0, "users": 0, "active_s": 0, "rps": 0.0}
+
+
+def test_gate_plan_counts_the_judges_time_per_pair():
+    """`gate plan --profile demo` plans with the judge's seconds per shadow pair that the demo assumes
+    (`rollout.judge_s_per_pair`): judged pairs come at what the judge gets through, not at the shadow rate."""
+    from dynrubric.config_loader import load_settings
+
+    r = load_settings(environ={}, profile="demo").rollout
+    assert r.judge_s_per_pair > 0
+    pairs = judged_pairs_per_s(1.0, 0.5, r, r.judge_s_per_pair)
+    assert pairs < 0.5
+    run = subprocess.run(
+        [str(SCRIPT), "gate", "plan", "--profile", "demo", "--rps", "1", "--users", "40"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"COLUMNS": "250", "PATH": "/usr/bin:/bin"},
+    )
+    assert run.returncode == 0, run.stderr
+    assert f"judge {r.judge_s_per_pair:g} s a shadow pair (rollout.judge_s_per_pair)" in run.stdout
+    assert f"│ {pairs:.2f}    │" in run.stdout
