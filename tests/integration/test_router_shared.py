@@ -86,3 +86,35 @@ def test_the_state_reports_the_counters_of_every_replica(db, tmp_path):
     b.shared = None
     a.apply_shared()
     assert a.snapshot()["counters"]["ro-v2"]["canary"]["requests"] == 5
+
+
+def test_router_pods_starting_together_create_the_shared_tables_once(request, tmp_path):
+    """The router Deployment starts its replicas together on a fresh database: each creates the registry's, the
+    split's and the counters' tables (`CREATE TABLE IF NOT EXISTS`), which PostgreSQL does not serialise: one of two
+    pods died with `duplicate key value violates unique constraint "pg_type_typname_nsp_index"` (found by
+    tests/e2e/test_k8s_processes.py). Here eight at once, each with its own connections."""
+    import threading
+
+    import psycopg
+
+    base = request.getfixturevalue("postgres")
+    errors: list[BaseException] = []
+    for attempt in range(3):
+        name = f"race_{os.getpid()}_{attempt}"
+        with psycopg.connect(f"{base}/postgres", autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {name}")
+        barrier = threading.Barrier(8)
+
+        def start(i: int, db: str = f"{base}/{name}", barrier: threading.Barrier = barrier) -> None:
+            barrier.wait()
+            try:
+                SharedSplit(Registry(db, storage_dir=tmp_path / f"weights-{i}")).read()
+            except BaseException as e:  # collected: the test names them
+                errors.append(e)
+
+        threads = [threading.Thread(target=start, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert not errors, errors
