@@ -118,3 +118,57 @@ def test_router_pods_starting_together_create_the_shared_tables_once(request, tm
         for t in threads:
             t.join(60)
     assert not errors, errors
+
+
+def test_a_replica_checks_the_pods_another_restarted_before_it_routes_to_them(tmp_path):
+    """weights_via restart: the controller's weights call reaches replica A, which finds the stable Service's pods
+    restarted onto v2 and publishes the split. Replica B knew the old pod, now gone; adopting the split alone, it
+    routed stable users to that pod until its next health check, and to none once it saw the old one down: 502
+    "no engine of variant stable could answer: none healthy" after every promotion (tests/e2e/
+    test_k8s_processes.py). B finds the pods and checks them against the published weights before it adopts."""
+    import httpx
+
+    db = str(tmp_path / "registry.sqlite")
+    pods = {"vllm-stable": ["10.0.0.1"]}  # what the headless Service resolves to
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "10.0.0.1":  # the old pod: gone
+            raise httpx.ConnectError("connection refused", request=request)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "policy", "root": "/m/v2"}]})
+        return httpx.Response(200)
+
+    def router(name: str) -> Router:
+        weights = Weights("v1", "/m/v1")
+        state = RouterState([], desired={"stable": weights, "canary": weights})
+        shared = SharedSplit(Registry(db, storage_dir=tmp_path / "weights"))
+        return Router(
+            state,
+            None,
+            CollectorRegistry(),
+            token=None,
+            shared=shared,
+            replica_id=name,
+            weights_via="restart",
+            discover=[("vllm-stable", "stable", "http://vllm-stable:8000")],
+            resolve=lambda host, port: pods[host],
+        )
+
+    a, b = router("router-a"), router("router-b")
+    b._pods({"vllm-stable": ["10.0.0.1"]})
+    b.state.replicas[0].healthy = True  # it served v1 until the restart
+    b.apply_shared()
+    pods["vllm-stable"] = ["10.0.0.2"]  # the Deployment rolled: a new pod on v2, the old one gone
+    a.state.desired["stable"] = Weights("v2", "/m/v2")
+    asyncio.run(a._publish())
+
+    async def sync() -> None:
+        b._client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
+        try:
+            await b.sync_shared()
+        finally:
+            await b._client.aclose()
+
+    asyncio.run(sync())
+    assert b.state.desired["stable"] == Weights("v2", "/m/v2")
+    assert [(r.name, r.policy_version) for r in b.state.serving("stable")] == [("vllm-stable/10.0.0.2", "v2")]
