@@ -865,8 +865,19 @@ class Router:
         }
 
     # ------------------------------------------------------------ HTTP
+    def ready(self) -> bool:
+        """Whether users get answers here (/readyz: a pod's readiness, so whether its Service sends it anything, the
+        rollout controller's calls included): a stable replica serves, or every user is on the canary and a canary
+        replica serves. The second is a promotion with weights_via restart: the controller moved everyone to the
+        canary and the stable pods restart onto the new version, which they serve before the router's weights call
+        says it is stable's; that call reaches the router through its Service. Not ready meanwhile, no router replica
+        was, the call could not arrive, and the promotion failed at `rollout.restart_wait_s` while the canary served
+        every user (tests/e2e/test_k8s_processes.py)."""
+        s = self.state
+        return bool(s.serving("stable")) or (s.canary_weight >= 1.0 and bool(s.serving("canary")))
+
     def _build(self) -> FastAPI:
-        app = make_app("dynrubric router", self.metrics, ready=lambda: bool(self.state.serving("stable")))
+        app = make_app("dynrubric router", self.metrics, ready=self.ready)
 
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -172,3 +172,25 @@ def test_a_replica_checks_the_pods_another_restarted_before_it_routes_to_them(tm
     asyncio.run(sync())
     assert b.state.desired["stable"] == Weights("v2", "/m/v2")
     assert [(r.name, r.policy_version) for r in b.state.serving("stable")] == [("vllm-stable/10.0.0.2", "v2")]
+
+
+def test_a_router_whose_stable_pods_restart_during_a_promotion_stays_ready(tmp_path):
+    """A promotion with weights_via restart: everyone on the canary, the stable pods restarted onto the new version
+    serve other weights than the router's stable ones (stale) until the controller's weights call, which reaches the
+    router through its Service. /readyz said 503 meanwhile, on every replica: the Service had no pod, the call could
+    not arrive, and the promotion failed after rollout.restart_wait_s (tests/e2e/test_k8s_processes.py)."""
+    from fastapi.testclient import TestClient
+
+    replicas = [
+        Replica("vllm-stable/10.0.0.2", "stable", "http://10.0.0.2:8000", "v1", stale=True),
+        Replica("vllm-canary/10.0.0.3", "canary", "http://10.0.0.3:8000", "v2"),
+    ]
+    state = RouterState(replicas, desired={"stable": Weights("v1", "/m/v1"), "canary": Weights("v2", "/m/v2")})
+    router = Router(state, None, CollectorRegistry(), token=None, weights_via="restart")
+    probe = TestClient(router.app)  # no lifespan: no health loop
+    state.experiment, state.canary_weight = "ro-v2", 1.0
+    assert probe.get("/readyz").status_code == 200
+    state.canary_weight = 0.5  # stable users would find no engine: not ready
+    assert probe.get("/readyz").status_code == 503
+    replicas[0].stale = False
+    assert probe.get("/readyz").status_code == 200
