@@ -9,7 +9,9 @@ A profile is a YAML file shipped in dynrubric/profiles/ (`production`: the schem
 `-c`, `$DYNRUBRIC_CONFIG` names the one file. Nested keys use `__` in the environment:
 `DYNRUBRIC_ENGINE__KIND=openai-http`. Every section forbids unknown keys, and every `DYNRUBRIC_*` variable
 must name a key (or be DYNRUBRIC_CONFIG), so a typo is an error that names the key and the closest valid name
-instead of a silently ignored setting.
+instead of a silently ignored setting. The one exception is what Kubernetes adds to every pod's environment for
+each Service of its namespace (`service_links`): a Service `dynrubric-router` is `DYNRUBRIC_ROUTER_SERVICE_HOST`
+and its family, which are no settings and are ignored.
 
 Paths resolve the same from any working directory: a relative path in a YAML file is relative to that
 file, one in the environment to the directory the command runs in, and every path is absolute after
@@ -134,11 +136,34 @@ def _env_name(key: str) -> str:
     return ENV_PREFIX + key.replace(".", "__").upper()
 
 
+# what Kubernetes (enableServiceLinks, on by default) sets for a Service NAME, after NAME_SERVICE_HOST
+_SERVICE_LINK_SUFFIX = re.compile(
+    r"SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT(_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)?"
+)
+
+
+def service_links(environ: dict[str, str]) -> set[str]:
+    """The variables of `environ` that Kubernetes sets for the Services of a pod's namespace: for a Service
+    `dynrubric-router`, DYNRUBRIC_ROUTER_SERVICE_HOST, _SERVICE_PORT, _SERVICE_PORT_<PORT NAME>, _PORT and
+    _PORT_<PORT>_<PROTOCOL>[_PROTO|_PORT|_ADDR]. They come as a family and _SERVICE_HOST is always in it: a
+    variable counts only beside its Service's _SERVICE_HOST, so a typo such as DYNRUBRIC_SERVING_PORT (for
+    DYNRUBRIC_SERVING__PORT) is still an error."""
+    names = {k.upper(): k for k in environ}
+    services = {n.removesuffix("_SERVICE_HOST") for n in names if n.endswith("_SERVICE_HOST")}
+    return {
+        var
+        for name, var in names.items()
+        if "__" not in name
+        and any(name.startswith(s + "_") and _SERVICE_LINK_SUFFIX.fullmatch(name[len(s) + 1 :]) for s in services)
+    }
+
+
 def _check_env_names(environ: dict[str, str]) -> None:
     known = env_names()
+    links = service_links(environ)
     for var in sorted(environ):
         name = var.upper()
-        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV or name in known:
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV or name in known or var in links:
             continue
         if any(name.startswith(k + "__") for k, open_ended in known.items() if open_ended):
             continue
@@ -210,7 +235,8 @@ def load_settings(
         data = _deep_merge(data, _file_layer(Path(path)))
     _check_env_names(environ)
     env_source = EnvSettingsSource(Settings, env_prefix=ENV_PREFIX, env_nested_delimiter="__", case_sensitive=False)
-    env_source.env_vars = {k.lower(): v for k, v in environ.items() if k != CONFIG_ENV}
+    links = service_links(environ)
+    env_source.env_vars = {k.lower(): v for k, v in environ.items() if k != CONFIG_ENV and k not in links}
     try:
         env_data = _absolute_paths(env_source(), Settings, Path.cwd())
     except Exception as e:  # pydantic-settings raises SettingsError for unparseable env JSON

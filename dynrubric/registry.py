@@ -114,6 +114,12 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 )
 """
 COLUMNS = "version, parent, round, path, weights_sha256, metrics, state, reason, created_at"
+# `transaction(write=True, lock=SCHEMA_LOCK)`: a transaction that creates tables. PostgreSQL does not serialise
+# `CREATE TABLE IF NOT EXISTS` of one table in two sessions (the second fails with a unique violation in pg_type),
+# and the processes that create them start together (the router Deployment's replicas); they take one advisory
+# lock first. SQLite's write transactions are serialised already.
+SCHEMA_LOCK = "schema"
+_SCHEMA_LOCK_KEY = 0x6479_7275_6272_6963  # the bytes of "dyrubric": any fixed bigint the project owns
 
 
 class Registry:
@@ -150,7 +156,7 @@ class Registry:
         except OSError as e:  # a reader's read-only mount (the router, the rollout Job in k8s): it never registers
             if e.errno not in (errno.EROFS, errno.EACCES):
                 raise
-        with self._tx(write=True, lock=None) as cur:
+        with self._tx(write=True, lock=SCHEMA_LOCK) as cur:
             seq = "BIGSERIAL PRIMARY KEY" if self._pg else "INTEGER PRIMARY KEY AUTOINCREMENT"
             cur.execute(SCHEMA.format(seq=seq))
 
@@ -163,7 +169,9 @@ class Registry:
             import psycopg
 
             with psycopg.connect(self._url) as conn, conn.cursor() as cur:  # commits on clean exit
-                if write and lock:
+                if write and lock == SCHEMA_LOCK:
+                    cur.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
+                elif write and lock:
                     cur.execute(f"LOCK TABLE {lock} IN EXCLUSIVE MODE")
                 yield _PgCursor(cur)
             return
@@ -172,7 +180,8 @@ class Registry:
 
     def transaction(self, write: bool = False, lock: str | None = None) -> Any:
         """A transaction on the registry's database for the tables that live beside `checkpoints` (the
-        rollouts): `?` placeholders on both backends; `lock` names the table whose writers it serialises."""
+        rollouts): `?` placeholders on both backends; `lock` names the table whose writers it serialises, or is
+        SCHEMA_LOCK for a transaction that creates tables."""
         return self._tx(write, lock)
 
     # ------------------------------------------------------------ reads
@@ -397,6 +406,7 @@ def open_registry(settings: Any) -> Registry:
 
 
 __all__ = [
+    "SCHEMA_LOCK",
     "Checkpoint",
     "CheckpointState",
     "Registry",

@@ -47,7 +47,7 @@ from pydantic import SecretStr
 from dynrubric import http_clients, sqlite
 from dynrubric.config import GateConfig, RolloutConfig, Settings
 from dynrubric.errors import DynrubricError
-from dynrubric.registry import Checkpoint, CheckpointState, Registry, open_registry, weights_sha256
+from dynrubric.registry import SCHEMA_LOCK, Checkpoint, CheckpointState, Registry, open_registry, weights_sha256
 from serving.gate import GateResult, Verdict, evaluate, judge_interval
 from serving.power import GatePlan, Population, Traffic, judged_pairs_per_s, plan
 
@@ -97,7 +97,7 @@ class RolloutStore:
 
     def __init__(self, registry: Registry):
         self.registry = registry
-        with registry.transaction(write=True) as cur:
+        with registry.transaction(write=True, lock=SCHEMA_LOCK) as cur:
             cur.execute(SCHEMA)
         self._add_plan_column()
 

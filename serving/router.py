@@ -334,6 +334,7 @@ class Router:
         self._client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
         self._control = asyncio.Lock()
+        self._checking = asyncio.Lock()  # one health check at a time (the health loop's, or a sync's)
         self.app = self._build()
 
     # ------------------------------------------------------------ routing
@@ -731,27 +732,39 @@ class Router:
         self.state.desired[variant] = weights
         return failed
 
-    async def _health_loop(self) -> None:
+    async def check_replicas(self, moved: dict[str, Weights] | None = None) -> None:
+        """One health check: the discovered Services' pods, each replica's /health, and the weights of one that came
+        back or is stale (a restarted engine serves its start weights: it gets its variant's, or they are checked).
+
+        `moved` (weights_via restart): variant -> the weights another router replica found that variant's engines
+        serving (restarted onto them) and published; every replica of those variants is checked against them, not
+        only one that came back or is stale."""
         assert self._client is not None
-        while True:
+        async with self._checking:
             if self.discover:
                 self._pods(await asyncio.to_thread(self._resolve_all))
             for replica in list(self.state.replicas):
+                if moved is not None and replica.variant not in moved:
+                    continue
                 try:
                     ok = (await self._client.get(f"{replica.base_url}/health", timeout=10.0)).status_code == 200
                 except httpx.HTTPError:
                     ok = False
                 came_back = ok and not replica.healthy
                 replica.healthy = ok
-                want = self.state.desired.get(replica.variant)
-                if ok and (came_back or replica.stale) and want is not None:
-                    try:  # a restarted engine serves its start weights: give it its variant's (or check them)
+                want = (moved or self.state.desired).get(replica.variant)
+                if ok and (came_back or replica.stale or moved is not None) and want is not None:
+                    try:
                         async with self._control:
                             await self._reload(replica, want)
                     except WrongWeights:
                         pass  # stale: up, no traffic; checked again next time
                     except EngineFailure:
                         replica.healthy = False
+
+    async def _health_loop(self) -> None:
+        while True:
+            await self.check_replicas()
             await asyncio.sleep(self.health_interval_s)
 
     # ------------------------------------------------------------ shared state (several replicas)
@@ -799,11 +812,31 @@ class Router:
         self.shared.flush(self.replica_id, self._own_counters())
         self._others = self.shared.others(self.replica_id)
 
+    async def sync_shared(self) -> None:
+        """Adopt the newest shared split (`apply_shared`). With weights_via restart, a split whose weights moved
+        (another replica found a variant's engines restarted onto new weights: a loading or a promotion) is adopted
+        only after this replica's own replicas of that variant are found and checked against them: adopted first,
+        the traffic it moves went to the pods this replica knew until its next health check (gone, or still on the
+        old weights), and the users of a promoted version's arm got 502 "none healthy" meanwhile."""
+        if self.shared is None:
+            return
+        if self.weights_via == "restart":
+            split = await asyncio.to_thread(self.shared.read)
+            if split is not None and split.seq > self._split_seq:
+                moved = {
+                    v: Weights(w["version"], w["path"])
+                    for v, w in split.desired.items()
+                    if self.state.desired.get(v) != Weights(w["version"], w["path"])
+                }
+                if moved:
+                    await self.check_replicas(moved)
+        await asyncio.to_thread(self.apply_shared)
+
     async def _sync_loop(self) -> None:
         while True:
             await asyncio.sleep(self.sync_interval_s)
             try:
-                await asyncio.to_thread(self.apply_shared)
+                await self.sync_shared()
             except Exception as e:  # a database hiccup: keep serving on the split we have, retry next time
                 log.warning("router %s: shared state sync failed: %s", self.replica_id, e)
 
@@ -832,8 +865,19 @@ class Router:
         }
 
     # ------------------------------------------------------------ HTTP
+    def ready(self) -> bool:
+        """Whether users get answers here (/readyz: a pod's readiness, so whether its Service sends it anything, the
+        rollout controller's calls included): a stable replica serves, or every user is on the canary and a canary
+        replica serves. The second is a promotion with weights_via restart: the controller moved everyone to the
+        canary and the stable pods restart onto the new version, which they serve before the router's weights call
+        says it is stable's; that call reaches the router through its Service. Not ready meanwhile, no router replica
+        was, the call could not arrive, and the promotion failed at `rollout.restart_wait_s` while the canary served
+        every user (tests/e2e/test_k8s_processes.py)."""
+        s = self.state
+        return bool(s.serving("stable")) or (s.canary_weight >= 1.0 and bool(s.serving("canary")))
+
     def _build(self) -> FastAPI:
-        app = make_app("dynrubric router", self.metrics, ready=lambda: bool(self.state.serving("stable")))
+        app = make_app("dynrubric router", self.metrics, ready=self.ready)
 
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI) -> AsyncIterator[None]:

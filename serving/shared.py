@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from dynrubric.registry import SCHEMA_LOCK
+
 SPLIT_SCHEMA = """
 CREATE TABLE IF NOT EXISTS router_split (
     id INTEGER PRIMARY KEY, seq BIGINT NOT NULL, experiment TEXT NOT NULL,
@@ -49,7 +51,7 @@ class SharedSplit:
 
     def __init__(self, registry: Any):
         self.registry = registry
-        with registry.transaction(write=True) as cur:
+        with registry.transaction(write=True, lock=SCHEMA_LOCK) as cur:  # replicas start together
             cur.execute(SPLIT_SCHEMA)
             cur.execute(COUNTERS_SCHEMA)
 

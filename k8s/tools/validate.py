@@ -386,7 +386,9 @@ def split_problems(objs: list[dict]) -> list[str]:
 
 # the dynrubric commands (the image's entrypoint is `dynrubric`) and the settings paths each uses: "registry"
 # is the registry's SQLite file (without registry.url) and its weights (registry.storage_dir); `True`: written
+# (for "registry": the weights are written, as `registry register` does; the database always is)
 RUNTIME_PATHS: dict[str, list[tuple[str, bool]]] = {
+    "registry": [("registry", True)],  # k8s/jobs/registry-register.yaml
     "serve-router": [("registry", False), ("models.policy", False)],
     "serve-reward": [("models.generator", False), ("models.verifier", False)],
     "ingest": [("paths.state_dir", True)],
@@ -439,9 +441,9 @@ def _used_paths(command: str, settings) -> list[tuple[str, Path, bool]]:
             if cfg.url is None:
                 db = Path(cfg.path) if cfg.path else settings.paths.state_dir / "registry" / "registry.sqlite"
                 out.append(("registry.path (SQLite; no registry.url)", db.parent, True))
-                out.append(("registry.storage_dir", Path(cfg.storage_dir or db.parent / "checkpoints"), False))
+                out.append(("registry.storage_dir", Path(cfg.storage_dir or db.parent / "checkpoints"), written))
             elif cfg.storage_dir is not None:  # without one the registry refuses to open (reference_problems)
-                out.append(("registry.storage_dir", Path(cfg.storage_dir), False))
+                out.append(("registry.storage_dir", Path(cfg.storage_dir), written))
             continue
         section, name = key.split(".")
         value = getattr(getattr(settings, section), name)

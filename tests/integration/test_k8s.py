@@ -263,6 +263,12 @@ def _mutations():
             ][1].update(readOnly=True),
             "writes paths.state_dir /var/lib/dynrubric: mount /var/lib/dynrubric is read-only",
         ),
+        "the registration Job writing weights on a read-only mount": (
+            lambda o: find(o, "Job", "dynrubric-register-version-to-register")["spec"]["template"]["spec"][
+                "containers"
+            ][0]["volumeMounts"][1].update(readOnly=True),
+            "writes registry.storage_dir /models/checkpoints: mount /models is read-only",
+        ),
         "in-memory state behind an autoscaler": (
             lambda o: o.append(
                 {
@@ -398,7 +404,7 @@ def test_the_rollout_job_may_restart_the_engine_deployments_and_nothing_else(ove
     objs = deployment_set(overlay)
     settings = configmap_settings(objs, tmp_path)
     assert settings.rollout.restart == "kubernetes" and settings.serving.weights_via == "restart"
-    job = find(objs, "Job")["spec"]["template"]["spec"]
+    job = find(objs, "Job", "dynrubric-rollout-version-to-roll-out")["spec"]["template"]["spec"]
     binding = find(objs, "RoleBinding", "dynrubric-rollout")
     assert ("ServiceAccount", job["serviceAccountName"], namespace_of(objs)) in {
         (x["kind"], x["name"], x.get("namespace")) for x in binding["subjects"]

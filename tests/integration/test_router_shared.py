@@ -86,3 +86,111 @@ def test_the_state_reports_the_counters_of_every_replica(db, tmp_path):
     b.shared = None
     a.apply_shared()
     assert a.snapshot()["counters"]["ro-v2"]["canary"]["requests"] == 5
+
+
+def test_router_pods_starting_together_create_the_shared_tables_once(request, tmp_path):
+    """The router Deployment starts its replicas together on a fresh database: each creates the registry's, the
+    split's and the counters' tables (`CREATE TABLE IF NOT EXISTS`), which PostgreSQL does not serialise: one of two
+    pods died with `duplicate key value violates unique constraint "pg_type_typname_nsp_index"` (found by
+    tests/e2e/test_k8s_processes.py). Here eight at once, each with its own connections."""
+    import threading
+
+    import psycopg
+
+    base = request.getfixturevalue("postgres")
+    errors: list[BaseException] = []
+    for attempt in range(3):
+        name = f"race_{os.getpid()}_{attempt}"
+        with psycopg.connect(f"{base}/postgres", autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {name}")
+        barrier = threading.Barrier(8)
+
+        def start(i: int, db: str = f"{base}/{name}", barrier: threading.Barrier = barrier) -> None:
+            barrier.wait()
+            try:
+                SharedSplit(Registry(db, storage_dir=tmp_path / f"weights-{i}")).read()
+            except BaseException as e:  # collected: the test names them
+                errors.append(e)
+
+        threads = [threading.Thread(target=start, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert not errors, errors
+
+
+def test_a_replica_checks_the_pods_another_restarted_before_it_routes_to_them(tmp_path):
+    """weights_via restart: the controller's weights call reaches replica A, which finds the stable Service's pods
+    restarted onto v2 and publishes the split. Replica B knew the old pod, now gone; adopting the split alone, it
+    routed stable users to that pod until its next health check, and to none once it saw the old one down: 502
+    "no engine of variant stable could answer: none healthy" after every promotion (tests/e2e/
+    test_k8s_processes.py). B finds the pods and checks them against the published weights before it adopts."""
+    import httpx
+
+    db = str(tmp_path / "registry.sqlite")
+    pods = {"vllm-stable": ["10.0.0.1"]}  # what the headless Service resolves to
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "10.0.0.1":  # the old pod: gone
+            raise httpx.ConnectError("connection refused", request=request)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "policy", "root": "/m/v2"}]})
+        return httpx.Response(200)
+
+    def router(name: str) -> Router:
+        weights = Weights("v1", "/m/v1")
+        state = RouterState([], desired={"stable": weights, "canary": weights})
+        shared = SharedSplit(Registry(db, storage_dir=tmp_path / "weights"))
+        return Router(
+            state,
+            None,
+            CollectorRegistry(),
+            token=None,
+            shared=shared,
+            replica_id=name,
+            weights_via="restart",
+            discover=[("vllm-stable", "stable", "http://vllm-stable:8000")],
+            resolve=lambda host, port: pods[host],
+        )
+
+    a, b = router("router-a"), router("router-b")
+    b._pods({"vllm-stable": ["10.0.0.1"]})
+    b.state.replicas[0].healthy = True  # it served v1 until the restart
+    b.apply_shared()
+    pods["vllm-stable"] = ["10.0.0.2"]  # the Deployment rolled: a new pod on v2, the old one gone
+    a.state.desired["stable"] = Weights("v2", "/m/v2")
+    asyncio.run(a._publish())
+
+    async def sync() -> None:
+        b._client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
+        try:
+            await b.sync_shared()
+        finally:
+            await b._client.aclose()
+
+    asyncio.run(sync())
+    assert b.state.desired["stable"] == Weights("v2", "/m/v2")
+    assert [(r.name, r.policy_version) for r in b.state.serving("stable")] == [("vllm-stable/10.0.0.2", "v2")]
+
+
+def test_a_router_whose_stable_pods_restart_during_a_promotion_stays_ready(tmp_path):
+    """A promotion with weights_via restart: everyone on the canary, the stable pods restarted onto the new version
+    serve other weights than the router's stable ones (stale) until the controller's weights call, which reaches the
+    router through its Service. /readyz said 503 meanwhile, on every replica: the Service had no pod, the call could
+    not arrive, and the promotion failed after rollout.restart_wait_s (tests/e2e/test_k8s_processes.py)."""
+    from fastapi.testclient import TestClient
+
+    replicas = [
+        Replica("vllm-stable/10.0.0.2", "stable", "http://10.0.0.2:8000", "v1", stale=True),
+        Replica("vllm-canary/10.0.0.3", "canary", "http://10.0.0.3:8000", "v2"),
+    ]
+    state = RouterState(replicas, desired={"stable": Weights("v1", "/m/v1"), "canary": Weights("v2", "/m/v2")})
+    router = Router(state, None, CollectorRegistry(), token=None, weights_via="restart")
+    probe = TestClient(router.app)  # no lifespan: no health loop
+    state.experiment, state.canary_weight = "ro-v2", 1.0
+    assert probe.get("/readyz").status_code == 200
+    state.canary_weight = 0.5  # stable users would find no engine: not ready
+    assert probe.get("/readyz").status_code == 503
+    replicas[0].stale = False
+    assert probe.get("/readyz").status_code == 200

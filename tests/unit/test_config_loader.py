@@ -141,3 +141,41 @@ def test_an_engine_has_a_loopback_port_or_a_url():
     for both_or_none in ({}, {"port": 8301, "url": "http://vllm-stable:8000"}):
         with pytest.raises(ValueError, match="give a port .* or a url"):
             FleetEngineConfig(name="e", **both_or_none)
+
+
+def kubernetes_service_env(service: str, ip: str, port: int, port_name: str | None = "http") -> dict[str, str]:
+    """What the kubelet puts in a pod's environment for a Service of its namespace (enableServiceLinks)."""
+    name = service.upper().replace("-", "_")
+    env = {
+        f"{name}_SERVICE_HOST": ip,
+        f"{name}_SERVICE_PORT": str(port),
+        f"{name}_PORT": f"tcp://{ip}:{port}",
+        f"{name}_PORT_{port}_TCP": f"tcp://{ip}:{port}",
+        f"{name}_PORT_{port}_TCP_PROTO": "tcp",
+        f"{name}_PORT_{port}_TCP_PORT": str(port),
+        f"{name}_PORT_{port}_TCP_ADDR": ip,
+    }
+    if port_name:
+        env[f"{name}_SERVICE_PORT_{port_name.upper().replace('-', '_')}"] = str(port)
+    return env
+
+
+def test_the_variables_kubernetes_sets_for_the_namespaces_services_are_no_settings():
+    """A pod in a namespace with the Service dynrubric-router gets DYNRUBRIC_ROUTER_SERVICE_HOST, DYNRUBRIC_ROUTER_PORT
+    and the rest of that family: every dynrubric container started with `unknown environment variable
+    DYNRUBRIC_ROUTER_PORT` (found by tests/e2e/test_k8s_processes.py, whose kubelet sets them)."""
+    env = {
+        **kubernetes_service_env("dynrubric-router", "10.96.0.10", 8200),
+        **kubernetes_service_env("dynrubric-kafka-bootstrap", "10.96.0.11", 9092, port_name="tcp-clients"),
+        **kubernetes_service_env("dynrubric-reward-server", "10.96.0.12", 8100),
+        "DYNRUBRIC_SERVING__PORT": "8201",
+    }
+    s = load_settings(environ=env)
+    assert s.serving.port == 8201 and s.reward_server.port == 8100
+    # a typo is still an error, even beside the Services' variables
+    for typo in ("DYNRUBRIC_SERVING_PORT", "DYNRUBRIC_ROUTER_PORTS", "DYNRUBRIC_ROUTER__PORT"):
+        with pytest.raises(DynrubricError, match=f"unknown environment variable {typo}"):
+            load_settings(environ=env | {typo: "1"})
+    # without its _SERVICE_HOST a _PORT variable is not a Service's
+    with pytest.raises(DynrubricError, match="unknown environment variable DYNRUBRIC_ROUTER_PORT"):
+        load_settings(environ={"DYNRUBRIC_ROUTER_PORT": "tcp://10.96.0.10:8200"})
