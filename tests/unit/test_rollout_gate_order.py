@@ -15,7 +15,8 @@ from typing import Any
 
 from dynrubric.config import GateConfig, RolloutConfig
 from serving.online import OnlineMetrics, ShadowPair
-from serving.rollout import Controller, Rollout
+from serving.rollout import Controller
+from tests.rollouts import stepping_rollout
 
 FAILED = 8  # the canary's requests that failed and were answered by stable, counted and logged
 
@@ -57,21 +58,7 @@ def test_the_gate_counts_the_errors_of_every_request_the_log_shows():
     router = SettlingRouter()
     online = LogAfterRouter(router)
     controller = Controller(None, None, router, online, RolloutConfig(), GateConfig())  # type: ignore[arg-type]
-    rollout = Rollout(
-        id="ro-1",
-        version="r1",
-        version_path="/r1",
-        baseline="base",
-        baseline_path="/base",
-        steps=[0.3, 1.0],
-        status="stepping",
-        step=0,
-        step_started_at=0.0,
-        started_at=0.0,
-        updated_at=0.0,
-        reason=None,
-        last_gate=None,
-    )
+    rollout = stepping_rollout([0.3, 1.0])
     controller.gate(rollout)
     # read before the poll, the canary showed 0 errors over 0 settled requests
     assert online.counters_seen["canary"] == (FAILED, FAILED)
@@ -134,21 +121,7 @@ def test_the_verdict_counts_the_requests_logged_while_the_judge_worked():
         gate,
         judge=SlowJudge(online, 1000.0),
     )
-    rollout = Rollout(
-        id="ro-1",
-        version="r1",
-        version_path="/r1",
-        baseline="base",
-        baseline_path="/base",
-        steps=[0.5, 1.0],
-        status="stepping",
-        step=0,
-        step_started_at=1000.0,
-        started_at=1000.0,
-        updated_at=1000.0,
-        reason=None,
-        last_gate=None,
-    )
+    rollout = stepping_rollout(at=1000.0)
     result = controller.gate(rollout)
     samples = next(c for c in result.checks if c.name == "min_samples")
     assert (samples.numbers["stable_step_requests"], samples.numbers["canary_step_requests"]) == (8, 8), result.reason

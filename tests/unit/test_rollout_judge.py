@@ -12,23 +12,10 @@ from dynrubric.config import GateConfig, RolloutConfig
 from dynrubric.errors import DynrubricError
 from serving.online import OnlineMetrics, ShadowPair
 from serving.power import judged_pairs_per_s
-from serving.rollout import Controller, Rollout
+from serving.rollout import Controller
+from tests.rollouts import stepping_rollout
 
-ROLLOUT = Rollout(
-    id="ro-1",
-    version="r1",
-    version_path="/r1",
-    baseline="base",
-    baseline_path="/base",
-    steps=[0.5, 1.0],
-    status="stepping",
-    step=0,
-    step_started_at=0.0,
-    started_at=0.0,
-    updated_at=0.0,
-    reason=None,
-    last_gate=None,
-)
+ROLLOUT = stepping_rollout()
 
 
 class QuietLog(OnlineMetrics):
