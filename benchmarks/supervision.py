@@ -64,6 +64,7 @@ from dynrubric.train.policy_eval import (  # noqa: E402
     default_prompts_file,
     paired_bootstrap,
 )
+from dynrubric.train.prompts import make_prompt  # noqa: E402
 from dynrubric.train.splits import trainable  # noqa: E402
 
 #: each arm: the judge's configuration (rubric.*) over the demo profile; where the judge has no generator (checks,
@@ -118,8 +119,6 @@ def training_prompts(n: int, seed: int = 0) -> list[dict[str, Any]]:
         if x["kind"] == "open":
             continue
         question = x["messages"][-1]["content"]
-        from dynrubric.train.prompts import make_prompt
-
         key = make_prompt([(m["role"], m["content"]) for m in x["messages"]]).key
         if trainable(key, [i.id for i in derive(question).instructions]):
             checkable.append(x)
