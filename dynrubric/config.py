@@ -522,7 +522,13 @@ class CoevolveConfig(Section):
         description="false: the generator is its own model (models.generator) with its own optimiser, "
         "so the served policy changes only through the policy objective; true: one shared model (EvoLM)",
     )
-    k_alt: int = Field(default=50, ge=1, description="policy steps per phase before switching to the generator")
+    k_alt: int = Field(
+        default=50,
+        ge=0,
+        description="policy steps per phase before switching to the generator; 0: rounds of generator steps alone "
+        "(the judge trained while the policy stands still: a warm start, benchmarks/coevolution.py), which register "
+        "no policy version",
+    )
     k_alt_generator: int | None = Field(
         default=None, ge=1, description="generator steps per phase before switching back (default: k_alt)"
     )
@@ -550,6 +556,15 @@ class CoevolveConfig(Section):
     max_age: int = Field(default=4, ge=1, description="... and at most this many")
     generator_lr: float | None = Field(default=None, gt=0, description="generator learning rate (default: grpo.lr)")
     generator_max_tokens: int = Field(default=256, ge=16, description="token budget of a sampled rubric")
+
+    @model_validator(mode="after")
+    def _generator_alone_needs_its_steps(self) -> CoevolveConfig:
+        if self.k_alt == 0 and self.k_alt_generator is None:
+            raise ValueError(
+                "k_alt: 0 (generator steps alone) needs k_alt_generator, the generator steps of a phase: "
+                "its default is k_alt, which would make a phase of no steps"
+            )
+        return self
 
 
 class OpenRLHFConfig(Section):

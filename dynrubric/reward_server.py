@@ -568,13 +568,10 @@ def log_to_stderr() -> None:
 
 def build_app(settings: Any) -> FastAPI:
     """The server as `dynrubric serve-reward` runs it: engines from the settings, a fresh registry."""
-    from dynrubric.engines import build_engine
+    from dynrubric.engines import judge_engines
 
     check_fits_client_timeout(settings.reward_server)  # before the models load: fail in a second, not a minute
-    generator = build_engine(settings, "generator")
-    verifier = (
-        generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
-    )
+    generator, verifier = judge_engines(settings)
     registry = CollectorRegistry()
     evaluator = Evaluator(generator, verifier, settings.rubric, EvaluatorMetrics(registry))
     specials = [t for t in generator.tokenizer.all_special_tokens if t]

@@ -178,14 +178,11 @@ def build_controller(settings, log=console.print, judge=None):
     if not r.judge:
         judge = None
     elif judge is None:
-        from dynrubric.engines import build_engine
+        from dynrubric.engines import judge_engines
         from dynrubric.rubric.evaluator import Evaluator
         from serving.judged import PairJudge
 
-        generator = build_engine(settings, "generator")
-        verifier = (
-            generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
-        )
+        generator, verifier = judge_engines(settings)
         judge = PairJudge(
             Evaluator(generator, verifier, settings.rubric), settings.rubric.eps, ground_truth=r.judge_ground_truth
         )

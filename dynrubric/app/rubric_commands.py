@@ -736,14 +736,10 @@ def serve_reward(
 
 def _judge_engines(settings: Settings) -> tuple[Engine, Engine]:
     """(rubric generator, verifier): one engine when both roles use the same model."""
-    from dynrubric.engines import build_engine
+    from dynrubric.engines import judge_engines
 
     with status(console, f"loading the {settings.engine.kind} engine"):
-        generator = build_engine(settings, "generator")
-        verifier = (
-            generator if settings.models.verifier == settings.models.generator else build_engine(settings, "verifier")
-        )
-    return generator, verifier
+        return judge_engines(settings)
 
 
 def _score_in_batches(

@@ -9,16 +9,26 @@ from dynrubric.engines.base import Completion, Engine, GenerationRequest, Sampli
 
 Role = Literal["policy", "generator", "verifier"]
 
-__all__ = ["Completion", "Engine", "GenerationRequest", "SamplingParams", "build_engine"]
+__all__ = ["Completion", "Engine", "GenerationRequest", "SamplingParams", "build_engine", "judge_engines"]
+
+
+def _placement(settings: Settings, role: Role) -> tuple[str, str]:
+    """Where a role's engine runs: ("transformers", "") in process, else ("openai-http", its server's URL)."""
+    cfg = settings.engine
+    if cfg.kind == "transformers" or role in cfg.in_process:
+        return ("transformers", "")
+    return ("openai-http", cfg.url_for(role))
 
 
 def build_engine(settings: Settings, role: Role) -> Engine:
-    """The engine for a role, as configured: in-process transformers or an OpenAI-compatible server."""
+    """The engine for a role, as configured: in-process transformers (`engine.kind`, or the role in
+    `engine.in_process`) or the OpenAI-compatible server of the role (`engine.<role>_url`, else `base_url`)."""
     from dynrubric import modelcache
 
     model_dir = modelcache.resolve(settings.paths.resolved_home(), getattr(settings.models, role))
     cfg = settings.engine
-    if cfg.kind == "transformers":
+    kind, url = _placement(settings, role)
+    if kind == "transformers":
         from dynrubric.engines.hf import TransformersEngine
 
         return TransformersEngine(
@@ -30,4 +40,14 @@ def build_engine(settings: Settings, role: Role) -> Engine:
         )
     from dynrubric.engines.http import OpenAIHTTPEngine
 
-    return OpenAIHTTPEngine(cfg.base_url, model_dir, api_key=cfg.api_key, timeout_s=cfg.timeout_s)
+    return OpenAIHTTPEngine(url, model_dir, api_key=cfg.api_key, timeout_s=cfg.timeout_s)
+
+
+def judge_engines(settings: Settings) -> tuple[Engine, Engine]:
+    """(rubric generator, verifier): one engine when both roles have the same model in the same place, else two
+    (close both: `verifier is generator` says whether they are one)."""
+    generator = build_engine(settings, "generator")
+    same = settings.models.verifier == settings.models.generator and _placement(settings, "verifier") == _placement(
+        settings, "generator"
+    )
+    return generator, generator if same else build_engine(settings, "verifier")

@@ -67,17 +67,12 @@ class SetScorer:
     """The `map_batches` callable of one judge actor: its engines are built once, in the actor."""
 
     def __init__(self, settings: Settings):
-        from dynrubric.engines import build_engine
+        from dynrubric.engines import judge_engines
         from dynrubric.ray_cluster import use_cores
 
         use_cores(settings.engine.threads, sharers=settings.ray.judges)  # the pool's judges work at once
         self.settings = settings
-        self.generator = build_engine(settings, "generator")
-        self.verifier = (
-            self.generator
-            if settings.models.verifier == settings.models.generator
-            else build_engine(settings, "verifier")
-        )
+        self.generator, self.verifier = judge_engines(settings)
         self.evaluator = Evaluator(self.generator, self.verifier, settings.rubric)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list[Any]]:

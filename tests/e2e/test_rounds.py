@@ -357,3 +357,27 @@ def test_two_rounds_carry_adamw_hold_to_the_parent_and_fill_their_batches_with_s
     after = [s.updates for s in second.steps if s.phase == "policy"]
     assert after[0] == before + (1 if second.steps[0].updated else 0) and before >= 1
     assert second.prompts_needed == 4
+
+
+def test_a_round_of_generator_steps_alone_trains_the_judge_and_registers_no_policy(
+    tmp_path: Path, tiny_model_dir: Path
+):
+    """`train.coevolve.k_alt: 0` (issue 36, benchmarks/coevolution.py): a round of generator steps only. The policy
+    stands still, so the round registers nothing and the next one builds on the same parent; the generator's weights
+    as the round left them become the run's (what the next round's judge writes rubrics with)."""
+    from dynrubric.registry import weights_sha256
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 16)
+    r = runner(
+        tmp_path / "state", tiny_model_dir, prompts, steps_per_round=2, coevolve={"k_alt": 0, "k_alt_generator": 2}
+    )
+    summary = r.run()
+    assert [h.phase for h in summary.steps] == ["generator", "generator"], summary.steps
+    assert summary.phases == {"policy": 0, "generator": 2}
+    assert summary.version is None and summary.state == "unregistered", summary
+    assert "no policy update in 0 policy step(s)" in summary.guard.detail
+    assert [c.version for c in r.registry.list()] == ["base"] and r.head().version == "base"
+    assert r.generator_dir() == r.run_dir / "generator" / "model", "kept for the next round's judge"
+    assert r.next_round() == 2
+    # the served policy is the base, byte for byte
+    assert r.head().weights_sha256 == weights_sha256(tiny_model_dir)

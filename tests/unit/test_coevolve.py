@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from dynrubric.config import CoevolveConfig, RubricConfig
 from dynrubric.engines.base import Completion, Engine
@@ -261,6 +262,14 @@ def test_schedule_alternates_k_alt_steps_and_starts_with_the_generator_after_a_c
     off = Settings.model_validate({"paths": {"state_dir": str(tmp_path)}, "train": {"coevolve": {"enabled": False}}})
     no_coevolution = RoundRunner(off, runner.registry, None, None)  # type: ignore[arg-type]
     assert no_coevolution.schedule(1, 3, refresh=True) == ["policy"] * 3
+    alone = Settings.model_validate(
+        {"paths": {"state_dir": str(tmp_path)}, "train": {"coevolve": {"k_alt": 0, "k_alt_generator": 2}}}
+    )
+    generator_alone = RoundRunner(alone, runner.registry, None, None)  # type: ignore[arg-type]
+    assert generator_alone.schedule(3, 5, refresh=False) == ["generator"] * 5  # the policy stands still
+    assert generator_alone.schedule(1, 2, refresh=True) == ["generator"] * 2
+    with pytest.raises(ValidationError, match="needs k_alt_generator"):
+        Settings.model_validate({"train": {"coevolve": {"k_alt": 0}}})
 
 
 def test_file_anchors_are_found_for_prompts_from_the_replay_source(tmp_path: Path) -> None:

@@ -46,3 +46,32 @@ def test_a_verifier_alone_on_its_server_loads_nothing(fake_http: None) -> None:
     make = engine_factory(settings(base_url="http://127.0.0.1:1", verifier_url="http://127.0.0.1:2"))
     verifier = make("verifier", Path("/verifier"))
     assert verifier.loaded == []  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def fake_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dynrubric.engines.hf
+
+    monkeypatch.setattr(dynrubric.engines.hf, "TransformersEngine", lambda model_dir, **kw: FakeEngine("", model_dir))
+
+
+def test_the_judges_engines_go_where_each_role_is_configured(
+    fake_http: None, fake_in_process: None, tmp_path: Path
+) -> None:
+    """`build_engine`/`judge_engines` (score, eval-judge, serve-reward, the rollout judge): each role on its own
+    server (`engine.<role>_url`) or in process (`engine.in_process`). They used `engine.base_url` for every role, so
+    a generator served apart from its verifier (a trained generator beside the frozen base) judged with one model."""
+    from dynrubric.engines import judge_engines
+
+    (tmp_path / "config.json").write_text("{}")  # a local model dir, as the model cache resolves one
+    same = {"models": {"generator": str(tmp_path), "verifier": str(tmp_path)}}
+    one = override(settings(base_url="http://127.0.0.1:1"), same)
+    generator, verifier = judge_engines(one)
+    assert generator is verifier and generator.url == "http://127.0.0.1:1"  # type: ignore[attr-defined]
+    apart = override(one, {"engine": {"generator_url": "http://127.0.0.1:2"}})
+    generator, verifier = judge_engines(apart)
+    assert generator is not verifier
+    assert (generator.url, verifier.url) == ("http://127.0.0.1:2", "http://127.0.0.1:1")  # type: ignore[attr-defined]
+    local = override(one, {"engine": {"in_process": ["verifier"]}})
+    generator, verifier = judge_engines(local)
+    assert (generator.url, verifier.url) == ("http://127.0.0.1:1", "")  # type: ignore[attr-defined]
