@@ -58,8 +58,8 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     ]  # not splitlines: U+2028 in texts
 
 
-def arena_questions(root: Path) -> list[dict[str, Any]]:
-    """Test-split Arena-Hard questions, each with its strong answer and that model's name."""
+def arena_questions(root: Path, split: str = "test") -> list[dict[str, Any]]:
+    """`split`'s Arena-Hard questions (the benchmark's: test), each with its strong answer and that model's name."""
     answers: dict[str, dict[str, str]] = {}
     for model in STRONG:
         for obj in _jsonl(root / ARENA / "model_answer" / f"{model}.jsonl"):
@@ -71,7 +71,7 @@ def arena_questions(root: Path) -> list[dict[str, Any]]:
     for q in _jsonl(root / ARENA / "question.jsonl"):
         have = answers.get(q["uid"], {})
         strong = next((m for m in STRONG if m in have), None)
-        if split_of(f"arena-hard:{q['uid']}") == "test" and strong is not None:
+        if split_of(f"arena-hard:{q['uid']}") == split and strong is not None:
             out.append({**q, "strong": strong, "strong_text": have[strong]})
     return out
 
