@@ -55,6 +55,7 @@ from make_open_judge_benchmark import arena_questions, tasks_dir  # noqa: E402
 from dynrubric import modelcache  # noqa: E402
 from dynrubric.config import Settings  # noqa: E402
 from dynrubric.config_loader import load_settings, override  # noqa: E402
+from dynrubric.engines import one_shared_server  # noqa: E402
 from dynrubric.engines.base import Engine, GenerationRequest, SamplingParams  # noqa: E402
 from dynrubric.rubric.benchmark import read_open_sets, read_real_sets  # noqa: E402
 from dynrubric.train.policy_eval import paired_bootstrap  # noqa: E402
@@ -144,17 +145,9 @@ def run_settings(
                     **shape,
                 },
             },
-            "engine": {
-                "kind": "openai-http",
-                "base_url": url,
-                "policy_url": None,
-                "generator_url": None,
-                "verifier_url": None,
-                "shared_servers": True,
-                # the verifier on the server too, taking turns with the generator (as the rollout judge in `up`): in
-                # this process it read every item of a set ~20x slower (docs/benchmarks.md, seconds per open pair)
-                "in_process": [],
-            },
+            # the verifier on the server too, taking turns with the generator (as the rollout judge in `up`): in this
+            # process it read every item of a set ~20x slower (docs/benchmarks.md, seconds per open pair)
+            "engine": one_shared_server(url),
         },
     )
 

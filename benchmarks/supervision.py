@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT))  # the checkout this file is in, not another insta
 from dynrubric import modelcache  # noqa: E402
 from dynrubric.config import Settings  # noqa: E402
 from dynrubric.config_loader import load_settings, override  # noqa: E402
+from dynrubric.engines import one_shared_server  # noqa: E402
 from dynrubric.rubric.groundtruth import derive  # noqa: E402
 from dynrubric.train.policy_eval import (  # noqa: E402
     FIGURES,
@@ -138,15 +139,7 @@ def run_settings(base: Settings, arm: str, seed: int, run: Path, prompts_file: P
             "paths": {"state_dir": str(run)},
             "train": ARMS[arm].get("train", {})
             | {"seed": seed, "prompt_source": "jsonl", "prompts_file": str(prompts_file)},
-            "engine": {
-                "kind": "openai-http",
-                "base_url": url,
-                "policy_url": None,
-                "generator_url": None,
-                "verifier_url": None,
-                "shared_servers": True,
-                "in_process": ["verifier"],
-            },
+            "engine": one_shared_server(url, in_process=["verifier"]),
         },
     )
 

@@ -368,6 +368,7 @@ class ClosedLoop:
         The serving fleet is left to the users. Returns the rounds' settings (written to `up/trainer.yaml`), which
         say so; `settings` keep their own engines. The rollout judge borrows the server between rounds (`_judge_on`)."""
         from dynrubric import modelcache
+        from dynrubric.engines import one_shared_server
         from dynrubric.engines.vllm_server import VllmServer
 
         s = settings
@@ -379,13 +380,7 @@ class ClosedLoop:
         self.supervisor.start(
             ChildSpec("trainer-engine", server.command(), env, f"{server.base_url}/health", s.vllm.start_timeout_s)
         )
-        engine = {
-            "kind": "openai-http",
-            "base_url": server.base_url,
-            "shared_servers": True,
-            "in_process": ["verifier"],
-        }
-        trainer = override(s, {"engine": engine | dict.fromkeys(("policy_url", "generator_url", "verifier_url"))})
+        trainer = override(s, {"engine": one_shared_server(server.base_url, in_process=["verifier"])})
         self.log(f"trainer engine (vLLM: policy and rubric generator, the rollout judge between) at {server.base_url}")
         return trainer
 

@@ -2,14 +2,37 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Sequence
+from typing import Any, Literal
 
 from dynrubric.config import Settings
 from dynrubric.engines.base import Completion, Engine, GenerationRequest, SamplingParams
 
 Role = Literal["policy", "generator", "verifier"]
 
-__all__ = ["Completion", "Engine", "GenerationRequest", "SamplingParams", "build_engine", "judge_engines"]
+__all__ = [
+    "Completion",
+    "Engine",
+    "GenerationRequest",
+    "SamplingParams",
+    "build_engine",
+    "judge_engines",
+    "one_shared_server",
+]
+
+
+def one_shared_server(url: str, in_process: Sequence[Role] = ()) -> dict[str, Any]:
+    """The `engine` settings of every role on the one vLLM server at `url`, taking turns with their own weights
+    (`engine.shared_servers`), but those `in_process`: what `dynrubric up`'s rounds and the benchmarks run on."""
+    return {
+        "kind": "openai-http",
+        "base_url": url,
+        "policy_url": None,
+        "generator_url": None,
+        "verifier_url": None,
+        "shared_servers": True,
+        "in_process": list(in_process),
+    }
 
 
 def _placement(settings: Settings, role: Role) -> tuple[str, str]:

@@ -56,12 +56,13 @@ def held_by_server(url: str, model_dir: Path) -> str:
 
 def trainer_settings(tmp_path: Path, url: str, verifier: Path) -> Settings:
     """The rounds' settings as `ClosedLoop._start_trainer_engine` writes them, a short rubric budget."""
-    engine = {"kind": "openai-http", "base_url": url, "shared_servers": True, "in_process": ["verifier"]}
+    from dynrubric.engines import one_shared_server
+
     return override(
         Settings(),
         {
             "paths": {"state_dir": str(tmp_path / "state")},
-            "engine": engine,
+            "engine": one_shared_server(url, in_process=["verifier"]),
             "models": {"policy": str(verifier), "generator": str(verifier), "verifier": str(verifier)},
             "rubric": {"generator_max_tokens": 48, "retries": 0, "prompt_only_retries": 0},
             "rollout": {"judge": True},
