@@ -359,7 +359,7 @@ def test_the_dev_overlay_promotes_one_version_and_rolls_back_another_with_two_ro
     # rollout 1: v1, the same weights under a new version: canary, gate, promote
     with Traffic(routers, seed=1) as traffic1:
         ro1 = run(dev, job(K8S / "jobs" / "rollout-start.yaml", **{"version-to-roll-out": "v1"}), 900)
-    print_job(ro1, traffic1)
+    print_job(ro1, traffic1, cluster)
     assert ro1.exit_code == 0, ro1.log_tail(60)
     assert states(dev) == {"v0": "retired", "v1": "stable", "v2": "candidate"}
 
@@ -440,8 +440,18 @@ def test_the_dev_overlay_promotes_one_version_and_rolls_back_another_with_two_ro
     print("timings: " + ", ".join(f"{k} {v:.0f} s" for k, v in dev.timings.items()))
 
 
-def print_job(pod: Pod, traffic: Traffic) -> None:
+def print_job(pod: Pod, traffic: Traffic, cluster: Cluster | None = None) -> None:
     print(f"\n--- Job pod {pod.name} (exit {pod.exit_code}):\n{pod.log_tail(40)}")
+    if cluster is not None and pod.exit_code != 0:
+        # a rollout that waited for an engine: what each engine pod did (a new pod that never became ready, a
+        # container that kept exiting), read from their logs, alive or not
+        for owner in ("vllm-stable", "vllm-canary"):
+            for p in cluster.pods_of(owner, alive=False):
+                state = "ready" if p.ready() else "alive, not ready" if p.alive() else "ended"
+                print(
+                    f"--- {p.name} ({p.container['args'][1]}; {state}; up {time.monotonic() - p.started_at:.0f} s; "
+                    f"container exits {p.exits}):\n{p.log_tail(15)}"
+                )
     for router, outcomes in traffic.outcomes.items():
         served = Counter(f"{o.variant} {o.policy_version}" for o in outcomes)
         print(f"users of {router}: {dict(sorted(served.items()))}")
