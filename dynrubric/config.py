@@ -79,6 +79,12 @@ class EngineConfig(Section):
         "before its calls (one vLLM server for the policy and the rubric generator)",
     )
     api_key: SecretStr | None = None
+    concurrency: int = Field(
+        default=64,
+        ge=1,
+        description="openai-http: requests one engine keeps in flight; vLLM batches them itself, so this many "
+        "fill its batch (up to vllm.max_num_seqs)",
+    )
     timeout_s: float = Field(
         default=600.0,
         gt=0,
@@ -758,6 +764,12 @@ class EvaluationConfig(Section):
         default=None, ge=1, description="serving decode: max tokens of an answer (default: loop.users_max_tokens)"
     )
     temperature: float = Field(default=0.0, ge=0, description="serving decode: 0 = greedy, as the users ask")
+    decode_batch: int = Field(
+        default=256,
+        ge=1,
+        description="prompts sent to the engine at once when a version is evaluated (its progress is shown per "
+        "batch); a batch waits for its longest answer, so a small one leaves the engine's batch half empty",
+    )
     bootstrap_samples: int = Field(default=2000, ge=100, description="paired bootstrap resamples of the prompts")
     confidence: float = Field(default=0.95, gt=0.5, lt=1.0, description="two-sided level of the CIs")
     guard: bool = Field(

@@ -171,7 +171,9 @@ def engine_factory(settings: Settings) -> EngineFactory:
 
         url = cfg.url_for(cast("EngineRole", role))  # the rounds ask for policy, generator or verifier
         shared = servers.setdefault(url, SharedServer()) if cfg.shared_servers else None
-        engine = OpenAIHTTPEngine(url, model_dir, api_key=cfg.api_key, timeout_s=cfg.timeout_s, shared=shared)
+        engine = OpenAIHTTPEngine(
+            url, model_dir, api_key=cfg.api_key, timeout_s=cfg.timeout_s, concurrency=cfg.concurrency, shared=shared
+        )
         if shared is not None and (role != "verifier" or url in reloaded):
             engine.load_weights(model_dir, Path(model_dir).name)
         return engine

@@ -63,7 +63,7 @@ def build_engine(settings: Settings, role: Role) -> Engine:
         )
     from dynrubric.engines.http import OpenAIHTTPEngine
 
-    return OpenAIHTTPEngine(url, model_dir, api_key=cfg.api_key, timeout_s=cfg.timeout_s)
+    return OpenAIHTTPEngine(url, model_dir, api_key=cfg.api_key, timeout_s=cfg.timeout_s, concurrency=cfg.concurrency)
 
 
 def judge_engines(settings: Settings) -> tuple[Engine, Engine]:

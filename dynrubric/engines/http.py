@@ -55,7 +55,7 @@ class OpenAIHTTPEngine(Engine):
         timeout_s: float = EngineConfig.model_fields["timeout_s"].default,  # one default: the schema's
         top_logprobs: int = 20,
         exact_missing: bool = False,
-        concurrency: int = 16,
+        concurrency: int = EngineConfig.model_fields["concurrency"].default,
         policy_version: str | None = None,
         shared: SharedServer | None = None,
     ):

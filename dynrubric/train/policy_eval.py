@@ -374,7 +374,9 @@ def evaluate_suites(
                 if not loaded:
                     engine.load_weights(path, version)
                     loaded = True
-                outcomes = sample_outcomes(engine, version, prompts, params, partial(progress, version))
+                outcomes = sample_outcomes(
+                    engine, version, prompts, params, partial(progress, version), settings.evaluation.decode_batch
+                )
                 store.put(outcomes, suite)
             out[suite][version] = outcomes
     return out

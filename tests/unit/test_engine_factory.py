@@ -19,6 +19,7 @@ class FakeEngine:
 
     def __init__(self, url: str, model_dir: Path, **kw: Any) -> None:
         self.url, self.shared, self.loaded = url, kw.get("shared"), []
+        self.concurrency = kw.get("concurrency")
 
     def load_weights(self, path: Path, version: str) -> None:
         self.loaded.append(str(path))
@@ -75,3 +76,14 @@ def test_the_judges_engines_go_where_each_role_is_configured(
     local = override(one, {"engine": {"in_process": ["verifier"]}})
     generator, verifier = judge_engines(local)
     assert (generator.url, verifier.url) == ("http://127.0.0.1:1", "")  # type: ignore[attr-defined]
+
+
+def test_every_server_engine_keeps_engine_concurrency_requests_in_flight(fake_http: None, tmp_path: Path) -> None:
+    """`engine.concurrency` reaches the rounds' engines and the judges' (benchmarks/round_time.py: a round with 64
+    in flight instead of a fixed 16 fills more of vLLM's batch)."""
+    from dynrubric.engines import build_engine
+
+    (tmp_path / "config.json").write_text("{}")
+    s = override(settings(base_url="http://127.0.0.1:1", concurrency=48), {"models": {"generator": str(tmp_path)}})
+    assert engine_factory(s)("policy", Path("/policy")).concurrency == 48  # type: ignore[attr-defined]
+    assert build_engine(s, "generator").concurrency == 48  # type: ignore[attr-defined]

@@ -97,6 +97,30 @@ def test_users_judge_and_evaluation_give_one_verdict_per_constraint(tiny_model_d
     )
 
 
+def test_a_version_is_evaluated_in_batches_of_evaluation_decode_batch(tiny_model_dir, tmp_path):
+    """`evaluation.decode_batch`: the prompts a version's evaluation sends at once (a batch waits for its longest
+    answer; 32 at a time left vLLM's batch half empty, benchmarks/round_time.py)."""
+    from transformers import AutoTokenizer
+
+    from dynrubric.config_loader import override
+    from dynrubric.train.policy_eval import evaluate_suites
+
+    questions = [f"What is {i} + {i}?" for i in range(7)]
+
+    class Counting(Scripted):
+        batches: list[int] = []
+
+        def generate(self, requests):
+            self.batches.append(len(requests))
+            return super().generate(requests)
+
+    engine = Counting(AutoTokenizer.from_pretrained(tiny_model_dir), {q: str(2 * i) for i, q in enumerate(questions)})
+    prompts = [EvalPrompt(prompt=make_prompt(q), grader=CheckGrader(derive(q))) for q in questions]
+    settings = override(Settings(), {"paths": {"state_dir": str(tmp_path)}, "evaluation": {"decode_batch": 3}})
+    out = evaluate_suites(settings, engine, [("v", tmp_path)], {"dev": prompts})
+    assert engine.batches == [3, 3, 1] and out["dev"]["v"].pass_rate() == 1.0
+
+
 def test_the_bank_states_exactly_what_its_text_asks_and_is_checkable():
     """Every checkable line of the bank (its open lines, real user questions, have no checker)."""
     items = [i for i in load_prompts() if i.kind != "open"]
