@@ -415,6 +415,22 @@ class _Sums:
     sampler_capped: float = 0.0
 
 
+def bfloat16_native(device: torch.device) -> bool:
+    """Whether `device` multiplies bfloat16 in hardware: a GPU that supports it; a CPU with AVX512-BF16 or AMX
+    (oneDNN's own test). Elsewhere torch falls back to a reference GEMM: on a 2-core AVX2 EPYC, a forward and
+    backward of 4 x 300 tokens of SmolLM2-135M took 290 s under bfloat16 autocast against 11 s in float32."""
+    if device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported())
+    return device.type == "cpu" and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def compute_dtype(setting: str, device: torch.device) -> str:
+    """`grpo.compute_dtype` on `device`: auto is bfloat16 where it is native (`bfloat16_native`), else float32."""
+    if setting == "auto":
+        return "bfloat16" if bfloat16_native(device) else "float32"
+    return setting
+
+
 class GRPOTrainer:
     """Owns the trainable policy, the frozen reference and the AdamW state.
 
@@ -489,9 +505,10 @@ class GRPOTrainer:
         """The precision of the trainer's forward and backward passes (`grpo.compute_dtype`): bfloat16 autocast runs
         the transformer body's matmuls in bfloat16 (AMX on a recent Xeon, tensor cores on a GPU); the weights,
         the optimiser, the LM head and the log-softmax stay float32."""
-        if self.config.compute_dtype == "float32":
+        device = next(self.model.parameters()).device
+        if compute_dtype(self.config.compute_dtype, device) == "float32":
             return contextlib.nullcontext()
-        return torch.autocast(device_type=next(self.model.parameters()).device.type, dtype=torch.bfloat16)
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
     def _backward(
         self,

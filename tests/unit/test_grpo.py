@@ -260,8 +260,8 @@ def test_gradient_accumulation_equals_the_full_batch(tiny_model_dir: Path) -> No
 
 
 def test_bfloat16_autocast_keeps_the_loss_and_the_gradients_direction(tiny_model_dir: Path) -> None:
-    """`grpo.compute_dtype: bfloat16` (the demo's: AMX makes the update ~2x faster on this CPU) runs the body's
-    matmuls in bfloat16 and keeps the weights, the head and the log-softmax in float32: the same loss to a few
+    """`grpo.compute_dtype: bfloat16` (the demo's `auto` on a CPU with AMX, where the update is ~2x faster) runs the
+    body's matmuls in bfloat16 and keeps the weights, the head and the log-softmax in float32: the same loss to a few
     parts in a thousand, and a gradient pointing the same way."""
     batch = groups(5)
     exact, fast = make_trainer(tiny_model_dir), make_trainer(tiny_model_dir, compute_dtype="bfloat16")
@@ -272,6 +272,24 @@ def test_bfloat16_autocast_keeps_the_loss_and_the_gradients_direction(tiny_model
     assert float(torch.nn.functional.cosine_similarity(g_exact, g_fast, dim=0)) > 0.98
     assert all(p.dtype == torch.float32 for p in fast.model.parameters())
     assert fast.step(batch).updated
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_auto_compute_dtype_is_bfloat16_only_where_the_cpu_multiplies_it_natively(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """`grpo.compute_dtype: auto` (the demo's): bfloat16 autocast where the device has native bfloat16 matmuls, float32
+    elsewhere. On an AVX2-only CPU torch's bfloat16 GEMM is a reference loop: a round's update took ~20x longer
+    (benchmarks/round_time.py)."""
+    import dynrubric.train.grpo as grpo
+
+    monkeypatch.setattr(grpo, "bfloat16_native", lambda device: native)
+    trainer = make_trainer(tiny_model_dir, compute_dtype="auto")
+    autocast = trainer._autocast()
+    assert isinstance(autocast, torch.autocast) == native
+    assert grpo.compute_dtype("auto", torch.device("cpu")) == ("bfloat16" if native else "float32")
+    assert grpo.compute_dtype("bfloat16", torch.device("cpu")) == "bfloat16"  # an explicit setting is kept
+    assert trainer.step(groups(2)).updated
 
 
 def test_tied_sets_give_no_gradient_and_are_counted(tiny_model_dir: Path) -> None:
