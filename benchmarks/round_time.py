@@ -8,9 +8,10 @@ the server started as `up` starts it). Each arm starts from a fresh state direct
 dev split and the figures inside its round, as `up`'s first round does.
 
     before   the demo's settings at commit 01cc34f (`BEFORE`): the trainer under bfloat16 autocast whatever the CPU,
-             16 requests in flight per engine, the evaluation's prompts sent 32 at a time
+             micro-batches of 4, 16 requests in flight per engine, the evaluation's prompts sent 32 at a time
     after    the demo profile as shipped: `grpo.compute_dtype: auto` (float32 on a CPU without native bfloat16),
-             64 requests in flight (`engine.concurrency`), 256 prompts at a time (`evaluation.decode_batch`)
+             micro-batches of 2, 64 requests in flight (`engine.concurrency`), 256 prompts at a time
+             (`evaluation.decode_batch`)
 
 The arms run in the order given (`--arms`; the default runs `after` first, so that the trainer's peak memory printed
 after it is its own).
@@ -18,7 +19,7 @@ after it is its own).
 It prints each stage's seconds (the round's `stage_seconds`, as `dynrubric report` shows them) for both arms, their
 totals and `ratio: X` (after / before): the same steps, prompts and seeds on each side.
 
-    python benchmarks/round_time.py [--out DIR] [--arms before after] [--quick]
+    python benchmarks/round_time.py [--out DIR] [--arms after before] [--quick]
 """
 
 from __future__ import annotations
