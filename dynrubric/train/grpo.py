@@ -39,6 +39,7 @@ too) and `compute_approx_kl` (tested, also on the trainer's second update).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
@@ -415,6 +416,7 @@ class _Sums:
     sampler_capped: float = 0.0
 
 
+@functools.cache
 def bfloat16_native(device: torch.device) -> bool:
     """Whether `device` multiplies bfloat16 in hardware: a GPU that supports it; a CPU with AVX512-BF16 or AMX
     (oneDNN's own test). Elsewhere torch falls back to a reference GEMM: on a 2-core AVX2 EPYC, a forward and
