@@ -625,7 +625,8 @@ class _Round:
 
     def run(self) -> RoundSummary:
         """The round from its newest published step (or its plan) to its summary."""
-        started = time.time()
+        # on the clock the stages use: time.time() can step mid-round (NTP), and the stages must add up to the round
+        started = time.perf_counter()
         self.collapse_fired = False
         try:
             t0 = time.perf_counter()
@@ -1083,7 +1084,7 @@ class _Round:
             prompts_needed=self.plan.get("new_prompts_needed"),
             watermark_before=self.plan["watermark_before"],
             watermark_after=self.plan["watermark_after"],
-            seconds=time.time() - started,
+            seconds=time.perf_counter() - started,
             stage_seconds=self.stage_seconds(),
         )
 

@@ -7,6 +7,7 @@ model through the real TransformersEngine.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import queue
@@ -299,6 +300,22 @@ def test_a_round_without_a_policy_update_registers_nothing(tmp_path: Path, tiny_
     assert summary.guard.reason == "no_update" and "no policy update in 2 policy step(s)" in summary.guard.detail
     assert [c.version for c in r.registry.list()] == ["base"]
     assert r.head().version == "base"
+
+
+def test_a_rounds_seconds_are_what_its_stages_took_whatever_the_wall_clock_does(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A round's `seconds` and its `stage_seconds` read one clock: the wall clock stepping mid-round (NTP; round_time
+    once read a round 41 s longer than its stages, docs/benchmarks.md) is not round time."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 48)
+    r = runner(
+        tmp_path / "state", tiny_model_dir, prompts, rubric={"eps": 0.99}, steps_per_round=1, coevolve={"k_alt": 1}
+    )
+    wall, readings = time.time, itertools.count()
+    monkeypatch.setattr(time, "time", lambda: wall() + 3600.0 * next(readings))  # an hour later at every reading
+    summary = r.run()
+    stages = sum(summary.stage_seconds.values())
+    assert stages > 0 and stages <= summary.seconds < stages + 60, (summary.seconds, summary.stage_seconds)
 
 
 def test_every_seed_of_a_run_is_its_own():
