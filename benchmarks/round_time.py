@@ -13,6 +13,10 @@ dev split and the figures inside its round, as `up`'s first round does.
              micro-batches of 2, 64 requests in flight (`engine.concurrency`), 256 prompts at a time
              (`evaluation.decode_batch`)
 
+On a CPU that multiplies bfloat16 natively (AMX, AVX512-BF16) `auto` is bfloat16 too, and the arms differ only in the
+micro-batch, the requests in flight and the evaluation's batch (docs/benchmarks.md: 0.52 on an AVX2-only CPU, 0.80
+on one with AVX512-BF16).
+
 The arms run in the order given (`--arms`; the default runs `after` first, so that the trainer's peak memory printed
 after it is its own).
 
