@@ -59,6 +59,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from dynrubric import http_clients
 from dynrubric.service import make_app, require_token
 from serving.routing import ArmAssignment, LeastInflight, ReplicaChoice, StickyHashAssignment, Variant, serving_replicas
+from serving.shared import Split
 
 log = logging.getLogger(__name__)
 
@@ -752,15 +753,20 @@ class Router:
                     ok = False
                 came_back = ok and not replica.healthy
                 replica.healthy = ok
-                want = (moved or self.state.desired).get(replica.variant)
-                if ok and (came_back or replica.stale or moved is not None) and want is not None:
-                    try:
-                        async with self._control:
+                if not (ok and (came_back or replica.stale or moved is not None)):
+                    continue
+                try:
+                    async with self._control:
+                        # the weights a variant should serve, read under the lock a weights call holds: read before
+                        # it, they were the old ones once the call had moved them, and a pod the call had just found
+                        # on the new weights was checked against the old, held stale, and got no users meanwhile
+                        want = (moved or self.state.desired).get(replica.variant)
+                        if want is not None:
                             await self._reload(replica, want)
-                    except WrongWeights:
-                        pass  # stale: up, no traffic; checked again next time
-                    except EngineFailure:
-                        replica.healthy = False
+                except WrongWeights:
+                    pass  # stale: up, no traffic; checked again next time
+                except EngineFailure:
+                    replica.healthy = False
 
     async def _health_loop(self) -> None:
         while True:
@@ -795,42 +801,56 @@ class Router:
             self._split_seq = split.seq
 
     def apply_shared(self) -> None:
-        """Adopt the newest shared split, write this replica's counters, read the others' (blocking: the sync
-        loop runs it in a thread)."""
+        """Adopt the newest shared split, write this replica's counters, read the others' (blocking: run at start,
+        before the replica serves)."""
         if self.shared is None:
             return
-        split = self.shared.read()
-        if split is not None and split.seq > self._split_seq:
-            s = self.state
-            s.experiment, s.canary_weight = split.experiment, split.canary_weight
-            s.desired = {v: Weights(w["version"], w["path"]) for v, w in split.desired.items()}
-            for replica in s.replicas:  # another replica loaded them on the engines (Services shared by all)
-                if replica.variant in s.desired:
-                    replica.policy_version = s.desired[replica.variant].version
-            self._split_seq = split.seq
-            self._set_weight_gauges()
+        self._adopt(self.shared.read())
+        self._exchange_counters()
+
+    def _adopt(self, split: Split | None) -> None:
+        """Take `split` as this replica's, if it is newer than the one it has."""
+        if split is None or split.seq <= self._split_seq:
+            return
+        s = self.state
+        s.experiment, s.canary_weight = split.experiment, split.canary_weight
+        s.desired = {v: Weights(w["version"], w["path"]) for v, w in split.desired.items()}
+        for replica in s.replicas:  # another replica loaded them on the engines (Services shared by all)
+            if replica.variant in s.desired:
+                replica.policy_version = s.desired[replica.variant].version
+        self._split_seq = split.seq
+        self._set_weight_gauges()
+
+    def _exchange_counters(self) -> None:
+        """Write this replica's counters, read the others' (blocking)."""
+        assert self.shared is not None
         self.shared.flush(self.replica_id, self._own_counters())
         self._others = self.shared.others(self.replica_id)
 
     async def sync_shared(self) -> None:
-        """Adopt the newest shared split (`apply_shared`). With weights_via restart, a split whose weights moved
-        (another replica found a variant's engines restarted onto new weights: a loading or a promotion) is adopted
-        only after this replica's own replicas of that variant are found and checked against them: adopted first,
-        the traffic it moves went to the pods this replica knew until its next health check (gone, or still on the
-        old weights), and the users of a promoted version's arm got 502 "none healthy" meanwhile."""
+        """Adopt the newest shared split, then exchange counters. With weights_via restart, a split whose weights
+        moved (another replica found a variant's engines restarted onto new weights: a loading or a promotion) is
+        adopted only after this replica's own replicas of that variant are found and checked against them: adopted
+        first, the traffic it moves went to the pods this replica knew until its next health check (gone, or still
+        on the old weights), and the users of a promoted version's arm got 502 "none healthy" meanwhile.
+
+        The split adopted is the one checked, read once: a second read could return a newer split (the promotion's
+        weights, published between the two reads) and adopt it unchecked, with every stable replica still stale
+        from the old weights: 502 "none healthy" for a health interval (CI of stop 42, tests/e2e/
+        test_k8s_processes.py)."""
         if self.shared is None:
             return
-        if self.weights_via == "restart":
-            split = await asyncio.to_thread(self.shared.read)
-            if split is not None and split.seq > self._split_seq:
-                moved = {
-                    v: Weights(w["version"], w["path"])
-                    for v, w in split.desired.items()
-                    if self.state.desired.get(v) != Weights(w["version"], w["path"])
-                }
-                if moved:
-                    await self.check_replicas(moved)
-        await asyncio.to_thread(self.apply_shared)
+        split = await asyncio.to_thread(self.shared.read)
+        if self.weights_via == "restart" and split is not None and split.seq > self._split_seq:
+            moved = {
+                v: Weights(w["version"], w["path"])
+                for v, w in split.desired.items()
+                if self.state.desired.get(v) != Weights(w["version"], w["path"])
+            }
+            if moved:
+                await self.check_replicas(moved)
+        self._adopt(split)
+        await asyncio.to_thread(self._exchange_counters)
 
     async def _sync_loop(self) -> None:
         while True:

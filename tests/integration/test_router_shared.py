@@ -194,3 +194,116 @@ def test_a_router_whose_stable_pods_restart_during_a_promotion_stays_ready(tmp_p
     assert probe.get("/readyz").status_code == 503
     replicas[0].stale = False
     assert probe.get("/readyz").status_code == 200
+
+
+def test_a_replica_adopts_the_split_it_checked_not_a_newer_one(tmp_path):
+    """weights_via restart, a promotion: everyone on the canary (v2), B's stable pod restarted onto v2 and stale to
+    B (checked against v1). A publishes stable v2, then the canary share 0. B read the split, found no weights moved,
+    and read it again to adopt it: the second read returned A's newer split, adopted unchecked, and B sent every user
+    to a stable pod it still held stale: 502 "none healthy" until its next health check (CI of stop 42,
+    tests/e2e/test_k8s_processes.py). B adopts the split it read and checked, and the newer one at its next sync."""
+    import httpx
+
+    db = str(tmp_path / "registry.sqlite")
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":  # the restarted stable pod serves v2
+            return httpx.Response(200, json={"data": [{"id": "policy", "root": "/m/v2"}]})
+        return httpx.Response(200)
+
+    def router(name: str) -> Router:
+        state = RouterState([], desired={"stable": Weights("v1", "/m/v1"), "canary": Weights("v2", "/m/v2")})
+        return Router(
+            state,
+            None,
+            CollectorRegistry(),
+            token=None,
+            shared=SharedSplit(Registry(db, storage_dir=tmp_path / "weights")),
+            replica_id=name,
+            weights_via="restart",
+            discover=[("vllm-stable", "stable", "http://vllm-stable:8000")],
+            resolve=lambda host, port: ["10.0.0.2"],
+        )
+
+    a, b = router("router-a"), router("router-b")
+    a.state.experiment, a.state.canary_weight = "ro-v2", 1.0  # the promotion's first call: the canary carries all
+    asyncio.run(a._publish())
+    b.apply_shared()
+    b._pods({"vllm-stable": ["10.0.0.2"]})
+    [pod] = b.state.replicas
+    pod.healthy, pod.stale = True, True  # up, and found serving v2 while B's stable is v1
+    read_before_a_published = b.shared.read()
+    a.state.desired["stable"] = Weights("v2", "/m/v2")  # A's weights call found the stable pods on v2
+    asyncio.run(a._publish())
+    a.state.canary_weight = 0.0  # and the controller moves everyone back to stable
+    asyncio.run(a._publish())
+    real_read = b.shared.read
+    reads = iter([read_before_a_published])
+    b.shared.read = lambda: next(reads, None) or real_read()  # B's first read came before A's two writes
+
+    async def sync() -> None:
+        b._client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
+        try:
+            await b.sync_shared()
+            # every user of B has an engine: the canary's, or a stable pod it may route to
+            assert b.state.canary_weight == 1.0 or b.state.serving("stable"), b.snapshot()
+            await b.sync_shared()
+        finally:
+            await b._client.aclose()
+
+    asyncio.run(sync())
+    assert (b.state.canary_weight, b.state.desired["stable"]) == (0.0, Weights("v2", "/m/v2"))
+    assert [(r.name, r.policy_version) for r in b.state.serving("stable")] == [("vllm-stable/10.0.0.2", "v2")]
+
+
+def test_a_pod_found_during_a_weights_call_is_checked_against_the_weights_the_call_set(tmp_path):
+    """weights_via restart, a promotion on the replica the controller's calls reach: its health check found the
+    restarted stable pod (new to it, so checked for weights) while the controller's weights call for v2 was checking
+    the same pod. The health check had read the weights to check before the call moved them (v1), waited for the
+    call, then found the pod on v2 and held it stale: with everyone moved back to stable next, 502 "none healthy"
+    until the health check after. It reads the weights under the call's lock, and checks the pod against v2."""
+    import httpx
+
+    health_asked, health_answer = asyncio.Event(), asyncio.Event()
+    models_asked, models_answer = asyncio.Event(), asyncio.Event()
+
+    async def engine(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            health_asked.set()
+            await health_answer.wait()
+            return httpx.Response(200)
+        if request.url.path == "/v1/models" and not models_answer.is_set():  # the weights call's check, held
+            models_asked.set()
+            await models_answer.wait()
+        return httpx.Response(200, json={"data": [{"id": "policy", "root": "/m/v2"}]})
+
+    state = RouterState([], desired={"stable": Weights("v1", "/m/v1"), "canary": Weights("v2", "/m/v2")})
+    router = Router(
+        state,
+        None,
+        CollectorRegistry(),
+        token=None,
+        weights_via="restart",
+        discover=[("vllm-stable", "stable", "http://vllm-stable:8000")],
+        resolve=lambda host, port: ["10.0.0.2"],  # the stable pod restarted onto v2 (the old one gone)
+    )
+
+    async def promotion() -> None:
+        router._client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
+        try:
+            health = asyncio.create_task(router.check_replicas())  # finds the pod, asks its /health
+            await health_asked.wait()
+            async with router._control:  # the controller's weights call, as /control/variants/stable/weights
+                call = asyncio.create_task(router.load_variant("stable", Weights("v2", "/m/v2")))
+                await models_asked.wait()
+                health_answer.set()  # the health check goes on while the call checks the pod
+                await asyncio.sleep(0.05)
+                models_answer.set()
+                await call
+            await health
+        finally:
+            await router._client.aclose()
+
+    asyncio.run(promotion())
+    assert state.desired["stable"] == Weights("v2", "/m/v2")
+    assert [(r.name, r.policy_version) for r in state.serving("stable")] == [("vllm-stable/10.0.0.2", "v2")]
