@@ -26,7 +26,10 @@ controller, DNS and API server do, and nothing else:
 - **Readiness and restarts**: a pod is ready while its process runs and its readinessProbe (httpGet) answers
   < 400; the endpoints follow. A Deployment's container that exits is started again in the same pod after
   the kubelet's back-off (10 s, doubling to 300 s); `Cluster.restarts` counts them (a Job's pod is not
-  restarted: `restartPolicy: Never`).
+  restarted: `restartPolicy: Never`). A container whose startupProbe (httpGet) has not answered < 400 within
+  initialDelaySeconds + periodSeconds x failureThreshold of its start is killed, and so restarted
+  (`Cluster.probe_kills`): SIGABRT first, so a Python process run with PYTHONFAULTHANDLER (vLLM's here) writes
+  every thread's stack to the pod's log, then SIGKILL. No livenessProbe is run.
 - **Deployments** (`KubeApi`, `Cluster.roll`): GET and PATCH (a strategic merge of the containers, by name) of
   the Deployments as `serving/kube.py` calls them, over HTTPS with the CA in the pods' service account,
   authenticated by the pod's token and authorised by the rendered Roles and RoleBindings. A patched pod
@@ -37,6 +40,7 @@ What stands in for what a real cluster has is said where it is; the test's docst
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import hashlib
@@ -115,7 +119,8 @@ CPU_FLAGS = ("--dtype", "float32", "--enforce-eager")
 
 
 def vllm_cpu_env(core: int) -> dict[str, str]:
-    return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+    # PYTHONFAULTHANDLER: a start the startupProbe kills writes its stacks to the log (Cluster._kill_container)
+    return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core), "PYTHONFAULTHANDLER": "1"}
 
 
 def image_of(ref: str) -> tuple[str, Image]:
@@ -197,6 +202,9 @@ class Pod:
     restarts: int = 0  # container restarts by the kubelet (restartPolicy Always)
     exits: list[int] = field(default_factory=list)  # the exit codes of those that ended
     restart_at: float | None = None
+    container_started_at: float = field(default_factory=time.monotonic)  # the container's last (re)start
+    started: bool = False  # its startupProbe has passed since then (the kubelet's `started`)
+    probe_kills: list[str] = field(default_factory=list)  # why the kubelet killed the container, each time
 
     @property
     def log(self) -> Path:
@@ -220,10 +228,10 @@ class Pod:
             return int(port)
         return next(int(p["containerPort"]) for p in self.container.get("ports", []) if p.get("name") == port)
 
-    def ready(self) -> bool:
-        if not self.alive() or self.stopping:
-            return False
-        probe = self.container.get("readinessProbe", {}).get("httpGet")
+    def probe(self, kind: str) -> bool:
+        """Whether the container's `kind` probe (readinessProbe, startupProbe; httpGet) answers < 400 now (no
+        such probe: True)."""
+        probe = self.container.get(kind, {}).get("httpGet")
         if probe is None:
             return True
         try:
@@ -231,6 +239,19 @@ class Pod:
         except httpx.HTTPError:
             return False
         return 200 <= code < 400
+
+    def ready(self) -> bool:
+        return self.alive() and not self.stopping and self.probe("readinessProbe")
+
+    def startup_budget_s(self) -> float | None:
+        """How long the kubelet lets the container start: its startupProbe's initialDelaySeconds + periodSeconds
+        x failureThreshold (Kubernetes' defaults: 0, 10, 3); None without a startupProbe."""
+        probe = self.container.get("startupProbe")
+        if not probe:
+            return None
+        return float(probe.get("initialDelaySeconds", 0)) + float(probe.get("periodSeconds", 10)) * float(
+            probe.get("failureThreshold", 3)
+        )
 
     @property
     def exit_code(self) -> int | None:
@@ -359,6 +380,8 @@ class Cluster:
             for p in pods:
                 if p.kind == "Deployment" and not p.stopping and p.process is not None and not p.alive():
                     self._restart(p)
+                elif p.kind == "Deployment" and not p.stopping and not p.started and p.alive():
+                    self._check_startup(p)
             ready = {p.ip for p in pods if p.ready()}
             with self._lock:
                 changed = ready != self._ready
@@ -577,11 +600,40 @@ class Cluster:
         return "\n".join(lines) + "\n"
 
     def _spawn(self, pod: Pod) -> None:
+        pod.container_started_at, pod.started = time.monotonic(), False
         pod.process = spawn(
             ["unshare", "--mount", "--uts", "--propagation", "private", "bash", str(pod.dir / "pod.sh")],
             pod.log,
             env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
         )
+
+    def _check_startup(self, pod: Pod) -> None:
+        """The kubelet's startupProbe: passed, the container has started; failing past its budget, the container
+        is killed (and then restarted as one that exited)."""
+        budget = pod.startup_budget_s()
+        if budget is None or pod.probe("startupProbe"):
+            pod.started = True
+            return
+        waited = time.monotonic() - pod.container_started_at
+        if waited > budget:
+            self._kill_container(pod, f"startupProbe failed for {waited:.0f} s (its budget: {budget:.0f} s)")
+
+    def _kill_container(self, pod: Pod, why: str) -> None:
+        """SIGABRT to each of the container's processes (one run with PYTHONFAULTHANDLER writes its threads' stacks
+        to the log: where a hung start hangs), then SIGKILL to what is left."""
+        assert pod.process is not None
+        with open(pod.log, "a") as log:
+            log.write(f"\n--- kubelet: {why}: killing the container (SIGABRT first: the stacks follow)\n")
+        pod.probe_kills.append(why)
+        for sig, wait_s in ((signal.SIGABRT, 5.0), (signal.SIGKILL, 0.0)):
+            for pid in session_pids(pod.process.pid):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            time.sleep(wait_s)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            pod.process.wait(10)
 
     def _restart(self, pod: Pod) -> None:
         now = time.monotonic()
@@ -601,6 +653,11 @@ class Cluster:
                 pod.restart_at = None
                 pod.restarts += 1
                 self._spawn(pod)
+
+    def probe_kills(self) -> dict[str, list[str]]:
+        """Pod name -> why the kubelet killed its container, each time (a startupProbe that failed)."""
+        with self._lock:
+            return {p.name: list(p.probe_kills) for p in self.pods.values() if p.probe_kills}
 
     def restarts(self) -> dict[str, list[int]]:
         """Pod name -> the exit codes of its containers that ended and were (or are to be) restarted."""

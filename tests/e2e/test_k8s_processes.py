@@ -61,7 +61,15 @@ What cannot run here, and what stands in for it:
 - PersistentVolumes (a provisioner): a directory per claim, its root owned by uid 1000.
 
 Known, and allowed: the reward server exits (2, `engine at http://vllm-judge:8000 is unreachable`) while the judge
-engine starts, as it would on a cluster; the kubelet's restarts bring it up once the judge answers.
+engine starts, as it would on a cluster; the kubelet's restarts bring it up once the judge answers. And a vLLM start
+that hangs (seen twice here, in CI of stop 41 and in a run of stop 43: the server's log stops at `Enabled custom
+fusions`, its engine process never writes a line): its startupProbe kills it and the kubelet restarts it, as on a
+cluster (tests/k8s_cluster.py; tests/integration/test_k8s_kubelet.py). The test prints each such kill with the stacks
+the killed processes wrote, and fails on a kill of anything else.
+
+Also changed for this machine: the vLLM Deployments' startupProbe budget, 900 s in the manifests (a GPU node
+loading a large model), is VLLM_STARTUP_PROBE's 360 s here (starts of the tiny model took 43-186 s under this test's
+load), and `rollout.restart_wait_s` (3600 s in the manifests) is 900 s: a hung start, killed, then a second start fit.
 """
 
 from __future__ import annotations
@@ -108,7 +116,7 @@ ROUTERS = 2  # dev's HPA maxReplicas
 # what a real cluster's rollout would take hours of traffic to decide, sized for a test (as tests/e2e/
 # test_serving_vllm.py sizes it): two short steps, small minimums, wide margins for an equal canary
 TEST_SETTINGS = {
-    "rollout": {"steps": [0.3, 0.5], "poll_interval_s": 2.0, "max_step_s": 240.0, "restart_wait_s": 600.0},
+    "rollout": {"steps": [0.3, 0.5], "poll_interval_s": 2.0, "max_step_s": 240.0, "restart_wait_s": 900.0},
     "gate": {
         "min_users_per_arm": 5,
         "min_requests_per_arm": 10,
@@ -121,6 +129,9 @@ TEST_SETTINGS = {
     },
     "serving": {"health_interval_s": 2.0},
 }
+# the vLLM Deployments' startupProbe, sized to this machine (module docstring): 36 x 10 s
+VLLM_STARTUP_PROBE = {"periodSeconds": 10, "failureThreshold": 36}
+ROLLOUT_JOB_S = 1500  # a rollout's Job: its steps, and up to restart_wait_s for each restart of an engine
 SECRET = {
     "serving-token": "serving-t0ken",
     "reward-token": "reward-t0ken",
@@ -197,6 +208,10 @@ def dev(tmp_path_factory, tiny_model_dir):
     config["data"]["dynrubric.yaml"] = yaml.safe_dump(
         deep_merge(yaml.safe_load(config["data"]["dynrubric.yaml"]), TEST_SETTINGS), sort_keys=False
     )
+    for o in objs:
+        if o["kind"] == "Deployment" and o["metadata"]["name"].startswith("vllm-"):
+            [container] = o["spec"]["template"]["spec"]["containers"]
+            container["startupProbe"] |= VLLM_STARTUP_PROBE
     objs.append(strimzi_bootstrap_service())
     tmp = tmp_path_factory.mktemp("k8s-dev")
     started = time.monotonic()
@@ -358,14 +373,14 @@ def test_the_dev_overlay_promotes_one_version_and_rolls_back_another_with_two_ro
 
     # rollout 1: v1, the same weights under a new version: canary, gate, promote
     with Traffic(routers, seed=1) as traffic1:
-        ro1 = run(dev, job(K8S / "jobs" / "rollout-start.yaml", **{"version-to-roll-out": "v1"}), 900)
+        ro1 = run(dev, job(K8S / "jobs" / "rollout-start.yaml", **{"version-to-roll-out": "v1"}), ROLLOUT_JOB_S)
     print_job(ro1, traffic1, cluster)
     assert ro1.exit_code == 0, ro1.log_tail(60)
     assert states(dev) == {"v0": "retired", "v1": "stable", "v2": "candidate"}
 
     # rollout 2: v2, NaN weights: the gate fails at step 0, the canary goes back to v1
     with Traffic(routers, seed=2) as traffic2:
-        ro2 = run(dev, job(K8S / "jobs" / "rollout-start.yaml", **{"version-to-roll-out": "v2"}), 900)
+        ro2 = run(dev, job(K8S / "jobs" / "rollout-start.yaml", **{"version-to-roll-out": "v2"}), ROLLOUT_JOB_S)
     print_job(ro2, traffic2)
     assert ro2.exit_code == 1, ro2.log_tail(60)
     assert states(dev) == {"v0": "retired", "v1": "stable", "v2": "rejected"}
@@ -431,12 +446,17 @@ def test_the_dev_overlay_promotes_one_version_and_rolls_back_another_with_two_ro
     assert written.get("dynrubric.query-log", 0) > 0 and written.get("dynrubric.feedback", 0) > 0, written
 
     # no container exited but the reward server's: it exits (2, `engine at http://vllm-judge:8000 is unreachable`)
-    # while the judge engine starts, and the kubelet's restarts bring it up once the judge answers
-    restarts = cluster.restarts()
+    # while the judge engine starts, and the kubelet's restarts bring it up once the judge answers; and a vLLM
+    # start that hung, killed by its startupProbe (printed with the stacks it wrote: where it hung)
+    kills = cluster.probe_kills()
+    for name in kills:
+        print(f"\n--- {name}: killed by the kubelet: {kills[name]}; its log's end:\n{cluster.pods[name].log_tail(80)}")
+    assert {cluster.pods[name].owner for name in kills} <= {"vllm-stable", "vllm-canary", "vllm-judge"}, kills
+    restarts = {name: codes for name, codes in cluster.restarts().items() if name not in kills}
     assert {cluster.pods[name].owner for name in restarts} <= {"dynrubric-reward-server"}, restarts
     assert all(code == 2 for codes in restarts.values() for code in codes), restarts
     assert not traffic1.failures and not traffic2.failures, traffic1.failures + traffic2.failures
-    print(f"\ncontainer restarts (exit codes): {restarts or 'none'}")
+    print(f"\ncontainer restarts (exit codes): {cluster.restarts() or 'none'}; startupProbe kills: {kills or 'none'}")
     print("timings: " + ", ".join(f"{k} {v:.0f} s" for k, v in dev.timings.items()))
 
 
