@@ -36,13 +36,16 @@ class VllmServer:
         port: int = 0,
         served_model_name: str | None = None,
         log_path: Path | None = None,
+        env: dict[str, str] | None = None,
     ):
+        """`env`: variables set in the server's environment over this process's (e.g. its OpenMP cores)."""
         self.model_dir = Path(model_dir)
         self.config = config if config is not None else VllmConfig()
         self.host = LOOPBACK
         self.port = port or free_port()
         self.served_model_name = served_model_name or self.model_dir.name
         self.log_path = log_path
+        self.env = dict(env or {})
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -73,7 +76,7 @@ class VllmServer:
         env["VLLM_SERVER_DEV_MODE"] = "1"
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
-        return env
+        return env | self.env
 
     def start(self) -> VllmServer:
         self.process = spawn(self.command(), self.log_path, env=self.environment())

@@ -84,6 +84,9 @@ def test_dev_mode_engines_listen_on_loopback_only(tmp_path, tiny_model_dir):
     server = VllmServer(tmp_path, VllmConfig(), port=8123)
     cmd = server.command()
     assert server.environment()["VLLM_SERVER_DEV_MODE"] == "1"
+    # a server's own variables win over this process's (benchmarks/judge_pair_seconds.py binds each arm's cores)
+    bound = VllmServer(tmp_path, VllmConfig(), env={"VLLM_CPU_OMP_THREADS_BIND": "1", "VLLM_SERVER_DEV_MODE": "1"})
+    assert bound.environment()["VLLM_CPU_OMP_THREADS_BIND"] == "1" and "VLLM_CPU_OMP_THREADS_BIND" not in server.env
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and server.base_url == "http://127.0.0.1:8123"
     vllm_cmd = EngineSpec("e", "stable", "vllm", 8124, tmp_path, "v0").command()
     assert vllm_cmd[vllm_cmd.index("--host") + 1] == "127.0.0.1"
