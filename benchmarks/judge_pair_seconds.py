@@ -188,6 +188,13 @@ def main() -> None:
     )
     ap.add_argument("--busy", type=int, default=0, help="users' engines beside the judge, as `up`'s fleet runs them")
     ap.add_argument("--busy-rps", type=float, default=0.4, help="requests a second to each users' engine")
+    ap.add_argument(
+        "--writers",
+        nargs="+",
+        default=["base"],
+        help="the rubric writer's weights, side by side: base (a copy of the verifier's in another directory) or a "
+        "directory (a run's co-evolved generator, e.g. `up`'s train/generator/model)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-dir", help="keep the servers' logs there (default: a temporary directory)")
     args = ap.parse_args()
@@ -195,12 +202,13 @@ def main() -> None:
     settings = load_settings(None, {}, profile="demo")
     model = modelcache.resolve(settings.paths.resolved_home(), settings.models.verifier)
     prompts = open_prompts(sum(args.pairs) * args.batches, args.seed)
-    results: dict[tuple[str, str, int], tuple[float, int]] = {}
+    results: dict[tuple[str, int], tuple[float, int]] = {}
     log_dir = Path(args.log_dir) if args.log_dir else None
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         logs = log_dir or Path(tmp)
-        writer_dir = Path(tmp) / "generator"  # the co-evolved generator's weights stand-in: another directory
-        shutil.copytree(model, writer_dir)
+        writer_dirs = {w: Path(tmp) / "generator" if w == "base" else Path(w) for w in args.writers}
+        if "base" in writer_dirs:  # the co-evolved generator's weights stand-in: the verifier's, in another directory
+            shutil.copytree(model, writer_dirs["base"])
         # every arm's server starts before the load, as `up` starts the rounds' server before any user
         cfg = settings.vllm.model_copy(update={"kv_cache_space_gib": TRAINER_KV_CACHE_GIB, "start_timeout_s": 900.0})
         servers = {
@@ -217,10 +225,12 @@ def main() -> None:
         busy_t0 = time.perf_counter()
         starts = [sum(args.pairs[:i]) * args.batches for i in range(len(args.pairs))]  # each size's own pairs
         for env_name, server in servers.items():
-            for name, (size, start) in [(n, s) for n in args.engines for s in zip(args.pairs, starts, strict=True)]:
-                arm = f"{name}[{env_name}]"
-                mean = judge_seconds(name, server, model, writer_dir, settings, pairs, start, size, args, arm)
-                results[(name, env_name, size)] = (mean, size * args.batches)
+            for name, writer, (size, start) in [
+                (n, w, s) for n in args.engines for w in writer_dirs for s in zip(args.pairs, starts, strict=True)
+            ]:
+                arm = f"{name}[{env_name}]" + (f" writer {writer}" if len(writer_dirs) > 1 else "")
+                mean = judge_seconds(name, server, model, writer_dirs[writer], settings, pairs, start, size, args, arm)
+                results[(arm, size)] = (mean, size * args.batches)
         busy_s = time.perf_counter() - busy_t0
         if args.busy:
             print(
@@ -228,8 +238,8 @@ def main() -> None:
                 f"{busy.answered / busy_s:.2f}/s in all ({busy.answered} answered, {busy.failed} failed, "
                 f"{busy_s:.0f} s)"
             )
-    for (name, env_name, size), (sec, n) in results.items():
-        print(f"{name}[{env_name}]: {sec:.1f} s per open pair ({n} pairs in {args.batches} batches of {size})")
+    for (arm, size), (sec, n) in results.items():
+        print(f"{arm}: {sec:.1f} s per open pair ({n} pairs in {args.batches} batches of {size})")
 
 
 def judge_seconds(
@@ -261,16 +271,47 @@ def judge_seconds(
         else:
             local = TransformersEngine(model)
             verifier = local
-    judge = PairJudge(Evaluator(writer, verifier, settings.rubric), settings.rubric.eps)
+    evaluator = Evaluator(writer, verifier, settings.rubric)
+    judge = PairJudge(evaluator, settings.rubric.eps)
+    verify_items = evaluator.verifier.verify_items
+    work = {"verify_s": 0.0, "read": 0, "prompts": 0, "rubrics_s": 0.0, "items": 0}
+
+    def timed_verify_items(question: str, responses: Any, items: Any) -> Any:
+        """The verifier's calls, timed and counted: what the judge's time goes to beside the rubrics."""
+        t = time.perf_counter()
+        out = verify_items(question, responses, items)
+        work["verify_s"] += time.perf_counter() - t
+        work["read"] += len(items)
+        work["prompts"] += len(items) * len(responses)
+        return out
+
+    evaluator.verifier.verify_items = timed_verify_items  # type: ignore[method-assign]
+    generate_many = evaluator.rubric_generator.generate_many
+
+    def counted_generate_many(*a: Any, **kw: Any) -> Any:
+        """The rubric writer's calls, timed, and their items counted."""
+        t = time.perf_counter()
+        generated, counts = generate_many(*a, **kw)
+        work["rubrics_s"] += time.perf_counter() - t
+        work["items"] += sum(len(g.rubric.items) for g in generated)
+        return generated, counts
+
+    evaluator.rubric_generator.generate_many = counted_generate_many  # type: ignore[method-assign]
     total = 0.0
     for b in range(args.batches):
         batch = pairs[start + b * size : start + (b + 1) * size]
         shared.forget()  # another process (the trainer) may have reloaded the server since
+        work.update(verify_s=0.0, read=0, prompts=0, rubrics_s=0.0, items=0)
         t0 = time.perf_counter()
         scores = judge.score(batch)
         took = time.perf_counter() - t0
         total += took
-        print(f"{arm}: batch {b}: {len(batch)} pairs in {took:.1f} s, canary scores {scores}", flush=True)
+        print(
+            f"{arm}: batch {b}: {len(batch)} pairs in {took:.1f} s (rubrics {work['rubrics_s']:.1f} s, {work['items']} "
+            f"items; the verifier {work['verify_s']:.1f} s: {work['read']} items read, {work['prompts']} (item, "
+            f"answer) prompts), canary scores {scores}",
+            flush=True,
+        )
     for e in {id(e): e for e in (writer, verifier)}.values():
         e.close()
     del local
