@@ -30,6 +30,7 @@ import contextlib
 import os
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -198,6 +199,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-dir", help="keep the servers' logs there (default: a temporary directory)")
     args = ap.parse_args()
+    # a kill stops the servers too: SystemExit unwinds the context managers that own them (they run in their own
+    # process groups, so a SIGTERM to this process alone left three vLLM servers behind)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     settings = load_settings(None, {}, profile="demo")
     model = modelcache.resolve(settings.paths.resolved_home(), settings.models.verifier)
