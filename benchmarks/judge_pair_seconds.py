@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import random
 import shutil
 import signal
@@ -40,6 +39,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from prometheus_client import CollectorRegistry  # noqa: E402
+
 from dynrubric import http_clients, modelcache  # noqa: E402
 from dynrubric.app.loop import TRAINER_KV_CACHE_GIB  # noqa: E402
 from dynrubric.config import Settings  # noqa: E402
@@ -47,12 +48,11 @@ from dynrubric.config_loader import load_settings  # noqa: E402
 from dynrubric.engines.base import Engine, GenerationRequest, SamplingParams  # noqa: E402
 from dynrubric.engines.hf import TransformersEngine  # noqa: E402
 from dynrubric.engines.http import OpenAIHTTPEngine, SharedServer  # noqa: E402
-from dynrubric.engines.vllm_server import VllmServer  # noqa: E402
+from dynrubric.engines.vllm_server import VllmServer, every_core  # noqa: E402
 from dynrubric.ports import free_port  # noqa: E402
-from dynrubric.process import http_ok, spawn, terminate, wait_until  # noqa: E402
 from dynrubric.rubric.evaluator import Evaluator  # noqa: E402
 from dynrubric.rubric.groundtruth import derive  # noqa: E402
-from serving.fleet import SERVED_MODEL_NAME, EngineSpec, spread_cores  # noqa: E402
+from serving.fleet import SERVED_MODEL_NAME, EngineSpec, Fleet, spread_cores  # noqa: E402
 from serving.judged import PairJudge  # noqa: E402
 from serving.online import ShadowPair  # noqa: E402
 from serving.users import load_served  # noqa: E402
@@ -77,11 +77,10 @@ def answers(engine: OpenAIHTTPEngine, prompts: list[str], max_tokens: int, seed:
 
 def server_env(name: str) -> dict[str, str]:
     """The judge's vLLM server's environment under arm `name` of `--server-envs`."""
-    every_core = f"0-{(os.cpu_count() or 1) - 1}"
     return {
         "auto": {},  # vLLM's own binding: what a VllmServer gets where nothing sets it
-        "up": {"VLLM_CPU_OMP_THREADS_BIND": every_core},  # `up`'s rounds' server (app/loop.py), the judge's
-        "passive": {"VLLM_CPU_OMP_THREADS_BIND": every_core, "OMP_WAIT_POLICY": "PASSIVE"},
+        "up": {"VLLM_CPU_OMP_THREADS_BIND": every_core()},  # `up`'s rounds' server (app/loop.py), the judge's
+        "passive": {"VLLM_CPU_OMP_THREADS_BIND": every_core(), "OMP_WAIT_POLICY": "PASSIVE"},
         "nobind": {"VLLM_CPU_OMP_THREADS_BIND": "nobind"},  # OpenMP threads not pinned: the kernel places them
     }[name]
 
@@ -106,12 +105,12 @@ class BusyFleet:
             )
             for i in range(n)
         ]
+        self.fleet = Fleet(self.specs, log_dir, CollectorRegistry())
+        self.start_timeout_s = settings.vllm.start_timeout_s
         self.rps = rps
         self.max_tokens = settings.loop.users_max_tokens
         self.prompts = [p.messages[-1].content for p in load_served()]
         self.rng = random.Random(seed)
-        self.log_dir = log_dir
-        self.procs: list[Any] = []
         self.stop_event = threading.Event()
         self.threads: list[threading.Thread] = []
         self.answered = 0
@@ -119,14 +118,11 @@ class BusyFleet:
         self.lock = threading.Lock()
 
     def __enter__(self) -> BusyFleet:
-        for spec in self.specs:
-            self.procs.append(spawn(spec.command(), self.log_dir / f"{spec.name}.log", env=spec.env()))
-        for spec, proc in zip(self.specs, self.procs, strict=True):
-            health = f"{spec.base_url}/health"
-            if not wait_until(proc, lambda h=health: http_ok(h), 600, 1.0):  # type: ignore[misc]
-                for p in self.procs:
-                    terminate(p, 30)
-                raise SystemExit(f"{spec.name} did not start; see {self.log_dir}")
+        try:
+            self.fleet.start(self.start_timeout_s)
+        except BaseException:
+            self.fleet.stop()  # the engines started so far
+            raise
         for spec in self.specs:
             t = threading.Thread(target=self._users, args=(spec.base_url,), daemon=True)
             t.start()
@@ -165,8 +161,7 @@ class BusyFleet:
         self.stop_event.set()
         for t in self.threads:
             t.join()
-        for proc in self.procs:
-            terminate(proc, 30)
+        self.fleet.stop()
 
 
 def main() -> None:

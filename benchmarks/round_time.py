@@ -102,16 +102,15 @@ def main() -> None:
     )
 
     from dynrubric.app.loop import TRAINER_KV_CACHE_GIB
-    from dynrubric.engines.vllm_server import VllmServer
+    from dynrubric.engines.vllm_server import VllmServer, every_core
     from dynrubric.train.records import RoundSummary, read_summary
     from dynrubric.train.rounds import SUMMARY, run_dir_of
 
     model = modelcache.resolve(base.paths.resolved_home(), base.models.verifier)
     cfg = base.vllm.model_copy(update={"kv_cache_space_gib": TRAINER_KV_CACHE_GIB})
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{(os.cpu_count() or 1) - 1}"  # as `up` starts it: every core
     stages: dict[str, dict[str, float]] = {}
     totals: dict[str, float] = {}
-    with VllmServer(model, cfg) as server:
+    with VllmServer(model, cfg, env={"VLLM_CPU_OMP_THREADS_BIND": every_core()}) as server:  # as `up` starts it
         for arm in args.arms:
             run = out / arm
             shutil.rmtree(run, ignore_errors=True)

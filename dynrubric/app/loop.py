@@ -369,16 +369,24 @@ class ClosedLoop:
         say so; `settings` keep their own engines. The rollout judge borrows the server between rounds (`_judge_on`)."""
         from dynrubric import modelcache
         from dynrubric.engines import one_shared_server
-        from dynrubric.engines.vllm_server import VllmServer
+        from dynrubric.engines.vllm_server import VllmServer, every_core
 
         s = settings
         model = modelcache.resolve(s.paths.resolved_home(), s.models.verifier)
         server = VllmServer(
-            model, s.vllm.model_copy(update={"kv_cache_space_gib": TRAINER_KV_CACHE_GIB}), port=free_port()
+            model,
+            s.vllm.model_copy(update={"kv_cache_space_gib": TRAINER_KV_CACHE_GIB}),
+            port=free_port(),
+            env={"VLLM_CPU_OMP_THREADS_BIND": every_core()},
         )
-        env = {**server.environment(), "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}
         self.supervisor.start(
-            ChildSpec("trainer-engine", server.command(), env, f"{server.base_url}/health", s.vllm.start_timeout_s)
+            ChildSpec(
+                "trainer-engine",
+                server.command(),
+                server.environment(),
+                f"{server.base_url}/health",
+                s.vllm.start_timeout_s,
+            )
         )
         trainer = override(s, {"engine": one_shared_server(server.base_url, in_process=["verifier"])})
         self.log(f"trainer engine (vLLM: policy and rubric generator, the rollout judge between) at {server.base_url}")

@@ -25,6 +25,11 @@ LOOPBACK = "127.0.0.1"  # a dev-mode server reloads weights for anyone who can r
 STRUCTURED_OUTPUTS_CONFIG = '{"backend": "xgrammar", "disable_any_whitespace": true}'
 
 
+def every_core() -> str:
+    """VLLM_CPU_OMP_THREADS_BIND over every core of this machine ("0-N"): how `up` binds its rounds' server."""
+    return f"0-{(os.cpu_count() or 1) - 1}"
+
+
 class VllmServer:
     """One vLLM server on loopback. Use as a context manager, or `start()` / `stop()`."""
 

@@ -77,7 +77,7 @@ def _listen_addresses(port: int) -> set[str]:
     return out
 
 
-def test_dev_mode_engines_listen_on_loopback_only(tmp_path, tiny_model_dir):
+def test_dev_mode_engines_listen_on_loopback_only(tmp_path, tiny_model_dir, monkeypatch):
     """vLLM's --api-key does not guard /collective_rpc (dev mode), nor does our engine server: neither may
     be reachable from another host. The fleet's transformers engine is started for real and its listening
     socket read from the kernel; the vLLM command (a real vLLM start takes a minute) is checked as built."""
@@ -85,8 +85,10 @@ def test_dev_mode_engines_listen_on_loopback_only(tmp_path, tiny_model_dir):
     cmd = server.command()
     assert server.environment()["VLLM_SERVER_DEV_MODE"] == "1"
     # a server's own variables win over this process's (benchmarks/judge_pair_seconds.py binds each arm's cores)
-    bound = VllmServer(tmp_path, VllmConfig(), env={"VLLM_CPU_OMP_THREADS_BIND": "1", "VLLM_SERVER_DEV_MODE": "1"})
-    assert bound.environment()["VLLM_CPU_OMP_THREADS_BIND"] == "1" and "VLLM_CPU_OMP_THREADS_BIND" not in server.env
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    bound = VllmServer(tmp_path, VllmConfig(), env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
+    assert bound.environment()["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert server.environment()["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"  # a server without its own: this process's
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and server.base_url == "http://127.0.0.1:8123"
     vllm_cmd = EngineSpec("e", "stable", "vllm", 8124, tmp_path, "v0").command()
     assert vllm_cmd[vllm_cmd.index("--host") + 1] == "127.0.0.1"
