@@ -925,7 +925,12 @@ class RolloutConfig(Section):
         description="decide a shadow pair by its prompt's ground truth (official checkers, computed "
         "answers) where it has one; the rubric judge scores the rest (serving/judged.py)",
     )
-    judge_pairs_per_poll: int = Field(default=8, ge=1, description="judge cost cap: pairs scored per gate evaluation")
+    judge_pairs_per_poll: int = Field(
+        default=8,
+        ge=1,
+        description="shadow pairs the judge scores in one batch; its worker judges batch after batch beside the "
+        "gate's polls, which never wait for it (serving/rollout.py)",
+    )
     judge_s_per_pair: float = Field(
         default=0.0,
         ge=0,

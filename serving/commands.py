@@ -358,7 +358,7 @@ def gate_plan(
     g, r = settings.gate, settings.rollout
     plans = []
     for rate, n in zip(rps, users * len(rps) if len(users) == 1 else users, strict=True):
-        pairs = judged_pairs_per_s(rate, settings.serving.shadow_rate, r, r.judge_s_per_pair) if r.judge else 0.0
+        pairs = judged_pairs_per_s(rate, settings.serving.shadow_rate, r.judge_s_per_pair) if r.judge else 0.0
         plans.append(
             plan(
                 Traffic(rps=rate, users=n, pairs_per_s=pairs, source="planned"), Population.assumed(g.simulation), g, r

@@ -175,6 +175,7 @@ class OnlineMetrics:
             OrderedDict()
         )  # pair_id -> {"served"|"shadow": (arm, prompt, text)}
         self.pairs: deque[ShadowPair] = deque(maxlen=self.max_waiting)
+        self.judging: list[ShadowPair] = []  # taken by the judge, not yet judged: kept in the saved state
         self.judge = JudgeStats()
         self.skipped = 0  # events of other experiments or outside any
 
@@ -207,7 +208,8 @@ class OnlineMetrics:
             "window": list(self.window.items()),
             "early_feedback": list(self.early_feedback.items()),
             "halves": list(self.halves.items()),
-            "pairs": [[p.pair_id, p.prompt, p.stable, p.canary] for p in self.pairs],
+            # the pairs the judge holds first: a controller that stops mid-batch judges them again, not never
+            "pairs": [[p.pair_id, p.prompt, p.stable, p.canary] for p in [*self.judging, *self.pairs]],
             "judge": [self.judge.pairs, self.judge.canary_score],
             "offsets": self._offsets,
         }
@@ -302,15 +304,25 @@ class OnlineMetrics:
         return self.arms[arm].stats(errors, routed, settled)
 
     def take_pairs(self, n: int) -> list[ShadowPair]:
-        """Up to `n` complete shadow pairs for the judge (oldest first)."""
-        return [self.pairs.popleft() for _ in range(min(n, len(self.pairs)))]
+        """Up to `n` complete shadow pairs for the judge (oldest first); they stay in the saved state (`judging`)
+        until `add_judged` or `put_back`."""
+        taken = [self.pairs.popleft() for _ in range(min(n, len(self.pairs)))]
+        self.judging.extend(taken)
+        return taken
 
     def put_back(self, pairs: list[ShadowPair]) -> None:
         """Pairs taken but not judged (the judge failed): first in line again, in their order."""
+        self._settle(pairs)
         self.pairs.extendleft(reversed(pairs))
 
-    def add_judged(self, canary_scores: list[float]) -> None:
+    def add_judged(self, canary_scores: list[float], pairs: list[ShadowPair] | None = None) -> None:
+        """The judge's canary scores of `pairs` (default: as many of the pairs taken, oldest first)."""
+        self._settle(pairs if pairs is not None else self.judging[: len(canary_scores)])
         self.judge = JudgeStats(self.judge.pairs + len(canary_scores), self.judge.canary_score + sum(canary_scores))
+
+    def _settle(self, pairs: list[ShadowPair]) -> None:
+        done = {p.pair_id for p in pairs}
+        self.judging = [p for p in self.judging if p.pair_id not in done]
 
     # ------------------------------------------------------------ Kafka
     def _connect(self) -> None:

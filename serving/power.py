@@ -359,8 +359,9 @@ def _decision_times(
     return times, None
 
 
-def judged_pairs_per_s(rps: float, shadow_rate: float, rollout: RolloutConfig, judge_s_per_pair: float | None) -> float:
-    """Judged pairs a second: the router's shadows of the answered requests, at most what the controller judges,
-    `judge_pairs_per_poll` a poll, a poll every `poll_interval_s` plus the judging (when its time is known)."""
-    per_poll = rollout.judge_pairs_per_poll
-    return min(rps * shadow_rate, per_poll / (rollout.poll_interval_s + per_poll * (judge_s_per_pair or 0.0)))
+def judged_pairs_per_s(rps: float, shadow_rate: float, judge_s_per_pair: float | None) -> float:
+    """Judged pairs a second: the router's shadows of the answered requests, at most what the controller's judge
+    gets through working back to back (serving/rollout.py: its worker waits only when no pair is waiting), one
+    pair every `judge_s_per_pair` seconds (unknown: the judge keeps up)."""
+    shadows = rps * shadow_rate
+    return shadows if not judge_s_per_pair else min(shadows, 1.0 / judge_s_per_pair)

@@ -17,11 +17,14 @@ once by `open_rollout_store`, which then renames that file `rollouts.sqlite.migr
 
 The controller talks to the router's control endpoints (bearer token), reads online metrics from
 the query-log and feedback topics (`OnlineMetrics`, tracking this rollout's experiment id), and the
-router's counters for the experiment. With a `PairJudge`, each gate evaluation first has the judge
-score up to `rollout.judge_pairs_per_poll` of the shadow pairs read so far, then reads the log and the
-counters, so its verdict is on the traffic up to now however long the judge took (a judge that fails
-leaves its pairs for the next evaluation); the judged win rate and its bounds are in the gate's checks
-and in `dynrubric_rollout_judge_*`.
+router's counters for the experiment. With a `PairJudge`, a worker thread judges the shadow pairs the gate's
+polls have read, `rollout.judge_pairs_per_poll` at a time, while the rollout runs (`judge_once`); each poll's
+verdict is on the pairs judged so far. The judge never holds up a poll: an open pair's rubric takes seconds to
+minutes on a busy CPU, and a poll that waited for it (as before 2026-12-04) left a failing canary's errors, the
+step's time limit and the Argo metric endpoint waiting just as long. The judged win rate's bounds are valid at
+any number of pairs (serving/gate.py), so reading them while the judge catches up decides nothing early. A judge
+that fails leaves its pairs for its next batch; the pairs it holds are in the saved state until judged. The
+judged win rate and its bounds are in the gate's checks and in `dynrubric_rollout_judge_*`.
 
 At the start of each rollout the controller logs what its gate can detect (`serving.power`): the
 smallest harm per metric it catches with 80 % power within a step, and when an equal canary would be
@@ -31,11 +34,12 @@ shows it). Tables of older versions get the `plan` column on first use.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -397,7 +401,7 @@ class Controller:
         pairs = (
             0.0
             if self.judge is None
-            else judged_pairs_per_s(rps, float(router_state.get("shadow_rate", 0.0)), self.cfg, s_per_pair)
+            else judged_pairs_per_s(rps, float(router_state.get("shadow_rate", 0.0)), s_per_pair)
         )
         judge_speed = (
             ""
@@ -420,10 +424,11 @@ class Controller:
         r = self.store.get(rollout_id)
         if r.status == "stepping":  # after a restart: the router may have restarted too
             self.router.traffic(r.steps[r.step], r.id)
-        while r.status in ACTIVE:
-            r = getattr(self, f"_{r.status}")(r)
-            if r.status != "stepping":
-                self._end_report()
+        with self.judging():
+            while r.status in ACTIVE:
+                r = getattr(self, f"_{r.status}")(r)
+                if r.status != "stepping":
+                    self._end_report()
         self.m_step.set(-1)
         return r
 
@@ -470,17 +475,13 @@ class Controller:
 
     def gate(self, r: Rollout) -> GateResult:
         """Evaluate the gate on everything logged so far (thread-safe: the HTTP endpoint calls it too)."""
-        with self._online_lock:  # one Kafka consumer, two callers
+        with self._online_lock:  # one Kafka consumer and its state; the gate's callers and the judge's worker
             self.online.track(r.id, r.step, r.step_started_at)
-            if self.judge is not None:
-                self._judge_pairs()
-            # the log read after the judge: the verdict is on the traffic up to now, not up to before the judge's
-            # seconds (minutes for open pairs on a slow judge: a step timed out on "0 requests this step" so)
             self.online.poll()
             # the router's counters read after the log: the router settles a request before it logs the answer,
-            # so every request the log shows is in them. Read before the poll (and the judge's seconds), they
-            # missed a failing canary's errors while the log already held its fallback answers: step 0 passed
-            # on an error rate of 0 over 0 settled requests with its minimum of requests met
+            # so every request the log shows is in them. Read before the poll, they missed a failing canary's
+            # errors while the log already held its fallback answers: step 0 passed on an error rate of 0 over 0
+            # settled requests with its minimum of requests met
             counters = self.router.state()["counters"].get(r.id, {})
             arms = {
                 v: self.online.arm_stats(
@@ -508,29 +509,61 @@ class Controller:
             experiment_id=r.id,
         )
 
-    def _judge_pairs(self) -> None:
-        """Judge up to `judge_pairs_per_poll` of the shadow pairs read so far, timing the judge. A judge that fails
-        (its engine's server down or restarting: `up`'s judge borrows the rounds' supervised vLLM server) leaves
-        the pairs for the next poll and the gate going on what it has; the failure is logged once, and the
-        recovery."""
-        pairs = self.online.take_pairs(self.cfg.judge_pairs_per_poll)
-        if not pairs:
+    @contextlib.contextmanager
+    def judging(self) -> Iterator[None]:
+        """The judge's worker while a rollout runs: batches of the pairs read so far, one after another, a poll
+        interval's wait when none is waiting or the judge failed. On the way out it finishes the batch it holds (in
+        `up` the judge borrows the rounds' vLLM server, which the next round needs to itself)."""
+        if self.judge is None:
+            yield
             return
+        stop = threading.Event()
+
+        def work() -> None:
+            while not stop.is_set():
+                if not self.judge_once():
+                    stop.wait(self.cfg.poll_interval_s)
+
+        worker = threading.Thread(target=work, name="rollout-judge", daemon=True)
+        worker.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            worker.join()
+
+    def judge_once(self) -> int:
+        """Judge up to `judge_pairs_per_poll` of the shadow pairs read so far, outside the gate's lock, timing the
+        judge; the pairs judged (0: none waiting, or the judge failed). A judge that fails (its engine's server
+        down or restarting: `up`'s judge borrows the rounds' supervised vLLM server) leaves the pairs for the next
+        batch; the failure is logged once, and the recovery. Pairs of a rollout that ended meanwhile are dropped."""
+        with self._online_lock:
+            pairs = self.online.take_pairs(self.cfg.judge_pairs_per_poll)
+            experiment = self.online.experiment
+        if not pairs:
+            return 0
         started = time.monotonic()
         try:
             scores = self.judge.score(pairs)
-        except DynrubricError as e:
-            self.online.put_back(pairs)
+        except Exception as e:  # the worker must live on: a batch lost with it would starve the gate
+            problem = e.problem if isinstance(e, DynrubricError) else f"{type(e).__name__}: {e}"
+            with self._online_lock:
+                if self.online.experiment == experiment:
+                    self.online.put_back(pairs)
             if self._judge_failing is None:
-                self.log(f"the judge failed ({e.problem}); its {len(pairs)} pairs wait for the next poll")
-            self._judge_failing = e.problem
-            return
+                self.log(f"the judge failed ({problem}); its {len(pairs)} pairs wait for the next batch")
+            self._judge_failing = problem
+            return 0
         if self._judge_failing is not None:
             self.log(f"the judge answers again (it failed: {self._judge_failing})")
             self._judge_failing = None
-        self.online.add_judged(scores)
+        with self._online_lock:
+            if self.online.experiment != experiment:
+                return 0
+            self.online.add_judged(scores, pairs)
         self._judge_seconds += time.monotonic() - started
         self._judged_pairs += len(pairs)
+        return len(pairs)
 
     @property
     def judge_s_per_pair(self) -> float | None:

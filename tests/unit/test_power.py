@@ -183,7 +183,7 @@ def test_gate_plan_counts_the_judges_time_per_pair():
 
     r = load_settings(environ={}, profile="demo").rollout
     assert r.judge_s_per_pair > 0
-    pairs = judged_pairs_per_s(1.0, 0.5, r, r.judge_s_per_pair)
+    pairs = judged_pairs_per_s(1.0, 0.5, r.judge_s_per_pair)
     assert pairs < 0.5
     run = subprocess.run(
         [str(SCRIPT), "gate", "plan", "--profile", "demo", "--rps", "1", "--users", "40"],

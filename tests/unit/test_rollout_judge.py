@@ -1,8 +1,11 @@
-"""The rollout controller's judge (serving/rollout.py): what a failing judge leaves the gate, and the judge's time
-per pair that the gate's power plan reads (serving/power.py), measured and assumed."""
+"""The rollout controller's judge (serving/rollout.py): what a failing judge leaves the gate, the judge's time per
+pair that the gate's power plan reads (serving/power.py), measured and assumed, and a gate that never waits for
+the judge."""
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 from typing import Any
 
@@ -73,11 +76,12 @@ def test_a_failing_judge_leaves_its_pairs_for_the_next_poll_and_the_gate_going()
     judge, online, lines = Judge(), QuietLog(pairs=6), []
     c = controller(judge, online, lines)
     judge.fail = True
-    c.gate(ROLLOUT)
-    c.gate(ROLLOUT)  # the judge answers again: the pairs it failed on first
+    assert c.judge_once() == 0
+    assert c.gate(ROLLOUT).verdict is not None and online.judge.pairs == 0
+    assert c.judge_once() == 4  # the judge answers again: the pairs it failed on first
     assert [p.pair_id for p in online.pairs] == ["p4", "p5"] and online.judge.pairs == 4
-    c.gate(ROLLOUT)
-    assert online.judge.pairs == 6 and not online.pairs
+    assert c.judge_once() == 2
+    assert online.judge.pairs == 6 and not online.pairs and not online.judging
     assert [line.split(" (")[0] for line in lines] == ["the judge failed", "the judge answers again"]
     assert c.judge_s_per_pair is not None  # the failed call is not timed
 
@@ -88,13 +92,63 @@ def test_the_plan_reads_the_judges_time_over_every_pair_and_assumes_one_before()
     judge, online, lines = Judge(), QuietLog(pairs=8), []
     c = controller(judge, online, lines, judge_s_per_pair=3.5, poll_interval_s=2.0)
     before = c.power(Router().state())
-    assert before.traffic.pairs_per_s == pytest.approx(judged_pairs_per_s(1.0, 0.5, c.cfg, 3.5))
+    assert before.traffic.pairs_per_s == pytest.approx(judged_pairs_per_s(1.0, 0.5, 3.5))
     assert before.traffic.pairs_per_s < 0.5  # an instant judge would keep up with the shadows
     assert "judge 3.5 s a pair (assumed: rollout.judge_s_per_pair)" in before.traffic.source
     judge.seconds = [0.8, 0.0]  # four open pairs, then four decided by ground truth
-    c.gate(ROLLOUT)
-    c.gate(ROLLOUT)
+    c.judge_once()
+    c.judge_once()
     assert c.judge_s_per_pair is not None and 0.1 <= c.judge_s_per_pair < 0.5
     after = c.power(Router().state())
     assert "measured over 8" in after.traffic.source
-    assert after.traffic.pairs_per_s == pytest.approx(judged_pairs_per_s(1.0, 0.5, c.cfg, c.judge_s_per_pair))
+    assert after.traffic.pairs_per_s == pytest.approx(judged_pairs_per_s(1.0, 0.5, c.judge_s_per_pair))
+
+
+class HeldJudge:
+    """A judge whose batch takes as long as the test says (an open pair's rubric on a busy CPU takes minutes)."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def score(self, pairs: list[ShadowPair]) -> list[float]:
+        self.started.set()
+        assert self.release.wait(30)
+        return [1.0] * len(pairs)
+
+
+def test_the_gate_decides_while_the_judge_works_and_the_pairs_it_holds_are_saved(tmp_path):
+    """A poll reads the log and the counters and decides without waiting for the judge's batch (make up, 2026-12-04:
+    batches of 32 shadow pairs took minutes, and each held the gate's poll, a failing canary's rollback and the
+    step's time limit as long). The pairs the judge holds stay in the saved state: a controller restarted mid-batch
+    judges them again."""
+    judge, online, lines = HeldJudge(), QuietLog(pairs=3), []
+    c = controller(judge, online, lines)
+    with c.judging():
+        assert judge.started.wait(10)
+        polled: list[Any] = []
+        poll = threading.Thread(target=lambda: polled.append(c.gate(ROLLOUT)))
+        poll.start()
+        poll.join(timeout=10)
+        assert polled, "the gate's poll waited for the judge"
+        assert online.judge.pairs == 0 and not online.pairs
+        saved = tmp_path / "online.json"
+        saved.write_text(json.dumps(online.to_json()))
+        judge.release.set()
+    assert online.judge.pairs == 3 and online.judge.win_rate == 1.0 and not online.judging
+    restarted = OnlineMetrics("127.0.0.1:9", "query-log", "feedback", state_path=saved)
+    assert [p.pair_id for p in restarted.pairs] == ["p0", "p1", "p2"] and restarted.judge.pairs == 0
+
+
+def test_pairs_of_a_rollout_that_ended_while_the_judge_worked_are_dropped():
+    """The worker's batch outlives its rollout when the gate decides first: its scores must not count for the next."""
+    online, lines = QuietLog(pairs=2), []
+
+    class NextRolloutStarts:
+        def score(self, pairs: list[ShadowPair]) -> list[float]:
+            online.track("ro-2", 0, 0.0)
+            return [1.0] * len(pairs)
+
+    c = controller(NextRolloutStarts(), online, lines)  # type: ignore[arg-type]
+    assert c.judge_once() == 0
+    assert online.experiment == "ro-2" and online.judge.pairs == 0 and not online.pairs and not online.judging
