@@ -122,7 +122,7 @@ def test_the_gate_decides_while_the_judge_works_and_the_pairs_it_holds_are_saved
     batches of 32 shadow pairs took minutes, and each held the gate's poll, a failing canary's rollback and the
     step's time limit as long). The pairs the judge holds stay in the saved state: a controller restarted mid-batch
     judges them again."""
-    judge, online, lines = HeldJudge(), QuietLog(pairs=3), []
+    judge, online, lines = HeldJudge(), QuietLog(pairs=5), []  # a batch of 4 held, 1 pair waiting
     c = controller(judge, online, lines)
     with c.judging():
         assert judge.started.wait(10)
@@ -131,13 +131,15 @@ def test_the_gate_decides_while_the_judge_works_and_the_pairs_it_holds_are_saved
         poll.start()
         poll.join(timeout=10)
         assert polled, "the gate's poll waited for the judge"
-        assert online.judge.pairs == 0 and not online.pairs
+        assert online.judge.pairs == 0 and [p.pair_id for p in online.pairs] == ["p4"]
         saved = tmp_path / "online.json"
         saved.write_text(json.dumps(online.to_json()))
         judge.release.set()
-    assert online.judge.pairs == 3 and online.judge.win_rate == 1.0 and not online.judging
+    # the rollout's end waited for the batch in hand, and started no other
+    assert online.judge.pairs == 4 and online.judge.win_rate == 1.0 and not online.judging
+    assert [p.pair_id for p in online.pairs] == ["p4"]
     restarted = OnlineMetrics("127.0.0.1:9", "query-log", "feedback", state_path=saved)
-    assert [p.pair_id for p in restarted.pairs] == ["p0", "p1", "p2"] and restarted.judge.pairs == 0
+    assert [p.pair_id for p in restarted.pairs] == ["p0", "p1", "p2", "p3", "p4"] and restarted.judge.pairs == 0
 
 
 def test_pairs_of_a_rollout_that_ended_while_the_judge_worked_are_dropped():
