@@ -884,8 +884,8 @@ class ServingConfig(Section):
     traffic_window_s: float = Field(
         default=300.0,
         gt=0,
-        description="the router reports requests/s and distinct "
-        "users over this window: the traffic each rollout's gate power is planned on",
+        description="the router reports requests/s and distinct users over the last this many seconds in which "
+        "traffic flowed (a pause counts 10 s): the traffic each rollout's gate power is planned on",
     )
     weights_via: Literal["rpc", "restart"] = Field(
         default="rpc",

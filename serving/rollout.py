@@ -414,7 +414,7 @@ class Controller:
             rps=rps,
             users=int(meter.get("users", 0)),
             pairs_per_s=pairs,
-            source=f"router, last {float(meter.get('window_s', 0.0)):.0f} s{judge_speed}",
+            source=f"router, last {float(meter.get('window_s', 0.0)):.0f} s of traffic{judge_speed}",
         )
         return plan(traffic, Population.assumed(self.gate_cfg.simulation), self.gate_cfg, self.cfg)
 

@@ -19,8 +19,9 @@ the arm that did not serve it; the shadow response is logged with `shadow: true`
 `pair_id` as the served one, and is never shown to anyone. At most `shadow_max_inflight` shadows run
 at once (the cost cap); a sample beyond it is skipped and counted.
 
-The state (`/v1/router/state`) also reports the traffic of the last `traffic_window_s` (requests a
-second and distinct users, `TrafficMeter`): what the rollout controller plans the gate's power on.
+The state (`/v1/router/state`) also reports the traffic of the last `traffic_window_s` seconds in which traffic
+flowed (requests a second and distinct users, `TrafficMeter`): what the rollout controller plans the gate's power
+on.
 
 Reads (`/v1/router/state`, `/metrics`) are open; control endpoints (traffic split, weights, drain)
 need the bearer token. The router owns which weights each variant should serve, and reloads an
@@ -125,12 +126,15 @@ class RouterState:
 
 
 class TrafficMeter:
-    """Requests and distinct users over the last `window_s` seconds: the traffic the gate's power is planned on.
+    """Requests and distinct users over the last `window_s` seconds of traffic: what the gate's power is planned on.
 
-    Requests are counted per second (at most `window_s` buckets); the rate is their count over the
-    time traffic flowed, each bucket standing for the time to the next one (or to now) but at most
-    IDLE_S, so a pause (users paused while a round trains) is not averaged in. Users: each user's last
-    request time, oldest first, so memory is the users active in the window.
+    Requests are counted per second (at most `window_s` buckets). Each bucket stands for the time to the next one
+    (or to now), but at most IDLE_S, so a pause (users paused while a round trains, a quiet night) counts IDLE_S:
+    the rate is the requests over the time traffic flowed, and the window is the last `window_s` seconds in which
+    it flowed. A rollout that starts after a round's pause so plans on the users who were sending before it, not
+    on the one who came back first (make up, 2026-12-04: "0.38 requests/s from 1 users" over a wall-clock window
+    that the 20-minute round had emptied). Users: each user's last request time, oldest first; a user leaves with
+    the buckets older than their last request.
     """
 
     IDLE_S = 10.0
@@ -144,26 +148,35 @@ class TrafficMeter:
     def add(self, user_hash: str) -> None:
         now = self.clock()
         second = int(now)
+        self._users[user_hash] = now
+        self._users.move_to_end(user_hash)
         if self._seconds and self._seconds[-1][0] == second:
             self._seconds[-1][1] += 1
         else:
             self._seconds.append([second, 1])
-        self._users[user_hash] = now
-        self._users.move_to_end(user_hash)
-        self._forget(now)
+            self._forget(now)  # a new second: the oldest may leave (once a second, not at every request)
+
+    def _spans(self, now: float) -> list[float]:
+        """Each bucket's share of the traffic's time: to the next bucket (or to now), between 1 s and IDLE_S."""
+        ends = [s for s, _ in list(self._seconds)[1:]] + [now]
+        return [max(1.0, min(end - s, self.IDLE_S)) for (s, _), end in zip(self._seconds, ends, strict=False)]
 
     def _forget(self, now: float) -> None:
-        while self._seconds and self._seconds[0][0] < now - self.window_s:
+        spans = self._spans(now)
+        active = sum(spans)
+        for span in spans[:-1]:  # the newest bucket always stays
+            if active - span < self.window_s:
+                break
+            active -= span
             self._seconds.popleft()
-        while self._users and next(iter(self._users.values())) < now - self.window_s:
+        oldest = self._seconds[0][0] if self._seconds else now
+        while self._users and next(iter(self._users.values())) < oldest:
             self._users.popitem(last=False)
 
     def snapshot(self) -> dict[str, float]:
         now = self.clock()
         self._forget(now)
-        ends = [s for s, _ in list(self._seconds)[1:]] + [now]
-        # with no seconds left, `ends` is [now] alone: the zip is empty
-        active = sum(max(1.0, min(end - s, self.IDLE_S)) for (s, _), end in zip(self._seconds, ends, strict=False))
+        active = sum(self._spans(now))
         requests = sum(n for _, n in self._seconds)
         return {
             "window_s": self.window_s,
