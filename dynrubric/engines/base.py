@@ -98,6 +98,11 @@ class Engine(abc.ABC):
     def load_weights(self, path: Path, version: str) -> None:
         """Swap in the weights saved (HF safetensors) under `path`, now serving `version`."""
 
+    def use_weights(self, path: Path, version: str) -> None:
+        """Serve the weights under `path` from now on: an engine that shares its server reloads them at its next
+        call (engines/http.py); the others now."""
+        self.load_weights(path, version)
+
     def close(self) -> None:  # noqa: B027 - engines without resources need nothing
         """Release processes, sessions and memory."""
 

@@ -165,8 +165,8 @@ class TrainerActor(Worker):
     def step(self, phase: str, groups: list[Any]) -> dict[str, Any]:
         return self.loaded().step(phase, groups)
 
-    def save(self, directory: Path) -> None:
-        self.loaded().save(directory)
+    def save(self, directory: Path, previous: Path | None = None) -> None:
+        self.loaded().save(directory, previous)
 
 
 class RemoteTrainers:
@@ -182,8 +182,8 @@ class RemoteTrainers:
         record: dict[str, Any] = ray.get(self.actor.step.remote(phase, list(groups)))
         return record
 
-    def save(self, directory: Path) -> None:
-        ray.get(self.actor.save.remote(directory))
+    def save(self, directory: Path, previous: Path | None = None) -> None:
+        ray.get(self.actor.save.remote(directory, previous))
 
 
 class RayExecutor:

@@ -929,8 +929,9 @@ class _Round:
         engines then serve the published weights."""
         self.history.append(record)
         target = self.steps_dir / f"{step:04d}"
+        previous = self.latest_step()
         with atomic.directory(target) as tmp:
-            self.loaded().save(tmp)
+            self.loaded().save(tmp, previous)
             write_steps(tmp / HISTORY, self.history)
             (tmp / COLLAPSE).write_text(json.dumps(self.loaded().collapse.state()))
         for old in self.steps_dir.iterdir():
@@ -1195,14 +1196,16 @@ class RoundModels:
             judge_stages(wall, sum(r.seconds for r in results), sum(s.verify_seconds for s in scored)),
         )
 
-    def save(self, directory: Path) -> None:
-        self.trainers.save(directory)
+    def save(self, directory: Path, previous: Path | None = None) -> None:
+        self.trainers.save(directory, previous)
 
     def load_published(self, step_dir: Path, version: str, step: int) -> None:
-        """Point the engines (and the judges' rubric writers) at a published step's weights."""
-        self.policy_engine.load_weights(step_dir / "policy" / "model", f"{version}-s{step}")
+        """Point the engines (and the judges' rubric writers) at a published step's weights. Engines that take
+        turns on one server reload at their next call (`use_weights`): reloading both here, each was loaded twice
+        a step."""
+        self.policy_engine.use_weights(step_dir / "policy" / "model", f"{version}-s{step}")
         if not self.single:
-            self.generator_engine.load_weights(step_dir / "generator" / "model", f"{version}-gen-s{step}")
+            self.generator_engine.use_weights(step_dir / "generator" / "model", f"{version}-gen-s{step}")
         writer = step_dir / ("policy" if self.single else "generator") / "model"
         self.judges.load_rubric_writer(writer, self.generator_engine.policy_version)
 

@@ -253,6 +253,52 @@ def test_a_generator_step_never_changes_the_served_policy(tmp_path: Path, tiny_m
     assert changed == {None: False, True: True}
 
 
+def test_a_step_links_the_trainer_it_did_not_update_and_resumes_from_the_links(tmp_path: Path, tiny_model_dir: Path):
+    """Publishing a step writes only the trainer the step updated (issue 38, a round's checkpoints): the other's
+    weights and AdamW state are hard links to the last published step's files, and a round resumed from the linked
+    step has both trainers exactly as they were."""
+    import torch
+
+    from dynrubric.train.executor import Trainers, TrainerSpec
+    from dynrubric.train.grpo import CandidateSet, SampledResponse
+    from tests.train_harness import settings as harness_settings
+
+    settings = harness_settings(tmp_path / "state", tiny_model_dir, write_prompts(tmp_path / "prompts.jsonl", 4))
+    prompt = (1, 5, 9, 13)
+    groups = [
+        CandidateSet(
+            (SampledResponse(prompt, (20, 21, 22)), SampledResponse(prompt, (30, 31)), SampledResponse(prompt, (40,))),
+            (1.0, 0.5, 0.0),
+        )
+    ]
+    trainers = Trainers(TrainerSpec(settings, tiny_model_dir, tiny_model_dir, tiny_model_dir, None))
+    steps = tmp_path / "steps"
+    trainers.step("generator", groups)
+    trainers.save(steps / "0000")  # nothing published before: both written
+    trainers.step("policy", groups)
+    trainers.save(steps / "0001", steps / "0000")
+
+    def inodes(step: str, part: str) -> dict[str, int]:
+        root = steps / step / part
+        return {str(f.relative_to(root)): f.stat().st_ino for f in sorted(root.rglob("*")) if f.is_file()}
+
+    assert inodes("0001", "generator") == inodes("0000", "generator")  # linked: the policy step left it
+    policy_before, policy_after = inodes("0000", "policy"), inodes("0001", "policy")
+    assert policy_after.keys() == policy_before.keys()
+    assert not set(policy_after.values()) & set(policy_before.values())  # written: the step updated it
+    trainers.step("generator", groups)
+    trainers.save(steps / "0002", steps / "0001")
+    assert inodes("0002", "policy") == inodes("0001", "policy")
+    assert not set(inodes("0002", "generator").values()) & set(inodes("0001", "generator").values())
+
+    resumed = Trainers(TrainerSpec(settings, tiny_model_dir, tiny_model_dir, tiny_model_dir, steps / "0002"))
+    for mine, theirs in ((trainers.policy, resumed.policy), (trainers.generator, resumed.generator)):
+        assert theirs.updates == mine.updates
+        expected = mine.model.state_dict()
+        assert all(torch.equal(expected[k], v) for k, v in theirs.model.state_dict().items())
+    assert (resumed.policy.updates, resumed.generator.updates) == (1, 2)
+
+
 @pytest.mark.slow
 def test_the_demo_profile_moves_the_policy_within_one_round(tmp_path: Path, tiny_model_dir: Path):
     """Issue 24, point 2: `dynrubric up`'s training settings (the demo profile) make several updates per round with one
