@@ -22,7 +22,9 @@ polls have read, `rollout.judge_pairs_per_poll` at a time, while the rollout run
 verdict is on the pairs judged so far. The judge never holds up a poll: an open pair's rubric takes seconds to
 minutes on a busy CPU, and a poll that waited for it (as before 2026-12-04) left a failing canary's errors, the
 step's time limit and the Argo metric endpoint waiting just as long. The judged win rate's bounds are valid at
-any number of pairs (serving/gate.py), so reading them while the judge catches up decides nothing early. A judge
+any number of pairs (serving/gate.py), so reading them while the judge catches up decides nothing early. A step
+past `max_step_s` while the judge holds a batch of its pairs waits for that batch (the judge takes no other), then
+decides. A judge
 that fails leaves its pairs for its next batch; the pairs it holds are in the saved state until judged. The
 judged win rate and its bounds are in the gate's checks and in `dynrubric_rollout_judge_*`.
 
@@ -361,6 +363,8 @@ class Controller:
         self._judge_seconds = 0.0  # measured: the judge's time over the pairs it judged (judge_s_per_pair)
         self._judged_pairs = 0
         self._judge_failing: str | None = None  # the judge's last failure, until it answers again
+        self._gate_judged = 0  # judged pairs the last gate evaluation read
+        self._overtime: tuple[str, int] | None = None  # (rollout, step) past max_step_s: the judge takes no batch
 
     # ------------------------------------------------------------ start
     def start(self, version: str) -> Rollout:
@@ -470,6 +474,7 @@ class Controller:
         return self.store.update(r.id, status="stepping", step=0, step_started_at=now)
 
     def _enter_step(self, step: int, at: float) -> None:
+        self._overtime = None
         self.m_step.set(step)
         self.m_step_started.set(at)
 
@@ -493,6 +498,7 @@ class Controller:
                 for v in ("stable", "canary")
             }
             judged = self.online.judge
+            self._gate_judged = judged.pairs
             self.online.checkpoint()
         if judged.pairs:
             lo, hi = judge_interval(judged, self.gate_cfg.judge_alpha, self.gate_cfg.judge_tau)
@@ -538,6 +544,8 @@ class Controller:
         down or restarting: `up`'s judge borrows the rounds' supervised vLLM server) leaves the pairs for the next
         batch; the failure is logged once, and the recovery. Pairs of a rollout that ended meanwhile are dropped."""
         with self._online_lock:
+            if self._overtime is not None:  # the step's time is up: only the batch in hand is owed a verdict
+                return 0
             pairs = self.online.take_pairs(self.cfg.judge_pairs_per_poll)
             experiment = self.online.experiment
         if not pairs:
@@ -564,6 +572,11 @@ class Controller:
         self._judge_seconds += time.monotonic() - started
         self._judged_pairs += len(pairs)
         return len(pairs)
+
+    def _judge_owes(self) -> int:
+        """Pairs the judge holds, plus those it judged since the last gate read its count (0 without a judge)."""
+        with self._online_lock:
+            return max(0, len(self.online.judging) + self.online.judge.pairs - self._gate_judged)
 
     @property
     def judge_s_per_pair(self) -> float | None:
@@ -603,7 +616,15 @@ class Controller:
                 )
             self._enter_step(r.step + 1, now)
             return self.store.update(r.id, step=r.step + 1, step_started_at=now, last_gate=gate)
-        if time.time() - r.step_started_at > self.cfg.max_step_s:
+        overtime = time.time() - r.step_started_at > self.cfg.max_step_s
+        if overtime and self._overtime != (r.id, r.step):
+            # the step's time is up: the judge takes no new batch, but the pairs it holds (or judged since the gate
+            # read them) are owed a verdict, so the step waits for them, not for the queue behind (while the gate's
+            # poll waited for the judge, r1 was promoted at make up's poll ending 785 s into a 600 s step so)
+            self._overtime = (r.id, r.step)
+            if owed := self._judge_owes():
+                self.log(f"{r.id} step {r.step}: past {self.cfg.max_step_s:.0f} s, the judge's {owed} pairs awaited")
+        if overtime and not self._judge_owes():
             return self.store.update(
                 r.id,
                 status="rolling_back",

@@ -4,6 +4,7 @@ the judge."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -15,7 +16,7 @@ from dynrubric.config import GateConfig, RolloutConfig
 from dynrubric.errors import DynrubricError
 from serving.online import OnlineMetrics, ShadowPair
 from serving.power import judged_pairs_per_s
-from serving.rollout import Controller
+from serving.rollout import Controller, Rollout
 from tests.rollouts import stepping_rollout
 
 ROLLOUT = stepping_rollout()
@@ -154,3 +155,38 @@ def test_pairs_of_a_rollout_that_ended_while_the_judge_worked_are_dropped():
     c = controller(NextRolloutStarts(), online, lines)  # type: ignore[arg-type]
     assert c.judge_once() == 0
     assert online.experiment == "ro-2" and online.judge.pairs == 0 and not online.pairs and not online.judging
+
+
+class Store:
+    """The rollout's row (serving/rollout.py RolloutStore) as the controller updates it."""
+
+    def __init__(self, rollout: Rollout) -> None:
+        self.rollout = rollout
+
+    def update(self, rollout_id: str, **fields: Any) -> Rollout:
+        self.rollout = dataclasses.replace(self.rollout, **fields)
+        return self.rollout
+
+
+def test_a_step_past_its_time_waits_for_the_judges_batch_in_hand_not_the_queue():
+    """With the judge beside the gate, a step that runs out of time while the judge holds a batch of its pairs gets
+    their verdicts first (before, the poll itself waited: make up promoted r1 on a poll that ended 785 s into a
+    600 s step); the judge takes no new batch meanwhile, so the step does not run on with the traffic."""
+    judge, online, lines = HeldJudge(), QuietLog(pairs=5), []
+    c = controller(judge, online, lines, max_step_s=60.0, poll_interval_s=0.01)
+    rollout = stepping_rollout(at=time.time() - 120.0)
+    c.store = Store(rollout)  # type: ignore[assignment]
+    with c.judging():
+        assert judge.started.wait(10)  # a batch of 4 in hand, 1 pair waiting
+        rollout = c._stepping(rollout)
+        assert rollout.status == "stepping", rollout.reason
+        assert lines[-1] == "ro-1 step 0: past 60 s, the judge's 4 pairs awaited"
+        judge.release.set()
+        deadline = time.monotonic() + 10
+        while online.judge.pairs < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        rollout = c._stepping(rollout)  # the gate reads the batch's verdicts: nothing is owed any more
+        assert rollout.status == "rolling_back"
+        assert rollout.reason is not None and rollout.reason.startswith("step 0 still inconclusive after 60 s")
+        assert rollout.last_gate is not None
+    assert online.judge.pairs == 4 and [p.pair_id for p in online.pairs] == ["p4"]
