@@ -8,7 +8,8 @@ once by `open_rollout_store`, which then renames that file `rollouts.sqlite.migr
 
     loading       load the version's weights on the canary replicas (all or none), mark it canary
     stepping      canary share = steps[step]; gate at every poll: pass -> next step (or promoting),
-                  fail -> rolling_back, inconclusive -> hold (a step past max_step_s -> rolling_back)
+                  fail -> rolling_back, inconclusive -> hold (a step past max_step_s -> rolling_back, once
+                  the judge's batch in hand is judged)
     promoting     all traffic to canary, load the version on stable replicas, canary share 0,
                   registry promote (the previous stable version becomes retired)
     rolling_back  canary share 0, canary replicas back to the baseline weights, registry rejected
@@ -24,9 +25,8 @@ minutes on a busy CPU, and a poll that waited for it (as before 2026-12-04) left
 step's time limit and the Argo metric endpoint waiting just as long. The judged win rate's bounds are valid at
 any number of pairs (serving/gate.py), so reading them while the judge catches up decides nothing early. A step
 past `max_step_s` while the judge holds a batch of its pairs waits for that batch (the judge takes no other), then
-decides. A judge
-that fails leaves its pairs for its next batch; the pairs it holds are in the saved state until judged. The
-judged win rate and its bounds are in the gate's checks and in `dynrubric_rollout_judge_*`.
+decides. A judge that fails leaves its pairs for its next batch; the pairs it holds are in the saved state until
+judged. The judged win rate and its bounds are in the gate's checks and in `dynrubric_rollout_judge_*`.
 
 At the start of each rollout the controller logs what its gate can detect (`serving.power`): the
 smallest harm per metric it catches with 80 % power within a step, and when an equal canary would be
