@@ -519,7 +519,8 @@ class Controller:
     def judging(self) -> Iterator[None]:
         """The judge's worker while a rollout runs: batches of the pairs read so far, one after another, a poll
         interval's wait when none is waiting or the judge failed. On the way out it finishes the batch it holds (in
-        `up` the judge borrows the rounds' vLLM server, which the next round needs to itself)."""
+        `up` the judge borrows the rounds' vLLM server, which the next round needs to itself); an interrupt or exit
+        does not wait for it."""
         if self.judge is None:
             yield
             return
@@ -532,11 +533,15 @@ class Controller:
 
         worker = threading.Thread(target=work, name="rollout-judge", daemon=True)
         worker.start()
+        interrupted = False
         try:
             yield
+        except (KeyboardInterrupt, SystemExit):  # the process is going down: the daemon worker goes with it
+            interrupted = True
+            raise
         finally:
             stop.set()
-            worker.join()
+            worker.join(timeout=1.0 if interrupted else None)
 
     def judge_once(self) -> int:
         """Judge up to `judge_pairs_per_poll` of the shadow pairs read so far, outside the gate's lock, timing the

@@ -190,3 +190,15 @@ def test_a_step_past_its_time_waits_for_the_judges_batch_in_hand_not_the_queue()
         assert rollout.reason is not None and rollout.reason.startswith("step 0 still inconclusive after 60 s")
         assert rollout.last_gate is not None
     assert online.judge.pairs == 4 and [p.pair_id for p in online.pairs] == ["p4"]
+
+
+def test_an_interrupt_does_not_wait_for_the_judges_batch():
+    """Ctrl-C (or a SIGTERM turned into an exit) during a rollout ends it now, not after the judge's batch."""
+    judge, online, lines = HeldJudge(), QuietLog(pairs=2), []
+    c = controller(judge, online, lines)
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt), c.judging():
+        assert judge.started.wait(10)
+        raise KeyboardInterrupt
+    assert time.monotonic() - started < 5
+    judge.release.set()
