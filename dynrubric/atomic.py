@@ -69,12 +69,11 @@ def directory(path: Path) -> Iterator[Path]:
 def link_tree(src: Path, dst: Path) -> None:
     """`dst` as a copy of the files under `src`, each a hard link where the file system allows (no byte written:
     a published directory's files are never modified in place, so sharing them is safe), else a copy."""
-    for f in Path(src).rglob("*"):
-        if not f.is_file():
-            continue
-        target = Path(dst) / f.relative_to(src)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(f, target)
-        except OSError:  # another file system, or one without hard links
-            shutil.copy2(f, target)
+    shutil.copytree(src, dst, copy_function=_link_or_copy, dirs_exist_ok=True)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system, or one without hard links
+        shutil.copy2(src, dst)

@@ -161,7 +161,8 @@ class TrafficMeter:
         ends = [s for s, _ in list(self._seconds)[1:]] + [now]
         return [max(1.0, min(end - s, self.IDLE_S)) for (s, _), end in zip(self._seconds, ends, strict=False)]
 
-    def _forget(self, now: float) -> None:
+    def _forget(self, now: float) -> float:
+        """Drop the buckets (and users) older than the window; the seconds of traffic the rest stand for."""
         spans = self._spans(now)
         active = sum(spans)
         for span in spans[:-1]:  # the newest bucket always stays
@@ -172,11 +173,10 @@ class TrafficMeter:
         oldest = self._seconds[0][0] if self._seconds else now
         while self._users and next(iter(self._users.values())) < oldest:
             self._users.popitem(last=False)
+        return active
 
     def snapshot(self) -> dict[str, float]:
-        now = self.clock()
-        self._forget(now)
-        active = sum(self._spans(now))
+        active = self._forget(self.clock())
         requests = sum(n for _, n in self._seconds)
         return {
             "window_s": self.window_s,
