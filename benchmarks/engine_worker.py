@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import sys
 import tempfile
@@ -40,24 +39,7 @@ sys.path.insert(0, str(ROOT))  # the checkout this file is in, not another insta
 from dynrubric import modelcache  # noqa: E402
 from dynrubric.config_loader import load_settings  # noqa: E402
 from dynrubric.engines.vllm_server import VllmServer  # noqa: E402
-
-
-def cpu_seconds(session: int) -> tuple[float, int]:
-    """User + system CPU seconds of every live process in `session` (the server and its children), and how many."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total, n = 0.0, 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[3]) == session:
-            total += (int(fields[11]) + int(fields[12])) / tick
-            n += 1
-    return total, n
+from dynrubric.process import session_cpu_seconds, session_pids  # noqa: E402
 
 
 def chat(client: httpx.Client, url: str, text: str, max_tokens: int) -> None:
@@ -107,7 +89,7 @@ def arm(model: Path, worker_process: bool, args: argparse.Namespace, logs: Path)
         with httpx.Client(timeout=300) as client:
             chat(client, server.base_url, "hello", 8)  # warm
             time.sleep(3)
-            cpu0, processes = cpu_seconds(session)
+            cpu0, processes = session_cpu_seconds(session), len(session_pids(session))
             t0 = due = time.monotonic()
             n = 0
             while time.monotonic() - t0 < args.seconds:
@@ -116,10 +98,10 @@ def arm(model: Path, worker_process: bool, args: argparse.Namespace, logs: Path)
                 chat(client, server.base_url, f"Write a line about the number {n}.", 32)
                 n += 1
             wall = time.monotonic() - t0
-            trickle = (cpu_seconds(session)[0] - cpu0) / wall
-            cpu1 = cpu_seconds(session)[0]
+            trickle = (session_cpu_seconds(session) - cpu0) / wall
+            cpu1 = session_cpu_seconds(session)
             time.sleep(10)
-            idle = (cpu_seconds(session)[0] - cpu1) / 10
+            idle = (session_cpu_seconds(session) - cpu1) / 10
         batch = asyncio.run(batch_seconds(server.base_url, args.batch))
     print(
         f"{name}: {processes} processes, start {start_s:.0f} s; trickle {n} requests in {wall:.0f} s: "

@@ -37,6 +37,34 @@ def spawn(
             log.close()  # the child holds its own descriptor
 
 
+def session_pids(sid: int) -> list[int]:
+    """The live processes of session `sid` (a child started with `own_group` leads one: it and everything it
+    started that did not leave it)."""
+    return [pid for pid, _ in _session_stats(sid)]
+
+
+def session_cpu_seconds(sid: int) -> float:
+    """User + system CPU seconds of the live processes of session `sid` (those that ended are not counted)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    return sum((int(f[11]) + int(f[12])) / tick for _, f in _session_stats(sid))  # utime, stime
+
+
+def _session_stats(sid: int) -> list[tuple[int, list[str]]]:
+    """(pid, the fields of /proc/PID/stat after the command's name) of each process in session `sid`."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # the name may hold spaces and parentheses
+        if int(fields[3]) == sid:  # state, ppid, pgrp, session
+            out.append((int(entry.name), fields))
+    return out
+
+
 def wait_until(proc: subprocess.Popen, ready: Callable[[], bool], timeout_s: float, poll_s: float) -> bool:
     """Poll `ready()` every `poll_s` until it is true (True), or the process exits or `timeout_s` passes
     (False; `proc.poll()` tells which)."""

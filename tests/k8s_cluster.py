@@ -66,7 +66,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from dynrubric.process import spawn, terminate
+from dynrubric.process import session_pids, spawn, terminate  # a pod's processes: its first leads a session
 
 REPO = Path(__file__).resolve().parent.parent
 VENV = REPO / ".venv"
@@ -145,22 +145,6 @@ def expand(value: str, env: dict[str, str]) -> str:
 
 def template_hash(template: dict) -> str:
     return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
-
-
-def session_pids(sid: int) -> list[int]:
-    """The processes of session `sid` (a pod's processes: its first one leads a new session)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[3]) == sid:  # state, ppid, pgrp, session
-            out.append(int(entry.name))
-    return out
 
 
 def _tcp_listeners() -> dict[str, str]:

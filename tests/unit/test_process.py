@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from dynrubric.config import VllmConfig
 from dynrubric.engines.vllm_server import VllmServer
 from dynrubric.ports import free_port
-from dynrubric.process import spawn, terminate, wait_until
+from dynrubric.process import session_cpu_seconds, session_pids, spawn, terminate, wait_until
 from serving.fleet import EngineSpec, Fleet
 
 # a child that ignores SIGTERM, leaves a grandchild in its process group, logs, and writes a ready file
@@ -173,3 +173,32 @@ def test_a_slow_starting_service_is_given_its_start_timeout_not_killed_by_the_he
         assert sup.restart_counts().get("never", 0) >= 1 and "not healthy 1 s after its start" in "".join(lines)
     finally:
         sup.stop()
+
+
+def test_a_sessions_processes_and_their_cpu_seconds_are_read_from_proc(tmp_path):
+    """A child started in its own session and the grandchild it forks are both found by the session id, and the CPU
+    they burn is counted (benchmarks/engine_worker.py reads a vLLM server's this way; the k8s harness a pod's)."""
+    burn = textwrap.dedent(
+        """
+        import os, time
+        os.fork()  # a second process in the session; each burns 0.4 s of CPU, then waits
+        end = time.process_time() + 0.4
+        while time.process_time() < end:
+            pass
+        time.sleep(30)
+        """
+    )
+    proc = spawn([sys.executable, "-c", burn], tmp_path / "burn.log")
+    try:
+        deadline = time.monotonic() + 20
+        while len(session_pids(proc.pid)) < 2 or session_cpu_seconds(proc.pid) < 0.7:
+            assert time.monotonic() < deadline, (session_pids(proc.pid), session_cpu_seconds(proc.pid))
+            time.sleep(0.1)
+        assert proc.pid in session_pids(proc.pid)
+        assert os.getpid() not in session_pids(proc.pid)
+    finally:
+        terminate(proc, 5)
+    deadline = time.monotonic() + 10  # the forked one, signalled with its group, is reaped by init
+    while session_pids(proc.pid):
+        assert time.monotonic() < deadline, session_pids(proc.pid)
+        time.sleep(0.1)
