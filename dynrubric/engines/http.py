@@ -45,6 +45,13 @@ class SharedServer:
         self.holder = None
 
 
+# a connection that broke after it was made (reset or closed under a request) while the server may well be up: in
+# `make up` at b41a8a6 one request of a round's evaluation failed with ReadError, the vLLM server alive and its log
+# clean, and the round failed with it (cause not found). Every call here is safe to send twice: seeded generations,
+# log-probs, a reload of the same weights, a prefix cache reset.
+DROPPED = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
 class OpenAIHTTPEngine(Engine):
     def __init__(
         self,
@@ -88,7 +95,10 @@ class OpenAIHTTPEngine(Engine):
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
-            response = self._client.request(method, path, **kwargs)
+            try:
+                response = self._client.request(method, path, **kwargs)
+            except DROPPED:  # the connection, not the server, failed: sent once more on a new one
+                response = self._client.request(method, path, **kwargs)
         except httpx.ReadTimeout:  # connected and sent: the server is there, but slower than the timeout
             raise DynrubricError(
                 f"engine at {self.base_url} did not answer {path} within {self.timeout_s:.0f} s",
