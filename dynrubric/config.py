@@ -130,10 +130,11 @@ class VllmConfig(Section):
     )
     start_timeout_s: float = Field(default=300.0, gt=0)
     worker_process: bool = Field(
-        default=False,
-        description="the model in a worker process of its own (vLLM's default executor): it waits for each engine "
-        "step spinning on sched_yield for a second after the last, a core while requests keep coming "
-        "(benchmarks/engine_worker.py); false runs it in the engine process (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
+        default=True,
+        description="the model in a worker process of its own (vLLM's default executor), which waits for each "
+        "engine step spinning on sched_yield for a second after the last; false runs it in the engine process "
+        "(VLLM_ENABLE_V1_MULTIPROCESSING=0): fewer cores for a lone engine (benchmarks/engine_worker.py), but `make "
+        "up` with it answered 87 user requests against 540 and rolled r1 back (docs/benchmarks.md, 2026-12-04)",
     )
 
 

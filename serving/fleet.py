@@ -40,6 +40,7 @@ class EngineSpec:
     kv_cache_space_gib: int = 1
     max_model_len: int = 1024
     cpus: str | None = None  # vLLM OpenMP cores, e.g. "1" or "0-3"; None = vLLM's auto (every engine on core 0)
+    worker_process: bool = True  # vllm.worker_process
 
     @property
     def base_url(self) -> str:
@@ -49,7 +50,12 @@ class EngineSpec:
         from dynrubric.engines.vllm_server import VllmServer
 
         # the users' engines schedule 8 sequences a step, as they always have (several engines share few cores)
-        cfg = VllmConfig(kv_cache_space_gib=self.kv_cache_space_gib, max_model_len=self.max_model_len, max_num_seqs=8)
+        cfg = VllmConfig(
+            kv_cache_space_gib=self.kv_cache_space_gib,
+            max_model_len=self.max_model_len,
+            max_num_seqs=8,
+            worker_process=self.worker_process,
+        )
         return VllmServer(self.model_dir, cfg, port=self.port, served_model_name=SERVED_MODEL_NAME)
 
     def command(self) -> list[str]:
@@ -106,6 +112,7 @@ def specs_from_settings(settings: Settings, model_dir: Path, policy_version: str
             kv_cache_space_gib=settings.vllm.kv_cache_space_gib,
             max_model_len=settings.vllm.max_model_len,
             cpus=spread_cores(i),
+            worker_process=settings.vllm.worker_process,
         )
         for i, e in enumerate(engines)
     ]

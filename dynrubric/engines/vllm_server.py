@@ -81,7 +81,7 @@ class VllmServer:
         env["VLLM_SERVER_DEV_MODE"] = "1"
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
-        # vLLM's uni executor: the model in the engine process, no worker spinning on its queue (vllm.worker_process)
+        # false: vLLM's uni executor, the model in the engine process, no worker spinning on its queue
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.config.worker_process else "0"
         return env | self.env
 

@@ -12,10 +12,11 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from dynrubric.config import VllmConfig
+from dynrubric.config_loader import load_settings
 from dynrubric.engines.vllm_server import VllmServer
 from dynrubric.ports import free_port
 from dynrubric.process import session_cpu_seconds, session_pids, spawn, terminate, wait_until
-from serving.fleet import EngineSpec, Fleet
+from serving.fleet import EngineSpec, Fleet, specs_from_settings
 
 # a child that ignores SIGTERM, leaves a grandchild in its process group, logs, and writes a ready file
 STUBBORN = textwrap.dedent(
@@ -96,12 +97,14 @@ def test_dev_mode_engines_listen_on_loopback_only(tmp_path, tiny_model_dir, monk
     assert cmd[cmd.index("--max-num-batched-tokens") + 1] == "32768" and cmd[cmd.index("--max-num-seqs") + 1] == "64"
     assert vllm_cmd[vllm_cmd.index("--max-num-seqs") + 1] == "8" and vllm_cmd.count("--max-num-seqs") == 1
 
-    # the model in the engine process: a worker process of its own spins a core while requests keep coming (the
-    # users' engines and the rounds' server alike; benchmarks/engine_worker.py)
-    assert server.environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    assert EngineSpec("e", "stable", "vllm", 8124, tmp_path, "v0").env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    worker = VllmServer(tmp_path, VllmConfig(worker_process=True))
-    assert worker.environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    # vllm.worker_process: vLLM's worker process by default; false (the model in the engine process) reaches the
+    # rounds' server and the users' engines alike
+    assert server.environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    in_engine = VllmServer(tmp_path, VllmConfig(worker_process=False))
+    assert in_engine.environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    settings = load_settings(environ={"DYNRUBRIC_VLLM__WORKER_PROCESS": "false"}, profile="demo")
+    [spec, *_] = specs_from_settings(settings, tmp_path, "v0")
+    assert spec.server == "vllm" and spec.env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
     port = free_port()
     spec = EngineSpec("tiny", "stable", "transformers", port, tiny_model_dir, "v0")
