@@ -42,6 +42,26 @@ from dynrubric.engines.vllm_server import VllmServer  # noqa: E402
 from dynrubric.process import session_cpu_seconds, session_pids  # noqa: E402
 
 
+def model_cores(session: int) -> str:
+    """The cores the threads of the process that runs the model may run on (vLLM's worker, else its engine core):
+    VLLM_CPU_OMP_THREADS_BIND pins them in a worker process; the uni executor leaves them on every core."""
+    found: dict[str, set[str]] = {}
+    for pid in session_pids(session):
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            cores = {
+                line.split()[-1]
+                for task in Path(f"/proc/{pid}/task").iterdir()
+                for line in (task / "status").read_text().splitlines()
+                if line.startswith("Cpus_allowed_list")
+            }
+        except OSError:
+            continue
+        found[name] = cores
+    runs_model = next((n for n in ("VLLM::Worker", "VLLM::EngineCor") if n in found), None)
+    return f"{runs_model} threads on cores {','.join(sorted(found[runs_model]))}" if runs_model else "no vLLM process"
+
+
 def chat(client: httpx.Client, url: str, text: str, max_tokens: int) -> None:
     r = client.post(
         f"{url}/v1/chat/completions",
@@ -90,6 +110,7 @@ def arm(model: Path, worker_process: bool, args: argparse.Namespace, logs: Path)
             chat(client, server.base_url, "hello", 8)  # warm
             time.sleep(3)
             cpu0, processes = session_cpu_seconds(session), len(session_pids(session))
+            placed = model_cores(session)
             t0 = due = time.monotonic()
             n = 0
             while time.monotonic() - t0 < args.seconds:
@@ -104,7 +125,7 @@ def arm(model: Path, worker_process: bool, args: argparse.Namespace, logs: Path)
             idle = (session_cpu_seconds(session) - cpu1) / 10
         batch = asyncio.run(batch_seconds(server.base_url, args.batch))
     print(
-        f"{name}: {processes} processes, start {start_s:.0f} s; trickle {n} requests in {wall:.0f} s: "
+        f"{name}: {processes} processes ({placed}), start {start_s:.0f} s; trickle {n} requests in {wall:.0f} s: "
         f"{trickle:.2f} cores; idle {idle:.2f} cores; batch of {args.batch} x 64 tokens {batch:.1f} s",
         flush=True,
     )
@@ -123,6 +144,8 @@ def main() -> None:
     before = arm(model, True, args, logs)
     after = arm(model, False, args, logs)
     print(f"batch ratio: {after['batch'] / before['batch']:.2f} (in-process / worker-process seconds); logs in {logs}")
+    # the in-process arm's model threads are not bound to the core asked for (its line says where they run): its
+    # batch had every core, the worker's one, so the batch ratio is not the executor's alone
     print(f"ratio: {after['trickle'] / before['trickle']:.2f}")
 
 

@@ -133,8 +133,9 @@ class VllmConfig(Section):
         default=True,
         description="the model in a worker process of its own (vLLM's default executor), which waits for each "
         "engine step spinning on sched_yield for a second after the last; false runs it in the engine process "
-        "(VLLM_ENABLE_V1_MULTIPROCESSING=0): fewer cores for a lone engine (benchmarks/engine_worker.py), but `make "
-        "up` with it answered 87 user requests against 540 and rolled r1 back (docs/benchmarks.md, 2026-12-04)",
+        "(VLLM_ENABLE_V1_MULTIPROCESSING=0), where vLLM does not apply VLLM_CPU_OMP_THREADS_BIND: less CPU for a "
+        "lone engine (benchmarks/engine_worker.py), but `make up` with it answered 87 user requests against 540 and "
+        "rolled r1 back (docs/benchmarks.md, 2026-12-04)",
     )
 
 
