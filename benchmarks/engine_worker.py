@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the checkout this file is in, not another install
 
 from dynrubric import modelcache  # noqa: E402
+from dynrubric.config import VllmConfig  # noqa: E402
 from dynrubric.config_loader import load_settings  # noqa: E402
 from dynrubric.engines.vllm_server import VllmServer  # noqa: E402
 from dynrubric.process import session_cpu_seconds, session_pids  # noqa: E402
@@ -93,9 +94,8 @@ async def batch_seconds(url: str, n: int) -> float:
         return time.monotonic() - started
 
 
-def arm(model: Path, worker_process: bool, args: argparse.Namespace, logs: Path) -> dict[str, float]:
-    settings = load_settings(environ={}, profile="demo")
-    cfg = settings.vllm.model_copy(update={"worker_process": worker_process})
+def arm(model: Path, vllm: VllmConfig, worker_process: bool, args: argparse.Namespace, logs: Path) -> dict[str, float]:
+    cfg = vllm.model_copy(update={"worker_process": worker_process})
     name = "worker-process" if worker_process else "in-process"
     server = VllmServer(
         model, cfg, served_model_name="policy", log_path=logs / f"{name}.log", env={"VLLM_CPU_OMP_THREADS_BIND": "1"}
@@ -141,8 +141,8 @@ def main() -> None:
     settings = load_settings(environ={}, profile="demo")
     model = modelcache.resolve(settings.paths.resolved_home(), settings.models.policy)
     logs = Path(tempfile.mkdtemp(prefix="engine-worker-"))
-    before = arm(model, True, args, logs)
-    after = arm(model, False, args, logs)
+    before = arm(model, settings.vllm, True, args, logs)
+    after = arm(model, settings.vllm, False, args, logs)
     print(f"batch ratio: {after['batch'] / before['batch']:.2f} (in-process / worker-process seconds); logs in {logs}")
     # the in-process arm's model threads are not bound to the core asked for (its line says where they run): its
     # batch had every core, the worker's one, so the batch ratio is not the executor's alone
