@@ -4,8 +4,9 @@ Runs `dynrubric up` (the demo's embedded parts: Tansu, ingest, a vLLM stable and
 simulated users, rounds, canary rollouts behind the gate) for `--cycles` cycles (or, without it, as many as fit in
 `--minutes`: no cycle starts that the last one's length says would not end in time), leaving the registry under
 `DIR/registry/checkpoints/<version>/` (HF model directories). With `--seeds N` it runs N loops one after another,
-each in `DIR/seed-S` with `train.seed` S. Per loop it prints the learning curve, one block per cycle, read from
-the rounds' own evaluations (the three-way split of issue 35: dev, which the guard decides on, and the test
+each in `DIR/seed-S` with `train.seed` S, S counting from `--seed-start` (default 0, so that a later session can run
+the seeds an earlier one did not). Per loop it prints the learning curve, one block per cycle, read from the rounds'
+own evaluations (the three-way split of issue 35: dev, which the guard decides on, and the test
 figures, which nothing decides on): the candidate, its parent and base, the candidate's paired difference from each
 with its 95 % CI, what the guard and the rollout decided and which version served after the cycle:
 
@@ -22,7 +23,7 @@ judge) and prints
     delta: D (95% CI lo..hi)
     final_version: V
 
-    python benchmarks/learning.py --state-dir DIR [--cycles N | --minutes M] [--seeds S]
+    python benchmarks/learning.py --state-dir DIR [--cycles N | --minutes M] [--seeds S [--seed-start F]]
                                   [--engine-server vllm|transformers] [--config FILE]
 """
 
@@ -126,6 +127,7 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=None, help="cycles per loop (default: as many as fit in --minutes)")
     ap.add_argument("--minutes", type=float, default=45.0, help="time budget of a loop without --cycles")
     ap.add_argument("--seeds", type=int, default=None, help="loops one after another, seeds 0..N-1, each in DIR/seed-S")
+    ap.add_argument("--seed-start", type=int, default=0, help="the first seed with --seeds (seed-start .. +N-1)")
     ap.add_argument(
         "--engine-server",
         choices=["vllm", "transformers"],
@@ -137,7 +139,8 @@ def main() -> None:
     if args.cycles is not None and args.cycles < 1:
         raise SystemExit(f"--cycles {args.cycles} runs nothing: pass 1 or more")
     root = args.state_dir.resolve()
-    runs = [(None, root)] if args.seeds is None else [(s, root / f"seed-{s}") for s in range(args.seeds)]
+    seeds = range(args.seed_start, args.seed_start + (args.seeds or 0))
+    runs = [(None, root)] if args.seeds is None else [(s, root / f"seed-{s}") for s in seeds]
     finals = []
     for seed, state in runs:
         finals.append(one_loop(args, seed, state))
