@@ -66,6 +66,7 @@ from dynrubric.train.policy_eval import (  # noqa: E402
     paired_bootstrap,
 )
 from dynrubric.train.prompts import make_prompt  # noqa: E402
+from dynrubric.train.records import RoundSummary  # noqa: E402
 from dynrubric.train.splits import trainable  # noqa: E402
 
 #: each arm: the judge's configuration (rubric.*) over the demo profile; where the judge has no generator (checks,
@@ -130,14 +131,23 @@ def training_prompts(n: int, seed: int = 0) -> list[dict[str, Any]]:
 # ==================================================================== one arm x seed
 def run_settings(base: Settings, arm: str, seed: int, run: Path, prompts_file: Path, url: str) -> Settings:
     """The arm's settings: its judge, and without a generator a round of the same policy steps alone."""
-    if not ARMS[arm].get("train", {}).get("coevolve", {}).get("enabled", True):
+    return overlay_settings(base, ARMS[arm], seed, run, prompts_file, url)
+
+
+def overlay_settings(
+    base: Settings, overlay: dict[str, Any], seed: int, run: Path, prompts_file: Path, url: str
+) -> Settings:
+    """One run's settings: `overlay` (config sections as nested dicts) over `base`, with the run's own state dir,
+    seed and training prompts, on the shared server (the verifier in this process). An overlay that turns the
+    generator off gets a round of the same policy steps alone."""
+    if not overlay.get("train", {}).get("coevolve", {}).get("enabled", True):
         base = override(base, {"train": {"steps_per_round": base.train.coevolve.k_alt}})
     return override(
         base,
-        ARMS[arm]
+        overlay
         | {
             "paths": {"state_dir": str(run)},
-            "train": ARMS[arm].get("train", {})
+            "train": overlay.get("train", {})
             | {"seed": seed, "prompt_source": "jsonl", "prompts_file": str(prompts_file)},
             "engine": one_shared_server(url, in_process=["verifier"]),
         },
@@ -155,32 +165,41 @@ class RunResult:
     guard: str
 
 
-def train_run(settings: Settings, rounds: int) -> str:
-    """Train `rounds` rounds from base with the loop's round code; the last round's candidate (its version)."""
+def train_rounds(settings: Settings, rounds: int) -> list[RoundSummary]:
+    """Train `rounds` rounds from base with the loop's round code (each from the last accepted version, as the loop
+    does); their summaries, in order."""
     from dynrubric.app.train_commands import engine_factory, prompt_source
     from dynrubric.registry import open_registry
     from dynrubric.train.rounds import RoundRunner
 
     runner = RoundRunner(settings, open_registry(settings), prompt_source(settings), engine_factory(settings))
     try:
-        version = "base"
+        summaries = []
         for _ in range(rounds):
             summary = runner.run()
-            version = summary.version or version
+            summaries.append(summary)
             print(
                 f"    round {summary.round}: {summary.version} ({summary.state}; guard: {summary.guard.detail})",
                 flush=True,
             )
-        return version
+        return summaries
     finally:
         runner.close()
+
+
+def train_run(settings: Settings, rounds: int) -> str:
+    """Train `rounds` rounds from base; the last round's candidate (its version; base if no round registered one)."""
+    version = "base"
+    for summary in train_rounds(settings, rounds):
+        version = summary.version or version
+    return version
 
 
 def reward_agreement(settings: Settings) -> tuple[float, int]:
     """The reward's agreement with the checker on the run's own policy sets: over the candidate pairs of checkable
     prompts that the checker separates (one passes, one fails), the share the reward orders the same way (a tie
     1/2). Sets from the run log's `set_scores`, their responses from the rollouts log (same order)."""
-    from dynrubric.train.records import PolicyStep, RoundSummary, read_summary
+    from dynrubric.train.records import PolicyStep, read_summary
     from dynrubric.train.rounds import PLAN, SUMMARY, read_json, run_dir_of
 
     run_dir = run_dir_of(settings)
