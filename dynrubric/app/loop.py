@@ -64,6 +64,7 @@ from dynrubric.process import stop_signals_interrupt
 from dynrubric.train.records import RoundOutcome
 
 ROOT = Path(__file__).resolve().parents[2]
+TRAINER_ENGINE = "trainer-engine"  # the supervised child that is the rounds' vLLM server
 TRAINER_KV_CACHE_GIB = 2  # the rounds' vLLM server: 32 candidates of a step, 8 rubrics at once
 GATE_LINE = re.compile(r"^(ro-\S+) step (\d+) \([^)]*\): (pass|fail|inconclusive): ")
 
@@ -211,6 +212,7 @@ class ClosedLoop:
         self.traffic: UserTraffic | None = None
         self.runner: Any = None  # the RoundRunner that answers which round is next (run())
         self.judge_writer: Any = None  # the rollout judge's rubric writer on the rounds' vLLM server (_judge_on)
+        self.trainer_engine = False  # whether the rounds have their own supervised vLLM server (TRAINER_ENGINE)
 
     # ------------------------------------------------------------ start-up
     def _write_config(self, settings: Settings, name: str = "config.yaml") -> Path:
@@ -381,13 +383,14 @@ class ClosedLoop:
         )
         self.supervisor.start(
             ChildSpec(
-                "trainer-engine",
+                TRAINER_ENGINE,
                 server.command(),
                 server.environment(),
                 f"{server.base_url}/health",
                 s.vllm.start_timeout_s,
             )
         )
+        self.trainer_engine = True
         trainer = override(s, {"engine": one_shared_server(server.base_url, in_process=["verifier"])})
         self.log(f"trainer engine (vLLM: policy and rubric generator, the rollout judge between) at {server.base_url}")
         return trainer
@@ -539,6 +542,31 @@ class ClosedLoop:
                 )
             time.sleep(2.0)
 
+    def _train_round(self, config: Path, cycle: int, round_id: int) -> None:
+        """The round's job, started once the rounds' vLLM server answers. A round that fails while the supervisor
+        restarts that server under it runs once more when the server is back, resuming from its last published
+        step (a 4-cycle `up` lost its last cycle so: vLLM's engine died on a model step past
+        VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS as round 4 started, docs/benchmarks.md). Any other failure is the cycle's."""
+        job = ChildSpec("trainer", self._cli(config, "train", "round"), child_env())
+        engine = TRAINER_ENGINE if self.trainer_engine else None
+        for attempt in (1, 2):
+            if engine is not None:
+                self.supervisor.wait_ready(engine)
+            restarts = self.supervisor.restart_counts().get(engine or "", 0)
+            try:
+                self.supervisor.run_job(job)
+                return
+            except DynrubricError as e:
+                if engine is None or attempt == 2:
+                    raise
+                time.sleep(2 * self.settings.loop.health_interval_s)  # a death the watcher has yet to notice
+                if self.supervisor.restart_counts().get(engine, 0) == restarts:
+                    raise
+                self.log(
+                    f"cycle {cycle}: round {round_id} failed while {engine} restarted under it ({e.problem[:200]}); "
+                    "running it again once the server is healthy"
+                )
+
     def cycle(self, cycle: int, config: Path, runner: Any, controller: Any, registry: Any) -> CycleResult:
         from dynrubric.app.train_commands import round_report
         from dynrubric.registry import CheckpointState
@@ -554,7 +582,7 @@ class ClosedLoop:
             self.log(f"cycle {cycle}: users paused while the round trains (loop.pause_users_while_training)")
             traffic.pause()
         try:
-            self.supervisor.run_job(ChildSpec("trainer", self._cli(config, "train", "round"), child_env()))
+            self._train_round(config, cycle, round_id)
         except DynrubricError as e:  # the fleet keeps serving; the next cycle resumes the round from its last step
             serving = serving_version(registry)
             self.m_cycles.labels(ROUND_FAILED.replace(" ", "_")).inc()

@@ -128,6 +128,26 @@ class Supervisor:
     def process(self, name: str) -> subprocess.Popen:
         return self._children[name].proc
 
+    def wait_ready(self, name: str) -> None:
+        """Return once service `name` answers its health URL (at once when it does): a job that needs the service
+        must not start while the watcher restarts it. Raises when it is given up on, or is not healthy within its
+        start timeout plus two of the watcher's intervals (the time to notice a death and restart it)."""
+        child = self._children[name]
+        url = child.spec.health_url
+        deadline = time.monotonic() + child.spec.start_timeout_s + 2 * self.health_interval_s
+        while True:
+            self.check_alive()
+            # the watcher swaps `proc` on a restart, and sets `ready` once the new one answers
+            if child.ready and child.proc.poll() is None and (url is None or http_ok(url, 2.0)):
+                return
+            if time.monotonic() > deadline:
+                raise DynrubricError(
+                    f"{name} is not healthy {child.spec.start_timeout_s:.0f} s after it was needed: "
+                    f"{log_tail(self.log_path(name))}",
+                    f"read {self.log_path(name)}",
+                )
+            time.sleep(0.3)
+
     def _watch(self) -> None:
         while not self._stop.wait(self.health_interval_s):
             with self._lock:

@@ -9,6 +9,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from dynrubric.config import VllmConfig
@@ -205,3 +206,83 @@ def test_a_sessions_processes_and_their_cpu_seconds_are_read_from_proc(tmp_path)
     while session_pids(proc.pid):
         assert time.monotonic() < deadline, session_pids(proc.pid)
         time.sleep(0.1)
+
+
+def test_wait_ready_returns_only_once_a_service_killed_under_it_is_restarted_and_healthy(tmp_path):
+    """A job that needs a service (a round, the rounds' vLLM server) must not start in the seconds between the
+    service's death and its restart: `wait_ready` on a service killed a moment ago returns once the watcher has
+    started it again and it answers."""
+    from dynrubric.app.supervisor import ChildSpec, Supervisor
+
+    sup = Supervisor(tmp_path / "logs", CollectorRegistry(), lambda _: None, health_interval_s=0.2)
+    try:
+        port = free_port()
+        script = tmp_path / "service.py"
+        script.write_text(SLOW_SERVICE)
+        sup.start(
+            ChildSpec("svc", [sys.executable, str(script), str(port), "1"], health_url=f"http://127.0.0.1:{port}/")
+        )
+        sup.wait_ready("svc")  # healthy: at once
+        assert sup.restart_counts() == {}
+        proc = sup.process("svc")
+        proc.kill()
+        proc.wait()
+        sup.wait_ready("svc")
+        assert sup.restart_counts() == {"svc": 1} and sup.process("svc").poll() is None
+    finally:
+        sup.stop()
+
+
+ROUND_THAT_KILLS_ITS_ENGINE = textwrap.dedent(
+    """
+    import os, pathlib, signal, sys
+    tries = pathlib.Path(sys.argv[1])
+    n = int(tries.read_text()) + 1 if tries.exists() else 1
+    tries.write_text(str(n))
+    if n == 1:  # the first round: its engine dies under it, and it fails as a round does on ConnectError
+        os.kill(int(pathlib.Path(sys.argv[2]).read_text()), signal.SIGKILL)
+        sys.exit(2)
+    sys.exit(int(sys.argv[3]))
+    """
+)
+
+
+@pytest.mark.parametrize("second_rc", [0, 2])
+def test_a_round_that_fails_while_its_engine_restarts_runs_again_once_and_only_once(tmp_path, second_rc):
+    """`up`'s cycle: a round that failed because the rounds' vLLM server died under it (the supervisor restarting
+    it) runs once more when the server answers again, instead of losing the cycle; a second failure is the
+    cycle's. The engine is a real process killed by a real signal."""
+    from dynrubric.app.loop import TRAINER_ENGINE, ClosedLoop
+    from dynrubric.app.supervisor import ChildSpec
+    from dynrubric.config_loader import override
+    from dynrubric.errors import DynrubricError
+
+    settings = override(
+        load_settings(None, {}), {"paths": {"state_dir": str(tmp_path)}, "loop": {"health_interval_s": 0.2}}
+    )
+    lines: list[str] = []
+    loop = ClosedLoop(settings, lines.append)
+    port = free_port()
+    script, job = tmp_path / "service.py", tmp_path / "round.py"
+    script.write_text(SLOW_SERVICE)
+    job.write_text(ROUND_THAT_KILLS_ITS_ENGINE)
+    tries = tmp_path / "tries"
+    pid_file = loop.supervisor.log_dir / f"{TRAINER_ENGINE}.pid"
+    loop._cli = lambda config, *args: [sys.executable, str(job), str(tries), str(pid_file), str(second_rc)]  # type: ignore[method-assign]
+    try:
+        loop.supervisor.start(
+            ChildSpec(
+                TRAINER_ENGINE, [sys.executable, str(script), str(port), "1"], health_url=f"http://127.0.0.1:{port}/"
+            )
+        )
+        loop.trainer_engine = True
+        if second_rc == 0:
+            loop._train_round(tmp_path / "config.yaml", 4, 4)
+            assert any("round 4 failed while trainer-engine restarted under it" in line for line in lines), lines
+        else:
+            with pytest.raises(DynrubricError, match="exit code 2"):
+                loop._train_round(tmp_path / "config.yaml", 4, 4)
+        assert tries.read_text() == "2"
+        assert loop.supervisor.restart_counts() == {TRAINER_ENGINE: 1}
+    finally:
+        loop.supervisor.stop()
