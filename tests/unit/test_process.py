@@ -268,7 +268,8 @@ def test_a_round_that_fails_while_its_engine_restarts_runs_again_once_and_only_o
     job.write_text(ROUND_THAT_KILLS_ITS_ENGINE)
     tries = tmp_path / "tries"
     pid_file = loop.supervisor.log_dir / f"{TRAINER_ENGINE}.pid"
-    loop._cli = lambda config, *args: [sys.executable, str(job), str(tries), str(pid_file), str(second_rc)]  # type: ignore[method-assign]
+    round_job = [sys.executable, str(job), str(tries), str(pid_file), str(second_rc)]
+    loop._cli = lambda config, *args: round_job  # type: ignore[method-assign]  # the round's job, not the CLI
     try:
         loop.supervisor.start(
             ChildSpec(
