@@ -125,7 +125,7 @@ def pooled_delta(
 
 def table(records: Sequence[RunRecord], settings_of: Any, base: dict[str, VersionOutcomes]) -> list[str]:
     """Per arm: round 2 vs its parent, the served version vs base, and the guards' counts; then the last lines."""
-    lines = [f"{'arm':10} {'seeds':>5} {'accepted r1/r2':>14}  " + " ".join(f"{n:>30}" for n in SHOWN.values())]
+    lines = [f"{'arm':10} {'seeds':>5} {'accepted r1/r2':>14} {'':15}" + " ".join(f"{n:>30}" for n in SHOWN.values())]
     last = []
     for arm in ARMS:
         mine = [r for r in records if r.arm == arm]
@@ -150,8 +150,8 @@ def table(records: Sequence[RunRecord], settings_of: Any, base: dict[str, Versio
                 )
             else:
                 vs_base.append(f"{'-':>30}")
-        lines.append(f"{arm:10} {len(mine):>5} {accepted:>14}  r2 vs parent " + " ".join(vs_parent))
-        lines.append(f"{'':10} {'':>5} {'':>14}  served vs base " + " ".join(vs_base))
+        lines.append(f"{arm:10} {len(mine):>5} {accepted:>14} {'r2 vs parent':15}" + " ".join(vs_parent))
+        lines.append(f"{'':10} {'':>5} {'':>14} {'served vs base':15}" + " ".join(vs_base))
         last.append(
             f"arm {arm}: round 2 vs parent " + "; ".join(parts) + f"; guards accepted r1/r2 {accepted} of {len(mine)}"
         )
