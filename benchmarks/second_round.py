@@ -212,36 +212,32 @@ def main() -> None:
         t0 = time.monotonic()
         supervision.evaluate_base(base_run)
         print(f"base evaluated ({time.monotonic() - t0:.0f}s)", flush=True)
-        recorded = record.read_text().splitlines() if record.is_file() else []
-        done = {(r["arm"], r["seed"]) for r in map(json.loads, recorded)}
-        for seed in range(args.seed_start, args.seed_start + args.seeds):
-            for arm in args.arms:
-                if (arm, seed) in done:  # a run of an earlier invocation that finished: its record stands
-                    print(f"  {arm} seed {seed}: done before ({record})", flush=True)
-                    continue
-                run = out / f"{arm}-s{seed}"
-                shutil.rmtree(run, ignore_errors=True)
-                settings = arm_settings(base_settings, arm, seed, run, prompts_file, server.base_url)
-                supervision.copy_base(base_run, settings)
-                print(f"  {arm} seed {seed}: training in {run}", flush=True)
-                t0 = time.monotonic()
-                summaries = supervision.train_rounds(settings, ROUNDS)
-                versions = [s.version for s in summaries]
-                accepted = [s.guard.accepted and s.version is not None for s in summaries]
-                parents = [s.parent for s in summaries]
-                r = RunRecord(
-                    arm,
-                    seed,
-                    run.name,
-                    time.monotonic() - t0,
-                    versions,
-                    accepted,
-                    parents,
-                    served_after(parents, versions, accepted),
-                )
-                print(f"  {arm} seed {seed}: {r.versions} accepted {r.accepted}, served {r.served} in {r.seconds:.0f}s")
-                with record.open("a") as f:
-                    f.write(json.dumps(r.__dict__) + "\n")
+        for seed, arm in supervision.pending_runs(
+            record, range(args.seed_start, args.seed_start + args.seeds), args.arms
+        ):
+            run = out / f"{arm}-s{seed}"
+            shutil.rmtree(run, ignore_errors=True)
+            settings = arm_settings(base_settings, arm, seed, run, prompts_file, server.base_url)
+            supervision.copy_base(base_run, settings)
+            print(f"  {arm} seed {seed}: training in {run}", flush=True)
+            t0 = time.monotonic()
+            summaries = supervision.train_rounds(settings, ROUNDS)
+            versions = [s.version for s in summaries]
+            accepted = [s.guard.accepted and s.version is not None for s in summaries]
+            parents = [s.parent for s in summaries]
+            r = RunRecord(
+                arm,
+                seed,
+                run.name,
+                time.monotonic() - t0,
+                versions,
+                accepted,
+                parents,
+                served_after(parents, versions, accepted),
+            )
+            print(f"  {arm} seed {seed}: {r.versions} accepted {r.accepted}, served {r.served} in {r.seconds:.0f}s")
+            with record.open("a") as f:
+                f.write(json.dumps(r.__dict__) + "\n")
     print(f"total {(time.monotonic() - started) / 60:.1f} min")
     report()
 

@@ -245,6 +245,21 @@ def final_outcomes(settings: Settings, version: str) -> dict[str, VersionOutcome
     return out
 
 
+def pending_runs(record: Path, seeds: range, arms: Sequence[str]) -> list[tuple[int, str]]:
+    """The (seed, arm) runs to train, in order: those `record` (results.jsonl) does not hold yet. A run that an
+    earlier invocation finished keeps its record, so a later session can add seeds."""
+    recorded = record.read_text().splitlines() if record.is_file() else []
+    done = {(r["arm"], r["seed"]) for r in map(json.loads, recorded)}
+    todo = []
+    for seed in seeds:
+        for arm in arms:
+            if (arm, seed) in done:
+                print(f"  {arm} seed {seed}: done before ({record})", flush=True)
+            else:
+                todo.append((seed, arm))
+    return todo
+
+
 # ==================================================================== base, once
 def evaluate_base(settings: Settings) -> None:
     """Base's answers to the dev split and the figures, stored under this settings' run dir (copied into each run)."""
@@ -351,48 +366,42 @@ def main() -> None:
         evaluate_base(base_run)
         print(f"base evaluated ({time.monotonic() - t0:.0f}s)", flush=True)
         record = out / "results.jsonl"
-        recorded = record.read_text().splitlines() if record.is_file() else []
-        done = {(r["arm"], r["seed"]) for r in map(json.loads, recorded)}
-        for seed in range(args.seed_start, args.seed_start + args.seeds):
-            for arm in args.arms:
-                if (arm, seed) in done:  # a run of an earlier invocation that finished: its record stands
-                    print(f"  {arm} seed {seed}: done before ({record})", flush=True)
-                    continue
-                run = out / f"{arm.replace(':', '-')}-s{seed}"
-                shutil.rmtree(run, ignore_errors=True)
-                settings = run_settings(base_settings, arm, seed, run, prompts_file, server.base_url)
-                copy_base(base_run, settings)
-                print(f"  {arm} seed {seed}: training in {run}", flush=True)
-                t0 = time.monotonic()
-                final = train_run(settings, args.rounds)
-                seconds = time.monotonic() - t0
-                from dynrubric.registry import open_registry
+        for seed, arm in pending_runs(record, range(args.seed_start, args.seed_start + args.seeds), args.arms):
+            run = out / f"{arm.replace(':', '-')}-s{seed}"
+            shutil.rmtree(run, ignore_errors=True)
+            settings = run_settings(base_settings, arm, seed, run, prompts_file, server.base_url)
+            copy_base(base_run, settings)
+            print(f"  {arm} seed {seed}: training in {run}", flush=True)
+            t0 = time.monotonic()
+            final = train_run(settings, args.rounds)
+            seconds = time.monotonic() - t0
+            from dynrubric.registry import open_registry
 
-                state = open_registry(settings).get(final).state.value
-                result = RunResult(
-                    arm, seed, seconds, final_outcomes(settings, final), reward_agreement(settings), final, state
+            state = open_registry(settings).get(final).state.value
+            result = RunResult(
+                arm, seed, seconds, final_outcomes(settings, final), reward_agreement(settings), final, state
+            )
+            print(
+                f"  {arm} seed {seed}: {final} ({state}) in {seconds:.0f}s; reward agreement with the checker "
+                f"{result.agreement[0]:.3f} on {result.agreement[1]} pairs; "
+                + ", ".join(f"{SHOWN[s]} {o.pass_rate():.3f}" for s, o in result.outcomes.items()),
+                flush=True,
+            )
+            record.open("a").write(
+                json.dumps(
+                    {
+                        "arm": arm,
+                        "seed": seed,
+                        "run": run.name,
+                        "seconds": seconds,
+                        "final": final,
+                        "state": state,
+                        "agreement": result.agreement,
+                        "scores": {s: o.pass_rate() for s, o in result.outcomes.items()},
+                    }
                 )
-                print(
-                    f"  {arm} seed {seed}: {final} ({state}) in {seconds:.0f}s; reward agreement with the checker "
-                    f"{result.agreement[0]:.3f} on {result.agreement[1]} pairs; "
-                    + ", ".join(f"{SHOWN[s]} {o.pass_rate():.3f}" for s, o in result.outcomes.items()),
-                    flush=True,
-                )
-                record.open("a").write(
-                    json.dumps(
-                        {
-                            "arm": arm,
-                            "seed": seed,
-                            "run": run.name,
-                            "seconds": seconds,
-                            "final": final,
-                            "state": state,
-                            "agreement": result.agreement,
-                            "scores": {s: o.pass_rate() for s, o in result.outcomes.items()},
-                        }
-                    )
-                    + "\n"
-                )
+                + "\n"
+            )
     print(f"total {(time.monotonic() - started) / 60:.1f} min")
     report(out, base_settings, prompts_file, args.arms)
 

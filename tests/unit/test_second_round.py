@@ -78,3 +78,24 @@ def test_round_two_is_paired_with_each_seeds_own_parent_on_the_prompts_all_answe
     assert low <= delta <= high
     with pytest.raises(ValueError, match="one reference per run"):
         sr.pooled_delta(new, parents[:1])
+
+
+def test_runs_recorded_by_an_earlier_invocation_are_not_trained_again(tmp_path: Path):
+    """A later session adds seeds: what results.jsonl holds is skipped, the rest kept in seed-then-arm order."""
+    import json
+
+    import supervision
+
+    record = tmp_path / "results.jsonl"
+    assert supervision.pending_runs(record, range(2), ["shipped", "carry"]) == [
+        (0, "shipped"),
+        (0, "carry"),
+        (1, "shipped"),
+        (1, "carry"),
+    ]
+    record.write_text(json.dumps({"arm": "carry", "seed": 0}) + "\n" + json.dumps({"arm": "shipped", "seed": 7}) + "\n")
+    assert supervision.pending_runs(record, range(2), ["shipped", "carry"]) == [
+        (0, "shipped"),
+        (1, "shipped"),
+        (1, "carry"),
+    ]
