@@ -548,23 +548,25 @@ class ClosedLoop:
         step (a 4-cycle `up` lost its last cycle so: vLLM's engine died on a model step past
         VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS as round 4 started, docs/benchmarks.md). Any other failure is the cycle's."""
         job = ChildSpec("trainer", self._cli(config, "train", "round"), child_env())
-        engine = TRAINER_ENGINE if self.trainer_engine else None
+        if not self.trainer_engine:
+            self.supervisor.run_job(job)
+            return
         for attempt in (1, 2):
-            if engine is not None:
-                self.supervisor.wait_ready(engine)
-            restarts = self.supervisor.restart_counts().get(engine or "", 0)
+            self.supervisor.wait_ready(TRAINER_ENGINE)
+            restarts = self.supervisor.restart_counts().get(TRAINER_ENGINE, 0)
             try:
                 self.supervisor.run_job(job)
                 return
             except DynrubricError as e:
-                if engine is None or attempt == 2:
+                if attempt == 2:
                     raise
-                time.sleep(2 * self.settings.loop.health_interval_s)  # a death the watcher has yet to notice
-                if self.supervisor.restart_counts().get(engine, 0) == restarts:
+                # waits out a death the watcher has yet to notice too: it checks the process and /health itself
+                self.supervisor.wait_ready(TRAINER_ENGINE)
+                if self.supervisor.restart_counts().get(TRAINER_ENGINE, 0) == restarts:
                     raise
                 self.log(
-                    f"cycle {cycle}: round {round_id} failed while {engine} restarted under it ({e.problem[:200]}); "
-                    "running it again once the server is healthy"
+                    f"cycle {cycle}: round {round_id} failed while {TRAINER_ENGINE} restarted under it "
+                    f"({e.problem[:200]}); running it again once the server is healthy"
                 )
 
     def cycle(self, cycle: int, config: Path, runner: Any, controller: Any, registry: Any) -> CycleResult:
