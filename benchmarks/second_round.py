@@ -49,7 +49,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # supervision.py: the runs' machin
 
 import supervision  # noqa: E402
 
-from dynrubric import modelcache  # noqa: E402
 from dynrubric.config import Settings  # noqa: E402
 from dynrubric.config_loader import load_settings, override  # noqa: E402
 from dynrubric.train.policy_eval import VersionOutcomes, paired_bootstrap  # noqa: E402
@@ -202,22 +201,14 @@ def main() -> None:
     if args.report:
         report()
         return
-    from dynrubric.engines.vllm_server import VllmServer
-
-    model = modelcache.resolve(base_settings.paths.resolved_home(), base_settings.models.verifier)
     started = time.monotonic()
-    with VllmServer(model, base_settings.vllm) as server:
-        print(f"vLLM server at {server.base_url} ({time.monotonic() - started:.0f}s)", flush=True)
-        base_run = arm_settings(base_settings, "shipped", 0, out / "base", prompts_file, server.base_url)
-        t0 = time.monotonic()
-        supervision.evaluate_base(base_run)
-        print(f"base evaluated ({time.monotonic() - t0:.0f}s)", flush=True)
+    with supervision.server_with_base(base_settings, out, prompts_file) as (url, base_run):
         for seed, arm in supervision.pending_runs(
             record, range(args.seed_start, args.seed_start + args.seeds), args.arms
         ):
             run = out / f"{arm}-s{seed}"
             shutil.rmtree(run, ignore_errors=True)
-            settings = arm_settings(base_settings, arm, seed, run, prompts_file, server.base_url)
+            settings = arm_settings(base_settings, arm, seed, run, prompts_file, url)
             supervision.copy_base(base_run, settings)
             print(f"  {arm} seed {seed}: training in {run}", flush=True)
             t0 = time.monotonic()

@@ -45,7 +45,8 @@ import random
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -275,6 +276,23 @@ def evaluate_base(settings: Settings) -> None:
         engine.close()
 
 
+@contextmanager
+def server_with_base(base_settings: Settings, out: Path, prompts_file: Path) -> Iterator[tuple[str, Settings]]:
+    """One vLLM server for every run, with base's answers evaluated once on it under `out/base` (base is the same
+    model, decoded greedily, whatever an arm changes); yields (the server's URL, that base run's settings)."""
+    from dynrubric.engines.vllm_server import VllmServer
+
+    model = modelcache.resolve(base_settings.paths.resolved_home(), base_settings.models.verifier)
+    started = time.monotonic()
+    with VllmServer(model, base_settings.vllm) as server:
+        print(f"vLLM server at {server.base_url} ({time.monotonic() - started:.0f}s)", flush=True)
+        base_run = overlay_settings(base_settings, {}, 0, out / "base", prompts_file, server.base_url)
+        t0 = time.monotonic()
+        evaluate_base(base_run)
+        print(f"base evaluated ({time.monotonic() - t0:.0f}s)", flush=True)
+        yield server.base_url, base_run
+
+
 def copy_base(src: Settings, dst: Settings) -> None:
     from dynrubric.train.policy_eval import outcome_store
 
@@ -355,21 +373,13 @@ def main() -> None:
     if args.report:
         report(out, base_settings, prompts_file, args.arms)
         return
-    from dynrubric.engines.vllm_server import VllmServer
-
-    model = modelcache.resolve(base_settings.paths.resolved_home(), base_settings.models.verifier)
     started = time.monotonic()
-    with VllmServer(model, base_settings.vllm) as server:
-        print(f"vLLM server at {server.base_url} ({time.monotonic() - started:.0f}s)", flush=True)
-        base_run = run_settings(base_settings, "full", 0, out / "base", prompts_file, server.base_url)
-        t0 = time.monotonic()
-        evaluate_base(base_run)
-        print(f"base evaluated ({time.monotonic() - t0:.0f}s)", flush=True)
+    with server_with_base(base_settings, out, prompts_file) as (url, base_run):
         record = out / "results.jsonl"
         for seed, arm in pending_runs(record, range(args.seed_start, args.seed_start + args.seeds), args.arms):
             run = out / f"{arm.replace(':', '-')}-s{seed}"
             shutil.rmtree(run, ignore_errors=True)
-            settings = run_settings(base_settings, arm, seed, run, prompts_file, server.base_url)
+            settings = run_settings(base_settings, arm, seed, run, prompts_file, url)
             copy_base(base_run, settings)
             print(f"  {arm} seed {seed}: training in {run}", flush=True)
             t0 = time.monotonic()
