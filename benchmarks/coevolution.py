@@ -57,6 +57,7 @@ from dynrubric.config import Settings  # noqa: E402
 from dynrubric.config_loader import load_settings, override  # noqa: E402
 from dynrubric.engines import one_shared_server  # noqa: E402
 from dynrubric.engines.base import Engine, GenerationRequest, SamplingParams  # noqa: E402
+from dynrubric.process import stop_signals_interrupt  # noqa: E402
 from dynrubric.rubric.benchmark import read_open_sets, read_real_sets  # noqa: E402
 from dynrubric.train.policy_eval import paired_bootstrap  # noqa: E402
 
@@ -238,6 +239,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/dynrubric-coevolution"))
     ap.add_argument("--quick", action="store_true", help="2 steps of 2 sets, 4 + 4 sets judged: does it run")
     args = ap.parse_args()
+    stop_signals_interrupt()  # a SIGTERM unwinds the `with`s: the vLLM server it started stops too
     if args.quick:
         args.steps, args.sets_per_step, args.prompts, args.open_sets, args.real_sets = 2, 2, 8, 4, 4
     out = args.out.resolve()

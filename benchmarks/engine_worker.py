@@ -40,7 +40,11 @@ from dynrubric import modelcache  # noqa: E402
 from dynrubric.config import VllmConfig  # noqa: E402
 from dynrubric.config_loader import load_settings  # noqa: E402
 from dynrubric.engines.vllm_server import VllmServer  # noqa: E402
-from dynrubric.process import session_cpu_seconds, session_pids  # noqa: E402
+from dynrubric.process import (  # noqa: E402
+    session_cpu_seconds,
+    session_pids,
+    stop_signals_interrupt,
+)
 
 
 def model_cores(session: int) -> str:
@@ -138,6 +142,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0, help="how long the trickle lasts")
     ap.add_argument("--batch", type=int, default=32, help="concurrent requests in the batch")
     args = ap.parse_args()
+    stop_signals_interrupt()  # a SIGTERM unwinds the `with`s: the vLLM server it started stops too
     settings = load_settings(environ={}, profile="demo")
     model = modelcache.resolve(settings.paths.resolved_home(), settings.models.policy)
     logs = Path(tempfile.mkdtemp(prefix="engine-worker-"))

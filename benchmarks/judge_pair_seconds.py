@@ -50,6 +50,7 @@ from dynrubric.engines.hf import TransformersEngine  # noqa: E402
 from dynrubric.engines.http import OpenAIHTTPEngine, SharedServer  # noqa: E402
 from dynrubric.engines.vllm_server import VllmServer, every_core  # noqa: E402
 from dynrubric.ports import free_port  # noqa: E402
+from dynrubric.process import stop_signals_interrupt  # noqa: E402
 from dynrubric.rubric.evaluator import Evaluator  # noqa: E402
 from dynrubric.rubric.groundtruth import derive  # noqa: E402
 from serving.fleet import SERVED_MODEL_NAME, EngineSpec, Fleet, spread_cores  # noqa: E402
@@ -194,6 +195,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-dir", help="keep the servers' logs there (default: a temporary directory)")
     args = ap.parse_args()
+    stop_signals_interrupt()  # a SIGTERM unwinds the `with`s: the vLLM server it started stops too
     # a kill stops the servers too: SystemExit unwinds the context managers that own them (they run in their own
     # process groups, so a SIGTERM to this process alone left three vLLM servers behind)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -48,6 +48,7 @@ from dynrubric import modelcache  # noqa: E402
 from dynrubric.config import Settings  # noqa: E402
 from dynrubric.config_loader import load_settings, override  # noqa: E402
 from dynrubric.engines import one_shared_server  # noqa: E402
+from dynrubric.process import stop_signals_interrupt  # noqa: E402
 
 #: the settings each arm puts over the demo profile
 BEFORE: dict[str, Any] = {
@@ -85,6 +86,7 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     ap.add_argument("--quick", action="store_true", help="a tiny round: does it run end to end")
     args = ap.parse_args()
+    stop_signals_interrupt()  # a SIGTERM unwinds the `with`s: the vLLM server it started stops too
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DYNRUBRIC_")}

@@ -51,6 +51,7 @@ import supervision  # noqa: E402
 
 from dynrubric.config import Settings  # noqa: E402
 from dynrubric.config_loader import load_settings, override  # noqa: E402
+from dynrubric.process import stop_signals_interrupt  # noqa: E402
 from dynrubric.train.policy_eval import VersionOutcomes, paired_bootstrap  # noqa: E402
 
 #: each arm: one training setting over the demo profile (the reward is the shipped one in every arm)
@@ -166,6 +167,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a tiny round and figures: does it run end to end")
     ap.add_argument("--report", action="store_true", help="train nothing: the table of the runs under --out so far")
     args = ap.parse_args()
+    stop_signals_interrupt()  # a SIGTERM unwinds the `with`s: the vLLM server it started stops too
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DYNRUBRIC_")}
