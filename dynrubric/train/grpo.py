@@ -179,6 +179,13 @@ def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return ((-log_ratio).exp() - 1.0 + log_ratio).clamp(-10.0, 10.0)
 
 
+def supervised_nll(logprobs: torch.Tensor, mask: torch.Tensor, tokens: int) -> torch.Tensor:
+    """`-sum_t mask_t log p(y_t | y_<t, x) / tokens`: a target's negative log-likelihood over `tokens`, the target
+    tokens of the whole batch, so that the micro-batches' losses add up to the batch's mean per token (the
+    generator's warm start, generator_warmstart.py)."""
+    return -(logprobs * mask).sum() / max(tokens, 1)
+
+
 class CausalLM(Protocol):
     """What the trainer calls on a policy beyond `torch.nn.Module`: a transformers causal LM, or a peft
     wrapper of one."""
