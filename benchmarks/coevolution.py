@@ -225,6 +225,43 @@ def line(name: str, before: Sequence[float], afters: Sequence[Sequence[float]]) 
     )
 
 
+class JudgedRuns:
+    """What a before/after judge benchmark has judged, kept in `results.json` under its --out so that a later call
+    adds seeds: the base generator's accuracies per set ("before") and each seed's ("seed S"), with what else the seed
+    recorded ("seed S seconds", ...)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.results: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+
+    def judge_before(
+        self, settings: Settings, base_dir: Path, sets: dict[str, list[tuple[str, list[str], list[bool]]]]
+    ) -> None:
+        if "before" not in self.results:
+            t0 = time.monotonic()
+            self.record("before", {name: judge_sets(settings, base_dir, s) for name, s in sets.items()})
+            print(f"base generator judged ({time.monotonic() - t0:.0f}s)", flush=True)
+
+    def pending(self, seeds: range) -> list[int]:
+        done = [seed for seed in seeds if f"seed {seed}" in self.results]
+        for seed in done:
+            print(f"  seed {seed}: done before ({self.path})", flush=True)
+        return [seed for seed in seeds if seed not in done]
+
+    def record(self, key: str, value: Any) -> None:
+        self.results[key] = value
+        self.path.write_text(json.dumps(self.results))
+
+    def lines(self, names: Sequence[str]) -> list[str]:
+        """Per benchmark, the base generator against every seed judged so far (`line`)."""
+        seeds = [k for k in self.results if k.startswith("seed ") and k[len("seed ") :].isdigit()]
+        return [
+            line(name, self.results["before"][name], [self.results[k][name] for k in seeds])
+            for name in names
+            if seeds and self.results["before"].get(name)
+        ]
+
+
 # ==================================================================== main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -249,8 +286,7 @@ def main() -> None:
     shape = {"sets_per_step": args.sets_per_step, "rubric_samples": args.rubric_samples}
     base_dir = modelcache.resolve(base.paths.resolved_home(), base.models.generator)
     sets = benchmark_sets(args.open_sets, args.real_sets)
-    results_file = out / "results.json"
-    results: dict[str, Any] = json.loads(results_file.read_text()) if results_file.is_file() else {}
+    judged = JudgedRuns(out / "results.json")
 
     from transformers import AutoTokenizer
 
@@ -270,16 +306,9 @@ def main() -> None:
         policy.close()
         print(f"{len(questions)} train-split Arena-Hard questions with their anchors ({anchors})", flush=True)
 
-        if "before" not in results:
-            t0 = time.monotonic()
-            results["before"] = {name: judge_sets(probe, base_dir, s) for name, s in sets.items()}
-            results_file.write_text(json.dumps(results))
-            print(f"base generator judged ({time.monotonic() - t0:.0f}s)", flush=True)
-        for seed in range(args.seed_start, args.seed_start + args.seeds):
+        judged.judge_before(probe, base_dir, sets)
+        for seed in judged.pending(range(args.seed_start, args.seed_start + args.seeds)):
             key = f"seed {seed}"
-            if key in results:
-                print(f"  {key}: done before ({results_file})", flush=True)
-                continue
             run = out / f"s{seed}"
             shutil.rmtree(run, ignore_errors=True)
             settings = run_settings(base, run, server.base_url, prompts, anchors, args.steps, seed, shape)
@@ -293,19 +322,16 @@ def main() -> None:
                     flush=True,
                 )
             t0 = time.monotonic()
-            results[key] = {name: judge_sets(settings, trained, s) for name, s in sets.items()}
-            results[key + " seconds"] = {"train": train_s, "judge": time.monotonic() - t0}
-            results_file.write_text(json.dumps(results))
+            after = {name: judge_sets(settings, trained, s) for name, s in sets.items()}
+            judged.record(key + " seconds", {"train": train_s, "judge": time.monotonic() - t0})
+            judged.record(key, after)
             print(
                 f"  {key}: {args.steps} generator steps in {train_s:.0f}s; "
-                + ", ".join(f"{n} {sum(v) / len(v):.3f}" for n, v in results[key].items() if v),
+                + ", ".join(f"{n} {sum(v) / len(v):.3f}" for n, v in after.items() if v),
                 flush=True,
             )
     print(f"total {(time.monotonic() - started) / 60:.1f} min")
-    seeds = [k for k in results if k.startswith("seed ") and not k.endswith("seconds")]
-    for name in sets:
-        if sets[name] and seeds:
-            print(line(name, results["before"][name], [results[k][name] for k in seeds]))
+    print("\n".join(judged.lines(list(sets))))
 
 
 if __name__ == "__main__":

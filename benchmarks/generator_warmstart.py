@@ -37,7 +37,6 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the checkout this file is in, not another install
@@ -126,8 +125,7 @@ def main() -> None:
     sets = benchmark_sets(args.open_sets, args.health_sets, args.real_sets)
     prompts = expert_prompts(coevolution.DATA / "prompts.jsonl")
     prompts = prompts[: args.prompts] if args.prompts else prompts
-    results_file = out / "results.json"
-    results: dict[str, Any] = json.loads(results_file.read_text()) if results_file.is_file() else {}
+    judged = coevolution.JudgedRuns(out / "results.json")
 
     from dynrubric.app.train_commands import engine_factory
     from dynrubric.engines.vllm_server import VllmServer
@@ -143,16 +141,9 @@ def main() -> None:
         set_prompt = RubricGenerator(policy, probe.rubric).set_prompt
         print(f"{len(prompts)} train-split expert prompts, {K} answers each ({time.monotonic() - t0:.0f}s)", flush=True)
 
-        if "before" not in results:
-            t0 = time.monotonic()
-            results["before"] = {name: coevolution.judge_sets(probe, base_dir, s) for name, s in sets.items()}
-            results_file.write_text(json.dumps(results))
-            print(f"base generator judged ({time.monotonic() - t0:.0f}s)", flush=True)
-        for seed in range(args.seed_start, args.seed_start + args.seeds):
+        judged.judge_before(probe, base_dir, sets)
+        for seed in judged.pending(range(args.seed_start, args.seed_start + args.seeds)):
             key = f"seed {seed}"
-            if key in results:
-                print(f"  {key}: done before ({results_file})", flush=True)
-                continue
             run = out / f"s{seed}"
             shutil.rmtree(run, ignore_errors=True)
             examples = warmstart_examples(prompts, answers, set_prompt, K, args.variants, seed)
@@ -175,11 +166,11 @@ def main() -> None:
             train_s = time.monotonic() - t0
             t0 = time.monotonic()
             settings = judge_settings(base, run, server.base_url)
-            results[key] = {name: coevolution.judge_sets(settings, run / "generator", s) for name, s in sets.items()}
-            results[key + " seconds"] = {"train": train_s, "judge": time.monotonic() - t0}
-            results[key + " nll"] = [steps[0].nll, steps[-1].nll]
-            results_file.write_text(json.dumps(results))
-            means = ", ".join(f"{n} {sum(v) / len(v):.3f}" for n, v in results[key].items() if v)
+            after = {name: coevolution.judge_sets(settings, run / "generator", s) for name, s in sets.items()}
+            judged.record(key + " seconds", {"train": train_s, "judge": time.monotonic() - t0})
+            judged.record(key + " nll", [steps[0].nll, steps[-1].nll])
+            judged.record(key, after)
+            means = ", ".join(f"{n} {sum(v) / len(v):.3f}" for n, v in after.items() if v)
             print(
                 f"  {key}: {len(examples)} examples, {len(steps)} updates in {train_s:.0f}s, "
                 f"nll {steps[0].nll:.3f} -> {steps[-1].nll:.3f}; {means}",
@@ -187,10 +178,7 @@ def main() -> None:
             )
         policy.close()
     print(f"total {(time.monotonic() - started) / 60:.1f} min")
-    seeds = [k for k in results if k.startswith("seed ") and " " not in k[5:]]
-    for name in sets:
-        if sets[name] and seeds:
-            print(coevolution.line(name, results["before"][name], [results[k][name] for k in seeds]))
+    print("\n".join(judged.lines(list(sets))))
 
 
 if __name__ == "__main__":

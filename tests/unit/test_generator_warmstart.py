@@ -160,3 +160,30 @@ def test_a_warm_start_makes_the_experts_rubric_more_likely(tiny_model_dir: Path,
     assert len(steps) == 6 and steps[-1].nll < steps[0].nll
     assert nll(tmp_path / "g") < nll(tiny_model_dir) - 1.0
     assert (tmp_path / "g" / "tokenizer_config.json").is_file()
+
+
+def test_a_judge_benchmark_run_adds_seeds_to_the_ones_judged_before(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """benchmarks/coevolution.py's record, shared with benchmarks/generator_warmstart.py: a second call judges only
+    the seeds the first did not, and its lines pool every seed judged."""
+    import sys
+
+    benchmarks = str(Path(__file__).resolve().parents[2] / "benchmarks")
+    sys.path.insert(0, benchmarks)
+    try:
+        import coevolution
+    finally:
+        sys.path.remove(benchmarks)
+
+    first = coevolution.JudgedRuns(tmp_path / "results.json")
+    first.record("before", {"open": [0.5, 0.5, 0.0]})
+    first.record("seed 0", {"open": [1.0, 0.5, 0.0]})
+    first.record("seed 0 seconds", {"train": 1.0})
+    again = coevolution.JudgedRuns(tmp_path / "results.json")
+    assert again.pending(range(0, 3)) == [1, 2]
+    assert "seed 0: done before" in capsys.readouterr().out
+    again.record("seed 1", {"open": [0.0, 0.5, 1.0]})
+    (line,) = again.lines(["open", "real"])
+    assert line == coevolution.line("open", [0.5, 0.5, 0.0], [[1.0, 0.5, 0.0], [0.0, 0.5, 1.0]])
+    assert "2 seed(s)" in line and line.startswith("open: before 0.333, after 0.500, delta +0.167")
