@@ -6,6 +6,7 @@ import json
 import random
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,7 +25,8 @@ from dynrubric.train.grpo import supervised_nll
 from dynrubric.train.policy_eval import default_prompts_file
 from dynrubric.train.splits import shipped_split
 
-ITEM_TEXT = re.compile(rubric_schema()["properties"]["items"]["items"]["properties"]["text"]["pattern"])  # type: ignore[index]
+ITEM_SCHEMA: Any = rubric_schema()["properties"]
+ITEM_TEXT = re.compile(ITEM_SCHEMA["items"]["items"]["properties"]["text"]["pattern"])
 
 
 def test_a_physician_criterion_becomes_an_item_about_the_response_with_its_weight_and_sign() -> None:
