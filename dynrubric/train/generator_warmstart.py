@@ -29,7 +29,6 @@ import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from dynrubric.rubric.generate import ITEM_TEXT_CHARS
 
@@ -201,8 +200,15 @@ def warm_start(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dynrubric.train.grpo import SampledResponse, micro_batches, micro_logprobs, save_policy, supervised_nll
-    from dynrubric.train.grpo import compute_dtype as dtype_on
+    from dynrubric.config import GRPOConfig
+    from dynrubric.train.grpo import (
+        SampledResponse,
+        autocast,
+        micro_batches,
+        micro_logprobs,
+        save_policy,
+        supervised_nll,
+    )
 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -218,11 +224,7 @@ def warm_start(
     ]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     device = next(model.parameters()).device
-    autocast: Any = (
-        torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-        if dtype_on(compute_dtype, device) == "bfloat16"
-        else None
-    )
+    chunk_mib = GRPOConfig.model_fields["logprob_chunk_mib"].default
     rng = random.Random(seed)
     steps: list[WarmStartStep] = []
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -235,11 +237,8 @@ def warm_start(
             optimizer.zero_grad(set_to_none=True)
             total = 0.0
             for m in micro_batches([(r, 0.0, 1.0) for r in chosen], pad, micro_batch):
-                if autocast is not None:
-                    with autocast:
-                        logp = micro_logprobs(model, m, 256)
-                else:
-                    logp = micro_logprobs(model, m, 256)
+                with autocast(compute_dtype, device):
+                    logp = micro_logprobs(model, m, chunk_mib)
                 loss = supervised_nll(logp, m.mask, tokens)
                 loss.backward()
                 total += float(loss.detach())

@@ -440,6 +440,15 @@ def compute_dtype(setting: str, device: torch.device) -> str:
     return setting
 
 
+def autocast(setting: str, device: torch.device) -> Any:
+    """The precision of a trainer's forward and backward passes (`grpo.compute_dtype` on `device`): bfloat16 autocast
+    runs the transformer body's matmuls in bfloat16 (AMX on a recent Xeon, tensor cores on a GPU); the weights, the
+    optimiser, the LM head and the log-softmax stay float32."""
+    if compute_dtype(setting, device) == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
 class GRPOTrainer:
     """Owns the trainable policy, the frozen reference and the AdamW state.
 
@@ -511,13 +520,7 @@ class GRPOTrainer:
         return micros, tied, len(rows), sum(len(r.response_ids) for r, _, _ in rows)
 
     def _autocast(self) -> Any:
-        """The precision of the trainer's forward and backward passes (`grpo.compute_dtype`): bfloat16 autocast runs
-        the transformer body's matmuls in bfloat16 (AMX on a recent Xeon, tensor cores on a GPU); the weights,
-        the optimiser, the LM head and the log-softmax stay float32."""
-        device = next(self.model.parameters()).device
-        if compute_dtype(self.config.compute_dtype, device) == "float32":
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+        return autocast(self.config.compute_dtype, next(self.model.parameters()).device)
 
     def _backward(
         self,
