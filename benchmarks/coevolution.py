@@ -44,7 +44,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the checkout this file is in, not another install
@@ -60,6 +60,9 @@ from dynrubric.engines.base import Engine, GenerationRequest, SamplingParams  # 
 from dynrubric.process import stop_signals_interrupt  # noqa: E402
 from dynrubric.rubric.benchmark import read_open_sets, read_real_sets  # noqa: E402
 from dynrubric.train.policy_eval import paired_bootstrap  # noqa: E402
+
+if TYPE_CHECKING:
+    from dynrubric.rubric.evaluator import ScoredSet
 
 DATA = ROOT / "dynrubric" / "data"
 #: the judge alone, as benchmarks/supervision.py's `judge:set+levers` arm: no derived item, no vote; a check decides
@@ -182,15 +185,19 @@ def set_accuracy(passed: Sequence[bool], scores: Sequence[float], eps: float) ->
     return won / pairs if pairs else None
 
 
-def judge_sets(
-    settings: Settings, generator_dir: Path, sets: Sequence[tuple[str, list[str], list[bool]]]
-) -> list[float]:
-    """Each set's accuracy with the rubrics of the generator at `generator_dir`, the frozen verifier answering."""
+def scored_sets(
+    settings: Settings,
+    generator_dir: Path,
+    sets: Sequence[tuple[str, list[str], list[bool]]],
+    verifier_dir: Path | None = None,
+) -> list[ScoredSet]:
+    """Each set scored by the judge alone: the rubrics of the generator at `generator_dir`, the verifier at
+    `verifier_dir` (default: the frozen `models.verifier`) answering."""
     from dynrubric.app.train_commands import engine_factory
     from dynrubric.rubric.evaluator import Evaluator
 
     make = engine_factory(settings)
-    verifier_dir = modelcache.resolve(settings.paths.resolved_home(), settings.models.verifier)
+    verifier_dir = verifier_dir or modelcache.resolve(settings.paths.resolved_home(), settings.models.verifier)
     generator, verifier = make("generator", generator_dir), make("verifier", verifier_dir)
     try:
         evaluator = Evaluator(generator, verifier, settings.rubric)
@@ -201,9 +208,24 @@ def judge_sets(
     finally:
         generator.close()
         verifier.close()
-    out = [set_accuracy(s[2], x.scores, settings.rubric.eps) for s, x in zip(sets, scored, strict=True)]
+    return scored
+
+
+def accuracies(
+    sets: Sequence[tuple[str, list[str], list[bool]]], scores: Sequence[Sequence[float]], eps: float
+) -> list[float]:
+    """Each set's `set_accuracy` under `scores`."""
+    out = [set_accuracy(s[2], x, eps) for s, x in zip(sets, scores, strict=True)]
     assert all(a is not None for a in out), "every set has a (passed, failed) pair"
     return [float(a) for a in out if a is not None]
+
+
+def judge_sets(
+    settings: Settings, generator_dir: Path, sets: Sequence[tuple[str, list[str], list[bool]]]
+) -> list[float]:
+    """Each set's accuracy with the rubrics of the generator at `generator_dir`, the frozen verifier answering."""
+    scored = scored_sets(settings, generator_dir, sets)
+    return accuracies(sets, [x.scores for x in scored], settings.rubric.eps)
 
 
 def benchmark_sets(open_sets: int, real_sets: int) -> dict[str, list[tuple[str, list[str], list[bool]]]]:

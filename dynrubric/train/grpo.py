@@ -186,6 +186,21 @@ def supervised_nll(logprobs: torch.Tensor, mask: torch.Tensor, tokens: int) -> t
     return -(logprobs * mask).sum() / max(tokens, 1)
 
 
+def verdict_log_odds(logits: torch.Tensor, yes_ids: torch.Tensor, no_ids: torch.Tensor) -> torch.Tensor:
+    """`z = logsumexp(logits[Yes]) - logsumexp(logits[No])` per row: the log-odds of the verifier's verdict, whose
+    P(yes) / (P(yes) + P(no)) is sigmoid(z) (the softmax's normaliser cancels)."""
+    return logits[:, yes_ids].logsumexp(-1) - logits[:, no_ids].logsumexp(-1)
+
+
+def pairwise_verdict_loss(
+    better: torch.Tensor, worse: torch.Tensor, polarity: torch.Tensor, pairs: int
+) -> torch.Tensor:
+    """`sum softplus(-polarity * (z_better - z_worse)) / pairs`: Bradley-Terry on one item's verdict log-odds for
+    the preferred answer and another, over the `pairs` of the whole batch (the verifier's training,
+    verifier_training.py)."""
+    return torch.nn.functional.softplus(-polarity * (better - worse)).sum() / max(pairs, 1)
+
+
 class CausalLM(Protocol):
     """What the trainer calls on a policy beyond `torch.nn.Module`: a transformers causal LM, or a peft
     wrapper of one."""

@@ -1,0 +1,94 @@
+"""The verifier's training on ranked answers (dynrubric/train/verifier_training.py)."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from dynrubric.rubric.checks import Check
+from dynrubric.rubric.items import Rubric, RubricItem
+from dynrubric.train.grpo import pairwise_verdict_loss, verdict_log_odds
+from dynrubric.train.verifier_training import VerdictPair, items_read, train_verifier, verdict_pairs
+
+
+def test_the_log_odds_are_those_of_the_verdict_the_verifier_reads() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 0.0]])
+    yes, no = torch.tensor([0, 2]), torch.tensor([1, 3])
+    p = logits.softmax(-1)[0]
+    verdict = float((p[0] + p[2]) / (p[0] + p[2] + p[1] + p[3]))  # verify.verdict_from_logprobs' P(yes)
+    assert float(torch.sigmoid(verdict_log_odds(logits, yes, no))[0]) == pytest.approx(verdict)
+
+
+def test_the_pairwise_loss_rewards_the_order_the_items_polarity_asks_for() -> None:
+    better, worse = torch.tensor([2.0, 2.0]), torch.tensor([0.0, 0.0])
+    right = pairwise_verdict_loss(better, worse, torch.tensor([1.0, 1.0]), 2)
+    wrong = pairwise_verdict_loss(better, worse, torch.tensor([-1.0, -1.0]), 2)
+    assert float(right) == pytest.approx(math.log1p(math.exp(-2.0)))
+    assert float(wrong) == pytest.approx(math.log1p(math.exp(2.0)))
+    tied = pairwise_verdict_loss(torch.zeros(1), torch.zeros(1), torch.ones(1), 4)
+    assert float(tied) == pytest.approx(math.log(2.0) / 4)  # over the whole batch's pairs
+
+
+def item(n: int, **kw: object) -> RubricItem:
+    return RubricItem(id=f"i{n}", text=f"The response does thing number {n}", weight=2, **kw)  # type: ignore[arg-type]
+
+
+def test_only_generated_items_the_verifier_answers_are_trained_on() -> None:
+    checked = item(2, check=Check(kind="max_words", value=50))
+    rubric = Rubric(items=[item(1), checked, item(3, origin="ground_truth"), item(4, polarity=-1)])
+    assert [i.id for i in items_read(rubric, check_weight=1.0)] == ["i1", "i4"]
+    assert [i.id for i in items_read(rubric, check_weight=0.0)] == ["i1", "i2", "i4"]
+
+
+def render(question: str, responses: Sequence[str], items: Sequence[RubricItem]) -> list[str]:
+    return [f"{question}|{r}|{i.text}" for r in responses for i in items]
+
+
+def test_each_other_answer_is_paired_with_the_preferred_one_under_an_item() -> None:
+    items = [item(1), item(2, polarity=-1)]
+    pairs = verdict_pairs(render, "Q", ["best", "b", "c", "d"], 0, items, random.Random(0))
+    assert [p.worse.split("|")[1] for p in pairs] == ["b", "c", "d"]
+    assert all(p.better.startswith("Q|best|") and p.better.split("|")[2] == p.worse.split("|")[2] for p in pairs)
+    assert all(p.polarity == (-1 if p.better.endswith("2") else 1) for p in pairs)
+    two = verdict_pairs(render, "Q", ["a", "best"], 1, items, random.Random(0), per_answer=5)
+    assert sorted(p.polarity for p in two) == [-1, 1] and all(p.worse.startswith("Q|a|") for p in two)
+
+
+def test_training_moves_each_pairs_verdicts_the_way_its_polarity_says(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    pairs = [
+        VerdictPair("question: sky? answer: blue. met?", "question: sky? answer: green. met?", 1),
+        VerdictPair("question: sea? answer: wet. harmful?", "question: sea? answer: dry. harmful?", -1),
+    ]
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    yes, no = ["yes"], ["no"]
+
+    def gaps(model_dir: Path) -> list[float]:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        ids = (
+            torch.tensor([tok.encode(t, add_special_tokens=False)[0] for t in yes]),
+            torch.tensor([tok.encode(t, add_special_tokens=False)[0] for t in no]),
+        )
+
+        def z(text: str) -> float:
+            with torch.no_grad():
+                logits = model(torch.tensor([tok.encode(text, add_special_tokens=False)])).logits[:, -1]
+            return float(verdict_log_odds(logits, *ids)[0])
+
+        return [z(p.better) - z(p.worse) for p in pairs]
+
+    steps = train_verifier(
+        tiny_model_dir, pairs * 4, yes, no, tmp_path / "v", lr=1e-3, epochs=3, batch=4, micro_batch=2, seed=0,
+        compute_dtype="float32",
+    )  # fmt: skip
+    assert len(steps) == 6 and steps[-1].loss < steps[0].loss
+    before, after = gaps(tiny_model_dir), gaps(tmp_path / "v")
+    assert after[0] > before[0] + 1.0  # polarity +1: the preferred answer meets the item more readily
+    assert after[1] < before[1] - 1.0  # polarity -1: less readily
+    assert (tmp_path / "v" / "tokenizer_config.json").is_file()
