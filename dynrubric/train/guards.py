@@ -7,7 +7,8 @@ this order, the first rule that applies decides:
    suspect); and a KL that is not finite (a broken measurement) rejects as `kl` / `kl_to_base`.
 2. `heldout_regression`: on the dev split's prompts with ground truth (official checkers, computed answers; no
    judge), the candidate's pass rate is significantly below its parent's: the whole paired-bootstrap CI of the
-   difference lies below 0. Rejected whatever the KL (`evaluation.guard`).
+   difference lies below 0, or it ends at 0 with a difference below 0 (`worse`). Rejected whatever the KL
+   (`evaluation.guard`).
 3. `kind_regression`: the same on one kind of dev prompt (arithmetic, instruction, ...) with at least
    `evaluation.min_kind_prompts` prompts: a slice that collapsed is not hidden by a total that rose. A kind
    with fewer prompts is shown, never decides.
@@ -52,6 +53,15 @@ def _ci(c: Mapping[str, float]) -> str:
     return f"{c['delta']:+.3f} (95% CI {c['low']:+.3f}..{c['high']:+.3f})"
 
 
+def worse(c: Mapping[str, float]) -> bool:
+    """Is the candidate worse than its reference on this comparison? The whole CI below 0, or a CI that ends at
+    exactly 0 around a mean below 0: pass rates are shares of a few hundred prompts, so the bootstrap's percentiles
+    fall on a grid, and a round at -0.100 (95% CI -0.225..+0.000) had been accepted where no resample showed it
+    better (docs/benchmarks.md, second rounds: `centred`, seed 0). A gain is never read this way: acceptance past
+    the trust region still needs the whole CI above 0."""
+    return c["high"] < 0 or (c["high"] <= 0 and c["delta"] < 0)
+
+
 def check(
     *,
     nonfinite_steps: list[int],
@@ -82,20 +92,20 @@ def check(
     truth = ""
     if groundtruth_vs_parent is not None:
         total = _ci(groundtruth_vs_parent)
-        if groundtruth_vs_parent["high"] < 0:
+        if worse(groundtruth_vs_parent):
             return GuardVerdict(
                 "heldout_regression",
-                f"dev ground truth decided: pass rate {total} vs the parent, all below 0; rejected whatever "
+                f"dev ground truth decided: pass rate {total} vs the parent, worse; rejected whatever "
                 f"the KL ({proxies})",
             )
         kinds = groundtruth_by_kind or {}
         for kind in sorted(kinds):
             c = kinds[kind]
-            if c["prompts"] >= min_kind_prompts and c["high"] < 0:
+            if c["prompts"] >= min_kind_prompts and worse(c):
                 return GuardVerdict(
                     "kind_regression",
                     f"dev ground truth decided: {kind} prompts {_ci(c)} vs the parent over {int(c['prompts'])} "
-                    f"prompts, all below 0, whatever the total ({total}); rejected ({proxies})",
+                    f"prompts, worse, whatever the total ({total}); rejected ({proxies})",
                 )
         shown = [
             f"{kind} {_ci(c)} over {int(c['prompts'])}"

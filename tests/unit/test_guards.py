@@ -51,6 +51,21 @@ def test_worse_on_dev_is_rejected_whatever_the_kl() -> None:
         assert "-0.100 (95% CI -0.160..-0.040)" in verdict.detail and "whatever the KL" in verdict.detail
 
 
+def test_a_ci_that_ends_at_zero_around_a_loss_is_worse_and_one_around_a_gain_is_not_better() -> None:
+    # second_round's `centred` round 2, seed 0: accepted before, though no resample showed it better
+    at_zero = {"delta": -0.1, "low": -0.225, "high": 0.0}
+    verdict = guards.check(**bounds(), groundtruth_vs_parent=at_zero)
+    assert verdict.reason == "heldout_regression" and "-0.100 (95% CI -0.225..+0.000)" in verdict.detail
+    kind = guards.check(
+        **bounds(), groundtruth_vs_parent=UNSURE, groundtruth_by_kind={"arithmetic": {**at_zero, "prompts": 30}}
+    )
+    assert kind.reason == "kind_regression", kind
+    tied = {"delta": 0.0, "low": 0.0, "high": 0.0}  # every prompt the same: neither worse nor better
+    assert guards.check(**bounds(), groundtruth_vs_parent=tied).accepted
+    gain = {"delta": 0.1, "low": 0.0, "high": 0.225}  # not shown better: the trust region still decides
+    assert guards.check(**bounds(kl=0.6), groundtruth_vs_parent=gain).reason == "kl"
+
+
 def test_beyond_the_trust_region_without_a_dev_gain_is_rejected_with_the_reason() -> None:
     verdict = guards.check(**bounds(kl=0.6), groundtruth_vs_parent=UNSURE)
     assert verdict.reason == "kl"
