@@ -274,6 +274,17 @@ class JudgedRuns:
         self.results[key] = value
         self.path.write_text(json.dumps(self.results))
 
+    def record_seed(
+        self, key: str, after: dict[str, list[float]], seconds: dict[str, float], **measures: list[float]
+    ) -> str:
+        """One seed's accuracies per benchmark (`key`), its seconds ("`key` seconds") and each training measure's
+        values ("`key` `name`"); the seed's mean accuracies, for its printed line."""
+        self.record(key + " seconds", seconds)
+        for name, values in measures.items():
+            self.record(f"{key} {name}", values)
+        self.record(key, after)
+        return ", ".join(f"{n} {sum(v) / len(v):.3f}" for n, v in after.items() if v)
+
     def lines(self, names: Sequence[str]) -> list[str]:
         """Per benchmark, the base generator against every seed judged so far (`line`)."""
         seeds = [k for k in self.results if k.startswith("seed ") and k[len("seed ") :].isdigit()]
@@ -345,13 +356,8 @@ def main() -> None:
                 )
             t0 = time.monotonic()
             after = {name: judge_sets(settings, trained, s) for name, s in sets.items()}
-            judged.record(key + " seconds", {"train": train_s, "judge": time.monotonic() - t0})
-            judged.record(key, after)
-            print(
-                f"  {key}: {args.steps} generator steps in {train_s:.0f}s; "
-                + ", ".join(f"{n} {sum(v) / len(v):.3f}" for n, v in after.items() if v),
-                flush=True,
-            )
+            means = judged.record_seed(key, after, {"train": train_s, "judge": time.monotonic() - t0})
+            print(f"  {key}: {args.steps} generator steps in {train_s:.0f}s; {means}", flush=True)
     print(f"total {(time.monotonic() - started) / 60:.1f} min")
     print("\n".join(judged.lines(list(sets))))
 

@@ -167,10 +167,8 @@ def main() -> None:
             t0 = time.monotonic()
             settings = judge_settings(base, run, server.base_url)
             after = {name: coevolution.judge_sets(settings, run / "generator", s) for name, s in sets.items()}
-            judged.record(key + " seconds", {"train": train_s, "judge": time.monotonic() - t0})
-            judged.record(key + " nll", [steps[0].nll, steps[-1].nll])
-            judged.record(key, after)
-            means = ", ".join(f"{n} {sum(v) / len(v):.3f}" for n, v in after.items() if v)
+            seconds = {"train": train_s, "judge": time.monotonic() - t0}
+            means = judged.record_seed(key, after, seconds, nll=[steps[0].nll, steps[-1].nll])
             print(
                 f"  {key}: {len(examples)} examples, {len(steps)} updates in {train_s:.0f}s, "
                 f"nll {steps[0].nll:.3f} -> {steps[-1].nll:.3f}; {means}",

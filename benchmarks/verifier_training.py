@@ -239,10 +239,8 @@ def main() -> None:
             train_s = time.monotonic() - t0
             t0 = time.monotonic()
             after = rejudged(judge_settings(base, run, server.base_url), run / "verifier", sets, benchmark_rubrics)
-            judged.record(key + " seconds", {"train": train_s, "judge": time.monotonic() - t0})
-            judged.record(key + " loss", [steps[0].loss, steps[-1].loss])
-            judged.record(key, after)
-            means = ", ".join(f"{n} {sum(v) / len(v):.3f}" for n, v in after.items() if v)
+            seconds = {"train": train_s, "judge": time.monotonic() - t0}
+            means = judged.record_seed(key, after, seconds, loss=[steps[0].loss, steps[-1].loss])
             print(
                 f"  {key}: {len(pairs)} pairs, {len(steps)} updates in {train_s:.0f}s, "
                 f"loss {steps[0].loss:.3f} -> {steps[-1].loss:.3f}; {means}",

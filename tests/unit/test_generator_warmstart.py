@@ -180,8 +180,9 @@ def test_a_judge_benchmark_run_adds_seeds_to_the_ones_judged_before(
 
     first = coevolution.JudgedRuns(tmp_path / "results.json")
     first.record("before", {"open": [0.5, 0.5, 0.0]})
-    first.record("seed 0", {"open": [1.0, 0.5, 0.0]})
-    first.record("seed 0 seconds", {"train": 1.0})
+    means = first.record_seed("seed 0", {"open": [1.0, 0.5, 0.0]}, {"train": 1.0}, nll=[1.6, 1.0])
+    assert means == "open 0.500"
+    assert first.results["seed 0 seconds"] == {"train": 1.0} and first.results["seed 0 nll"] == [1.6, 1.0]
     again = coevolution.JudgedRuns(tmp_path / "results.json")
     assert again.pending(range(0, 3)) == [1, 2]
     assert "seed 0: done before" in capsys.readouterr().out
