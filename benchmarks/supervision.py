@@ -14,7 +14,8 @@ prompt-only rubric, a fixed generic rubric or no judge. Every arm is a configura
                        set-conditioned judge + the consensus item
 
 and, named with --arms, `judge:set+levers`: judge:set with the levers benchmarks/judge_levers.py measured on open
-prompts (a check only where its item's text states it; trust rule `best`).
+prompts (a check only where its item's text states it; trust rule `best`); `judge:set+verifier`: judge:set+levers
+with a trained verifier (`models.verifier` = --verifier DIR, a model dir benchmarks/verifier_training.py writes).
 
 Each arm and seed trains from the base model on the same training prompts (the bank's train split, half checkable
 and half open, as the demo's users send them), with the same round shape and seeds (`train.seed` = the seed), in
@@ -84,7 +85,11 @@ ARMS: dict[str, dict[str, Any]] = {
     # judge:set with the levers of benchmarks/judge_levers.py: checks only where the item's text states them, the
     # verifier answers the rest, and an item overruled only when a calibration answer beats the set's best answer
     "judge:set+levers": {"rubric": {"mode": "set", **JUDGE_ALONE, "stated_checks_only": True, "trust_rule": "best"}},
+    # the same with a trained verifier: its model dir (--verifier) is the run's `models.verifier` (`run_settings`)
+    "judge:set+verifier": {"rubric": {"mode": "set", **JUDGE_ALONE, "stated_checks_only": True, "trust_rule": "best"}},
 }
+#: the arm whose verifier is the model dir given as --verifier
+TRAINED_VERIFIER = "judge:set+verifier"
 #: the arms run when none is named: the five of the issue
 DEFAULT_ARMS = ["ground_truth", "judge:set", "judge:prompt_only", "judge:generic", "full"]
 
@@ -131,9 +136,19 @@ def training_prompts(n: int, seed: int = 0) -> list[dict[str, Any]]:
 
 
 # ==================================================================== one arm x seed
-def run_settings(base: Settings, arm: str, seed: int, run: Path, prompts_file: Path, url: str) -> Settings:
-    """The arm's settings: its judge, and without a generator a round of the same policy steps alone."""
-    return overlay_settings(base, ARMS[arm], seed, run, prompts_file, url)
+def run_settings(
+    base: Settings, arm: str, seed: int, run: Path, prompts_file: Path, url: str, verifier: Path | None = None
+) -> Settings:
+    """The arm's settings: its judge (`TRAINED_VERIFIER`'s with `verifier` as its model), and without a generator a
+    round of the same policy steps alone."""
+    overlay = ARMS[arm]
+    if arm == TRAINED_VERIFIER:
+        if verifier is None or not (verifier / "config.json").is_file():
+            raise SystemExit(
+                f"error: the arm {arm} needs --verifier DIR, a model dir with config.json (got {verifier})"
+            )
+        overlay = deep_merge(overlay, {"models": {"verifier": str(verifier.resolve())}})
+    return overlay_settings(base, overlay, seed, run, prompts_file, url)
 
 
 def overlay_settings(
@@ -353,6 +368,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/dynrubric-supervision"))
     ap.add_argument("--quick", action="store_true", help="a tiny round and figures: does it run end to end")
     ap.add_argument("--report", action="store_true", help="train nothing: the table of the runs under --out so far")
+    ap.add_argument("--verifier", type=Path, help=f"the trained verifier's model dir, for the arm {TRAINED_VERIFIER}")
     args = ap.parse_args()
     stop_signals_interrupt()  # a SIGTERM unwinds the `with`s: the vLLM server it started stops too
     out = args.out.resolve()
@@ -381,7 +397,7 @@ def main() -> None:
         for seed, arm in pending_runs(record, range(args.seed_start, args.seed_start + args.seeds), args.arms):
             run = out / f"{arm.replace(':', '-')}-s{seed}"
             shutil.rmtree(run, ignore_errors=True)
-            settings = run_settings(base_settings, arm, seed, run, prompts_file, url)
+            settings = run_settings(base_settings, arm, seed, run, prompts_file, url, args.verifier)
             copy_base(base_run, settings)
             print(f"  {arm} seed {seed}: training in {run}", flush=True)
             t0 = time.monotonic()
@@ -409,6 +425,7 @@ def main() -> None:
                         "final": final,
                         "state": state,
                         "agreement": result.agreement,
+                        "verifier": settings.models.verifier,
                         "scores": {s: o.pass_rate() for s, o in result.outcomes.items()},
                     }
                 )
@@ -423,7 +440,7 @@ def report(out: Path, base_settings: Settings, prompts_file: Path, arms: Sequenc
     results = []
     for line in (out / "results.jsonl").read_text().splitlines():
         r = json.loads(line)
-        settings = run_settings(base_settings, r["arm"], r["seed"], out / r["run"], prompts_file, "http://unused")
+        settings = overlay_settings(base_settings, {}, r["seed"], out / r["run"], prompts_file, "http://unused")
         outcomes = final_outcomes(settings, r["final"])
         agreement = (float(r["agreement"][0]), int(r["agreement"][1]))
         results.append(RunResult(r["arm"], r["seed"], r["seconds"], outcomes, agreement, r["final"], r["state"]))

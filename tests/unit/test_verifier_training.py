@@ -92,3 +92,28 @@ def test_training_moves_each_pairs_verdicts_the_way_its_polarity_says(tiny_model
     assert after[0] > before[0] + 1.0  # polarity +1: the preferred answer meets the item more readily
     assert after[1] < before[1] - 1.0  # polarity -1: less readily
     assert (tmp_path / "v" / "tokenizer_config.json").is_file()
+
+
+def test_the_supervision_arm_with_a_trained_verifier_judges_with_that_model(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """benchmarks/supervision.py's `judge:set+verifier`: judge:set+levers whose `models.verifier` is --verifier."""
+    import sys
+
+    from dynrubric.config_loader import load_settings
+
+    benchmarks = str(Path(__file__).resolve().parents[2] / "benchmarks")
+    sys.path.insert(0, benchmarks)
+    try:
+        import supervision
+    finally:
+        sys.path.remove(benchmarks)
+
+    base = load_settings(None, {}, profile="demo")
+    args = (0, tmp_path / "run", tmp_path / "prompts.jsonl", "http://127.0.0.1:1")
+    trained = supervision.run_settings(base, supervision.TRAINED_VERIFIER, *args, tiny_model_dir)
+    levers = supervision.run_settings(base, "judge:set+levers", *args, tiny_model_dir)
+    assert trained.models.verifier == str(tiny_model_dir.resolve()) and levers.models.verifier == base.models.verifier
+    assert trained.rubric == levers.rubric  # only the verifier's weights differ
+    with pytest.raises(SystemExit, match="needs --verifier"):
+        supervision.run_settings(base, supervision.TRAINED_VERIFIER, *args, None)
