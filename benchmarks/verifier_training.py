@@ -28,6 +28,11 @@ in turns; the training runs in this process.
 
     python benchmarks/verifier_training.py [--seeds 1] [--seed-start 0] [--train-open 64] [--train-health 32]
                                            [--epochs 2] [--lr 5e-5] [--out DIR] [--quick]
+                                           [--strong gemini --trained DIR]
+
+`--strong gemini` puts Gemini-2.0-flash's answer in each open set in place of o3-mini's (the sets `open-gemini`):
+the verifier was trained to prefer o3-mini's answers, so a gain that holds there is not o3-mini's manner alone.
+`--trained DIR` judges with the verifiers an earlier run trained (DIR/s<seed>/verifier) instead of training.
 
 The last lines:
 
@@ -45,6 +50,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the checkout this file is in, not another install
@@ -71,22 +77,53 @@ Sets = dict[str, list[tuple[str, list[str], list[bool]]]]
 OTHERS = 3  # base SmolLM2's answers beside the preferred one, as in the benchmark's sets
 
 
-def training_prompts(base: Settings, arena: int, health: int, tokenizer: object) -> list[ExpertPrompt]:
+def cut(tokenizer: Any, text: str) -> str:
+    """`text` cut to the open benchmark's answer budget in `tokenizer`'s tokens."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return (
+        text
+        if len(ids) <= coevolution.TOKENS
+        else str(tokenizer.decode(ids[: coevolution.TOKENS], skip_special_tokens=True))
+    )
+
+
+def training_prompts(base: Settings, arena: int, health: int, tokenizer: Any) -> list[ExpertPrompt]:
     """TRAIN-split prompts with a preferred answer (cut to the benchmark's tokens): Arena-Hard's strong answer, then
     HealthBench's ideal completion."""
 
-    def cut(text: str) -> str:
-        ids = tokenizer.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
-        if len(ids) <= coevolution.TOKENS:
-            return text
-        return str(tokenizer.decode(ids[: coevolution.TOKENS], skip_special_tokens=True))  # type: ignore[attr-defined]
-
     questions = coevolution.training_questions(arena, 0, base.train.max_prompt_tokens, tokenizer)
-    out = [ExpertPrompt(q["uid"], "arena-hard", q["prompt"], (cut(q["strong_text"]),), ()) for q in questions]
+    out = [
+        ExpertPrompt(q["uid"], "arena-hard", q["prompt"], (cut(tokenizer, q["strong_text"]),), ()) for q in questions
+    ]
     healthy = [
         p for p in expert_prompts(coevolution.DATA / "prompts.jsonl") if p.source == "healthbench" and p.references
     ]
-    return out + [ExpertPrompt(p.id, p.source, p.question, (cut(p.references[0]),), ()) for p in healthy[:health]]
+    return out + [
+        ExpertPrompt(p.id, p.source, p.question, (cut(tokenizer, p.references[0]),), ()) for p in healthy[:health]
+    ]
+
+
+def with_gemini(
+    open_sets: list[tuple[str, list[str], list[bool]]], tokenizer: Any
+) -> list[tuple[str, list[str], list[bool]]]:
+    """The open sets with Gemini-2.0-flash's answer to each question (cut to the benchmark's tokens) in place of
+    o3-mini's, the model whose answers the verifier was trained to prefer: what it learned is either what makes an
+    answer better or o3-mini's manner. A question Gemini has no answer to is left out."""
+    from make_open_judge_benchmark import ARENA, _jsonl, tasks_dir
+
+    root = tasks_dir() / ARENA
+    answers = {}
+    for obj in _jsonl(root / "model_answer" / "gemini-2.0-flash-001.jsonl"):
+        content = obj["messages"][-1]["content"]
+        answers[obj["uid"]] = content.get("answer", "") if isinstance(content, dict) else str(content)
+    by_prompt = {q["prompt"]: answers.get(q["uid"], "") for q in _jsonl(root / "question.jsonl")}
+    out = []
+    for prompt, responses, passed in open_sets:
+        other = by_prompt.get(prompt, "")
+        if other.strip():
+            shown = cut(tokenizer, other)
+            out.append((prompt, [shown if p else r for r, p in zip(responses, passed, strict=True)], passed))
+    return out
 
 
 def training_rubrics(
@@ -138,6 +175,10 @@ def rejudged(
         verifier.close()
 
 
+def log(s: VerifierStep) -> None:
+    print(f"    update {s.update} (epoch {s.epoch}): loss {s.loss:.3f}, ordered {s.ordered:.2f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=1)
@@ -152,6 +193,15 @@ def main() -> None:
     ap.add_argument("--real-sets", type=int, default=24)
     ap.add_argument("--out", type=Path, default=Path("/tmp/dynrubric-verifier-training"))
     ap.add_argument("--quick", action="store_true", help="4 + 2 training prompts, 4 + 2 + 4 sets judged: does it run")
+    ap.add_argument(
+        "--strong",
+        choices=["o3-mini", "gemini"],
+        default="o3-mini",
+        help="the open sets' strong answer: the benchmark's (o3-mini's, as in training) or Gemini-2.0-flash's",
+    )
+    ap.add_argument(
+        "--trained", type=Path, help="judge with the verifiers another run trained (DIR/s<seed>/verifier): no training"
+    )
     args = ap.parse_args()
     stop_signals_interrupt()  # a SIGTERM unwinds the `with`s: the vLLM server it started stops too
     if args.quick:
@@ -166,29 +216,34 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    if args.strong == "gemini":
+        sets = {
+            "open-gemini" if n == "open" else n: with_gemini(s, tokenizer) if n == "open" else s
+            for n, s in sets.items()
+        }
+
     from dynrubric.app.train_commands import engine_factory
     from dynrubric.engines.vllm_server import VllmServer
     from dynrubric.rubric.verify import AnswerTokens, Verifier
 
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
     started = time.monotonic()
     with VllmServer(base_dir, base.vllm) as server:
         print(f"vLLM server at {server.base_url} ({time.monotonic() - started:.0f}s)", flush=True)
         settings = judge_settings(base, out / "base", server.base_url)
-        policy = engine_factory(settings)("policy", base_dir)
-        t0 = time.monotonic()
-        prompts = training_prompts(base, args.train_open, args.train_health, tokenizer)
-        answers = policy_answers(policy, prompts, coevolution.TOKENS, out / f"answers-{len(prompts)}.json")
-        training_sets = [(p.question, [p.references[0], *answers[p.id][:OTHERS]]) for p in prompts]
-        rubrics = training_rubrics(settings, base_dir, training_sets, out / f"rubrics-{len(prompts)}.json")
-        read = [items_read(r, settings.rubric.check_weight) for r in rubrics]
-        # the verifier's prompts rendered as its engine renders them (the same tokenizer and chat template)
-        render, answer_tokens = Verifier(policy).prompts, AnswerTokens.of(policy)
-        print(
-            f"{len(prompts)} train-split prompts, {OTHERS} answers each and a rubric; {sum(map(len, read))} items the "
-            f"verifier reads in {sum(1 for r in read if r)} sets ({time.monotonic() - t0:.0f}s)",
-            flush=True,
-        )
+        policy = engine_factory(settings)("policy", base_dir)  # decodes the answers; renders the verifier's prompts
+        if args.trained is None:
+            t0 = time.monotonic()
+            prompts = training_prompts(base, args.train_open, args.train_health, tokenizer)
+            answers = policy_answers(policy, prompts, coevolution.TOKENS, out / f"answers-{len(prompts)}.json")
+            training_sets = [(p.question, [p.references[0], *answers[p.id][:OTHERS]]) for p in prompts]
+            rubrics = training_rubrics(settings, base_dir, training_sets, out / f"rubrics-{len(prompts)}.json")
+            read = [items_read(r, settings.rubric.check_weight) for r in rubrics]
+            print(
+                f"{len(prompts)} train-split prompts, {OTHERS} answers each and a rubric; {sum(map(len, read))} items "
+                f"the verifier reads in {sum(1 for r in read if r)} sets ({time.monotonic() - t0:.0f}s)",
+                flush=True,
+            )
 
         if "before" not in judged.results:
             t0 = time.monotonic()
@@ -210,42 +265,42 @@ def main() -> None:
         for seed in judged.pending(range(args.seed_start, args.seed_start + args.seeds)):
             key = f"seed {seed}"
             run = out / f"s{seed}"
-            shutil.rmtree(run, ignore_errors=True)
-            rng = random.Random(seed)
-            pairs: list[VerdictPair] = []
-            for (question, responses), items in zip(training_sets, read, strict=True):
-                if items:
-                    pairs += verdict_pairs(render, question, responses, 0, items, rng)
-
-            def log(s: VerifierStep) -> None:
-                print(
-                    f"    update {s.update} (epoch {s.epoch}): loss {s.loss:.3f}, ordered {s.ordered:.2f}", flush=True
-                )
-
+            measures: dict[str, list[float]] = {}
             t0 = time.monotonic()
-            steps = train_verifier(
-                base_dir,
-                pairs,
-                answer_tokens.yes,
-                answer_tokens.no,
-                run / "verifier",
-                lr=args.lr,
-                epochs=args.epochs,
-                batch=args.batch,
-                micro_batch=2,
-                seed=seed,
-                log=log,
-            )
+            if args.trained is not None:
+                verifier = args.trained.resolve() / f"s{seed}" / "verifier"
+                trained = f"{verifier}"
+            else:
+                shutil.rmtree(run, ignore_errors=True)
+                verifier = run / "verifier"
+                rng = random.Random(seed)
+                pairs: list[VerdictPair] = []
+                # the verifier's prompts rendered as its engine renders them (the same tokenizer and chat template)
+                render = Verifier(policy).prompts
+                for (question, responses), items in zip(training_sets, read, strict=True):
+                    if items:
+                        pairs += verdict_pairs(render, question, responses, 0, items, rng)
+                steps = train_verifier(
+                    base_dir,
+                    pairs,
+                    AnswerTokens.of(policy).yes,
+                    AnswerTokens.of(policy).no,
+                    verifier,
+                    lr=args.lr,
+                    epochs=args.epochs,
+                    batch=args.batch,
+                    micro_batch=2,
+                    seed=seed,
+                    log=log,
+                )
+                measures["loss"] = [steps[0].loss, steps[-1].loss]
+                trained = f"{len(pairs)} pairs, {len(steps)} updates, loss {steps[0].loss:.3f} -> {steps[-1].loss:.3f}"
             train_s = time.monotonic() - t0
             t0 = time.monotonic()
-            after = rejudged(judge_settings(base, run, server.base_url), run / "verifier", sets, benchmark_rubrics)
+            after = rejudged(judge_settings(base, run, server.base_url), verifier, sets, benchmark_rubrics)
             seconds = {"train": train_s, "judge": time.monotonic() - t0}
-            means = judged.record_seed(key, after, seconds, loss=[steps[0].loss, steps[-1].loss])
-            print(
-                f"  {key}: {len(pairs)} pairs, {len(steps)} updates in {train_s:.0f}s, "
-                f"loss {steps[0].loss:.3f} -> {steps[-1].loss:.3f}; {means}",
-                flush=True,
-            )
+            means = judged.record_seed(key, after, seconds, **measures)
+            print(f"  {key}: {trained} ({train_s:.0f}s); {means}", flush=True)
         policy.close()
     print(f"total {(time.monotonic() - started) / 60:.1f} min")
     print("\n".join(judged.lines(list(sets))))
