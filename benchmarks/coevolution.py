@@ -189,15 +189,14 @@ def scored_sets(
     settings: Settings,
     generator_dir: Path,
     sets: Sequence[tuple[str, list[str], list[bool]]],
-    verifier_dir: Path | None = None,
 ) -> list[ScoredSet]:
-    """Each set scored by the judge alone: the rubrics of the generator at `generator_dir`, the verifier at
-    `verifier_dir` (default: the frozen `models.verifier`) answering."""
+    """Each set scored by the judge alone: the rubrics of the generator at `generator_dir`, the frozen verifier
+    (`models.verifier`) answering."""
     from dynrubric.app.train_commands import engine_factory
     from dynrubric.rubric.evaluator import Evaluator
 
     make = engine_factory(settings)
-    verifier_dir = verifier_dir or modelcache.resolve(settings.paths.resolved_home(), settings.models.verifier)
+    verifier_dir = modelcache.resolve(settings.paths.resolved_home(), settings.models.verifier)
     generator, verifier = make("generator", generator_dir), make("verifier", verifier_dir)
     try:
         evaluator = Evaluator(generator, verifier, settings.rubric)

@@ -76,17 +76,18 @@ from dynrubric.train.splits import trainable  # noqa: E402
 #: the generic rubric) the round has no generator step either (`train.coevolve.enabled` off), the same policy steps
 NO_GENERATOR = {"coevolve": {"enabled": False}}
 JUDGE_ALONE = {"prompt_constraints": False, "consensus": False}  # no derived ground-truth item, no vote
+#: judge:set with the levers of benchmarks/judge_levers.py: checks only where the item's text states them, the
+#: verifier answers the rest, and an item overruled only when a calibration answer beats the set's best answer
+LEVERS = {"rubric": {"mode": "set", **JUDGE_ALONE, "stated_checks_only": True, "trust_rule": "best"}}
 ARMS: dict[str, dict[str, Any]] = {
     "ground_truth": {"rubric": {"mode": "checks", "consensus": False}, "train": NO_GENERATOR},
     "judge:set": {"rubric": {"mode": "set", **JUDGE_ALONE}},
     "judge:prompt_only": {"rubric": {"mode": "prompt_only", **JUDGE_ALONE}},
     "judge:generic": {"rubric": {"mode": "generic", **JUDGE_ALONE}, "train": NO_GENERATOR},
     "full": {},
-    # judge:set with the levers of benchmarks/judge_levers.py: checks only where the item's text states them, the
-    # verifier answers the rest, and an item overruled only when a calibration answer beats the set's best answer
-    "judge:set+levers": {"rubric": {"mode": "set", **JUDGE_ALONE, "stated_checks_only": True, "trust_rule": "best"}},
+    "judge:set+levers": LEVERS,
     # the same with a trained verifier: its model dir (--verifier) is the run's `models.verifier` (`run_settings`)
-    "judge:set+verifier": {"rubric": {"mode": "set", **JUDGE_ALONE, "stated_checks_only": True, "trust_rule": "best"}},
+    "judge:set+verifier": LEVERS,
 }
 #: the arm whose verifier is the model dir given as --verifier
 TRAINED_VERIFIER = "judge:set+verifier"

@@ -239,6 +239,8 @@ def main() -> None:
             training_sets = [(p.question, [p.references[0], *answers[p.id][:OTHERS]]) for p in prompts]
             rubrics = training_rubrics(settings, base_dir, training_sets, out / f"rubrics-{len(prompts)}.json")
             read = [items_read(r, settings.rubric.check_weight) for r in rubrics]
+            # the verifier's prompts rendered, and its Yes/No read, as its engine does (same tokenizer and template)
+            render, answers_read = Verifier(policy).prompts, AnswerTokens.of(policy)
             print(
                 f"{len(prompts)} train-split prompts, {OTHERS} answers each and a rubric; {sum(map(len, read))} items "
                 f"the verifier reads in {sum(1 for r in read if r)} sets ({time.monotonic() - t0:.0f}s)",
@@ -275,16 +277,14 @@ def main() -> None:
                 verifier = run / "verifier"
                 rng = random.Random(seed)
                 pairs: list[VerdictPair] = []
-                # the verifier's prompts rendered as its engine renders them (the same tokenizer and chat template)
-                render = Verifier(policy).prompts
                 for (question, responses), items in zip(training_sets, read, strict=True):
                     if items:
                         pairs += verdict_pairs(render, question, responses, 0, items, rng)
                 steps = train_verifier(
                     base_dir,
                     pairs,
-                    AnswerTokens.of(policy).yes,
-                    AnswerTokens.of(policy).no,
+                    answers_read.yes,
+                    answers_read.no,
                     verifier,
                     lr=args.lr,
                     epochs=args.epochs,
