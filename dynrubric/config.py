@@ -792,11 +792,12 @@ class EvaluationConfig(Section):
     # 20: the dev suite's smallest kind (arithmetic, 30 of the 200 dev prompts) decides; a kind of fewer prompts
     # would be decided by a handful of answers (a percentile bootstrap CI of under 20 paired 0/1 outcomes is too
     # narrow), and each kind tested is one more chance of rejecting a good round by noise
-    min_kind_prompts: int = Field(
+    min_decided_prompts: int = Field(
         default=20,
         ge=1,
-        description="a kind of dev prompt (arithmetic, instruction, ...) with at least this many prompts rejects a "
-        "candidate significantly worse on it than its parent, whatever the total; fewer: shown, not decided on",
+        description="the dev comparison with the parent decides the guard only over at least this many prompts, "
+        "in total and per kind (arithmetic, instruction, ...): a kind that large rejects a candidate significantly "
+        "worse on it than its parent, whatever the total; fewer: shown, not decided on",
     )
 
 

@@ -8,9 +8,11 @@ this order, the first rule that applies decides:
 2. `heldout_regression`: on the dev split's prompts with ground truth (official checkers, computed answers; no
    judge), the candidate's pass rate is significantly below its parent's: the whole paired-bootstrap CI of the
    difference lies below 0, or it ends at 0 with a difference below 0 (`worse`). Rejected whatever the KL
-   (`evaluation.guard`).
+   (`evaluation.guard`). Over fewer than `evaluation.min_decided_prompts` dev prompts the comparison is shown and
+   decides nothing (rules 2-4): a bootstrap CI of a handful of paired 0/1 outcomes is too narrow, and one lost
+   prompt among 16 with none won ends its CI at 0.
 3. `kind_regression`: the same on one kind of dev prompt (arithmetic, instruction, ...) with at least
-   `evaluation.min_kind_prompts` prompts: a slice that collapsed is not hidden by a total that rose. A kind
+   `evaluation.min_decided_prompts` prompts: a slice that collapsed is not hidden by a total that rose. A kind
    with fewer prompts is shown, never decides.
 4. accepted: the candidate is significantly better than its parent on dev (the whole CI above 0). The proxies
    below are shown in the detail and do not reject it (a KL beyond the trust region is named there).
@@ -35,7 +37,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-DEFAULT_MIN_KIND_PROMPTS = 20  # mirrors evaluation.min_kind_prompts' default (config.py says why)
+DEFAULT_MIN_DECIDED_PROMPTS = 20  # mirrors evaluation.min_decided_prompts' default (config.py says why)
 
 
 @dataclass(frozen=True)
@@ -74,11 +76,11 @@ def check(
     max_reward_drop: float,
     groundtruth_vs_parent: Mapping[str, float] | None = None,
     groundtruth_by_kind: Mapping[str, Mapping[str, float]] | None = None,
-    min_kind_prompts: int = DEFAULT_MIN_KIND_PROMPTS,
+    min_decided_prompts: int = DEFAULT_MIN_DECIDED_PROMPTS,
 ) -> GuardVerdict:
     """The verdict on a candidate (module docstring: the rules, in order). `groundtruth_vs_parent`: the dev
-    split's paired comparison with the parent (`delta`, `low`, `high`); `groundtruth_by_kind`: the same per kind
-    of dev prompt, each with its `prompts`."""
+    split's paired comparison with the parent (`delta`, `low`, `high`, `prompts`); `groundtruth_by_kind`: the same
+    per kind of dev prompt. A comparison decides only over at least `min_decided_prompts` prompts."""
     if nonfinite_steps:
         return GuardVerdict("nonfinite", f"non-finite loss or gradient at step(s) {nonfinite_steps}")
     if not math.isfinite(kl):
@@ -90,7 +92,12 @@ def check(
         f"{max_kl_to_base}); judge's reward {reward_parent:.4f} -> {reward_new:.4f}"
     )
     truth = ""
-    if groundtruth_vs_parent is not None:
+    if groundtruth_vs_parent is not None and groundtruth_vs_parent["prompts"] < min_decided_prompts:
+        truth = (
+            f"dev ground truth {_ci(groundtruth_vs_parent)} over {int(groundtruth_vs_parent['prompts'])} prompts "
+            f"(under {min_decided_prompts}: not decided on); "
+        )
+    elif groundtruth_vs_parent is not None:
         total = _ci(groundtruth_vs_parent)
         if worse(groundtruth_vs_parent):
             return GuardVerdict(
@@ -101,7 +108,7 @@ def check(
         kinds = groundtruth_by_kind or {}
         for kind in sorted(kinds):
             c = kinds[kind]
-            if c["prompts"] >= min_kind_prompts and worse(c):
+            if c["prompts"] >= min_decided_prompts and worse(c):
                 return GuardVerdict(
                     "kind_regression",
                     f"dev ground truth decided: {kind} prompts {_ci(c)} vs the parent over {int(c['prompts'])} "
@@ -109,7 +116,7 @@ def check(
                 )
         shown = [
             f"{kind} {_ci(c)} over {int(c['prompts'])}"
-            + ("" if c["prompts"] >= min_kind_prompts else f" (under {min_kind_prompts} prompts: not decided on)")
+            + ("" if c["prompts"] >= min_decided_prompts else f" (under {min_decided_prompts} prompts: not decided on)")
             for kind, c in sorted(kinds.items())
         ]
         by_kind = f"; by kind: {', '.join(shown)}" if shown else ""

@@ -1017,7 +1017,7 @@ class _Round:
             self.history,
             evaluation,
             self.settings.evaluation.guard,
-            self.settings.evaluation.min_kind_prompts,
+            self.settings.evaluation.min_decided_prompts,
         )
         final = self.latest_step()
         state = CheckpointState.candidate if verdict.accepted else CheckpointState.rejected
@@ -1385,10 +1385,10 @@ def check_guards(
     evaluation: Evaluation,
     nonfinite_steps: list[int],
     truth_guard: bool,
-    min_kind_prompts: int = guards.DEFAULT_MIN_KIND_PROMPTS,
+    min_decided_prompts: int = guards.DEFAULT_MIN_DECIDED_PROMPTS,
 ) -> guards.GuardVerdict:
     """The guards (train/guards.py) on a candidate's evidence, at the bounds of `cfg`. `truth_guard`: whether
-    the dev split's ground truth decides first (in total, and per kind of at least `min_kind_prompts` prompts);
+    the dev split's ground truth decides first (in total, and per kind of at least `min_decided_prompts` prompts);
     the reported test figures are never read."""
     truth = evaluation.groundtruth if truth_guard else None
     return guards.check(
@@ -1402,7 +1402,7 @@ def check_guards(
         max_reward_drop=cfg.max_reward_drop,
         groundtruth_vs_parent=truth.vs_parent.model_dump() if truth else None,
         groundtruth_by_kind={k: c.model_dump() for k, c in truth.vs_parent_by_kind.items()} if truth else None,
-        min_kind_prompts=min_kind_prompts,
+        min_decided_prompts=min_decided_prompts,
     )
 
 
@@ -1411,14 +1411,14 @@ def round_verdict(
     history: Sequence[PolicyStep | GeneratorStep],
     evaluation: Evaluation,
     truth_guard: bool = True,
-    min_kind_prompts: int = guards.DEFAULT_MIN_KIND_PROMPTS,
+    min_decided_prompts: int = guards.DEFAULT_MIN_DECIDED_PROMPTS,
 ) -> tuple[guards.GuardVerdict, dict[str, Any]]:
     """(the guards' verdict, the checkpoint's metrics) of a round with steps `history`. `truth_guard`:
-    whether the dev split's ground truth decides first (`evaluation.guard`); `min_kind_prompts`: the fewest
-    prompts of a kind that decides (`evaluation.min_kind_prompts`)."""
+    whether the dev split's ground truth decides first (`evaluation.guard`); `min_decided_prompts`: the fewest
+    prompts of a kind that decides (`evaluation.min_decided_prompts`)."""
     policy_steps = [h for h in history if isinstance(h, PolicyStep)]
     truth = evaluation.groundtruth
-    verdict = check_guards(cfg, evaluation, [h.step for h in history if h.nonfinite], truth_guard, min_kind_prompts)
+    verdict = check_guards(cfg, evaluation, [h.step for h in history if h.nonfinite], truth_guard, min_decided_prompts)
 
     def mean(values: Sequence[float]) -> float | None:
         return sum(values) / len(values) if values else None

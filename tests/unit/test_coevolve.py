@@ -206,9 +206,9 @@ def test_guards_name_the_reason() -> None:
     drop = guards.check(**{**ok, "reward_parent": 0.6, "reward_new": 0.4})
     assert drop.reason == "reward_drop" and "0.6000 -> 0.4000" in drop.detail
     # ground truth: rejected only when the whole CI of the paired difference lies below 0
-    worse = guards.check(**ok, groundtruth_vs_parent={"delta": -0.1, "low": -0.16, "high": -0.04})
+    worse = guards.check(**ok, groundtruth_vs_parent={"delta": -0.1, "low": -0.16, "high": -0.04, "prompts": 200})
     assert worse.reason == "heldout_regression" and "-0.100" in worse.detail
-    unsure = guards.check(**ok, groundtruth_vs_parent={"delta": -0.05, "low": -0.12, "high": 0.02})
+    unsure = guards.check(**ok, groundtruth_vs_parent={"delta": -0.05, "low": -0.12, "high": 0.02, "prompts": 200})
     assert unsure.accepted and "ground truth -0.050" in unsure.detail
 
 

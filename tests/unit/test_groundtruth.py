@@ -296,7 +296,7 @@ def collapse_evidence(tiny_model_dir, tmp_path):
 
 def test_the_guard_rejects_a_candidate_that_collapsed_on_one_kind_whatever_the_total(tiny_model_dir, tmp_path):
     """Every slice protected: the total rose significantly, arithmetic fell significantly on 30 prompts (at least
-    `evaluation.min_kind_prompts`), so the round is rejected, naming the kind; with a threshold above 30 prompts
+    `evaluation.min_decided_prompts`), so the round is rejected, naming the kind; with a threshold above 30 prompts
     arithmetic is shown and does not decide."""
     from dynrubric.config import TrainConfig
     from dynrubric.train.rounds import round_verdict
@@ -310,12 +310,12 @@ def test_the_guard_rejects_a_candidate_that_collapsed_on_one_kind_whatever_the_t
     assert arithmetic.prompts == 30 and arithmetic.delta == pytest.approx(-0.2) and arithmetic.high < 0
     assert evidence.vs_parent_by_kind["instruction"].prompts == 170
 
-    def verdict(min_kind_prompts: int):
+    def verdict(min_decided_prompts: int):
         return round_verdict(
             TrainConfig(max_kl=0.45, max_kl_to_base=0.45),
             [policy_step(0)],
             evaluation(kl_to_parent=0.1, kl_to_base=0.1, groundtruth=evidence),
-            min_kind_prompts=min_kind_prompts,
+            min_decided_prompts=min_decided_prompts,
         )
 
     rejected, metrics = verdict(20)

@@ -29,9 +29,9 @@ def bounds(**fields: Any) -> dict[str, Any]:
     }
 
 
-BETTER = {"delta": 0.165, "low": 0.085, "high": 0.245}  # issue 38's fresh-clone round 1
-WORSE = {"delta": -0.1, "low": -0.16, "high": -0.04}
-UNSURE = {"delta": 0.03, "low": -0.02, "high": 0.08}
+BETTER = {"delta": 0.165, "low": 0.085, "high": 0.245, "prompts": 200}  # issue 38's fresh-clone round 1
+WORSE = {"delta": -0.1, "low": -0.16, "high": -0.04, "prompts": 200}
+UNSURE = {"delta": 0.03, "low": -0.02, "high": 0.08, "prompts": 200}
 
 
 def test_better_on_dev_inside_the_safe_kl_is_accepted_and_says_ground_truth_decided() -> None:
@@ -53,17 +53,31 @@ def test_worse_on_dev_is_rejected_whatever_the_kl() -> None:
 
 def test_a_ci_that_ends_at_zero_around_a_loss_is_worse_and_one_around_a_gain_is_not_better() -> None:
     # second_round's `centred` round 2, seed 0: accepted before, though no resample showed it better
-    at_zero = {"delta": -0.1, "low": -0.225, "high": 0.0}
+    at_zero = {"delta": -0.1, "low": -0.225, "high": 0.0, "prompts": 200}
     verdict = guards.check(**bounds(), groundtruth_vs_parent=at_zero)
     assert verdict.reason == "heldout_regression" and "-0.100 (95% CI -0.225..+0.000)" in verdict.detail
     kind = guards.check(
         **bounds(), groundtruth_vs_parent=UNSURE, groundtruth_by_kind={"arithmetic": {**at_zero, "prompts": 30}}
     )
     assert kind.reason == "kind_regression", kind
-    tied = {"delta": 0.0, "low": 0.0, "high": 0.0}  # every prompt the same: neither worse nor better
+    tied = {"delta": 0.0, "low": 0.0, "high": 0.0, "prompts": 200}  # every prompt the same: neither worse nor better
     assert guards.check(**bounds(), groundtruth_vs_parent=tied).accepted
-    gain = {"delta": 0.1, "low": 0.0, "high": 0.225}  # not shown better: the trust region still decides
+    gain = {"delta": 0.1, "low": 0.0, "high": 0.225, "prompts": 200}  # not shown better: the trust region still decides
     assert guards.check(**bounds(kl=0.6), groundtruth_vs_parent=gain).reason == "kl"
+
+
+def test_a_dev_evaluation_of_too_few_prompts_decides_nothing() -> None:
+    # the e2e test's 16 dev prompts: one lost, none won, so no resample shows a gain (stop 47's CI failure)
+    one_lost = {"delta": -0.0625, "low": -0.1875, "high": 0.0, "prompts": 16}
+    verdict = guards.check(**bounds(), groundtruth_vs_parent=one_lost)
+    assert verdict.accepted and "over 16 prompts (under 20: not decided on)" in verdict.detail, verdict
+    assert "within the trust region" in verdict.detail
+    assert guards.check(**bounds(), groundtruth_vs_parent=one_lost, min_decided_prompts=16).reason == (
+        "heldout_regression"
+    )
+    # nor does a gain accept past the trust region
+    gained = {"delta": 0.25, "low": 0.0625, "high": 0.4375, "prompts": 16}
+    assert guards.check(**bounds(kl=0.6), groundtruth_vs_parent=gained).reason == "kl"
 
 
 def test_beyond_the_trust_region_without_a_dev_gain_is_rejected_with_the_reason() -> None:
