@@ -28,7 +28,11 @@ in turns; the training runs in this process.
 
     python benchmarks/verifier_training.py [--seeds 1] [--seed-start 0] [--train-open 64] [--train-health 32]
                                            [--epochs 2] [--lr 5e-5] [--out DIR] [--quick]
-                                           [--strong gemini --trained DIR]
+                                           [--strong gemini --trained DIR] [--validate 0.2 --check-every 10]
+
+`--validate SHARE` holds out that share of the training prompts (a seeded draw per seed) as validation pairs and
+keeps the weights of the lowest validation loss, checked every `--check-every` updates (early stopping,
+`train_verifier`); the last weights are judged too, side by side, into results-last.json (the same "before").
 
 `--strong gemini` puts Gemini-2.0-flash's answer in each open set in place of o3-mini's (the sets `open-gemini`):
 the verifier was trained to prefer o3-mini's answers, so a gain that holds there is not o3-mini's manner alone.
@@ -67,6 +71,7 @@ from dynrubric.rubric.items import Rubric  # noqa: E402
 from dynrubric.train.generator_warmstart import ExpertPrompt, expert_prompts  # noqa: E402
 from dynrubric.train.verifier_training import (  # noqa: E402
     VerdictPair,
+    VerifierCheck,
     VerifierStep,
     items_read,
     train_verifier,
@@ -175,8 +180,27 @@ def rejudged(
         verifier.close()
 
 
-def log(s: VerifierStep) -> None:
-    print(f"    update {s.update} (epoch {s.epoch}): loss {s.loss:.3f}, ordered {s.ordered:.2f}", flush=True)
+def log(s: VerifierStep | VerifierCheck) -> None:
+    if isinstance(s, VerifierCheck):
+        print(f"    validation after {s.update} updates: loss {s.loss:.3f}, ordered {s.ordered:.2f}", flush=True)
+    else:
+        print(f"    update {s.update} (epoch {s.epoch}): loss {s.loss:.3f}, ordered {s.ordered:.2f}", flush=True)
+
+
+def split_pairs(
+    render: Any, training_sets: Sequence[tuple[str, list[str]]], read: Sequence[Sequence[Any]], seed: int, share: float
+) -> tuple[list[VerdictPair], list[VerdictPair]]:
+    """(training, validation) pairs: `share` of the prompts with items, a seeded draw, give the validation pairs, so
+    that no validation pair shares a prompt with a training pair."""
+    rng = random.Random(seed)
+    with_items = [i for i, items in enumerate(read) if items]
+    held = set(rng.sample(with_items, round(share * len(with_items))))
+    train: list[VerdictPair] = []
+    validation: list[VerdictPair] = []
+    for i in with_items:
+        question, responses = training_sets[i]
+        (validation if i in held else train).extend(verdict_pairs(render, question, responses, 0, read[i], rng))
+    return train, validation
 
 
 def main() -> None:
@@ -202,6 +226,8 @@ def main() -> None:
     ap.add_argument(
         "--trained", type=Path, help="judge with the verifiers another run trained (DIR/s<seed>/verifier): no training"
     )
+    ap.add_argument("--validate", type=float, default=0.0, help="share of training prompts held out: early stopping")
+    ap.add_argument("--check-every", type=int, default=10, help="updates between validation checks")
     args = ap.parse_args()
     stop_signals_interrupt()  # a SIGTERM unwinds the `with`s: the vLLM server it started stops too
     if args.quick:
@@ -213,6 +239,7 @@ def main() -> None:
     base_dir = modelcache.resolve(base.paths.resolved_home(), base.models.generator)
     sets = benchmark_sets(args.open_sets, args.health_sets, args.real_sets)
     judged = coevolution.JudgedRuns(out / "results.json")
+    judged_last = coevolution.JudgedRuns(out / "results-last.json")  # with --validate: the last weights
 
     from transformers import AutoTokenizer
 
@@ -275,12 +302,8 @@ def main() -> None:
             else:
                 shutil.rmtree(run, ignore_errors=True)
                 verifier = run / "verifier"
-                rng = random.Random(seed)
-                pairs: list[VerdictPair] = []
-                for (question, responses), items in zip(training_sets, read, strict=True):
-                    if items:
-                        pairs += verdict_pairs(render, question, responses, 0, items, rng)
-                steps = train_verifier(
+                pairs, validation = split_pairs(render, training_sets, read, seed, args.validate)
+                trained_run = train_verifier(
                     base_dir,
                     pairs,
                     answers_read.yes,
@@ -291,19 +314,38 @@ def main() -> None:
                     batch=args.batch,
                     micro_batch=2,
                     seed=seed,
+                    validation=validation,
+                    check_every=args.check_every,
+                    last_dir=run / "verifier-last" if validation else None,
                     log=log,
                 )
+                steps = trained_run.steps
                 measures["loss"] = [steps[0].loss, steps[-1].loss]
                 trained = f"{len(pairs)} pairs, {len(steps)} updates, loss {steps[0].loss:.3f} -> {steps[-1].loss:.3f}"
+                if validation:
+                    measures["validation loss"] = [c.loss for c in trained_run.checks]
+                    measures["kept"] = [float(trained_run.kept)]
+                    trained += (
+                        f"; {len(validation)} validation pairs, kept the weights after {trained_run.kept} updates"
+                    )
             train_s = time.monotonic() - t0
             t0 = time.monotonic()
             after = rejudged(judge_settings(base, run, server.base_url), verifier, sets, benchmark_rubrics)
             seconds = {"train": train_s, "judge": time.monotonic() - t0}
             means = judged.record_seed(key, after, seconds, **measures)
             print(f"  {key}: {trained} ({train_s:.0f}s); {means}", flush=True)
+            if (run / "verifier-last").is_dir():
+                judged_last.results.setdefault("before", judged.results["before"])
+                last = rejudged(
+                    judge_settings(base, run, server.base_url), run / "verifier-last", sets, benchmark_rubrics
+                )
+                print(f"  {key}, the last weights: {judged_last.record_seed(key, last, seconds)}", flush=True)
         policy.close()
     print(f"total {(time.monotonic() - started) / 60:.1f} min")
     print("\n".join(judged.lines(list(sets))))
+    if judged_last.results:
+        print("the last weights, not the validation's:")
+        print("\n".join(judged_last.lines(list(sets))))
 
 
 if __name__ == "__main__":

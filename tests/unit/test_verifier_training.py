@@ -83,15 +83,47 @@ def test_training_moves_each_pairs_verdicts_the_way_its_polarity_says(tiny_model
 
         return [z(p.better) - z(p.worse) for p in pairs]
 
-    steps = train_verifier(
+    run = train_verifier(
         tiny_model_dir, pairs * 4, yes, no, tmp_path / "v", lr=1e-3, epochs=3, batch=4, micro_batch=2, seed=0,
         compute_dtype="float32",
     )  # fmt: skip
+    steps = run.steps
     assert len(steps) == 6 and steps[-1].loss < steps[0].loss
+    assert run.checks == [] and run.kept == 6  # no validation pairs: the last weights
     before, after = gaps(tiny_model_dir), gaps(tmp_path / "v")
     assert after[0] > before[0] + 1.0  # polarity +1: the preferred answer meets the item more readily
     assert after[1] < before[1] - 1.0  # polarity -1: less readily
     assert (tmp_path / "v" / "tokenizer_config.json").is_file()
+
+
+def test_validation_pairs_keep_the_weights_of_the_lowest_validation_loss(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Early stopping: validation pairs that training can only make worse (the same texts, the opposite polarity)
+    keep the model as loaded; validation pairs that agree with training keep the last weights. `last_dir` gets the
+    last weights either way."""
+    from safetensors.torch import load_file
+
+    pairs = [VerdictPair("question: sky? answer: blue. met?", "question: sky? answer: green. met?", 1)] * 4
+    opposed = [VerdictPair(p.better, p.worse, -p.polarity) for p in pairs[:1]]
+    common = {"lr": 1e-3, "epochs": 2, "batch": 2, "micro_batch": 2, "seed": 0, "compute_dtype": "float32"}
+
+    def weights(directory: Path) -> dict[str, torch.Tensor]:
+        return load_file(str(next(directory.glob("*.safetensors"))))
+
+    worse = train_verifier(
+        tiny_model_dir, pairs, ["yes"], ["no"], tmp_path / "kept", validation=opposed, check_every=1,
+        last_dir=tmp_path / "last", **common,
+    )  # fmt: skip
+    assert [c.update for c in worse.checks] == [0, 1, 2, 3, 4], worse.checks
+    assert worse.kept == 0 and worse.checks[-1].loss > worse.checks[0].loss
+    base, kept, last = weights(tiny_model_dir), weights(tmp_path / "kept"), weights(tmp_path / "last")
+    assert all(torch.equal(base[k], kept[k]) for k in base)  # the model as loaded
+    assert any(not torch.equal(base[k], last[k]) for k in base)
+
+    better = train_verifier(
+        tiny_model_dir, pairs, ["yes"], ["no"], tmp_path / "kept2", validation=pairs[:1], **common
+    )  # fmt: skip
+    assert [c.update for c in better.checks] == [0, 2, 4] and better.kept == 4  # once per epoch, and the last
+    assert better.checks[-1].loss < better.checks[0].loss
 
 
 def test_the_supervision_arm_with_a_trained_verifier_judges_with_that_model(
