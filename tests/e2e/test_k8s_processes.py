@@ -411,7 +411,10 @@ def test_the_dev_overlay_promotes_one_version_and_rolls_back_another_with_two_ro
     for router, outcomes in traffic1.outcomes.items():  # v1's canary answered users of both replicas
         assert {(o.variant, o.policy_version) for o in outcomes} >= {("stable", "v0"), ("canary", "v1")}, router
     for router, outcomes in traffic2.outcomes.items():  # v2's canary answered nobody: stable (v1) served its users
-        assert outcomes and {(o.variant, o.policy_version) for o in outcomes} == {("stable", "v1")}, router
+        # a replica reads the ended rollout's split at its own interval, so a request may still reach vllm-canary
+        # once the rollback has put it back on v1 (a run here: 1 of 55); v2 itself answered no one
+        served = {(o.variant, o.policy_version) for o in outcomes}
+        assert outcomes and ("stable", "v1") in served and served <= {("stable", "v1"), ("canary", "v1")}, router
     counters = router_counters(dev)
     for rollout_id in ids:
         assert {r for (e, r, v), n in counters.items() if e == rollout_id and v == "canary" and n > 0} == {
