@@ -1415,7 +1415,7 @@ def round_verdict(
 ) -> tuple[guards.GuardVerdict, dict[str, Any]]:
     """(the guards' verdict, the checkpoint's metrics) of a round with steps `history`. `truth_guard`:
     whether the dev split's ground truth decides first (`evaluation.guard`); `min_decided_prompts`: the fewest
-    prompts of a kind that decides (`evaluation.min_decided_prompts`)."""
+    dev prompts, in total or of a kind, that decide (`evaluation.min_decided_prompts`)."""
     policy_steps = [h for h in history if isinstance(h, PolicyStep)]
     truth = evaluation.groundtruth
     verdict = check_guards(cfg, evaluation, [h.step for h in history if h.nonfinite], truth_guard, min_decided_prompts)
