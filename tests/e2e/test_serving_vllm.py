@@ -25,7 +25,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 # short steps and small sample minimums so each rollout ends in a few minutes on 2 CPUs
 ROLLOUT = RolloutConfig(steps=[0.3, 0.5], poll_interval_s=2.0, max_step_s=600)
+# The gate rolls an equal canary back with probability up to `alpha` by design. At the shipped 0.05 and 40 users the
+# healthy rollout below was rolled back 24 times in 2000 simulated ones (once in a real run); at 0.001 and 80 users,
+# once, while the damaged canary is still rolled back every time (test_this_modules_gate_is_sized_for_its_rollouts).
+USERS = 80
 GATE = GateConfig(
+    alpha=0.001,
     min_users_per_arm=5,
     min_requests_per_arm=10,
     min_rated_per_arm=10,
@@ -57,13 +62,42 @@ def users(stack, seed):
     return SimulatedUsers(
         stack.router_url,
         signal_prompts(),
-        n_users=40,
+        n_users=USERS,
         noise=0.05,
         rated_share=1.0,
         regenerate_p=1.0,
         max_tokens=16,
         seed=seed,
     )
+
+
+def test_this_modules_gate_is_sized_for_its_rollouts():
+    """The healthy rollout below must be promoted and the damaged one rolled back, every run: the gate's simulator
+    (serving/gatesim.py) with this module's users, a third of whose answers fail the check (SmolLM2 on the signal
+    prompts; the damaged weights fail all), promotes an equal canary in at least 997 of 1000 rollouts and rolls every
+    damaged one back. Needs no server."""
+    from dynrubric.config import GateSimulationConfig
+    from serving.gatesim import ArmBehaviour, simulate_many
+
+    sim = GateSimulationConfig(
+        users=USERS,
+        zipf_s=0.0,  # users pick at random, as SimulatedUsers do
+        positive_mean=0.95 * 2 / 3 + 0.05 / 3,  # the thumbs' noise
+        regenerate_mean=1 / 3,
+        rated_mean=0.999,  # every answer is rated
+        concentration=1000.0,  # one propensity for every user: the prompts decide, not the user
+        requests_per_look=8,
+        diurnal_amplitude=0.0,
+        shadow_rate=0.0,
+        max_step_requests=3000,
+    )
+    gate = GATE.model_copy(update={"simulation": sim})
+    stable = ArmBehaviour(error_rate=0.0)
+    damaged = ArmBehaviour(error_rate=0.0, positive_shift=-0.6, regenerate_shift=2 / 3)
+    healthy_runs = simulate_many(stable, stable, list(ROLLOUT.steps), gate, 1000, seed=0)
+    damaged_runs = simulate_many(stable, damaged, list(ROLLOUT.steps), gate, 1000, seed=0)
+    assert sum(r.outcome == "rolled_back" for r in healthy_runs) <= 3
+    assert all(r.outcome == "rolled_back" for r in damaged_runs)
 
 
 def test_healthy_canary_is_promoted_then_damaged_one_rolled_back(stack, smollm_dir, tmp_path):
