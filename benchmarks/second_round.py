@@ -51,6 +51,7 @@ import supervision  # noqa: E402
 
 from dynrubric.config import Settings  # noqa: E402
 from dynrubric.config_loader import load_settings, override  # noqa: E402
+from dynrubric.jsonl import split_lines  # noqa: E402
 from dynrubric.process import stop_signals_interrupt  # noqa: E402
 from dynrubric.train.policy_eval import VersionOutcomes, paired_bootstrap  # noqa: E402
 
@@ -193,7 +194,7 @@ def main() -> None:
         return arm_settings(base_settings, r.arm, r.seed, out / r.run, prompts_file, "http://unused")
 
     def report() -> None:
-        records = [RunRecord(**json.loads(x)) for x in record.read_text().splitlines()] if record.is_file() else []
+        records = [RunRecord(**json.loads(x)) for x in split_lines(record.read_text())] if record.is_file() else []
         base_run = arm_settings(base_settings, "shipped", 0, out / "base", prompts_file, "http://unused")
         base = outcomes(base_run, "base")
         print("\nbase: " + ", ".join(f"{SHOWN[s]} {o.pass_rate():.3f} on {len(o.scores)}" for s, o in base.items()))

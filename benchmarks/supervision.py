@@ -59,6 +59,7 @@ from dynrubric import modelcache  # noqa: E402
 from dynrubric.config import Settings  # noqa: E402
 from dynrubric.config_loader import load_settings, override  # noqa: E402
 from dynrubric.engines import one_shared_server  # noqa: E402
+from dynrubric.jsonl import split_lines  # noqa: E402
 from dynrubric.process import stop_signals_interrupt  # noqa: E402
 from dynrubric.rubric.groundtruth import derive  # noqa: E402
 from dynrubric.train.policy_eval import (  # noqa: E402
@@ -119,7 +120,7 @@ def deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 def training_prompts(n: int, seed: int = 0) -> list[dict[str, Any]]:
     """`n` prompts of the bank's train split that a round may train on, half open and half checkable (the demo
     users' OPEN_SHARE), the checkable ones instruction and arithmetic in the bank's proportion; a fixed draw."""
-    lines = [json.loads(x) for x in default_prompts_file().read_text().splitlines() if x.strip()]
+    lines = [json.loads(x) for x in split_lines(default_prompts_file().read_text()) if x.strip()]
     train = [x for x in lines if x["split"] == "train"]
     rng = random.Random(seed)
     rng.shuffle(train)
@@ -221,7 +222,7 @@ def reward_agreement(settings: Settings) -> tuple[float, int]:
     from dynrubric.train.rounds import PLAN, SUMMARY, read_json, run_dir_of
 
     run_dir = run_dir_of(settings)
-    rollouts = [json.loads(x) for x in (run_dir / "rollouts.jsonl").read_text().splitlines() if x.strip()]
+    rollouts = [json.loads(x) for x in split_lines((run_dir / "rollouts.jsonl").read_text()) if x.strip()]
     by_origin: dict[str, list[dict[str, Any]]] = {}
     for r in rollouts:
         by_origin.setdefault(r["origin"], []).append(r)
@@ -266,7 +267,7 @@ def final_outcomes(settings: Settings, version: str) -> dict[str, VersionOutcome
 def pending_runs(record: Path, seeds: range, arms: Sequence[str]) -> list[tuple[int, str]]:
     """The (seed, arm) runs to train, in order: those `record` (results.jsonl) does not hold yet. A run that an
     earlier invocation finished keeps its record, so a later session can add seeds."""
-    recorded = record.read_text().splitlines() if record.is_file() else []
+    recorded = split_lines(record.read_text()) if record.is_file() else []
     done = {(r["arm"], r["seed"]) for r in map(json.loads, recorded)}
     todo = []
     for seed in seeds:
@@ -439,7 +440,7 @@ def main() -> None:
 def report(out: Path, base_settings: Settings, prompts_file: Path, arms: Sequence[str]) -> None:
     """The table of every run recorded in `out/results.jsonl` (the runs' outcomes read from their directories)."""
     results = []
-    for line in (out / "results.jsonl").read_text().splitlines():
+    for line in split_lines((out / "results.jsonl").read_text()):
         r = json.loads(line)
         settings = overlay_settings(base_settings, {}, r["seed"], out / r["run"], prompts_file, "http://unused")
         outcomes = final_outcomes(settings, r["final"])

@@ -59,6 +59,7 @@ from dynrubric.app.supervisor import ChildSpec, Supervisor
 from dynrubric.config import Settings
 from dynrubric.config_loader import override, plain_dump
 from dynrubric.errors import DynrubricError
+from dynrubric.jsonl import split_lines
 from dynrubric.ports import free_port
 from dynrubric.process import stop_signals_interrupt
 from dynrubric.train.records import RoundOutcome
@@ -754,7 +755,9 @@ def write_run_page(settings: Settings, results: list[CycleResult]) -> Path:
         if path.is_file():
             text = path.read_text()
             setattr(
-                page, attr, json.loads(text) if name.endswith(".json") else [json.loads(x) for x in text.splitlines()]
+                page,
+                attr,
+                json.loads(text) if name.endswith(".json") else [json.loads(x) for x in split_lines(text) if x.strip()],
             )
     try:
         with ReplayStore(store_root(settings)) as store:

@@ -22,6 +22,7 @@ from pydantic import BaseModel
 
 from dynrubric import atomic
 from dynrubric.errors import DynrubricError
+from dynrubric.jsonl import split_lines
 from dynrubric.train.records import GeneratorStepLine, PolicyStepLine, RoundLine, parse_line
 
 
@@ -42,7 +43,7 @@ def read_runlog(path: Path) -> RunLog:
             "at the state dir of an earlier run",
         )
     records = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(split_lines(path.read_text()), 1):
         if not line.strip():
             continue
         try:

@@ -44,6 +44,7 @@ from typing import Any, Literal
 from dynrubric.config import CoevolveConfig
 from dynrubric.engines.base import Completion, Engine, GenerationRequest, SamplingParams
 from dynrubric.errors import DynrubricError
+from dynrubric.jsonl import split_lines
 from dynrubric.rubric.items import Rubric, RubricParseError, parse_rubric
 from dynrubric.train.grpo import CandidateSet, SampledResponse
 from dynrubric.train.prompts import TrainPrompt, make_prompt
@@ -162,7 +163,7 @@ def read_anchor_file(path: Path) -> dict[str, list[str]]:
             "set train.coevolve.rankings_file, or train.coevolve.ranking_source: temporal",
         )
     out: dict[str, list[str]] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(split_lines(path.read_text()), 1):
         if not line.strip():
             continue
         try:

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from dynrubric.jsonl import split_lines
 from dynrubric.rubric.generate import ITEM_TEXT_CHARS
 
 PREFIX = "The response "
@@ -125,7 +126,7 @@ class ExpertPrompt:
 def expert_prompts(bank: Path) -> list[ExpertPrompt]:
     """The bank's single-turn TRAIN-split open prompts that carry experts' criteria (never dev or test)."""
     out = []
-    for line in bank.read_text().splitlines():
+    for line in split_lines(bank.read_text()):
         obj = json.loads(line)
         if obj.get("split") != "train" or obj.get("kind") != "open" or not obj.get("criteria"):
             continue

@@ -46,6 +46,7 @@ import yaml
 from dynrubric import atomic
 from dynrubric.config import Settings
 from dynrubric.errors import DynrubricError
+from dynrubric.jsonl import split_lines
 from dynrubric.registry import Checkpoint, CheckpointState, Registry
 from dynrubric.seeds import round_seed
 from dynrubric.train.prompts import PromptSource, TrainPrompt
@@ -419,8 +420,8 @@ def emitted_round(settings: Settings, runner: RoundRunner, round_id: int) -> Emi
             "run its job first (submit.sh or rayjob.yaml); see `ray job logs` if it ran",
         )
     command = json.loads((target / "command.json").read_text())
-    heldout = [_from_shard_line(line) for line in (target / "heldout.jsonl").read_text().splitlines()]
-    prompts = len((target / "prompts.jsonl").read_text().splitlines())
+    heldout = [_from_shard_line(line) for line in split_lines((target / "heldout.jsonl").read_text()) if line.strip()]
+    prompts = sum(bool(x.strip()) for x in split_lines((target / "prompts.jsonl").read_text()))
     return Emitted(
         round_id,
         target,

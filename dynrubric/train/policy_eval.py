@@ -45,6 +45,7 @@ from dynrubric import atomic
 from dynrubric.config import Settings
 from dynrubric.engines.base import Engine, GenerationRequest, SamplingParams
 from dynrubric.errors import DynrubricError
+from dynrubric.jsonl import split_lines
 from dynrubric.rubric.groundtruth import GroundTruth, derive
 from dynrubric.train.prompts import TrainPrompt, heldout_bucket, make_prompt
 from dynrubric.train.records import Comparison, Figure, TruthEvidence
@@ -146,7 +147,7 @@ class VersionOutcomes(BaseModel):
 
 def _bank_lines(path: Path) -> list[dict[str, Any]]:
     lines = []
-    for n, text in enumerate(path.read_text().splitlines(), 1):
+    for n, text in enumerate(split_lines(path.read_text()), 1):
         if text.strip():
             try:
                 obj = json.loads(text)

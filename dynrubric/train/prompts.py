@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from dynrubric.errors import DynrubricError
+from dynrubric.jsonl import split_lines
 from dynrubric.prompt_key import prompt_key
 
 
@@ -92,7 +93,7 @@ def read_prompt_file(path: Path) -> list[TrainPrompt]:
     if not path.is_file():
         raise DynrubricError(f"prompt file {path} does not exist", "set train.prompts_file to a JSONL file")
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(split_lines(path.read_text()), 1):
         if not line.strip():
             continue
         try:
@@ -129,7 +130,7 @@ class ResponseHistory:
         if not self.path.exists():
             return {}
         seen: set[str] = set()
-        for line in self.path.read_text().splitlines():
+        for line in split_lines(self.path.read_text()):
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:  # a torn last line after a crash

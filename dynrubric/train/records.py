@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from dynrubric import atomic
 from dynrubric.errors import DynrubricError
+from dynrubric.jsonl import split_lines
 
 RECORD_VERSION = 2  # 2: TruthEvidence.figures (the five reported figures of the test split and benchmarks)
 
@@ -389,7 +390,7 @@ class RunLogFile:
         if not self.path.exists():
             return []
         out = []
-        for n, line in enumerate(self.path.read_text().splitlines(), 1):
+        for n, line in enumerate(split_lines(self.path.read_text()), 1):
             if not line.strip():
                 continue
             try:

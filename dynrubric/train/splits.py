@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Literal
 
 from dynrubric.errors import DynrubricError
+from dynrubric.jsonl import split_lines
 from dynrubric.prompt_key import prompt_key
 
 Split = Literal["train", "dev", "test"]
@@ -90,7 +91,7 @@ class BankSplit:
     @classmethod
     def read(cls, path: Path) -> BankSplit:
         entries = []
-        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        for n, line in enumerate(split_lines(Path(path).read_text()), 1):
             if not line.strip():
                 continue
             obj = json.loads(line)
