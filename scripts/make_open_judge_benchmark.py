@@ -7,7 +7,8 @@ Real user instructions without a checker, the ground truth being who wrote the a
 - HealthBench: the physicians' ideal completion cut to the same budget beside K policy answers, and the
   physicians' rubric (criterion, points; negative points = a flaw) carried in the line.
 
-Only TEST-split questions (`dynrubric.train.splits.split_of("arena-hard:<uid>")`, `"healthbench:<prompt_id>"`),
+Only TEST-split questions (`dynrubric.train.splits.split_of("arena-hard:<uid>")`, `"healthbench:<prompt_id>"`;
+`--split dev` takes DEV-split ones instead, sets to tune the judge's rules on before reporting on the test sets),
 single-turn prompts of at most --max-prompt-chars (1500) characters and train.max_prompt_tokens (512) tokens (a 135M
 judge with a 2048-token context reads the prompt, an item and a response of up to 160 tokens together; the rubric
 generator the prompt and K + 1 answers), a seeded sample of --arena and --healthbench of them.
@@ -76,14 +77,14 @@ def arena_questions(root: Path, split: str = "test") -> list[dict[str, Any]]:
     return out
 
 
-def healthbench_questions(root: Path) -> list[dict[str, Any]]:
-    """Test-split single-turn HealthBench prompts with an ideal completion and a rubric."""
+def healthbench_questions(root: Path, split: str = "test") -> list[dict[str, Any]]:
+    """`split`'s single-turn HealthBench prompts (the benchmark's: test) with an ideal completion and a rubric."""
     out = []
     for obj in _jsonl(root / HEALTHBENCH):
         msgs = obj["prompt"]
         ideal = (obj.get("ideal_completions_data") or {}).get("ideal_completion")
         if (
-            split_of(f"healthbench:{obj['prompt_id']}") == "test"
+            split_of(f"healthbench:{obj['prompt_id']}") == split
             and len(msgs) == 1
             and msgs[0]["role"] == "user"
             and ideal
@@ -131,6 +132,12 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=3, help="policy answers per set")
     parser.add_argument("--max-tokens", type=int, default=160, help="the policy's answer budget, and the strong cut")
     parser.add_argument("--max-prompt-chars", type=int, default=1500)
+    parser.add_argument(
+        "--split",
+        choices=["test", "dev"],
+        default="test",
+        help="the questions' split: test (the shipped benchmark) or dev (sets to tune the judge's rules on)",
+    )
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -152,12 +159,12 @@ def main() -> None:
 
     root = tasks_dir()
     rng = random.Random(args.seed)
-    arena_all = [q for q in arena_questions(root) if readable(q["prompt"])]
-    health_all = [h for h in healthbench_questions(root) if readable(h["prompt"][0]["content"])]
+    arena_all = [q for q in arena_questions(root, args.split) if readable(q["prompt"])]
+    health_all = [h for h in healthbench_questions(root, args.split) if readable(h["prompt"][0]["content"])]
     arena = sample(rng, arena_all, args.arena)
     health = sample(rng, health_all, args.healthbench)
     print(
-        f"test split, prompts of <= {args.max_prompt_chars} chars and <= {max_prompt_tokens} tokens: "
+        f"{args.split} split, prompts of <= {args.max_prompt_chars} chars and <= {max_prompt_tokens} tokens: "
         f"{len(arena_all)} Arena-Hard questions (taking {len(arena)}), {len(health_all)} single-turn HealthBench "
         f"prompts (taking {len(health)})"
     )
