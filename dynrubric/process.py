@@ -3,11 +3,17 @@ their output in a log file, polled until they answer, stopped with SIGTERM and t
 
 A child started in its own session (`own_group=True`, the default) leads a process group, and signals go
 to the whole group: vLLM forks engine-core workers that must not outlive it.
+
+A child started from the main thread also gets SIGTERM when its parent dies, even by SIGKILL (`setpriv
+--pdeathsig`, Linux's PR_SET_PDEATHSIG), so a killed benchmark or test leaves no vLLM server behind. Only from the
+main thread: the kernel sends that signal when the *thread* that forked the child ends, and a child started by a
+worker thread (a supervisor's restart) must outlive that thread.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -22,6 +28,9 @@ def spawn(
     """Start `cmd` with stdout and stderr appended to `log_path` (discarded when None), stdin closed."""
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
+    setpriv = shutil.which("setpriv")  # util-linux
+    if setpriv is not None and threading.current_thread() is threading.main_thread():
+        cmd = [setpriv, "--pdeathsig", "TERM", "--", *cmd]  # setpriv execs cmd: the pid and session are cmd's
     log = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
     try:
         return subprocess.Popen(

@@ -59,6 +59,61 @@ def test_spawn_waits_logs_and_terminate_kills_the_whole_group(tmp_path):
         terminate(proc, timeout_s=0)
 
 
+# a parent that spawns a sleeper from its main thread (argv[1] == "main") or from a thread that then ends, prints
+# the sleeper's pid, and waits to be killed
+PARENT = textwrap.dedent(
+    """
+    import sys, threading, time
+    from dynrubric.process import spawn
+    started = []
+    if sys.argv[1] == "main":
+        started.append(spawn([sys.executable, "-c", "import time; time.sleep(600)"], None))
+    else:
+        worker = threading.Thread(
+            target=lambda: started.append(spawn([sys.executable, "-c", "import time; time.sleep(600)"], None))
+        )
+        worker.start()
+        worker.join()  # the thread that forked the sleeper has ended
+    print(started[0].pid, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _sleeper_of_a_killed_parent(where: str) -> int:
+    """Start PARENT, read its sleeper's pid, SIGKILL the parent (no cleanup runs) and reap it."""
+    import signal
+    import subprocess
+
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, where], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        sleeper = int(parent.stdout.readline())
+        assert _alive(sleeper)
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    return sleeper
+
+
+def test_a_child_spawned_from_the_main_thread_dies_with_its_killed_parent():
+    sleeper = _sleeper_of_a_killed_parent("main")
+    deadline = time.monotonic() + 10
+    while _alive(sleeper) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(sleeper), "a SIGKILLed parent left its child running"
+
+
+def test_a_child_spawned_from_a_worker_thread_outlives_that_thread():
+    """The kernel's parent-death signal follows the thread that forked: a supervisor's restart from its own thread
+    must not be killed when that thread ends, so spawn asks for the signal from the main thread only."""
+    sleeper = _sleeper_of_a_killed_parent("thread")
+    try:
+        assert _alive(sleeper)
+    finally:
+        os.kill(sleeper, 9)
+
+
 def test_wait_until_reports_a_child_that_exits_before_ready(tmp_path):
     proc = spawn(
         [sys.executable, "-c", "import sys; print('bad config', file=sys.stderr); sys.exit(3)"], tmp_path / "log"
