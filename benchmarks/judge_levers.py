@@ -21,8 +21,13 @@ Per lever: the pairwise accuracy of the strong (passing) answer over the policy'
 length-only judge on the same pairs. A --real run counts the sets the checker separates.
 The last line: `best lever: NAME accuracy X (length Y)`.
 
-    python benchmarks/judge_levers.py OUT/eval_judge_open.json   (OUT: `DYNRUBRIC_RUBRIC__CHECK_WEIGHT=0
-                                                                  dynrubric eval-judge --open --modes set -o OUT`)
+Given several runs of the same sets under different `rubric.seed`s, each set is weighed with the generated items of
+all of them pooled (the verifier's P(yes) on an item does not depend on the other items): what sampling that many
+rubrics per set and merging their items would score.
+
+    python benchmarks/judge_levers.py OUT/eval_judge_open.json [OUT2/eval_judge_open.json ...]
+
+    (OUT: `DYNRUBRIC_RUBRIC__CHECK_WEIGHT=0 [DYNRUBRIC_RUBRIC__SEED=N] dynrubric eval-judge --open --modes set -o OUT`)
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from dynrubric.rubric.benchmark import (  # noqa: E402
 from dynrubric.rubric.calibrate import known_bad_answers  # noqa: E402
 from dynrubric.rubric.checks import Check  # noqa: E402
 from dynrubric.rubric.evaluator import weigh  # noqa: E402
-from dynrubric.rubric.items import Rubric, check_is_stated  # noqa: E402
+from dynrubric.rubric.items import Rubric, RubricItem, check_is_stated  # noqa: E402
 
 
 def stated_only(rubric: Rubric) -> Rubric:
@@ -80,7 +85,8 @@ LEVERS: dict[str, Lever] = {
 
 def weigh_set(s: dict[str, Any], lever: Lever) -> tuple[list[float], bool]:
     reshape, config = lever
-    rubric = reshape(Rubric.model_validate({"items": s["rubric"]}))
+    # not validated as a whole: pooled rubrics hold more than MAX_ITEMS items, and their ids may repeat
+    rubric = reshape(Rubric.model_construct(items=[RubricItem.model_validate(i) for i in s["rubric"]]))
     k = len(s["responses"])
     if config.calibration_answers:
         judged = list(s["responses"]) + known_bad_answers(s["prompt"])
@@ -91,18 +97,40 @@ def weigh_set(s: dict[str, Any], lever: Lever) -> tuple[list[float], bool]:
     return j.scores, j.trusted
 
 
+def pooled(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The first run's sets, each with the generated items (and their verdict rows) of the other runs' same set."""
+    others = [{(s["prompt"], tuple(s["responses"])): s for s in run} for run in runs[1:]]
+    out = []
+    for s in runs[0]:
+        rubric, raw, calibration = list(s["rubric"]), list(s["raw_verdicts"]), list(s["calibration_raw_verdicts"])
+        for run in others:
+            o = run[(s["prompt"], tuple(s["responses"]))]
+            for item, r, c in zip(o["rubric"], o["raw_verdicts"], o["calibration_raw_verdicts"], strict=True):
+                if item["origin"] == "generator":
+                    rubric.append(item)
+                    raw.append(r)
+                    calibration.append(c)
+        out.append(s | {"rubric": rubric, "raw_verdicts": raw, "calibration_raw_verdicts": calibration})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("eval_judge_open_json", type=Path)
+    ap.add_argument("eval_judge_open_json", type=Path, nargs="+", help="several: the same sets, rubric.seed apart")
     ap.add_argument("--mode", default="set")
     args = ap.parse_args()
-    run = json.loads(args.eval_judge_open_json.read_text())
     # an open run's sets have a source; a --real run's are one source, its checker-graded sets: those it separates
-    sets = [
-        s | {"source": s.get("source", "real")}
-        for s in run["sets"]
-        if s["mode"] == args.mode and any(s["passed"]) and not all(s["passed"])
+    runs = [
+        [
+            s | {"source": s.get("source", "real")}
+            for s in json.loads(path.read_text())["sets"]
+            if s["mode"] == args.mode and any(s["passed"]) and not all(s["passed"])
+        ]
+        for path in args.eval_judge_open_json
     ]
+    sets = pooled(runs)
+    if len(runs) > 1:
+        print(f"the generated items of {len(runs)} runs pooled per set")
     unread = sum(
         i["origin"] == "generator" and all(v == 0.5 for v in row)
         for s in sets

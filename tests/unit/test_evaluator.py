@@ -353,6 +353,53 @@ def test_stored_verdicts_weighed_again_give_the_judges_scores(engine):
         assert again == dataclasses.replace(judged, hard_verdict_fallbacks=0)
 
 
+def test_pooled_runs_weigh_the_items_of_every_rubric_sample_as_one_rubric(engine):
+    """benchmarks/judge_levers.py given runs at several rubric.seeds weighs each set with all their generated items:
+    the same as judging the set under one rubric holding them all, whatever the count (past MAX_ITEMS)."""
+    import sys
+
+    from dynrubric.rubric.items import MAX_ITEMS
+
+    benchmarks = str(Path(__file__).resolve().parents[2] / "benchmarks")
+    sys.path.insert(0, benchmarks)
+    try:
+        import judge_levers
+    finally:
+        sys.path.remove(benchmarks)
+
+    responses = ["It is 42.", "Well, 42.", "no"]
+    samples = [
+        [RubricItem(id=f"i{r}{m}", text=f"Criterion {r} {m}", weight=1 + m, origin="generator") for m in range(5)]
+        for r in range(3)
+    ]
+    # no calibration answers: the tiny random verifier's items would all be overruled, every score 0
+    cfg = RubricConfig(calibration_answers=False)
+    ev = Evaluator(engine, engine, cfg)
+    runs = []
+    for items in samples:
+        judged = ev.judge(QUESTION, Rubric(items=items), responses)
+        runs.append(
+            [
+                {
+                    "prompt": QUESTION,
+                    "responses": responses,
+                    "passed": [True, False, False],
+                    "rubric": [i.model_dump() for i in items],
+                    "raw_verdicts": judged.raw_verdicts,
+                    "calibration_raw_verdicts": judged.calibration_raw_verdicts,
+                }
+            ]
+        )
+    [pooled] = judge_levers.pooled(runs)
+    assert len(pooled["rubric"]) == 15 > MAX_ITEMS
+    scores, _ = judge_levers.weigh_set(pooled, (lambda r: r, cfg))
+    every = [i for items in samples for i in items]
+    whole = Rubric.model_construct(items=every)
+    assert scores == pytest.approx(ev.judge(QUESTION, whole, responses).scores)
+    assert min(scores) > 0
+    assert scores != pytest.approx(judge_levers.weigh_set(runs[0][0], (lambda r: r, cfg))[0])
+
+
 def test_an_empty_response_earns_no_checked_item_of_either_polarity(engine):
     """A flaw check ("does not contain X" is good, so "contains X" at polarity -1) that no real answer
     avoids must not lift the empty answer above them: on the judge benchmark it put the empty response
