@@ -56,7 +56,7 @@ from dynrubric.rubric.items import Rubric, RubricItem, check_is_stated  # noqa: 
 
 def stated_only(rubric: Rubric) -> Rubric:
     """The rubric as `rubric.stated_checks_only` parses it: a generated item keeps its check only where stated."""
-    return Rubric(
+    return Rubric.model_construct(  # a pooled rubric may hold more than MAX_ITEMS items
         items=[
             i.model_copy(update={"check": None})
             if i.origin == "generator" and i.check is not None and not check_is_stated(i.text, i.check)
@@ -67,7 +67,9 @@ def stated_only(rubric: Rubric) -> Rubric:
 
 
 def no_checks(rubric: Rubric) -> Rubric:
-    return Rubric(items=[i.model_copy(update={"check": None}) if i.origin == "generator" else i for i in rubric.items])
+    return Rubric.model_construct(
+        items=[i.model_copy(update={"check": None}) if i.origin == "generator" else i for i in rubric.items]
+    )
 
 
 Lever = tuple[Callable[[Rubric], Rubric], RubricConfig]

@@ -398,6 +398,8 @@ def test_pooled_runs_weigh_the_items_of_every_rubric_sample_as_one_rubric(engine
     assert scores == pytest.approx(ev.judge(QUESTION, whole, responses).scores)
     assert min(scores) > 0
     assert scores != pytest.approx(judge_levers.weigh_set(runs[0][0], (lambda r: r, cfg))[0])
+    for lever in judge_levers.LEVERS.values():  # each reshapes a pooled rubric too
+        judge_levers.weigh_set(pooled, lever)
 
 
 def test_an_empty_response_earns_no_checked_item_of_either_polarity(engine):
