@@ -7,7 +7,8 @@ to the whole group: vLLM forks engine-core workers that must not outlive it.
 A child started from the main thread also gets SIGTERM when its parent dies, even by SIGKILL (`setpriv
 --pdeathsig`, Linux's PR_SET_PDEATHSIG), so a killed benchmark or test leaves no vLLM server behind. Only from the
 main thread: the kernel sends that signal when the *thread* that forked the child ends, and a child started by a
-worker thread (a supervisor's restart) must outlive that thread.
+worker thread (a supervisor's restart) must outlive that thread. A daemon that must outlive the command that
+started it (`dynrubric broker start`) says so (`outlive_parent=True`).
 """
 
 from __future__ import annotations
@@ -23,13 +24,19 @@ from pathlib import Path
 
 
 def spawn(
-    cmd: Sequence[str], log_path: Path | None, *, env: Mapping[str, str] | None = None, own_group: bool = True
+    cmd: Sequence[str],
+    log_path: Path | None,
+    *,
+    env: Mapping[str, str] | None = None,
+    own_group: bool = True,
+    outlive_parent: bool = False,
 ) -> subprocess.Popen:
-    """Start `cmd` with stdout and stderr appended to `log_path` (discarded when None), stdin closed."""
+    """Start `cmd` with stdout and stderr appended to `log_path` (discarded when None), stdin closed; it is sent
+    SIGTERM when this process dies unless `outlive_parent` (module docstring)."""
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
     setpriv = shutil.which("setpriv")  # util-linux
-    if setpriv is not None and threading.current_thread() is threading.main_thread():
+    if not outlive_parent and setpriv is not None and threading.current_thread() is threading.main_thread():
         cmd = [setpriv, "--pdeathsig", "TERM", "--", *cmd]  # setpriv execs cmd: the pid and session are cmd's
     log = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
     try:

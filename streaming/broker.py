@@ -136,6 +136,7 @@ class EmbeddedBroker:
                 self.log_path,
                 env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
                 own_group=self.detach,
+                outlive_parent=self.detach,
             )
             if process.wait_until(self.proc, partial(answers_kafka, self.host, port, 0.5), self.start_timeout_s, 0.02):
                 self.port = port

@@ -59,15 +59,16 @@ def test_spawn_waits_logs_and_terminate_kills_the_whole_group(tmp_path):
         terminate(proc, timeout_s=0)
 
 
-# a parent that spawns a sleeper from its main thread (argv[1] == "main") or from a thread that then ends, prints
-# the sleeper's pid, and waits to be killed
+# a parent that spawns a sleeper from its main thread (argv[1] == "main"), as a daemon ("daemon") or from a thread
+# that then ends ("thread"), prints the sleeper's pid, and waits to be killed
 PARENT = textwrap.dedent(
     """
     import sys, threading, time
     from dynrubric.process import spawn
     started = []
-    if sys.argv[1] == "main":
-        started.append(spawn([sys.executable, "-c", "import time; time.sleep(600)"], None))
+    if sys.argv[1] in ("main", "daemon"):
+        sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+        started.append(spawn(sleeper, None, outlive_parent=sys.argv[1] == "daemon"))
     else:
         worker = threading.Thread(
             target=lambda: started.append(spawn([sys.executable, "-c", "import time; time.sleep(600)"], None))
@@ -89,6 +90,11 @@ def _sleeper_of_a_killed_parent(where: str) -> int:
     try:
         assert parent.stdout is not None
         sleeper = int(parent.stdout.readline())
+        # setpriv asks for the signal and then execs the sleeper: a parent killed before that sends none
+        cmdline = Path(f"/proc/{sleeper}/cmdline")
+        deadline = time.monotonic() + 10
+        while b"sleep(600)" not in cmdline.read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert _alive(sleeper)
     finally:
         parent.send_signal(signal.SIGKILL)
@@ -104,11 +110,14 @@ def test_a_child_spawned_from_the_main_thread_dies_with_its_killed_parent():
     assert not _alive(sleeper), "a SIGKILLed parent left its child running"
 
 
-def test_a_child_spawned_from_a_worker_thread_outlives_that_thread():
+@pytest.mark.parametrize("where", ["thread", "daemon"])
+def test_a_child_spawned_from_a_worker_thread_or_as_a_daemon_outlives_its_parent(where):
     """The kernel's parent-death signal follows the thread that forked: a supervisor's restart from its own thread
-    must not be killed when that thread ends, so spawn asks for the signal from the main thread only."""
-    sleeper = _sleeper_of_a_killed_parent("thread")
+    must not be killed when that thread ends, so spawn asks for the signal from the main thread only. A daemon
+    (`dynrubric broker start`'s broker, `outlive_parent=True`) outlives the command that started it."""
+    sleeper = _sleeper_of_a_killed_parent(where)
     try:
+        time.sleep(1)  # a parent-death signal would have ended it by now (the test above: within milliseconds)
         assert _alive(sleeper)
     finally:
         os.kill(sleeper, 9)
