@@ -38,6 +38,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from dynrubric.jsonl import split_lines
 from dynrubric.train.splits import split_of
 
 ARENA = "arena_hard/data/arena-hard-v2.0"
@@ -54,9 +55,7 @@ def tasks_dir() -> Path:
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
-    return [
-        json.loads(line) for line in path.read_text().split("\n") if line.strip()
-    ]  # not splitlines: U+2028 in texts
+    return [json.loads(line) for line in split_lines(path.read_text()) if line.strip()]
 
 
 def arena_questions(root: Path, split: str = "test") -> list[dict[str, Any]]:

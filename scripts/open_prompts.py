@@ -39,6 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dynrubric.jsonl import split_lines
 from dynrubric.train.splits import split_of
 
 #: total characters of message content a kept prompt may have (about 500-700 SmolLM2 tokens)
@@ -58,8 +59,7 @@ def data_dir() -> Path:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines(): U+2028 and U+0085 are text here
-    return [json.loads(line) for line in lines if line.strip()]
+    return [json.loads(line) for line in split_lines(path.read_text(encoding="utf-8")) if line.strip()]
 
 
 def is_english(text: str) -> bool:
