@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dynrubric.jsonl import split_lines
 from dynrubric.train.records import read_summary
 from tests.train_harness import KeywordVerifier, keyword_rate, runner, write_prompts
 
@@ -112,7 +113,7 @@ def _wait_for_line(lines: queue.Queue, text: str, proc: subprocess.Popen, timeou
 
 
 def _steps_logged(runlog: Path) -> int:
-    return sum('"kind": "step"' in x for x in runlog.read_text().splitlines())
+    return sum('"kind": "step"' in x for x in split_lines(runlog.read_text()))
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ import pytest
 
 from dynrubric.app.report import read_runlog
 from dynrubric.config_loader import load_settings
+from dynrubric.jsonl import split_lines
 from dynrubric.ports import free_port
 from dynrubric.train.grpo import group_advantages
 from dynrubric.train.records import RoundSummary, read_summary
@@ -171,7 +172,7 @@ def test_up_runs_cycles_and_survives_killed_ingest_trainer_and_canary(tiny_model
     assert "failed 0" in text  # the stable arm answered every user, canary damaged, down or not
     for cycle in (1, 2):  # the stable arm kept the last promoted version
         assert f"cycle {cycle}: serving policy version base (stable engines report base)" in text, text[-5000:]
-    outcomes = [json.loads(x) for x in (state / "up" / "users.jsonl").read_text().splitlines()]
+    outcomes = [json.loads(x) for x in split_lines((state / "up" / "users.jsonl").read_text())]
     assert outcomes and all(o["policy_version"] != "r1-damaged" for o in outcomes)  # nobody got its tokens
 
     # the lineage: r1 from base, replaced by its damaged copy (both rejected); r2 from the last promoted

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from dynrubric.errors import DynrubricError
+from dynrubric.jsonl import split_lines
 from dynrubric.train.records import read_summary
 from tests.openrlhf_shim import openrlhf_dir
 
@@ -73,8 +74,8 @@ def test_emitted_command_parses_with_openrlhfs_own_parser(env: dict[str, str], t
     assert Path(args.actor.model_name_or_path) == tmp_path / "state" / "registry" / "checkpoints" / "base"
     assert command["parent"] == "base"
     # the prompt shard holds the messages under the input key, in OpenRLHF's chat format
-    lines = [json.loads(x) for x in Path(args.data.prompt_dataset).read_text().splitlines()]
-    heldout = [json.loads(x) for x in (job / "heldout.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in split_lines(Path(args.data.prompt_dataset).read_text())]
+    heldout = [json.loads(x) for x in split_lines((job / "heldout.jsonl").read_text())]
     # the held-out prompts (for the guards) are split off by key and never trained on
     assert len(heldout) == 1 and not {m["key"] for m in heldout} & {m["key"] for m in lines}
     assert sorted(m["messages"][-1]["content"] for m in lines + heldout) == ["Name a colour.", "What is 2 + 2?"]

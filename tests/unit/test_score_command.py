@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dynrubric.jsonl import split_lines
 from tests.reward_servers import judge_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,8 +41,8 @@ def test_score_writes_rubrics_verdicts_scores_and_gaps(tiny_model_dir, tmp_path)
     out = tmp_path / "scored.jsonl"
     r = run(["score", str(EXAMPLE), "--out", str(out)], tiny_model_dir, tmp_path)
     assert r.returncode == 0, r.stderr
-    lines = [json.loads(line) for line in out.read_text().splitlines()]
-    expected = [json.loads(line) for line in EXAMPLE.read_text().splitlines()]
+    lines = [json.loads(line) for line in split_lines(out.read_text())]
+    expected = [json.loads(line) for line in split_lines(EXAMPLE.read_text())]
     assert [x["prompt"] for x in lines] == [e["prompt"] for e in expected]
     for x in lines:
         k, m = len(x["responses"]), len(x["rubric"])

@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from dynrubric.jsonl import split_lines
 from dynrubric.rubric.groundtruth import derive
 from dynrubric.train import splits
 from dynrubric.train.prompts import make_prompt
@@ -20,7 +21,7 @@ from streaming.prompt_bank import default_path
 
 @pytest.fixture(scope="module")
 def bank() -> list[dict]:
-    return [json.loads(line) for line in default_path().read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in split_lines(default_path().read_text()) if line.strip()]
 
 
 def test_the_shipped_bank_holds_the_split(bank: list[dict]) -> None:
