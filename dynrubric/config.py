@@ -785,8 +785,8 @@ class EvaluationConfig(Section):
     guard: bool = Field(
         default=True,
         description="the round's guard decides on the dev split's ground truth first: reject a candidate "
-        "significantly below its parent (the CI of the difference lies below 0, or ends at 0 around a loss), in "
-        "total or on a kind of prompt; "
+        "significantly below its parent (an exact one-sided sign test over the prompts where the two differ, at "
+        "the CIs' one-sided level), in total or on a kind of prompt; "
         "accept one significantly above it (train/guards.py)",
     )
     # 20: the dev suite's smallest kind (arithmetic, 30 of the 200 dev prompts) decides; a kind of fewer prompts

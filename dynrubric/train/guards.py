@@ -6,11 +6,11 @@ this order, the first rule that applies decides:
 1. `nonfinite`: a step's loss or gradient norm was NaN/inf (that step applied no update, but the round is
    suspect); and a KL that is not finite (a broken measurement) rejects as `kl` / `kl_to_base`.
 2. `heldout_regression`: on the dev split's prompts with ground truth (official checkers, computed answers; no
-   judge), the candidate's pass rate is significantly below its parent's: the whole paired-bootstrap CI of the
-   difference lies below 0, or it ends at 0 with a difference below 0 (`worse`). Rejected whatever the KL
-   (`evaluation.guard`). Over fewer than `evaluation.min_decided_prompts` dev prompts the comparison is shown and
-   decides nothing (rules 2-4): a bootstrap CI of a handful of paired 0/1 outcomes is too narrow, and one lost
-   prompt among 16 with none won ends its CI at 0.
+   judge), the candidate's pass rate is significantly below its parent's (`worse`): an exact one-sided sign test
+   on the prompts where the two differ rejects "no worse" at level (1 - `evaluation.confidence`) / 2. Rejected
+   whatever the KL (`evaluation.guard`). Over fewer than `evaluation.min_decided_prompts` dev prompts the
+   comparison is shown and decides nothing (rules 2-4): a bootstrap CI of a handful of paired 0/1 outcomes is too
+   narrow to accept on.
 3. `kind_regression`: the same on one kind of dev prompt (arithmetic, instruction, ...) with at least
    `evaluation.min_decided_prompts` prompts: a slice that collapsed is not hidden by a total that rose. A kind
    with fewer prompts is shown, never decides.
@@ -36,8 +36,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 DEFAULT_MIN_DECIDED_PROMPTS = 20  # mirrors evaluation.min_decided_prompts' default (config.py says why)
+DEFAULT_CONFIDENCE = 0.95  # mirrors evaluation.confidence's default
 
 
 @dataclass(frozen=True)
@@ -51,17 +53,41 @@ class GuardVerdict:
         return self.reason is None
 
 
-def _ci(c: Mapping[str, float]) -> str:
+def _ci(c: Mapping[str, Any]) -> str:
     return f"{c['delta']:+.3f} (95% CI {c['low']:+.3f}..{c['high']:+.3f})"
 
 
-def worse(c: Mapping[str, float]) -> bool:
-    """Is the candidate worse than its reference on this comparison? The whole CI below 0, or a CI that ends at
-    exactly 0 around a mean below 0: pass rates are shares of a few hundred prompts, so the bootstrap's percentiles
-    fall on a grid, and a round at -0.100 (95% CI -0.225..+0.000) had been accepted where no resample showed it
-    better (docs/benchmarks.md, second rounds: `centred`, seed 0). A gain is never read this way: acceptance past
-    the trust region still needs the whole CI above 0."""
-    return c["high"] < 0 or (c["high"] <= 0 and c["delta"] < 0)
+def sign_test_p(losses: int, wins: int) -> float:
+    """The exact one-sided sign test's p-value for "the candidate is no worse", from the n = losses + wins prompts
+    on which it and its reference differ (ties carry no sign):
+
+        p = sum_{k = losses}^{n} C(n, k) / 2^n
+
+    the chance of at least `losses` losses among n fair coin flips."""
+    n = losses + wins
+    return sum(math.comb(n, k) for k in range(losses, n + 1)) / 2.0**n
+
+
+def worse(c: Mapping[str, Any], confidence: float = DEFAULT_CONFIDENCE) -> bool:
+    """Is the candidate significantly worse than its reference on this comparison? With the counts of prompts it
+    lost and won (`losses`, `wins`): a mean below 0 and `sign_test_p` at most (1 - confidence) / 2, the one-sided
+    tail of the two-sided CI. The percentile bootstrap CI is not used for this: over the few prompts on which two
+    versions differ its upper end is 0 whenever none was won, so 2 lost and 0 won of a kind's 30 prompts read as
+    -0.067 (95% CI -0.167..+0.000), and the rule that read such a CI as worse rejected a round that dev called
+    better in total (+0.065, CI +0.005..+0.125) and the test split too (unseen types +0.137, CI +0.021..+0.242;
+    docs/benchmarks.md, four cycles, seed 1). The sign test gives that 0.25. Without the counts (a record written
+    before they were kept) the CI decides: wholly below 0, or ending at 0 around a mean below 0."""
+    delta, high, wins, losses = c["delta"], c["high"], c.get("wins"), c.get("losses")
+    if wins is None or losses is None:
+        return bool(high < 0 or (high <= 0 and delta < 0))
+    return delta < 0 and sign_test_p(int(losses), int(wins)) <= (1.0 - confidence) / 2.0
+
+
+def _counts(c: Mapping[str, Any]) -> str:
+    wins, losses = c.get("wins"), c.get("losses")
+    if wins is None or losses is None:
+        return ""
+    return f"; {int(losses)} lost, {int(wins)} won (sign test p {sign_test_p(int(losses), int(wins)):.3f})"
 
 
 def check(
@@ -74,13 +100,15 @@ def check(
     reward_parent: float,
     reward_new: float,
     max_reward_drop: float,
-    groundtruth_vs_parent: Mapping[str, float] | None = None,
-    groundtruth_by_kind: Mapping[str, Mapping[str, float]] | None = None,
+    groundtruth_vs_parent: Mapping[str, Any] | None = None,
+    groundtruth_by_kind: Mapping[str, Mapping[str, Any]] | None = None,
     min_decided_prompts: int = DEFAULT_MIN_DECIDED_PROMPTS,
+    confidence: float = DEFAULT_CONFIDENCE,
 ) -> GuardVerdict:
     """The verdict on a candidate (module docstring: the rules, in order). `groundtruth_vs_parent`: the dev
-    split's paired comparison with the parent (`delta`, `low`, `high`, `prompts`); `groundtruth_by_kind`: the same
-    per kind of dev prompt. A comparison decides only over at least `min_decided_prompts` prompts."""
+    split's paired comparison with the parent (`delta`, `low`, `high`, `prompts`, and `wins` and `losses` where
+    counted); `groundtruth_by_kind`: the same per kind of dev prompt. A comparison decides only over at least
+    `min_decided_prompts` prompts; `confidence`: the two-sided level of its CI (`worse` tests at its one-sided tail)."""
     if nonfinite_steps:
         return GuardVerdict("nonfinite", f"non-finite loss or gradient at step(s) {nonfinite_steps}")
     if not math.isfinite(kl):
@@ -99,20 +127,20 @@ def check(
         )
     elif groundtruth_vs_parent is not None:
         total = _ci(groundtruth_vs_parent)
-        if worse(groundtruth_vs_parent):
+        if worse(groundtruth_vs_parent, confidence):
             return GuardVerdict(
                 "heldout_regression",
-                f"dev ground truth decided: pass rate {total} vs the parent, worse; rejected whatever "
-                f"the KL ({proxies})",
+                f"dev ground truth decided: pass rate {total} vs the parent{_counts(groundtruth_vs_parent)}, worse; "
+                f"rejected whatever the KL ({proxies})",
             )
         kinds = groundtruth_by_kind or {}
         for kind in sorted(kinds):
             c = kinds[kind]
-            if c["prompts"] >= min_decided_prompts and worse(c):
+            if c["prompts"] >= min_decided_prompts and worse(c, confidence):
                 return GuardVerdict(
                     "kind_regression",
                     f"dev ground truth decided: {kind} prompts {_ci(c)} vs the parent over {int(c['prompts'])} "
-                    f"prompts, worse, whatever the total ({total}); rejected ({proxies})",
+                    f"prompts{_counts(c)}, worse, whatever the total ({total}); rejected ({proxies})",
                 )
         shown = [
             f"{kind} {_ci(c)} over {int(c['prompts'])}"

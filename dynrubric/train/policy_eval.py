@@ -319,11 +319,17 @@ def compare(
             "evaluate both again with the same evaluation settings",
         )
     keys = sorted(k for k in version.scores if kind is None or version.kinds[k] == kind)
-    delta, low, high = paired_bootstrap(
-        [version.scores[k] for k in keys], [reference.scores[k] for k in keys], samples, confidence
-    )
+    ours, theirs = [version.scores[k] for k in keys], [reference.scores[k] for k in keys]
+    delta, low, high = paired_bootstrap(ours, theirs, samples, confidence)
     return Comparison(
-        version=version.version, reference=reference.version, prompts=len(keys), delta=delta, low=low, high=high
+        version=version.version,
+        reference=reference.version,
+        prompts=len(keys),
+        delta=delta,
+        low=low,
+        high=high,
+        wins=sum(a > b for a, b in zip(ours, theirs, strict=True)),
+        losses=sum(a < b for a, b in zip(ours, theirs, strict=True)),
     )
 
 

@@ -140,6 +140,10 @@ class Comparison(Part):
     delta: float
     low: float
     high: float
+    # the prompts on which `version` scored above / below `reference` (the sign test's counts; guards.worse).
+    # None in records written before they were counted: the guard then reads the CI alone
+    wins: int | None = None
+    losses: int | None = None
 
     def line(self) -> str:
         return f"{self.delta:+.3f} (95% CI {self.low:+.3f}..{self.high:+.3f}) vs {self.reference}"

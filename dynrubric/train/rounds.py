@@ -1018,6 +1018,7 @@ class _Round:
             evaluation,
             self.settings.evaluation.guard,
             self.settings.evaluation.min_decided_prompts,
+            self.settings.evaluation.confidence,
         )
         final = self.latest_step()
         state = CheckpointState.candidate if verdict.accepted else CheckpointState.rejected
@@ -1386,10 +1387,11 @@ def check_guards(
     nonfinite_steps: list[int],
     truth_guard: bool,
     min_decided_prompts: int = guards.DEFAULT_MIN_DECIDED_PROMPTS,
+    confidence: float = guards.DEFAULT_CONFIDENCE,
 ) -> guards.GuardVerdict:
     """The guards (train/guards.py) on a candidate's evidence, at the bounds of `cfg`. `truth_guard`: whether
-    the dev split's ground truth decides first (in total, and per kind of at least `min_decided_prompts` prompts);
-    the reported test figures are never read."""
+    the dev split's ground truth decides first (in total, and per kind of at least `min_decided_prompts` prompts,
+    at `confidence`); the reported test figures are never read."""
     truth = evaluation.groundtruth if truth_guard else None
     return guards.check(
         nonfinite_steps=nonfinite_steps,
@@ -1403,6 +1405,7 @@ def check_guards(
         groundtruth_vs_parent=truth.vs_parent.model_dump() if truth else None,
         groundtruth_by_kind={k: c.model_dump() for k, c in truth.vs_parent_by_kind.items()} if truth else None,
         min_decided_prompts=min_decided_prompts,
+        confidence=confidence,
     )
 
 
@@ -1412,13 +1415,16 @@ def round_verdict(
     evaluation: Evaluation,
     truth_guard: bool = True,
     min_decided_prompts: int = guards.DEFAULT_MIN_DECIDED_PROMPTS,
+    confidence: float = guards.DEFAULT_CONFIDENCE,
 ) -> tuple[guards.GuardVerdict, dict[str, Any]]:
     """(the guards' verdict, the checkpoint's metrics) of a round with steps `history`. `truth_guard`:
     whether the dev split's ground truth decides first (`evaluation.guard`); `min_decided_prompts`: the fewest
-    dev prompts, in total or of a kind, that decide (`evaluation.min_decided_prompts`)."""
+    dev prompts, in total or of a kind, that decide (`evaluation.min_decided_prompts`); `confidence`: the level it
+    decides at (`evaluation.confidence`)."""
     policy_steps = [h for h in history if isinstance(h, PolicyStep)]
     truth = evaluation.groundtruth
-    verdict = check_guards(cfg, evaluation, [h.step for h in history if h.nonfinite], truth_guard, min_decided_prompts)
+    nonfinite = [h.step for h in history if h.nonfinite]
+    verdict = check_guards(cfg, evaluation, nonfinite, truth_guard, min_decided_prompts, confidence)
 
     def mean(values: Sequence[float]) -> float | None:
         return sum(values) / len(values) if values else None
