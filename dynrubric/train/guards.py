@@ -84,10 +84,11 @@ def worse(c: Mapping[str, Any], confidence: float = DEFAULT_CONFIDENCE) -> bool:
 
 
 def _counts(c: Mapping[str, Any]) -> str:
+    """What a verdict adds after a comparison: ' (L lost, W won; sign test p X)', or '' without the counts."""
     wins, losses = c.get("wins"), c.get("losses")
     if wins is None or losses is None:
         return ""
-    return f"; {int(losses)} lost, {int(wins)} won (sign test p {sign_test_p(int(losses), int(wins)):.3f})"
+    return f" ({int(losses)} lost, {int(wins)} won; sign test p {sign_test_p(int(losses), int(wins)):.3f})"
 
 
 def check(
@@ -143,7 +144,7 @@ def check(
                     f"prompts{_counts(c)}, worse, whatever the total ({total}); rejected ({proxies})",
                 )
         shown = [
-            f"{kind} {_ci(c)} over {int(c['prompts'])}"
+            f"{kind} {_ci(c)} over {int(c['prompts'])}{_counts(c)}"
             + ("" if c["prompts"] >= min_decided_prompts else f" (under {min_decided_prompts} prompts: not decided on)")
             for kind, c in sorted(kinds.items())
         ]

@@ -149,7 +149,8 @@ def test_a_kind_lost_on_two_prompts_and_won_on_none_does_not_reject_a_round_dev_
     verdict = guards.check(**bounds(), groundtruth_vs_parent=SEED1_R3_TOTAL, groundtruth_by_kind=kinds)
     assert verdict.accepted, verdict
     assert "better than the parent, +0.065 (95% CI +0.005..+0.125)" in verdict.detail
-    assert "arithmetic -0.067 (95% CI -0.167..+0.000) over 30" in verdict.detail  # shown, not decided on
+    # shown with its counts, not decided on
+    assert "arithmetic -0.067 (95% CI -0.167..+0.000) over 30 (2 lost, 0 won; sign test p 0.250)" in verdict.detail
     # the same CIs without the counts: the CI rule, which rejected it
     no_counts = {k: {f: v for f, v in c.items() if f not in ("wins", "losses")} for k, c in kinds.items()}
     assert guards.check(**bounds(), groundtruth_vs_parent=SEED1_R3_TOTAL, groundtruth_by_kind=no_counts).reason == (
@@ -163,7 +164,7 @@ def test_a_kind_lost_significantly_by_the_sign_test_rejects_whatever_the_total()
         **bounds(), groundtruth_vs_parent=SEED1_R3_TOTAL, groundtruth_by_kind={"arithmetic": six_lost}
     )
     assert verdict.reason == "kind_regression", verdict
-    assert "6 lost, 0 won (sign test p 0.016)" in verdict.detail and "whatever the total (+0.065" in verdict.detail
+    assert "6 lost, 0 won; sign test p 0.016" in verdict.detail and "whatever the total (+0.065" in verdict.detail
     # 6 lost and 1 won: p 0.0625 > 0.025, not shown worse at 95%; at 80% (one-sided 0.1) it is
     one_won = {**six_lost, "delta": -0.167, "wins": 1}
     assert guards.check(**bounds(), groundtruth_vs_parent=UNSURE, groundtruth_by_kind={"arithmetic": one_won}).accepted
@@ -176,7 +177,7 @@ def test_a_kind_lost_significantly_by_the_sign_test_rejects_whatever_the_total()
     # in total too
     total = {"delta": -0.1, "low": -0.16, "high": -0.04, "prompts": 200, "wins": 10, "losses": 30}
     verdict = guards.check(**bounds(), groundtruth_vs_parent=total)
-    assert verdict.reason == "heldout_regression" and "30 lost, 10 won (sign test p 0.001)" in verdict.detail
+    assert verdict.reason == "heldout_regression" and "30 lost, 10 won; sign test p 0.001" in verdict.detail
 
 
 def test_sign_test_p_is_the_binomial_tail() -> None:
@@ -204,4 +205,4 @@ def test_compare_counts_the_prompts_won_and_lost_and_the_round_verdict_reads_the
     verdict = check_guards(TrainConfig(), evaluation(groundtruth=evidence), [], truth_guard=True)
     assert verdict.accepted, verdict
     rejected = check_guards(TrainConfig(), evaluation(groundtruth=evidence), [], True, confidence=0.5)  # p 0.25
-    assert rejected.reason == "kind_regression" and "2 lost, 0 won (sign test p 0.250)" in rejected.detail
+    assert rejected.reason == "kind_regression" and "2 lost, 0 won; sign test p 0.250" in rejected.detail
