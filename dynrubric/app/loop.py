@@ -640,7 +640,7 @@ class ClosedLoop:
             c = truth.vs_parent
             candidate = (
                 f"candidate {truth.version} {truth.pass_rate[truth.version]:.3f} ({c.delta:+.3f} vs "
-                f"parent, 95% CI {c.low:+.3f}..{c.high:+.3f}); "
+                f"parent, {c.confidence:.0%} CI {c.low:+.3f}..{c.high:+.3f}); "
             )
         served = "not evaluated" if rates.get(serving) is None else f"{rates[serving]:.3f}"
         base = "" if serving == "base" or rates.get("base") is None else f" (base {rates['base']:.3f})"

@@ -390,7 +390,8 @@ def eval_policy(
         title=f"ground truth (temperature {params.temperature:g}, max_tokens {params.max_tokens}; official checkers, "
         "computed answers; open: closeness to strong answers and expert criteria). dev decides; the rest is reported"
     )
-    for col in ("version", "figure", "prompts", "score", "vs parent (95% CI)", "vs base (95% CI)"):
+    level = f"{e.confidence:.0%} CI"
+    for col in ("version", "figure", "prompts", "score", f"vs parent ({level})", f"vs base ({level})"):
         table.add_column(col)
     lines = []
     for v in versions:
@@ -413,7 +414,7 @@ def eval_policy(
 
 
 def _delta(c: Comparison) -> str:
-    return f"{c.delta:+.3f} (95% CI {c.low:+.3f}..{c.high:+.3f})"
+    return c.delta_ci()
 
 
 @train_app.command("openrlhf")

@@ -53,8 +53,11 @@ class GuardVerdict:
         return self.reason is None
 
 
-def _ci(c: Mapping[str, Any]) -> str:
-    return f"{c['delta']:+.3f} (95% CI {c['low']:+.3f}..{c['high']:+.3f})"
+def _ci(c: Mapping[str, Any], confidence: float) -> str:
+    """A comparison as 'delta (L% CI low..high)', at the level its CI was computed at (its record's `confidence`,
+    else the guard's)."""
+    level = c.get("confidence", confidence)
+    return f"{c['delta']:+.3f} ({level:.0%} CI {c['low']:+.3f}..{c['high']:+.3f})"
 
 
 def sign_test_p(losses: int, wins: int) -> float:
@@ -123,11 +126,11 @@ def check(
     truth = ""
     if groundtruth_vs_parent is not None and groundtruth_vs_parent["prompts"] < min_decided_prompts:
         truth = (
-            f"dev ground truth {_ci(groundtruth_vs_parent)} over {int(groundtruth_vs_parent['prompts'])} prompts "
-            f"(under {min_decided_prompts}: not decided on); "
+            f"dev ground truth {_ci(groundtruth_vs_parent, confidence)} over "
+            f"{int(groundtruth_vs_parent['prompts'])} prompts (under {min_decided_prompts}: not decided on); "
         )
     elif groundtruth_vs_parent is not None:
-        total = _ci(groundtruth_vs_parent)
+        total = _ci(groundtruth_vs_parent, confidence)
         if worse(groundtruth_vs_parent, confidence):
             return GuardVerdict(
                 "heldout_regression",
@@ -140,11 +143,12 @@ def check(
             if c["prompts"] >= min_decided_prompts and worse(c, confidence):
                 return GuardVerdict(
                     "kind_regression",
-                    f"dev ground truth decided: {kind} prompts {_ci(c)} vs the parent over {int(c['prompts'])} "
-                    f"prompts{_counts(c)}, worse, whatever the total ({total}); rejected ({proxies})",
+                    f"dev ground truth decided: {kind} prompts {_ci(c, confidence)} vs the parent over "
+                    f"{int(c['prompts'])} prompts{_counts(c)}, worse, whatever the total ({total}); "
+                    f"rejected ({proxies})",
                 )
         shown = [
-            f"{kind} {_ci(c)} over {int(c['prompts'])}{_counts(c)}"
+            f"{kind} {_ci(c, confidence)} over {int(c['prompts'])}{_counts(c)}"
             + ("" if c["prompts"] >= min_decided_prompts else f" (under {min_decided_prompts} prompts: not decided on)")
             for kind, c in sorted(kinds.items())
         ]

@@ -330,6 +330,7 @@ def compare(
         high=high,
         wins=sum(a > b for a, b in zip(ours, theirs, strict=True)),
         losses=sum(a < b for a, b in zip(ours, theirs, strict=True)),
+        confidence=confidence,
     )
 
 

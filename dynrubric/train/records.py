@@ -144,9 +144,14 @@ class Comparison(Part):
     # None in records written before they were counted: the guard then reads the CI alone
     wins: int | None = None
     losses: int | None = None
+    confidence: float = 0.95  # the two-sided level of [low, high] (evaluation.confidence; older records: 0.95)
+
+    def delta_ci(self) -> str:
+        """'+0.050 (95% CI +0.010..+0.090)', at the level the CI was computed at."""
+        return f"{self.delta:+.3f} ({self.confidence:.0%} CI {self.low:+.3f}..{self.high:+.3f})"
 
     def line(self) -> str:
-        return f"{self.delta:+.3f} (95% CI {self.low:+.3f}..{self.high:+.3f}) vs {self.reference}"
+        return f"{self.delta_ci()} vs {self.reference}"
 
 
 class Figure(Part):

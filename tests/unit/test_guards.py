@@ -206,3 +206,17 @@ def test_compare_counts_the_prompts_won_and_lost_and_the_round_verdict_reads_the
     assert verdict.accepted, verdict
     rejected = check_guards(TrainConfig(), evaluation(groundtruth=evidence), [], True, confidence=0.5)  # p 0.25
     assert rejected.reason == "kind_regression" and "2 lost, 0 won; sign test p 0.250" in rejected.detail
+
+
+def test_a_comparison_and_the_verdict_print_the_level_its_ci_was_computed_at() -> None:
+    keys = [f"p{i}" for i in range(30)]
+    parent = VersionOutcomes(
+        version="r1", eval_key="k", scores=dict.fromkeys(keys, 0.0), kinds=dict.fromkeys(keys, "x"), responses={}
+    )
+    candidate = parent.model_copy(update={"version": "r2", "scores": {**parent.scores, "p0": 1.0}})
+    at_80 = compare(candidate, parent, samples=500, confidence=0.8)
+    assert at_80.confidence == 0.8 and "(80% CI " in at_80.line()
+    verdict = guards.check(**bounds(), groundtruth_vs_parent=at_80.model_dump(), confidence=0.8)
+    assert "(80% CI " in verdict.detail and "95%" not in verdict.detail, verdict.detail
+    older = {k: v for k, v in at_80.model_dump().items() if k != "confidence"}  # a record written before the level
+    assert Comparison.model_validate(older).confidence == 0.95
