@@ -14,7 +14,8 @@ with its 95 % CI, what the guard and the rollout decided and which version serve
       dev            r2 0.412  parent r1 0.388  base 0.250  vs parent +0.025 (95% CI -0.013..+0.063)  vs base ...
       test seen      ...
 
-Then it evaluates the base and each loop's final served version on the held-out prompts with ground truth
+If `up` fails or is stopped, the curve covers the cycles it finished and the script exits non-zero there. Else it
+then evaluates the base and each loop's final served version on the held-out prompts with ground truth
 (`dynrubric eval-policy`: greedy, the users' max_tokens, the official IFEval checkers and computed answers; no
 judge) and prints
 
@@ -88,7 +89,7 @@ def run_loop(cycles: int | None, minutes: float, extra: list[str], env: dict[str
 
 
 def _vs(c: Comparison) -> str:
-    return f"{c.delta:+.3f} (95% CI {c.low:+.3f}..{c.high:+.3f})"
+    return c.delta_ci()
 
 
 def curve(settings: Settings, cycles: Sequence[Cycle]) -> list[str]:
@@ -163,16 +164,17 @@ def one_loop(args: argparse.Namespace, seed: int | None, state: Path) -> str:
     started = time.monotonic()
     rc, output = run_loop(args.cycles, args.minutes, extra, env)
     loop_s = time.monotonic() - started
-    if rc != 0:
-        raise SystemExit(f"dynrubric up failed (exit {rc})")
 
     from dynrubric.config_loader import load_settings
     from dynrubric.registry import open_registry
 
     settings = load_settings(args.config, env, profile="demo")  # the profile `up` ran with
+    cycles = cycles_of(output)  # a stopped `up` still prints the cycles it finished
     print(f"learning curve{'' if seed is None else f' (seed {seed})'}, each cycle's round on its own evaluation:")
-    for line in curve(settings, cycles_of(output)):
+    for line in curve(settings, cycles):
         print(line)
+    if rc != 0:
+        raise SystemExit(f"dynrubric up failed (exit {rc}) after {len(cycles)} finished cycle(s): the curve above")
     registry = open_registry(settings)
     final = registry.stable()
     versions = ["base"] + ([final.version] if final and final.version != "base" else [])
@@ -190,7 +192,7 @@ def one_loop(args: argparse.Namespace, seed: int | None, state: Path) -> str:
     print(f"closed loop: {loop_s / 60:.1f} min; held-out prompts: {c.prompts}")
     print(f"heldout_pass[base]: {base.pass_rate():.3f}")
     print(f"heldout_pass[final]: {last.pass_rate():.3f}")
-    print(f"delta: {c.delta:+.3f} (95% CI {c.low:+.3f}..{c.high:+.3f})")
+    print(f"delta: {c.delta_ci()}")
     print(f"final_version: {versions[-1]}")
     print(json.dumps({"by_kind": {"base": base.by_kind(), "final": last.by_kind()}}))
     return f"{versions[-1]} {last.pass_rate():.3f} vs base {base.pass_rate():.3f}: {_vs(c)}"
