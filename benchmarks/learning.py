@@ -47,7 +47,6 @@ sys.path.insert(0, str(ROOT))  # the checkout this file is in, not another insta
 
 if TYPE_CHECKING:
     from dynrubric.config import Settings
-    from dynrubric.train.records import Comparison
 
 
 #: `up`'s line for a cycle (dynrubric/app/cli.py `_print_up`)
@@ -88,10 +87,6 @@ def run_loop(cycles: int | None, minutes: float, extra: list[str], env: dict[str
     return proc.wait(), "".join(lines)
 
 
-def _vs(c: Comparison) -> str:
-    return c.delta_ci()
-
-
 def curve(settings: Settings, cycles: Sequence[Cycle]) -> list[str]:
     """Each cycle's candidate, parent and base on dev and on each test figure, from its round's evaluation."""
     from dynrubric.train.policy_eval import FIGURE_TITLES
@@ -117,7 +112,7 @@ def curve(settings: Settings, cycles: Sequence[Cycle]) -> list[str]:
             lines.append(
                 f"  {FIGURE_TITLES[name]:18} {prompts:>4} prompts  {truth.version} {score[truth.version]:.3f}  "
                 f"parent {parent} {score[parent]:.3f}  base {base} {score[base]:.3f}  "
-                f"vs parent {_vs(vs_parent)}  vs base {_vs(vs_base)}"
+                f"vs parent {vs_parent.delta_ci()}  vs base {vs_base.delta_ci()}"
             )
     return lines
 
@@ -195,7 +190,7 @@ def one_loop(args: argparse.Namespace, seed: int | None, state: Path) -> str:
     print(f"delta: {c.delta_ci()}")
     print(f"final_version: {versions[-1]}")
     print(json.dumps({"by_kind": {"base": base.by_kind(), "final": last.by_kind()}}))
-    return f"{versions[-1]} {last.pass_rate():.3f} vs base {base.pass_rate():.3f}: {_vs(c)}"
+    return f"{versions[-1]} {last.pass_rate():.3f} vs base {base.pass_rate():.3f}: {c.delta_ci()}"
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # the commands import these inside their bodies (see above)
     from dynrubric.registry import Registry
     from dynrubric.train.executor import EngineFactory
     from dynrubric.train.prompts import PromptSource
-    from dynrubric.train.records import Comparison, RoundOutcome
+    from dynrubric.train.records import RoundOutcome
     from dynrubric.train.rounds import EngineRole
 
 console = make_console()
@@ -288,7 +288,7 @@ def round_report(summary: RoundOutcome, path: Path) -> list[str]:
         rates = ", ".join(f"{v} {p:.3f}" for v, p in truth.pass_rate.items())
         lines.append(
             f"  ground truth on {truth.prompts} dev prompts (the guard's): pass {rates}; "
-            f"{truth.version} vs parent {_delta(truth.vs_parent)}, vs base {_delta(truth.vs_base)}"
+            f"{truth.version} vs parent {truth.vs_parent.delta_ci()}, vs base {truth.vs_base.delta_ci()}"
         )
         from dynrubric.train.policy_eval import FIGURE_TITLES
 
@@ -296,7 +296,7 @@ def round_report(summary: RoundOutcome, path: Path) -> list[str]:
             scores = ", ".join(f"{v} {p:.3f}" for v, p in f.score.items())
             lines.append(
                 f"  {FIGURE_TITLES[name]} ({f.prompts} test prompts): {scores}; "
-                f"vs parent {_delta(f.vs_parent)}, vs base {_delta(f.vs_base)}"
+                f"vs parent {f.vs_parent.delta_ci()}, vs base {f.vs_base.delta_ci()}"
             )
     if isinstance(summary, EmbeddedOutcome) and summary.stage_seconds:
         lines.append(
@@ -399,7 +399,7 @@ def eval_policy(
         for suite, by_version in outcomes.items():
             o = by_version[v]
             cells = [
-                _delta(compare(o, by_version[ref], e.bootstrap_samples, e.confidence))
+                compare(o, by_version[ref], e.bootstrap_samples, e.confidence).delta_ci()
                 if ref is not None and ref != v
                 else "-"
                 for ref in (parent, base)
@@ -411,10 +411,6 @@ def eval_policy(
     console.print(table)
     for line in lines:  # one line a figure, for logs and scripts
         console.print(line, markup=False, highlight=False)
-
-
-def _delta(c: Comparison) -> str:
-    return c.delta_ci()
 
 
 @train_app.command("openrlhf")

@@ -38,6 +38,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dynrubric.train.records import delta_ci
+
 DEFAULT_MIN_DECIDED_PROMPTS = 20  # mirrors evaluation.min_decided_prompts' default (config.py says why)
 DEFAULT_CONFIDENCE = 0.95  # mirrors evaluation.confidence's default
 
@@ -54,10 +56,8 @@ class GuardVerdict:
 
 
 def _ci(c: Mapping[str, Any], confidence: float) -> str:
-    """A comparison as 'delta (L% CI low..high)', at the level its CI was computed at (its record's `confidence`,
-    else the guard's)."""
-    level = c.get("confidence", confidence)
-    return f"{c['delta']:+.3f} ({level:.0%} CI {c['low']:+.3f}..{c['high']:+.3f})"
+    """A comparison as records.delta_ci writes it, at its record's `confidence`, else the guard's."""
+    return delta_ci(c["delta"], c["low"], c["high"], c.get("confidence", confidence))
 
 
 def sign_test_p(losses: int, wins: int) -> float:

@@ -129,6 +129,11 @@ STEPS: TypeAdapter[list[Step]] = TypeAdapter(list[Step])
 
 
 # ==================================================================== a round's evaluation and outcome
+def delta_ci(delta: float, low: float, high: float, confidence: float) -> str:
+    """'+0.050 (95% CI +0.010..+0.090)': a paired difference and its CI, at the level the CI was computed at."""
+    return f"{delta:+.3f} ({confidence:.0%} CI {low:+.3f}..{high:+.3f})"
+
+
 class Comparison(Part):
     """`version` against `reference` on the prompts both answered: paired difference and its bootstrap CI."""
 
@@ -147,8 +152,7 @@ class Comparison(Part):
     confidence: float = 0.95  # the two-sided level of [low, high] (evaluation.confidence; older records: 0.95)
 
     def delta_ci(self) -> str:
-        """'+0.050 (95% CI +0.010..+0.090)', at the level the CI was computed at."""
-        return f"{self.delta:+.3f} ({self.confidence:.0%} CI {self.low:+.3f}..{self.high:+.3f})"
+        return delta_ci(self.delta, self.low, self.high, self.confidence)
 
     def line(self) -> str:
         return f"{self.delta_ci()} vs {self.reference}"
