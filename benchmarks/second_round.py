@@ -21,10 +21,13 @@ Per arm, pooled over its seeds (per prompt the mean over seeds; a paired bootstr
 - round 2's candidate vs its parent on dev (the split the guard decides on) and on each test figure;
 - the served version vs base on the same;
 - in how many seeds each round's guard accepted its candidate.
+Per seed, round 2 vs its own parent on dev (200 prompts, `DEV_PROMPTS`), and in how many seeds that CI is above 0
+(issue 38 asks for 2 of 3).
 
 The last lines, one per arm:
 
-    arm centred: round 2 vs parent dev +0.010 (95% CI -0.040..+0.060); seen ...; unseen ...; ifbench ...; open ...
+    arm centred: round 2 vs parent dev +0.010 (95% CI -0.040..+0.060); seen ...; unseen ...; ifbench ...; open ...;
+    guards accepted r1/r2 3/3 of 3; r2 above its parent on dev (CI above 0) in 1 of 3 seeds
 
     python benchmarks/second_round.py [--seeds 3] [--seed-start 0] [--arms shipped centred ...] [--out DIR]
                                       [--quick] [--report]
@@ -66,6 +69,9 @@ ARMS: dict[str, dict[str, Any]] = {
     "dynamic": {"train": {"dynamic_sampling": {"oversample": 2.0}}},
 }
 ROUNDS = 2
+#: dev prompts a version is judged on: the 200 that `up`'s guard and the learning benchmark decide on (supervision.py's
+#: round checks 40, where a round-2 gain of a few points can never show a CI above 0)
+DEV_PROMPTS = 200
 #: dev (the guard's split) first, then the test figures of supervision.py's table
 SHOWN = {"dev": "dev"} | supervision.SHOWN
 
@@ -124,6 +130,17 @@ def pooled_delta(
     return paired_bootstrap(a, b, samples, 0.95)
 
 
+def seeds_gaining_on_dev(
+    new: Sequence[dict[str, VersionOutcomes]], parents: Sequence[dict[str, VersionOutcomes]]
+) -> list[tuple[float, float, float] | None]:
+    """Per seed, round 2's candidate vs its own parent on dev (issue 38: "round 2 gains on its parent, with the CI's
+    lower bound above 0, in at least 2 of the 3 seeds"); None where either has no dev outcomes."""
+    return [
+        pooled_delta([n["dev"]], [p["dev"]]) if "dev" in n and "dev" in p else None
+        for n, p in zip(new, parents, strict=True)
+    ]
+
+
 def table(records: Sequence[RunRecord], settings_of: Any, base: dict[str, VersionOutcomes]) -> list[str]:
     """Per arm: round 2 vs its parent, the served version vs base, and the guards' counts; then the last lines."""
     lines = [f"{'arm':10} {'seeds':>5} {'accepted r1/r2':>14} {'':15}" + " ".join(f"{n:>30}" for n in SHOWN.values())]
@@ -153,8 +170,16 @@ def table(records: Sequence[RunRecord], settings_of: Any, base: dict[str, Versio
                 vs_base.append(f"{'-':>30}")
         lines.append(f"{arm:10} {len(mine):>5} {accepted:>14} {'r2 vs parent':15}" + " ".join(vs_parent))
         lines.append(f"{'':10} {'':>5} {'':>14} {'served vs base':15}" + " ".join(vs_base))
+        gains = seeds_gaining_on_dev([o for _, o in runs], parents)
+        for (r, _), gain in zip(runs, gains, strict=True):
+            shown = supervision.fmt(gain) if gain is not None else "-"
+            lines.append(f"{'':10} seed {r.seed}: r2 vs its parent {r.parents[-1]} on dev {shown}")
+        gained = sum(gain is not None and gain[1] > 0 for gain in gains)
         last.append(
-            f"arm {arm}: round 2 vs parent " + "; ".join(parts) + f"; guards accepted r1/r2 {accepted} of {len(mine)}"
+            f"arm {arm}: round 2 vs parent "
+            + "; ".join(parts)
+            + f"; guards accepted r1/r2 {accepted} of {len(mine)}; r2 above its parent on dev (CI above 0) in "
+            f"{gained} of {len(mine)} seeds"
         )
     return lines + last
 
@@ -174,6 +199,8 @@ def main() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DYNRUBRIC_")}
     shape = supervision.deep_merge(supervision.ROUND, supervision.QUICK) if args.quick else supervision.ROUND
     base_settings = override(load_settings(None, env, profile="demo"), shape)
+    if not args.quick:
+        base_settings = override(base_settings, {"evaluation": {"max_prompts": DEV_PROMPTS}})
     per_round = base_settings.train.prompts_per_step * base_settings.train.coevolve.k_alt
     # each round takes its own prompts: round 1 the file's first per_round lines, round 2 the next
     base_settings = override(base_settings, {"train": {"max_prompts_per_round": per_round}})

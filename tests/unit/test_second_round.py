@@ -99,3 +99,16 @@ def test_runs_recorded_by_an_earlier_invocation_are_not_trained_again(tmp_path: 
         (1, "shipped"),
         (1, "carry"),
     ]
+
+
+def test_each_seeds_round_two_is_compared_with_its_own_parent_on_dev_and_counted_where_its_ci_is_above_0():
+    """Issue 38's "round 2 gains on its parent, the CI above 0, in 2 of 3 seeds" is a per-seed count: seed 0 gains
+    on all 30 dev prompts, seed 1 on none, and a run without dev outcomes is shown as unmeasured."""
+    keys = [f"p{i}" for i in range(30)]
+    gains = sr.seeds_gaining_on_dev(
+        [{"dev": _outcomes("r2", dict.fromkeys(keys, 1.0))}, {"dev": _outcomes("r2", dict.fromkeys(keys, 0.0))}, {}],
+        [{"dev": _outcomes("r1", dict.fromkeys(keys, 0.0))}, {"dev": _outcomes("base", dict.fromkeys(keys, 0.0))}, {}],
+    )
+    assert gains[0] is not None and gains[0][0] == pytest.approx(1.0) and gains[0][1] > 0
+    assert gains[1] is not None and gains[1][1] <= 0
+    assert gains[2] is None
