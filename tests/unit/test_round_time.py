@@ -3,6 +3,7 @@ commit's own code."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -10,9 +11,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 saved = list(sys.path)
-try:
-    import importlib
-
+try:  # round_time.py puts its checkout and benchmarks/ on sys.path as it imports: both taken off again
     sys.path.insert(0, str(REPO / "benchmarks"))
     round_time = importlib.import_module("round_time")
 finally:
